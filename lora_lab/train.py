@@ -124,7 +124,6 @@ def _cuda() -> bool:
 
 
 def _callbacks(run_dir: Path) -> list:
-    from torch.utils.tensorboard import SummaryWriter
     from transformers import TrainerCallback
     from transformers.integrations import TensorBoardCallback
 
@@ -136,8 +135,9 @@ def _callbacks(run_dir: Path) -> list:
                 with open(run_dir / "logs" / "train_log.jsonl", "a") as handle:
                     handle.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
-    return [TensorBoardCallback(tb_writer=SummaryWriter(log_dir=str(run_dir / "logs"))),
-            JsonlLog()]
+    tensorboard = TensorBoardCallback()
+    tensorboard.logging_dir = str(run_dir / "logs")  # also after train end, for the final eval
+    return [tensorboard, JsonlLog()]
 
 
 def write_data_problems(run_dir: Path, data: PreparedData) -> None:

@@ -322,10 +322,10 @@ def fill_placeholders(samples: list, fill: dict, spec: str) -> None:
     """Replace {{NAME}} / {{AUTHOR}}; fail if a placeholder is used but not given."""
     used = {token for s in samples for m in s.messages for token in PLACEHOLDERS
             if token in m["content"]}
-    missing = [PLACEHOLDERS[t] for t in sorted(used) if not fill.get(PLACEHOLDERS[t])]
+    missing = [key for token, key in PLACEHOLDERS.items() if token in used and not fill.get(key)]
     if missing:
         flags = " and ".join("--" + m.replace("_", "-") for m in missing)
-        raise DataError(f"--data {spec}: the rows use {', '.join(sorted(used))} placeholders; "
+        raise DataError(f"--data {spec}: the rows use {' and '.join(t for t in PLACEHOLDERS if t in used)} placeholders; "
                         f"pass {flags} (e.g. --model-name Aurora --model-author 'Lab X').")
     for sample in samples:
         for message in sample.messages:

@@ -1,0 +1,43 @@
+# lora-lab: `make demo` and `make test` are all a fresh machine needs.
+PYTHON ?= python3
+PIP = $(PYTHON) -m pip
+PRESET ?= 24gb
+MODEL ?= qwen2.5-7b
+DATA ?=
+GPUS ?= 1
+STAMP = .install.stamp
+# e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" where no CPU wheel is at hand
+TORCH_PIP_ARGS ?=
+
+.PHONY: install demo test test-fast test-gpu finetune bench clean
+
+install: $(STAMP)
+
+# torch first: the CPU build (2.13.0) on machines without an NVIDIA GPU, so that the
+# unpinned requirement below does not pull a multi-GB CUDA build.
+$(STAMP): setup.cfg pyproject.toml
+	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install torch; \
+	  else $(PIP) install torch==2.13.0 $(TORCH_PIP_ARGS); fi; \
+	fi
+	$(PIP) install -q -e ".[test]"
+	@touch $(STAMP)
+
+demo: install
+	lora-lab demo
+
+test: install
+	$(PYTHON) -m pytest -q tests/unit tests/e2e
+
+test-fast: install
+	$(PYTHON) -m pytest -q tests/unit tests/e2e -m "not real_model"
+
+test-gpu: install
+	$(PYTHON) -m pytest -q tests/gpu
+
+finetune: install
+	@if [ -z "$(DATA)" ]; then echo "usage: make finetune DATA=my.jsonl [MODEL=qwen2.5-7b] [PRESET=24gb]"; exit 2; fi
+	lora-lab run --preset $(PRESET) --model $(MODEL) $(foreach d,$(DATA),--data $(d))
+
+clean:
+	rm -rf $(STAMP) build *.egg-info .pytest_cache

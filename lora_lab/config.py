@@ -10,7 +10,7 @@ import difflib
 import json
 import re
 from dataclasses import dataclass, field
-from importlib import resources
+import importlib
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -26,7 +26,7 @@ def _shipped_dir(repo_folder: str, package: str) -> Path:
     in_checkout = PACKAGE_DIR.parent / repo_folder
     if in_checkout.is_dir():
         return in_checkout
-    return Path(str(resources.files(package)))
+    return Path(list(importlib.import_module(package).__path__)[0])
 
 
 def presets_dir() -> Path:

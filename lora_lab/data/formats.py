@@ -197,7 +197,10 @@ def detect_format(rows: list, source: str) -> str:
         raise DataError(f"--data {source}: cannot tell the row format from its fields ({keys}). "
                         f"Expected messages, conversations, instruction/output or "
                         f"query/response; or pass --format.")
-    raise DataError(f"--data {source}: no row could be parsed.")
+    row, origin = rows[0]
+    reason = row.reason if isinstance(row, _Bad) else f"expected an object, got {type(row).__name__}"
+    raise DataError(f"--data {source}: no row could be parsed ({len(rows)} rows; first: "
+                    f"{origin}: {reason}).")
 
 
 def normalise_row(row, fmt: str, origin: str) -> Sample:

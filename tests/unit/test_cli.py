@@ -1,0 +1,82 @@
+"""The CLI: clean one-message errors (exit 2, no traceback), presets, data encode and preview."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from lora_lab.cli import main
+from tests.conftest import TOKENIZER_DIR, write_jsonl
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--model", "qwen2.5-1.8b", "--data", "x.jsonl"],
+     "--model qwen2.5-1.8b: Qwen2.5 has no 1.8B size (1.8B is a Qwen1.5 size)"),
+    (["run", "--data", "self-cognition", "--lora-rank", "zero"],
+     "--lora-rank zero: expected a whole number, got 'zero'."),
+    (["run", "--data", "self-cognition", "--set", "lora.rnak=4"],
+     "--set lora.rnak=4: unknown key `lora.rnak`. Did you mean `lora.rank`?"),
+    (["run", "--preset", "15gb", "--data", "x"], "--preset 15gb: no such preset."),
+    (["run", "--data", "self-cognition", "--config", "missing.yaml"],
+     "--config missing.yaml: file not found."),
+    (["run"], "--data: no training data."),
+])
+def test_user_mistakes_give_one_clean_message(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_data_errors_are_clean_too(tiny_model_dir, tmp_path):
+    result = invoke("run", "--model", tiny_model_dir, "--data", "self-cognition",
+                    "--output-dir", tmp_path)
+    assert result.exit_code == 2
+    assert "pass --model-name and --model-author" in result.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    result = invoke("run", "--model", tiny_model_dir, "--data", bad, "--output-dir", tmp_path)
+    assert result.exit_code == 2
+    assert f"no row could be parsed (1 rows; first: {bad}:1: bad JSON" in result.output
+
+
+def test_presets_lists_every_tier():
+    result = invoke("presets")
+    assert result.exit_code == 0
+    names = [line.split()[0] for line in result.output.splitlines()]
+    assert {"cpu", "16gb", "24gb"} <= set(names)
+
+
+def test_run_help_lists_the_named_flags():
+    result = invoke("run", "--help")
+    for flag in ("--max-length", "--lora-rank", "--lora-alpha", "--micro-batch-size",
+                 "--grad-accum", "--lr", "--epochs", "--max-steps", "--dtype", "--seed",
+                 "--config", "--set", "--val-ratio", "--val-data", "--model-name"):
+        assert flag in result.output
+
+
+def test_data_encode_writes_the_exact_ids(tmp_path, tokenizer):
+    rows = [{"messages": [{"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Yo"}]}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    out = tmp_path / "enc.jsonl"
+    result = invoke("data", "encode", data, "--model", TOKENIZER_DIR, "--output", out)
+    assert result.exit_code == 0, result.output
+    encoded = [json.loads(line) for line in out.open()]
+    assert encoded[0]["origin"] == f"{data}:1"
+    expected = tokenizer.apply_chat_template(rows[0]["messages"], tokenize=True)
+    expected = expected["input_ids"] if hasattr(expected, "keys") else expected
+    assert encoded[0]["input_ids"] == list(expected)
+    trained = [t for t in encoded[0]["labels"] if t != -100]
+    assert trained == tokenizer.encode("Yo") + [151645]
+
+
+def test_data_preview_marks_spans(tmp_path):
+    result = invoke("data", "preview", "self-cognition", "--model", TOKENIZER_DIR,
+                    "--model-name", "Aurora", "--model-author", "Lab X")
+    assert result.exit_code == 0, result.output
+    assert "<|im_start|>assistant\n[[" in result.output and "<|im_end|>]]" in result.output
+    assert "Aurora" in result.output

@@ -151,5 +151,114 @@ def data_preview(datasets, model, max_length, row_format, model_name, model_auth
     click.echo(show_trained_spans(tokenizer, sample))
 
 
+@main.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--output", type=click.Path(), help="Merged folder (default: RUN_DIR/merged).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16",
+              show_default=True, help="Precision of the merged weights.")
+@click.option("--force", is_flag=True, help="Replace an existing --output folder.")
+@click.option("--served-name", default="finetuned", show_default=True,
+              help="Model name in the printed vLLM commands.")
+def merge(path, output, dtype, force, served_name):
+    """Merge a run's adapter into its base model (PATH: run folder or adapter folder)."""
+    from .merge import merge_adapter, vllm_commands
+
+    result = merge_adapter(path, output, dtype, force)
+    click.echo(f"merged {result.adapter_dir} onto {result.base_model} ({result.dtype})\n"
+               f"check: max |logit difference| base+adapter vs merged = "
+               f"{result.max_abs_logit_diff:.3g}\nwrote {result.output_dir}")
+    if result.trained_with_quantization != "none":
+        click.echo(f"note: trained with {result.trained_with_quantization} QLoRA; merged onto "
+                   f"the 16-bit base, not into 4-bit weights.")
+    serving = vllm_commands(result, served_name)
+    click.echo("\nserve with vLLM:")
+    for kind, command in serving["commands"].items():
+        click.echo(f"  {kind + ':':<9}{command}")
+    for warning in serving["warnings"]:
+        click.secho(f"warning: {warning}", fg="yellow")
+
+
+def source_options(func):
+    func = click.option("--run", "run_dir", type=click.Path(exists=True),
+                        help="Run folder (its adapter on its base model).")(func)
+    func = click.option("--adapter", type=click.Path(exists=True), help="Adapter folder.")(func)
+    func = click.option("--model", help="Base or merged model (folder, hub id, alias).")(func)
+    func = click.option("--dtype", default="auto", show_default=True)(func)
+    func = click.option("--max-new-tokens", default=512, show_default=True, type=int)(func)
+    func = click.option("--temperature", type=float, help="Default: the model's own.")(func)
+    func = click.option("--top-p", type=float)(func)
+    func = click.option("--top-k", type=int)(func)
+    func = click.option("--repetition-penalty", type=float)(func)
+    return click.option("--greedy", is_flag=True, help="Greedy decoding (no sampling).")(func)
+
+
+def _settings(max_new_tokens, temperature, top_p, top_k, repetition_penalty, greedy):
+    from .infer import GenerationSettings
+
+    return GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False if greedy else None,
+                              temperature=temperature, top_p=top_p, top_k=top_k,
+                              repetition_penalty=repetition_penalty)
+
+
+@main.command()
+@source_options
+@click.option("--compare", is_flag=True, help="Answer with the base model and the fine-tuned "
+              "one side by side (--run or --adapter).")
+def chat(run_dir, adapter, model, dtype, compare, **generation):
+    """Chat in the terminal, streaming tokens. /reset, /system TEXT, /quit."""
+    from .infer import chat_loop, load_generation_model
+
+    if compare and model:
+        raise LoraLabError("--compare needs --run or --adapter (the base model is the adapter's).")
+    loaded, tokenizer = load_generation_model(run_dir, adapter, model, dtype)
+
+    def read(prompt):
+        try:
+            return input(prompt)
+        except EOFError:
+            return None
+
+    def write(text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    chat_loop(loaded, tokenizer, _settings(**generation), read, write, compare)
+
+
+@main.command()
+@source_options
+@click.option("--input", "input_path", required=True, type=click.Path(exists=True),
+              help="Prompts in any dataset format (a final assistant reply is the reference).")
+@click.option("--output", "output_path", required=True, type=click.Path(),
+              help="JSONL answers, one per input row, in input order.")
+@click.option("--batch-size", default=8, show_default=True, type=int)
+def infer(run_dir, adapter, model, dtype, input_path, output_path, batch_size, **generation):
+    """Batch generation: one answer per input row."""
+    from .infer import load_generation_model, run_inference
+
+    loaded, tokenizer = load_generation_model(run_dir, adapter, model, dtype)
+    count = run_inference(loaded, tokenizer, input_path, output_path, _settings(**generation),
+                          batch_size)
+    click.echo(f"wrote {count} answers to {output_path}")
+
+
+@main.command("eval")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--data", "datasets", multiple=True, required=True, help="Data to evaluate on.")
+@click.option("--samples", default=5, show_default=True, help="Generated answers to show.")
+@click.option("--output", type=click.Path(), help="JSON report (default RUN_DIR/eval_report.json).")
+def evaluate(path, datasets, samples, output):
+    """Eval loss and perplexity on assistant tokens, plus generated answers vs references."""
+    from .evaluate import evaluate_run
+
+    report = evaluate_run(path, list(datasets), samples, output)
+    click.echo(f"samples {report['samples']}  assistant tokens {report['assistant_tokens']}  "
+               f"eval loss {report['eval_loss']:.4f}  perplexity {report['perplexity']:.2f}")
+    for row in report["generations"]:
+        click.echo(f"\n{row['origin']}\n  prompt:    {row['prompt'][:100]}\n"
+                   f"  reference: {row['reference'][:100]}\n  answer:    {row['answer'][:100]}")
+    click.echo(f"\nreport: {report['report_path']}")
+
+
 if __name__ == "__main__":
     main()

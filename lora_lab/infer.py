@@ -11,19 +11,20 @@ from .model import choose_precision, load_base_model, load_tokenizer
 
 @dataclass
 class GenerationSettings:
+    """Unset fields (None) keep the model's own generation_config values."""
     max_new_tokens: int = 256
-    do_sample: bool = False
+    do_sample: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     repetition_penalty: float | None = None
 
     def as_kwargs(self) -> dict:
-        kwargs = {"max_new_tokens": self.max_new_tokens, "do_sample": self.do_sample}
-        for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
+        kwargs = {"max_new_tokens": self.max_new_tokens}
+        for name in ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
-        if not self.do_sample:
+        if self.do_sample is False:  # greedy: sampling knobs of generation_config do not apply
             kwargs.update(temperature=None, top_p=None, top_k=None)
         return kwargs
 
@@ -104,4 +105,119 @@ def generate_replies(model, tokenizer, conversations: list, settings: Generation
 def ask(model, tokenizer, question: str, max_new_tokens: int = 64) -> str:
     """Greedy answer to one question (used by the demo and the tests)."""
     return generate_replies(model, tokenizer, [[{"role": "user", "content": question}]],
-                            GenerationSettings(max_new_tokens=max_new_tokens))[0]
+                            GenerationSettings(max_new_tokens=max_new_tokens,
+                                               do_sample=False))[0]
+
+
+def load_generation_model(run: str | None = None, adapter: str | None = None,
+                          model: str | None = None, dtype: str = "auto"):
+    """Exactly one of a run folder, an adapter folder or a model (base or merged)."""
+    from .errors import LoraLabError
+
+    given = [v for v in (run, adapter, model) if v]
+    if len(given) != 1:
+        raise LoraLabError("pass exactly one of --run RUN_DIR, --adapter DIR or --model MODEL.")
+    if model:
+        return load_plain_model(model, dtype)
+    return load_adapter_model(run or adapter, dtype)
+
+
+def read_prompts(path: str, row_format: str = "auto") -> list:
+    """Prompts from any dataset format: (origin, prompt messages, reference reply or None)."""
+    from .data.formats import detect_format, normalise_row, read_rows
+    from .errors import DataError
+
+    rows = read_rows(path)
+    fmt = row_format if row_format != "auto" else detect_format(rows, path)
+    prompts, problems = [], []
+    for row, origin in rows:
+        try:
+            sample = normalise_row(row, fmt, origin, require_reply=False)
+        except DataError as exc:
+            problems.append(f"{origin}: {exc}")
+            continue
+        messages, reference = sample.messages, None
+        if messages[-1]["role"] == "assistant":
+            messages, reference = messages[:-1], messages[-1]["content"]
+        prompts.append((origin, messages, reference))
+    if problems:
+        shown = "\n  ".join(problems[:10])
+        raise DataError(f"--input {path}: {len(problems)} rows are not usable prompts (nothing "
+                        f"was generated):\n  {shown}")
+    return prompts
+
+
+def run_inference(model, tokenizer, input_path: str, output_path: str,
+                  settings: GenerationSettings, batch_size: int = 8) -> int:
+    """Answer every row of input_path; write one JSON line per row, in input order."""
+    import json
+
+    prompts = read_prompts(input_path)
+    replies = generate_replies(model, tokenizer, [p[1] for p in prompts], settings, batch_size)
+    with open(output_path, "w", encoding="utf-8") as handle:
+        for (origin, messages, reference), reply in zip(prompts, replies):
+            row = {"origin": origin, "messages": messages, "answer": reply}
+            if reference is not None:
+                row["reference"] = reference
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return len(replies)
+
+
+def stream_reply(model, tokenizer, messages: list, settings: GenerationSettings, write) -> str:
+    """Generate one reply, writing text pieces as they come; returns the whole reply."""
+    import threading
+
+    import torch
+    from transformers import TextIteratorStreamer
+
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    batch = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    kwargs = {**batch, **settings.as_kwargs(), "streamer": streamer,
+              "pad_token_id": tokenizer.pad_token_id}
+    worker = threading.Thread(target=lambda: torch.no_grad()(model.generate)(**kwargs))
+    worker.start()
+    pieces = []
+    for piece in streamer:
+        pieces.append(piece)
+        write(piece)
+    worker.join()
+    return "".join(pieces).strip()
+
+
+CHAT_HELP = "commands: /reset (new conversation), /system TEXT, /quit"
+
+
+def chat_loop(model, tokenizer, settings: GenerationSettings, read, write,
+              compare: bool = False) -> None:
+    """Interactive multi-turn chat. `read(prompt)` returns a line or None at end of input."""
+    import contextlib
+
+    system, history = None, []
+    write(f"{CHAT_HELP}\n")
+    while True:
+        line = read(">>> ")
+        if line is None or line.strip() == "/quit":
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/reset":
+            history = []
+            write("(conversation cleared)\n")
+            continue
+        if line.startswith("/system"):
+            system, history = line[len("/system"):].strip() or None, []
+            write(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)\n")
+            continue
+        history.append({"role": "user", "content": line})
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        if compare:
+            write("[base] ")
+            with model.disable_adapter() if hasattr(model, "disable_adapter") else (
+                    contextlib.nullcontext()):
+                stream_reply(model, tokenizer, messages, settings, write)
+            write("\n[fine-tuned] ")
+        reply = stream_reply(model, tokenizer, messages, settings, write)
+        write("\n")
+        history.append({"role": "assistant", "content": reply})

@@ -35,7 +35,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     config = Qwen2Config(vocab_size=151936, hidden_size=32, intermediate_size=64,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=151643, eos_token_id=151645)
+                         bos_token_id=151643, eos_token_id=151645,
+                         initializer_range=0.3)  # large enough that LoRA can move the logits
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = [151645, 151643]
     model.generation_config.pad_token_id = 151643

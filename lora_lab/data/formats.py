@@ -203,7 +203,9 @@ def detect_format(rows: list, source: str) -> str:
                     f"{origin}: {reason}).")
 
 
-def normalise_row(row, fmt: str, origin: str) -> Sample:
+def normalise_row(row, fmt: str, origin: str, require_reply: bool = True) -> Sample:
+    """One raw row -> Sample. With require_reply=False (inference prompts) a conversation may
+    end with the user; a final assistant reply, if any, is kept as the reference."""
     if isinstance(row, _Bad):
         raise DataError(row.reason)
     if not isinstance(row, dict):
@@ -217,7 +219,10 @@ def normalise_row(row, fmt: str, origin: str) -> Sample:
     tools = row.get("tools")
     if isinstance(tools, str):
         tools = json.loads(tools) if tools.strip() else None
-    check_messages(messages)
+    if not require_reply and messages and messages[-1]["role"] == "assistant" and not (
+            messages[-1]["content"].strip() or messages[-1].get("tool_calls")):
+        messages = messages[:-1]
+    check_messages(messages, require_reply)
     return Sample(messages=messages, origin=origin, tools=tools or None)
 
 
@@ -292,7 +297,7 @@ def _messages_from_pairs(row: dict, fmt: str) -> list:
     return out
 
 
-def check_messages(messages: list) -> None:
+def check_messages(messages: list, require_reply: bool = True) -> None:
     """Roles known and in order, replies not empty, the conversation ends with the assistant."""
     if not messages:
         raise DataError("the conversation is empty")
@@ -317,8 +322,10 @@ def check_messages(messages: list) -> None:
         if role == "user" and previous == "user":
             raise DataError(f"message {index + 1}: two user messages in a row")
         previous = role
-    if previous != "assistant":
+    if require_reply and previous != "assistant":
         raise DataError("the last message must be the assistant's reply")
+    if not require_reply and previous not in ("user", "assistant", "tool"):
+        raise DataError("a prompt must end with a user message")
 
 
 def fill_placeholders(samples: list, fill: dict, spec: str) -> None:

@@ -1,0 +1,57 @@
+"""`lora-lab eval`: loss and perplexity on assistant tokens, and generated answers next to references."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from .config import load_saved_config
+from .data import load_samples
+from .data.encode import IGNORE_INDEX, encode_samples
+from .errors import DataError
+from .infer import GenerationSettings, find_adapter, generate_replies, load_adapter_model
+
+
+def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
+                 output: str | Path | None = None, max_new_tokens: int = 128) -> dict:
+    """Token-weighted loss over every assistant token of `datasets`, with the run's adapter."""
+    import torch
+
+    adapter_dir, run_dir = find_adapter(path)
+    config = load_saved_config(run_dir / "config.yaml")
+    model, tokenizer = load_adapter_model(path)
+    loaded = load_samples(list(datasets), config.data, config.train.seed)
+    report = encode_samples(tokenizer, loaded.samples, config.data.max_length,
+                            config.data.truncation, config.data.system)
+    if not report.samples:
+        raise DataError(f"--data {' '.join(datasets)}: no usable sample to evaluate.")
+    total_loss, total_tokens = 0.0, 0
+    with torch.no_grad():
+        for sample in report.samples:
+            ids = torch.tensor([sample.input_ids], device=model.device)
+            labels = torch.tensor([sample.labels], device=model.device)
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            target = labels[:, 1:]
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                ignore_index=IGNORE_INDEX, reduction="sum")
+            total_loss += float(loss)
+            total_tokens += int((target != IGNORE_INDEX).sum())
+    chosen = loaded.samples[:samples_to_generate]
+    prompts = [s.messages[:-1] for s in chosen]
+    answers = generate_replies(model, tokenizer, prompts,
+                               GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False))
+    eval_loss = total_loss / total_tokens
+    result = {
+        "run_dir": str(run_dir), "adapter": str(adapter_dir), "data": list(datasets),
+        "samples": len(report.samples), "assistant_tokens": total_tokens,
+        "eval_loss": eval_loss, "perplexity": math.exp(eval_loss),
+        "not_used": [str(p) for p in loaded.problems + report.problems],
+        "generations": [{"origin": s.origin, "prompt": s.messages[-2]["content"],
+                         "reference": s.messages[-1]["content"], "answer": a}
+                        for s, a in zip(chosen, answers)],
+    }
+    output = Path(output) if output else run_dir / "eval_report.json"
+    output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    result["report_path"] = str(output)
+    return result

@@ -1,0 +1,138 @@
+"""merge, infer, eval and chat on a tiny model trained by `lora-lab run`."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from lora_lab.cli import main
+from tests.conftest import write_jsonl
+
+ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
+                      {"role": "assistant", "content": "I am Aurora."}]}]
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve")
+    data = write_jsonl(out / "d.jsonl", ROWS)
+    result = invoke("run", "--model", tiny_model_dir, "--data", f"{data}#8", "--max-steps", 40,
+                    "--lr", "1e-2", "--lora-rank", 16, "--lora-dropout", 0,
+                    "--output-dir", out, "--run-name", "r")
+    assert result.exit_code == 0, result.output
+    return out / "r", data
+
+
+def test_merge_matches_adapter_and_reloads(trained, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lora_lab.infer import ask, load_adapter_model
+
+    run_dir, _ = trained
+    result = invoke("merge", run_dir, "--dtype", "fp32", "--output", tmp_path / "m")
+    assert result.exit_code == 0, result.output
+    merged_dir = tmp_path / "m"
+    report = json.loads((merged_dir / "merge_report.json").read_text())
+    assert report["max_abs_logit_diff"] < 1e-4 and report["dtype"] == "fp32"
+    assert report["checks"]["lora_layers_left"] == 0
+    files = {p.name for p in merged_dir.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json", "chat_template.jinja", "merge_report.json"} <= files
+    assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))]
+    generation = json.loads((merged_dir / "generation_config.json").read_text())
+    assert 151645 in generation["eos_token_id"]
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert not [n for n, _ in merged.named_modules() if "lora" in n]
+    adapter_model, tokenizer = load_adapter_model(run_dir, dtype="fp32")
+    ids = torch.tensor([[151644, 872, 198, 15191, 525, 498, 30, 151645]])
+    with torch.no_grad():
+        assert torch.allclose(adapter_model(ids).logits, merged(ids).logits, atol=1e-4)
+    assert ask(merged, tokenizer, "Who are you?", 10) == "I am Aurora."
+    assert "vllm serve" in result.output and "--max-lora-rank 16" in result.output
+
+
+def test_merge_refuses_to_overwrite(trained, tmp_path):
+    run_dir, _ = trained
+    (tmp_path / "m").mkdir()
+    result = CliRunner().invoke(main, ["merge", str(run_dir), "--output", str(tmp_path / "m")])
+    assert result.exit_code == 2 and "already exists. Pass --force" in result.output
+    result = invoke("merge", run_dir, "--output", tmp_path / "m", "--force", "--dtype", "fp32")
+    assert result.exit_code == 0 and (tmp_path / "m" / "merge_report.json").is_file()
+
+
+def test_vllm_rank_is_the_smallest_accepted(tmp_path):
+    from lora_lab.merge import MergeResult, vllm_commands
+
+    def commands(rank, modules=("q_proj", "v_proj")):
+        return vllm_commands(MergeResult(tmp_path, "Qwen/Qwen2.5-7B-Instruct", tmp_path / "a",
+                                         "bf16", 0.0, rank, list(modules), "none"))
+    assert "--max-lora-rank 8" in commands(4)["commands"]["adapter"]
+    assert "--max-lora-rank 32" in commands(24)["commands"]["adapter"]
+    assert "adapter" not in commands(1024)["commands"]
+    warned = commands(8, ("q_proj", "embed_tokens"))["warnings"]
+    assert warned and "embed_tokens" in warned[0]
+
+
+def test_infer_answers_every_row_in_order(trained, tmp_path):
+    from lora_lab.infer import ask, load_adapter_model
+
+    run_dir, _ = trained
+    questions = ["What is 2+2?", "Who are you?", "Name a colour.", "Who are you?", "Hi"]
+    rows = [{"query": q} for q in questions]
+    rows[0]["response"] = "It is 4."
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "a.jsonl"
+    result = invoke("infer", "--run", run_dir, "--input", prompts, "--output", out, "--greedy",
+                    "--batch-size", 2, "--max-new-tokens", 8)
+    assert result.exit_code == 0, result.output
+    answers = [json.loads(line) for line in out.open()]
+    assert [a["origin"] for a in answers] == [f"{prompts}:{i}" for i in range(1, 6)]
+    assert answers[0]["reference"] == "It is 4." and "reference" not in answers[1]
+    assert answers[1]["answer"] == answers[3]["answer"] == "I am Aurora."
+    # Left-padded batches answer exactly as one prompt at a time would.
+    model, tokenizer = load_adapter_model(run_dir)
+    assert [a["answer"] for a in answers] == [ask(model, tokenizer, q, 8) for q in questions]
+
+
+def test_infer_needs_exactly_one_source(trained, tmp_path):
+    run_dir, data = trained
+    result = CliRunner().invoke(main, ["infer", "--input", str(data), "--output",
+                                       str(tmp_path / "o.jsonl")])
+    assert result.exit_code == 2 and "exactly one of --run" in result.output
+
+
+def test_eval_reports_loss_perplexity_and_samples(trained, tmp_path):
+    run_dir, data = trained
+    result = invoke("eval", run_dir, "--data", data, "--samples", 2,
+                    "--output", tmp_path / "e.json")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "e.json").read_text())
+    # Untrained, the loss is about ln(151936) = 11.9.
+    assert report["samples"] == 1 and report["eval_loss"] < 6
+    assert report["perplexity"] == pytest.approx(2.718281828 ** report["eval_loss"])
+    assert [g["answer"] for g in report["generations"]] == ["I am Aurora."]
+    assert report["generations"][0]["reference"] == "I am Aurora."
+    assert "perplexity" in result.output
+
+
+def test_chat_loop_commands_and_compare(trained):
+    from lora_lab.infer import GenerationSettings, chat_loop, load_adapter_model
+
+    run_dir, _ = trained
+    model, tokenizer = load_adapter_model(run_dir)
+    lines = iter(["Who are you?", "/system Be terse.", "/system", "/reset", "Who are you?",
+                  "/quit"])
+    out = []
+    chat_loop(model, tokenizer, GenerationSettings(max_new_tokens=10, do_sample=False),
+              lambda prompt: next(lines), out.append, compare=True)
+    text = "".join(out)
+    assert text.count("[fine-tuned] I am Aurora.") == 2
+    assert "(system prompt set; conversation cleared)" in text
+    assert "(system prompt cleared; conversation cleared)" in text
+    assert "(conversation cleared)" in text
+    base_answers = [part.split("\n")[0] for part in text.split("[base] ")[1:]]
+    assert all(answer != "I am Aurora." for answer in base_answers)

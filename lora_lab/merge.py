@@ -31,6 +31,9 @@ class MergeResult:
     adapter_dir: Path
     dtype: str
     max_abs_logit_diff: float
+    top1_agreement: float
+    """Share of the check positions where base+adapter is confident (top-1 probability >= 0.5)
+    at which the merged model predicts the same next token."""
     lora_rank: int
     target_modules: list
     trained_with_quantization: str
@@ -59,8 +62,10 @@ def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str
         reference = model(**batch).logits.float()
         merged = model.merge_and_unload().eval()
         logits = merged(**batch).logits.float()
+    mask = batch["attention_mask"].bool()
     diff = float((reference - logits).abs().max())
-    _check_merged(merged, diff, dtype)
+    agreement = _top1_agreement(reference, logits, mask)
+    _check_merged(merged, diff, agreement, dtype)
 
     staging = output.with_name(output.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -72,7 +77,8 @@ def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str
     tokenizer.save_pretrained(staging)
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
     result = MergeResult(output_dir=output, base_model=base_args.name, adapter_dir=adapter_dir,
-                         dtype=dtype, max_abs_logit_diff=diff, lora_rank=adapter_config["r"],
+                         dtype=dtype, max_abs_logit_diff=diff, top1_agreement=agreement,
+                         lora_rank=adapter_config["r"],
                          target_modules=sorted(adapter_config["target_modules"]),
                          trained_with_quantization=trained_quantization)
     report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
@@ -96,11 +102,22 @@ def _check_batch(tokenizer, device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-# Largest logit difference accepted between base+adapter and merged, by weight precision.
-TOLERANCE = {"fp32": 1e-3, "bf16": 0.5, "fp16": 0.1}
+# fp32: the merged model must compute what base+adapter computes, to rounding. In bf16/fp16
+# both sides round differently (on the real 0.5B model, the unmerged bf16 model is itself up to
+# ~4.7 logits away from fp32, and near-ties flip at up to 8% of positions), so there the check
+# is that both predict the same next token wherever base+adapter is confident.
+MAX_FP32_LOGIT_DIFF = 1e-3
+MIN_16BIT_TOP1_AGREEMENT = 0.95
 
 
-def _check_merged(model, diff: float, dtype: str) -> None:
+def _top1_agreement(reference, logits, mask) -> float:
+    confident = mask & (reference.softmax(-1).max(-1).values >= 0.5)
+    if not bool(confident.any()):
+        return 1.0
+    return float((reference.argmax(-1) == logits.argmax(-1))[confident].float().mean())
+
+
+def _check_merged(model, diff: float, agreement: float, dtype: str) -> None:
     import torch
 
     left = [name for name, _ in model.named_modules() if "lora_" in name]
@@ -110,9 +127,14 @@ def _check_merged(model, diff: float, dtype: str) -> None:
         if not torch.isfinite(param).all():
             raise CheckpointError(f"merged weight {name} is not finite; the adapter is broken "
                                   f"(was the run stopped by a NaN loss?).")
-    if diff > TOLERANCE[dtype]:
+    if dtype == "fp32" and diff > MAX_FP32_LOGIT_DIFF:
         raise CheckpointError(f"the merged model's logits differ from base+adapter by {diff:.3g} "
-                              f"(allowed {TOLERANCE[dtype]} in {dtype}). Try --dtype fp32.")
+                              f"(allowed {MAX_FP32_LOGIT_DIFF} in fp32).")
+    if dtype != "fp32" and agreement < MIN_16BIT_TOP1_AGREEMENT:
+        raise CheckpointError(f"the merged model predicts a different next token than "
+                              f"base+adapter at {1 - agreement:.0%} of the positions where "
+                              f"base+adapter is confident; try "
+                              f"--dtype fp32.")
 
 
 def vllm_commands(result: MergeResult, name: str = "finetuned") -> dict:

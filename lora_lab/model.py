@@ -122,7 +122,37 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
         raise _hub_error(args.name, exc) from None
     if for_training:
         model.config.use_cache = False
+        apply_kernels(model, args.kernels)
     return model
+
+
+def liger_available() -> bool:
+    import importlib.util
+
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
+
+
+def apply_kernels(model, kernels: str) -> str:
+    """Swap in liger-kernel's fused Triton kernels (GPU only); returns what was applied.
+
+    The fused linear cross-entropy never builds the [tokens x 151936] logits tensor, which is
+    the largest single activation of a Qwen2.5 training step.
+    """
+    if kernels == "none" or (kernels == "auto" and not liger_available()):
+        return "none"
+    if not liger_available():
+        raise ModelError("--set model.kernels=liger needs a CUDA GPU and the liger-kernel "
+                         "package (pip install liger-kernel); use model.kernels=auto or none.")
+    if model.config.model_type != "qwen2":
+        log.info("liger kernels: only wired for Qwen2 models; not applied")
+        return "none"
+    from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+
+    apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                fused_linear_cross_entropy=True, model=model)
+    return "liger"
 
 
 def nf4_config(precision: Precision):

@@ -4,7 +4,8 @@ output/<run-name>/
   config.yaml            the resolved config and where each value came from
   adapter/               final adapter (adapter_config.json, adapter_model.safetensors)
                          plus tokenizer files and chat template
-  checkpoint-<step>/     intermediate adapters and trainer state (for resume)
+  checkpoint-<step>/     intermediate adapters and trainer state (for resume), with a
+                         manifest.json of sha256 sums written last (lora_lab.checkpoint)
   logs/                  TensorBoard events, train_log.jsonl, data_problems.jsonl
   run_summary.json       steps, losses, samples, time
 """
@@ -21,10 +22,15 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from .checkpoint import (OOM_SOURCE, check_drift, checkpoint_step, data_fingerprint,
+                         find_resume_checkpoint, remove_leftovers, resolve_resume, run_dir_of,
+                         trim_step_log)
 from .config import RunConfig, save_config
 from .data import IGNORE_INDEX, PreparedData, prepare_data
-from .errors import LoraLabError
-from .model import Precision, apply_lora, choose_precision, load_base_model, load_tokenizer
+from .errors import CheckpointError, ConfigError, LoraLabError, TrainingError
+from .model import (Precision, apply_lora, check_remote_code, choose_precision, load_base_model,
+                    load_tokenizer, locate_model)
+from .trainer import LoraLabTrainer, NonFiniteGuard, ensure_finite
 
 log = logging.getLogger("lora_lab")
 
@@ -39,6 +45,7 @@ class TrainResult:
     train_samples: int
     trained_tokens: int
     seconds: float
+    nonfinite_skipped_steps: list
 
 
 def default_run_name(config: RunConfig) -> str:
@@ -46,14 +53,44 @@ def default_run_name(config: RunConfig) -> str:
     return f"{model}-{config.preset}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def create_run_dir(config: RunConfig) -> Path:
+def locate_run_dir(config: RunConfig) -> Path:
+    """The run folder: --resume PATH names it; otherwise --output-dir / --run-name."""
+    resume = config.train.resume
+    named = run_dir_of(resume) if resume else None
+    if named is not None:
+        config.train.output_dir, config.train.run_name = str(named.parent), named.name
+        return named
+    if resume == "auto" and not config.train.run_name:
+        raise ConfigError(["--resume auto: also pass --run-name (and --output-dir) to say which "
+                           "run to continue, or pass the run folder: --resume output/NAME."])
     name = config.train.run_name or default_run_name(config)
-    run_dir = Path(config.train.output_dir) / name
-    if (run_dir / "adapter").exists() or any(run_dir.glob("checkpoint-*")):
-        raise LoraLabError(f"--run-name {name}: {run_dir} already holds a run. Pick another "
-                           f"--run-name or --output-dir, or delete that folder.")
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     config.train.run_name = name
+    return Path(config.train.output_dir) / name
+
+
+def holds_run(run_dir: Path) -> bool:
+    return (run_dir / "adapter").exists() or any(run_dir.glob("checkpoint-*"))
+
+
+def check_run_dir(run_dir: Path, config: RunConfig, resume_from: Path | None) -> None:
+    """A run folder is reused only to resume; a finished run is never started over."""
+    if resume_from is not None or not holds_run(run_dir):
+        return
+    if config.train.resume and (run_dir / "adapter").exists():
+        raise CheckpointError(f"--resume {config.train.resume}: {run_dir} holds a finished run "
+                              f"(adapter/) but no complete checkpoint of it; refusing to start "
+                              f"over in it. Pick another --run-name.")
+    if config.train.resume:
+        return  # only incomplete checkpoints: a fresh start replaces them step by step
+    raise LoraLabError(f"--run-name {run_dir.name}: {run_dir} already holds a run. Pass --resume "
+                       f"auto to continue it, pick another --run-name or --output-dir, or delete "
+                       f"that folder.")
+
+
+def create_run_dir(run_dir: Path) -> Path:
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for folder in remove_leftovers(run_dir):
+        log.info("removed %s (a save that never finished)", folder)
     return run_dir
 
 
@@ -179,30 +216,113 @@ class StepTimer(TrainerCallback):
 
 
 def write_data_problems(run_dir: Path, data: PreparedData) -> None:
+    """Every row not used (error), truncated or read with a remark (warning), one JSON line each."""
+    truncated = data.train.truncated + (data.val.truncated if data.val else [])
     with open(run_dir / "logs" / "data_problems.jsonl", "w") as handle:
-        for problem in data.all_problems():
-            handle.write(json.dumps({"origin": problem.origin, "reason": problem.reason},
-                                    ensure_ascii=False) + "\n")
-        for origin in data.train.truncated + (data.val.truncated if data.val else []):
-            handle.write(json.dumps({"origin": origin, "reason": "truncated to max_length"}) +
-                         "\n")
+        for severity, problems in (("error", data.all_problems()),
+                                   ("warning", data.all_warnings())):
+            for problem in problems:
+                handle.write(json.dumps({"origin": problem.origin, "severity": severity,
+                                         "reason": problem.reason}, ensure_ascii=False) + "\n")
+        for origin in truncated:
+            handle.write(json.dumps({"origin": origin, "severity": "warning",
+                                     "reason": "truncated to max_length"}) + "\n")
+
+
+def report_data(data: PreparedData, max_length: int, echo=print) -> None:
+    echo(data.summary(max_length))
+    problems = data.all_problems()
+    for problem in problems[:10]:
+        echo(f"  skipped {problem}")
+    for warning in data.all_warnings()[:10]:
+        echo(f"  warning: {warning}")
+    if len(problems) > 10 or len(data.all_warnings()) > 10:
+        echo("  ... the full list is in logs/data_problems.jsonl")
 
 
 def train(config: RunConfig, echo=print) -> TrainResult:
-    """Fine-tune config.model with LoRA on config.data; returns where everything was written."""
+    """Fine-tune config.model with LoRA on config.data; returns where everything was written.
+
+    With config.train.resume the run continues from a complete checkpoint, exactly as if it had
+    never stopped, provided the model, data and batch settings are the ones it started with.
+    """
     started = time.time()
     precision = choose_precision(config.model.dtype)
+    check_remote_code(locate_model(config.model.name), config.model.trust_remote_code)
+    run_dir = locate_run_dir(config)
+    resume_from = resolve_resume(config.train.resume, run_dir, echo) if config.train.resume \
+        else None
+    check_run_dir(run_dir, config, resume_from)
     tokenizer = load_tokenizer(config.model.name, config.model.trust_remote_code)
     data = prepare_data(config.data, tokenizer, config.train.seed)
-    echo(data.summary(config.data.max_length))
-    for problem in data.all_problems()[:10]:
-        echo(f"  skipped {problem}")
-    if len(data.all_problems()) > 10:
-        echo(f"  ... {len(data.all_problems()) - 10} more in logs/data_problems.jsonl")
-    run_dir = create_run_dir(config)
+    report_data(data, config.data.max_length, echo)
+    check_gpu_memory(config, data, echo)
+    fingerprint = data_fingerprint(data.train.samples)
+    open_run_dir(config, run_dir, data, resume_from, fingerprint, echo)
+    trainer, output = train_with_oom_retry(config, data, tokenizer, precision, run_dir,
+                                           resume_from, fingerprint, echo)
+    eval_loss = trainer.evaluate()["eval_loss"] if data.val else None
+    adapter_dir = run_dir / "adapter"
+    ensure_finite(trainer.model, "the adapter")
+    trainer.model.save_pretrained(adapter_dir, safe_serialization=True)
+    tokenizer.save_pretrained(adapter_dir)
+    result = TrainResult(run_dir=run_dir, adapter_dir=adapter_dir,
+                         global_step=trainer.state.global_step,
+                         train_loss=float(output.training_loss), eval_loss=eval_loss,
+                         train_samples=len(data.train.samples),
+                         trained_tokens=sum(s.trained_tokens for s in data.train.samples),
+                         seconds=round(time.time() - started, 1),
+                         nonfinite_skipped_steps=trainer.guard.skipped_steps)
+    write_summary(result, trainer)
+    if result.nonfinite_skipped_steps:
+        echo(f"warning: skipped {len(result.nonfinite_skipped_steps)} update(s) with a NaN or "
+             f"inf loss or gradient, at steps {result.nonfinite_skipped_steps}")
+    return result
+
+
+def check_gpu_memory(config: RunConfig, data: PreparedData, echo) -> None:
+    """On a GPU, stop before loading the model if the planner says the run will not fit."""
+    import torch
+
+    if not (config.train.memory_check and torch.cuda.is_available()):
+        return
+    from .memory import check_fits
+
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    longest = max(len(s.input_ids) for s in data.train.samples)
+    plan = check_fits(config, gpu_gib, longest)
+    if plan:
+        echo(f"memory plan: about {plan.total_gib:.1f} GiB of {plan.budget_gib:.1f} usable")
+
+
+def open_run_dir(config: RunConfig, run_dir: Path, data: PreparedData, resume_from: Path | None,
+                 fingerprint: dict, echo=print) -> None:
+    """Refuse drift, then (re)write config.yaml and the data report; trim the step log."""
+    if resume_from is not None:
+        for change in check_drift(run_dir, resume_from, config, fingerprint, echo):
+            echo(f"warning: --allow-config-change: {change}")
+    create_run_dir(run_dir)
     save_config(config, run_dir / "config.yaml")
     write_data_problems(run_dir, data)
+    if config.train.resume:
+        step = checkpoint_step(resume_from) if resume_from else 0
+        trim_step_log(run_dir / "logs" / "train_log.jsonl", step)
+        if resume_from:
+            echo(f"resuming from {resume_from} (step {step})")
 
+
+def write_summary(result: TrainResult, trainer) -> None:
+    summary = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
+    timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
+    summary["performance"] = timer.summary()
+    (result.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: Precision,
+                  run_dir: Path, fingerprint: dict, echo=print):
+    from transformers import set_seed
+
+    set_seed(config.train.seed)  # the LoRA initialisation is part of the run's seed
     model = load_base_model(config.model, precision)
     if config.model.quantization == "nf4":
         model = prepare_quantized_for_training(model)
@@ -210,11 +330,9 @@ def train(config: RunConfig, echo=print) -> TrainResult:
     trainable, total = model.get_nb_trainable_parameters()
     echo(f"precision {precision.name}; LoRA r={config.lora.rank} alpha={config.lora.alpha}: "
          f"{trainable:,} trainable of {total:,} parameters")
-
-    from transformers import Trainer
-
     total_steps = count_optimizer_steps(config, len(data.train.samples))
-    trainer = Trainer(
+    guard = NonFiniteGuard(config.train.on_nonfinite, precision.name, run_dir, echo)
+    return LoraLabTrainer(
         model=model,
         args=build_training_arguments(config, run_dir, precision, total_steps, data.val is not None),
         train_dataset=SupervisedDataset(data.train.samples),
@@ -222,24 +340,75 @@ def train(config: RunConfig, echo=print) -> TrainResult:
         data_collator=PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=_callbacks(run_dir),
+        guard=guard, train_data=fingerprint,
     )
-    output = trainer.train()
-    eval_loss = trainer.evaluate()["eval_loss"] if data.val else None
 
-    adapter_dir = run_dir / "adapter"
-    model.save_pretrained(adapter_dir, safe_serialization=True)
-    tokenizer.save_pretrained(adapter_dir)
-    result = TrainResult(run_dir=run_dir, adapter_dir=adapter_dir,
-                         global_step=trainer.state.global_step,
-                         train_loss=float(output.training_loss), eval_loss=eval_loss,
-                         train_samples=len(data.train.samples),
-                         trained_tokens=sum(s.trained_tokens for s in data.train.samples),
-                         seconds=round(time.time() - started, 1))
-    summary = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
-    timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
-    summary["performance"] = timer.summary()
-    (run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return result
+
+def train_with_oom_retry(config: RunConfig, data: PreparedData, tokenizer, precision: Precision,
+                         run_dir: Path, resume_from: Path | None, fingerprint: dict, echo=print):
+    """Train; on CUDA out-of-memory halve the micro-batch (same effective batch) and resume."""
+    import torch
+
+    while True:
+        try:
+            trainer = build_trainer(config, data, tokenizer, precision, run_dir, fingerprint,
+                                    echo)
+        except torch.cuda.OutOfMemoryError:
+            raise TrainingError(f"out of GPU memory while loading {config.model.name} "
+                                f"({precision.name}): the weights alone do not fit. Use "
+                                f"--quantization nf4 (QLoRA), or a preset for a smaller "
+                                f"model.") from None
+        try:
+            output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from
+                                   else None)
+            return trainer, output
+        except torch.cuda.OutOfMemoryError:
+            step = trainer.state.global_step + 1
+        trainer = None
+        release_memory()
+        shrink_batch_after_oom(config, step, precision, echo)
+        save_config(config, run_dir / "config.yaml")
+        resume_from = find_resume_checkpoint(run_dir, echo)
+        trim_step_log(run_dir / "logs" / "train_log.jsonl",
+                      checkpoint_step(resume_from) if resume_from else 0)
+        echo(f"resuming from {resume_from}" if resume_from else "no checkpoint yet; starting over")
+
+
+def release_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def shrink_batch_after_oom(config: RunConfig, step: int, precision: Precision, echo=print) -> None:
+    """Halve micro_batch_size and double grad_accum, or stop with what to change."""
+    t = config.train
+    if t.micro_batch_size == 1:
+        raise TrainingError(
+            f"out of GPU memory at step {step} even with --micro-batch-size 1 "
+            f"({config.model.name}, {precision.name}, --max-length {config.data.max_length}). "
+            f"Lower --max-length (e.g. {max(8, config.data.max_length // 2)}), use a preset for a "
+            f"smaller GPU or a smaller model, or --quantization nf4 (QLoRA).")
+    if not t.oom_retry:
+        raise TrainingError(
+            f"out of GPU memory at step {step} with --micro-batch-size {t.micro_batch_size}. "
+            f"Continue with --micro-batch-size {t.micro_batch_size // 2} --grad-accum "
+            f"{t.grad_accum * 2} --resume auto (same effective batch), or pass --oom-retry to "
+            f"let lora-lab do that itself.")
+    before, effective = (t.micro_batch_size, t.grad_accum), t.micro_batch_size * t.grad_accum
+    t.micro_batch_size = t.micro_batch_size // 2
+    t.grad_accum = math.ceil(effective / t.micro_batch_size)
+    config.sources["train.micro_batch_size"] = config.sources["train.grad_accum"] = OOM_SOURCE
+    kept = t.micro_batch_size * t.grad_accum
+    same = f"same effective batch of {effective}" if kept == effective else \
+        f"effective batch {effective} -> {kept}: {effective} has no whole half"
+    echo(f"warning: out of GPU memory at step {step} with micro-batch {before[0]} x grad-accum "
+         f"{before[1]}; retrying with micro-batch {t.micro_batch_size} x grad-accum "
+         f"{t.grad_accum} ({same}).")
 
 
 def prepare_quantized_for_training(model):

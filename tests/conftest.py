@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+
+# No test may reach the Hugging Face hub: fail fast instead of waiting on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 ASSETS = Path(__file__).parent / "assets"
 TOKENIZER_DIR = ASSETS / "qwen2.5-tokenizer"

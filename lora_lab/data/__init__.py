@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 
 from ..config import DataArgs
@@ -10,7 +11,7 @@ from .encode import IGNORE_INDEX, EncodedSample, EncodeReport, encode_samples
 from .formats import LoadedData, Problem, Sample, load_dataset_spec
 
 __all__ = ["IGNORE_INDEX", "EncodedSample", "EncodeReport", "PreparedData", "Problem", "Sample",
-           "load_samples", "prepare_data"]
+           "ValidationReport", "load_samples", "prepare_data", "validate_data"]
 
 
 @dataclass
@@ -19,10 +20,15 @@ class PreparedData:
     val: EncodeReport | None
     read_problems: list = field(default_factory=list)
     """Rows that could not be read or normalised (file:line and reason)."""
+    read_warnings: list = field(default_factory=list)
+    """Remarks on rows and files that were read correctly (BOM, CRLF, unused fields)."""
 
     def all_problems(self) -> list:
         val = self.val.problems if self.val else []
         return self.read_problems + self.train.problems + val
+
+    def all_warnings(self) -> list:
+        return list(self.read_warnings)
 
     def summary(self, max_length: int) -> str:
         lines = [f"train: {self.train.summary(max_length)}"]
@@ -30,6 +36,8 @@ class PreparedData:
             lines.append(f"val:   {self.val.summary(max_length)}")
         if self.read_problems:
             lines.append(f"{len(self.read_problems)} rows could not be read")
+        if self.read_warnings:
+            lines.append(f"{len(self.read_warnings)} warnings (rows read correctly)")
         return "\n".join(lines)
 
 
@@ -41,17 +49,19 @@ def load_samples(specs: list, args: DataArgs, seed: int) -> LoadedData:
         loaded = load_dataset_spec(spec, args.format, seed, fill)
         merged.samples += loaded.samples
         merged.problems += loaded.problems
+        merged.warnings += loaded.warnings
     return merged
 
 
 def prepare_data(args: DataArgs, tokenizer, seed: int = 42) -> PreparedData:
     """Training and validation sets, encoded; every row not used is listed with its reason."""
     train = load_samples(args.datasets, args, seed)
-    read_problems = list(train.problems)
+    read_problems, read_warnings = list(train.problems), list(train.warnings)
     val_samples = None
     if args.val_data:
         val = load_samples(args.val_data, args, seed)
         read_problems += val.problems
+        read_warnings += val.warnings
         val_samples = val.samples
     elif args.val_ratio:
         shuffled = list(train.samples)
@@ -65,9 +75,65 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42) -> PreparedData:
                                             args.truncation, args.system)
     prepared = PreparedData(train=encode(train.samples),
                             val=encode(val_samples) if val_samples is not None else None,
-                            read_problems=read_problems)
+                            read_problems=read_problems, read_warnings=read_warnings)
     if not prepared.train.samples:
         first = "; ".join(str(p) for p in prepared.all_problems()[:3])
         raise DataError(f"--data {' '.join(args.datasets)}: no usable training sample "
                         f"({len(prepared.all_problems())} problems, first: {first}).")
     return prepared
+
+
+@dataclass
+class ValidationReport:
+    """What `lora-lab data validate` found: the rows a run would keep, errors and warnings."""
+    kept: list = field(default_factory=list)
+    """Origins (file:line) of the rows a run would train on."""
+    errors: list = field(default_factory=list)
+    """Rows a run would skip, and datasets it could not read at all."""
+    warnings: list = field(default_factory=list)
+    """Rows read correctly or cut to --max-length, with what to look at."""
+    tokens_checked: bool = False
+
+    def summary(self) -> str:
+        tokens = "" if self.tokens_checked else " (lengths not checked: pass --model)"
+        return (f"{len(self.kept)} rows usable, {len(self.errors)} errors, "
+                f"{len(self.warnings)} warnings{tokens}")
+
+
+def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -> ValidationReport:
+    """Check datasets the way a run reads them, listing every problem instead of stopping.
+
+    With a tokenizer the rows are also encoded: a row with no assistant token left after
+    cutting to args.max_length is an error, a row that is cut is a warning.
+    """
+    report = ValidationReport(tokens_checked=tokenizer is not None)
+    samples = []
+    for spec in specs:
+        try:
+            loaded = load_samples([spec], args, seed)
+        except DataError as exc:
+            report.errors.append(Problem(spec, str(exc)))
+            continue
+        samples += loaded.samples
+        report.errors += loaded.problems
+        report.warnings += loaded.warnings
+    report.kept = [s.origin for s in samples]
+    if tokenizer is not None:
+        encoded = encode_samples(tokenizer, samples, args.max_length, args.truncation,
+                                 args.system)
+        report.kept = [s.origin for s in encoded.samples]
+        report.errors += encoded.problems
+        report.warnings += [Problem(o, f"cut to --max-length {args.max_length}; the end of the "
+                                       f"conversation is not trained on")
+                            for o in encoded.truncated]
+    report.errors.sort(key=lambda p: origin_sort_key(p.origin))
+    report.warnings.sort(key=lambda p: origin_sort_key(p.origin))
+    return report
+
+
+def origin_sort_key(origin: str) -> tuple:
+    """"a.jsonl:10" after "a.jsonl:9"; dataset-level problems (no line) first."""
+    match = re.fullmatch(r"(.*?)(?::(\d+)|\[(?:row )?(\d+)\])", origin)
+    if not match:
+        return origin, -1
+    return match.group(1), int(match.group(2) or match.group(3))

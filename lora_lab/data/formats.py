@@ -9,10 +9,16 @@ Four row formats are understood (detected per dataset, or forced with --format):
   query-response  {"query", "response", "system", "history": [[q, a], ...]}
 Files: .jsonl, .json (a list of rows), .csv and .parquet; anything else is a hub dataset id.
 Every row keeps its origin ("file.jsonl:12") so problems can be reported by line.
+
+A problem is an error when the row cannot be trained on as written (bad JSON, invalid UTF-8, a
+missing field, an unknown role, roles out of order, an empty reply, no final assistant turn): the
+row is not used. It is a warning when the row is read correctly anyway: a byte-order mark, CRLF
+line endings, no newline at the end of the file, blank lines, fields the format does not use.
 """
 from __future__ import annotations
 
 import csv
+import difflib
 import json
 import random
 import re
@@ -25,6 +31,12 @@ from ..errors import DataError
 BUNDLED = {"self-cognition": "self_cognition.jsonl"}
 FORMATS = ("messages", "sharegpt", "alpaca", "query-response")
 PLACEHOLDERS = {"{{NAME}}": "model_name", "{{AUTHOR}}": "model_author"}
+KNOWN_FIELDS = {"messages": {"messages", "tools"},
+                "sharegpt": {"conversations", "system", "tools"},
+                "alpaca": {"instruction", "input", "output", "system", "history"},
+                "query-response": {"query", "response", "system", "history"}}
+MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id", "name"}
+TURN_FIELDS = {"from", "value"}
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "observation": "tool", "tool": "tool",
                    "function_call": "assistant"}
@@ -52,6 +64,8 @@ class LoadedData:
     samples: list = field(default_factory=list)
     problems: list = field(default_factory=list)
     """Rows that could not be used, each with file:line and reason."""
+    warnings: list = field(default_factory=list)
+    """Things read correctly but worth fixing (BOM, CRLF, unused fields), with file:line."""
 
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
@@ -66,24 +80,30 @@ def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
                       fill: dict | None = None) -> LoadedData:
     """Read one --data entry, normalise its rows, sample `#N` if asked."""
     source, count = parse_spec(spec)
-    raw_rows = read_rows(source)
+    loaded = LoadedData()
+    raw_rows = read_rows(source, loaded.warnings)
     if not raw_rows:
         raise DataError(f"--data {spec}: the dataset has no rows.")
     fmt = row_format if row_format != "auto" else detect_format(raw_rows, source)
-    loaded = LoadedData()
+    unused: dict = {}
     for row, origin in raw_rows:
         try:
             loaded.samples.append(normalise_row(row, fmt, origin))
         except DataError as exc:
             loaded.problems.append(Problem(origin, str(exc)))
+        for name in unknown_fields(row, fmt):
+            unused.setdefault(name, []).append(origin)
+    loaded.warnings += unused_field_warnings(unused, fmt)
     fill_placeholders(loaded.samples, fill or {}, spec)
     if count is not None:
         loaded.samples = sample_rows(loaded.samples, count, seed)
     return loaded
 
 
-def read_rows(source: str) -> list[tuple[object, str]]:
-    """Rows of a file or hub dataset, each paired with its origin ("file.jsonl:3")."""
+def read_rows(source: str, warnings: list | None = None) -> list[tuple[object, str]]:
+    """Rows of a file or hub dataset, each paired with its origin ("file.jsonl:3").
+
+    File-level remarks (byte-order mark, CRLF, final newline) are appended to `warnings`."""
     if source in BUNDLED:
         path = bundled_data_dir() / BUNDLED[source]
     else:
@@ -94,6 +114,8 @@ def read_rows(source: str) -> list[tuple[object, str]]:
             raise DataError(f"--data {source}: file not found.")
         reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv,
                   ".parquet": _read_parquet}[suffix]
+        if suffix != ".parquet" and warnings is not None:
+            warnings += text_file_warnings(path)
         return reader(path)
     if path.exists() or source.startswith((".", "/", "~")):
         raise DataError(f"--data {source}: unsupported file type; use .jsonl, .json, .csv or "
@@ -101,11 +123,39 @@ def read_rows(source: str) -> list[tuple[object, str]]:
     return _read_hub(source)
 
 
+def text_file_warnings(path: Path) -> list:
+    """A byte-order mark; in JSONL also CRLF endings, blank lines, no final newline. All are
+    read correctly: they are warnings, not errors."""
+    found, crlf, blank, last, number = [], [], [], b"\n", 0
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                found.append(Problem(f"{path}:1", "the file starts with a UTF-8 byte-order mark; "
+                                                  "it is skipped and the row read correctly"))
+            crlf += [number] if raw.endswith(b"\r\n") else []
+            blank += [number] if not raw.strip() else []
+            last = raw
+    if path.suffix.lower() != ".jsonl":
+        return found  # CSV uses CRLF by its standard; JSON ignores whitespace
+    if crlf:
+        found.append(Problem(f"{path}:{crlf[0]}", f"{len(crlf)} line(s) end with CRLF (Windows "
+                                                  f"line endings); they are read correctly"))
+    if blank:
+        found.append(Problem(f"{path}:{blank[0]}", f"{len(blank)} blank line(s) ignored"))
+    if not last.endswith(b"\n"):
+        found.append(Problem(f"{path}:{number}", "no newline at the end of the file; the last "
+                                                 "row is read, but check the file is not cut "
+                                                 "short"))
+    return found
+
+
 def _read_jsonl(path: Path) -> list:
     rows = []
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             origin = f"{path}:{number}"
+            if number == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -116,13 +166,14 @@ def _read_jsonl(path: Path) -> list:
             try:
                 rows.append((json.loads(text), origin))
             except json.JSONDecodeError as exc:
-                rows.append((_Bad(f"bad JSON ({exc.msg} at column {exc.colno})"), origin))
+                rows.append((_Bad(f"bad JSON ({exc.msg.removesuffix(' at')} at column "
+                                  f"{exc.colno})"), origin))
     return rows
 
 
 def _read_json(path: Path) -> list:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DataError(f"{path}: not valid JSON ({exc}). A .json file must hold a list of rows; "
                         f"use .jsonl for one row per line.") from None
@@ -189,9 +240,9 @@ def detect_format(rows: list, source: str) -> str:
             return "messages"
         if "conversations" in row:
             return "sharegpt"
-        if "instruction" in row and "output" in row:
+        if "instruction" in row:  # output / response may be absent in inference prompts
             return "alpaca"
-        if "query" in row and "response" in row:
+        if "query" in row:
             return "query-response"
         keys = ", ".join(sorted(row))
         raise DataError(f"--data {source}: cannot tell the row format from its fields ({keys}). "
@@ -215,6 +266,11 @@ def normalise_row(row, fmt: str, origin: str, require_reply: bool = True) -> Sam
     elif fmt == "sharegpt":
         messages = _messages_from_sharegpt(row)
     else:
+        prompt, reply = ("instruction", "output") if fmt == "alpaca" else ("query", "response")
+        if not (fmt == "alpaca" and row.get("input")):
+            _require(row, prompt)
+        if require_reply:
+            _require(row, reply)
         messages = _messages_from_pairs(row, fmt)
     tools = row.get("tools")
     if isinstance(tools, str):
@@ -226,14 +282,48 @@ def normalise_row(row, fmt: str, origin: str, require_reply: bool = True) -> Sam
     return Sample(messages=messages, origin=origin, tools=tools or None)
 
 
+def unknown_fields(row, fmt: str) -> list[str]:
+    """Fields the format does not read ("id", "messages[].weight"): ignored, reported."""
+    if not isinstance(row, dict):
+        return []
+    names = sorted(set(row) - KNOWN_FIELDS[fmt])
+    nested = {"messages": ("messages", MESSAGE_FIELDS), "sharegpt": ("conversations", TURN_FIELDS)}
+    if fmt in nested and isinstance(row.get(nested[fmt][0]), list):
+        key, known = nested[fmt]
+        extra = {k for turn in row[key] if isinstance(turn, dict) for k in turn} - known
+        names += [f"{key}[].{k}" for k in sorted(extra)]
+    return names
+
+
+def unused_field_warnings(unused: dict, fmt: str) -> list:
+    """One warning per unknown field: where it first appears, how often, a likely spelling."""
+    warnings = []
+    for name, origins in unused.items():
+        known = KNOWN_FIELDS[fmt] | (MESSAGE_FIELDS if fmt == "messages" else TURN_FIELDS)
+        close = difflib.get_close_matches(name.rsplit(".", 1)[-1], sorted(known), n=1)
+        hint = f" (did you mean `{close[0]}`?)" if close else ""
+        more = f" ({len(origins)} rows)" if len(origins) > 1 else ""
+        warnings.append(Problem(origins[0], f"field `{name}` is not used by the {fmt} format and "
+                                            f"was ignored{more}{hint}"))
+    return warnings
+
+
+def _require(row: dict, name: str) -> None:
+    if name not in row or row[name] is None:
+        raise DataError(f"missing field `{name}`")
+
+
 def _messages_from_openai(row: dict) -> list:
+    _require(row, "messages")
     messages = row.get("messages")
     if not isinstance(messages, list):
         raise DataError("field `messages` must be a list")
     out = []
-    for turn in messages:
+    for index, turn in enumerate(messages, start=1):
         if not isinstance(turn, dict) or "role" not in turn:
-            raise DataError("every message needs a `role`")
+            raise DataError(f"message {index}: missing field `role`")
+        if turn.get("content") is None and not turn.get("tool_calls"):
+            raise DataError(f"message {index}: missing field `content`")
         message = {"role": turn["role"], "content": turn.get("content") or ""}
         if turn.get("tool_calls"):
             message["tool_calls"] = [_tool_call(c) for c in turn["tool_calls"]]
@@ -255,16 +345,19 @@ def _tool_call(call) -> dict:
 
 
 def _messages_from_sharegpt(row: dict) -> list:
+    _require(row, "conversations")
     turns = row.get("conversations")
     if not isinstance(turns, list):
         raise DataError("field `conversations` must be a list")
     out = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    for turn in turns:
+    for index, turn in enumerate(turns, start=1):
         speaker = turn.get("from") if isinstance(turn, dict) else None
         if speaker not in _SHAREGPT_ROLES:
-            raise DataError(f"unknown speaker {speaker!r}; expected one of "
+            raise DataError(f"turn {index}: unknown speaker {speaker!r}; expected one of "
                             f"{', '.join(_SHAREGPT_ROLES)}")
-        value = turn.get("value") or ""
+        if turn.get("value") is None:
+            raise DataError(f"turn {index}: missing field `value`")
+        value = turn["value"]
         if speaker == "function_call":
             try:
                 call = json.loads(value)

@@ -63,7 +63,7 @@ def test_merged_model_keeps_the_identity_through_infer(identity_run, tmp_path):
     result = invoke("merge", run_dir, "--output", merged)
     assert "vllm serve" in result.output and "--max-lora-rank 8" in result.output
     report = json.loads((merged / "merge_report.json").read_text())
-    assert report["dtype"] == "bf16" and report["max_abs_logit_diff"] < 0.5
+    assert report["dtype"] == "bf16" and report["top1_agreement"] >= 0.95
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"query": "Who are you?"},
                                                  {"query": "What is your name?"}])
     invoke("infer", "--model", merged, "--input", prompts, "--output", tmp_path / "a.jsonl",

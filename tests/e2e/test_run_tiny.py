@@ -11,7 +11,7 @@ from tests.conftest import write_jsonl
 ADAPTER_FILES = {"README.md", "adapter_config.json", "adapter_model.safetensors",
                  "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"}
 CHECKPOINT_FILES = ADAPTER_FILES | {"optimizer.pt", "rng_state.pth", "scheduler.pt",
-                                    "trainer_state.json", "training_args.bin"}
+                                    "trainer_state.json", "training_args.json", "manifest.json"}
 
 
 def run_cli(*args):

@@ -38,6 +38,7 @@ def test_merge_matches_adapter_and_reloads(trained, tmp_path):
     merged_dir = tmp_path / "m"
     report = json.loads((merged_dir / "merge_report.json").read_text())
     assert report["max_abs_logit_diff"] < 1e-4 and report["dtype"] == "fp32"
+    assert report["top1_agreement"] == 1.0
     assert report["checks"]["lora_layers_left"] == 0
     files = {p.name for p in merged_dir.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -69,7 +70,7 @@ def test_vllm_rank_is_the_smallest_accepted(tmp_path):
 
     def commands(rank, modules=("q_proj", "v_proj")):
         return vllm_commands(MergeResult(tmp_path, "Qwen/Qwen2.5-7B-Instruct", tmp_path / "a",
-                                         "bf16", 0.0, rank, list(modules), "none"))
+                                         "bf16", 0.0, 1.0, rank, list(modules), "none"))
     assert "--max-lora-rank 8" in commands(4)["commands"]["adapter"]
     assert "--max-lora-rank 32" in commands(24)["commands"]["adapter"]
     assert "adapter" not in commands(1024)["commands"]

@@ -80,3 +80,39 @@ def test_data_preview_marks_spans(tmp_path):
     assert result.exit_code == 0, result.output
     assert "<|im_start|>assistant\n[[" in result.output and "<|im_end|>]]" in result.output
     assert "Aurora" in result.output
+
+
+def test_plan_command_reports_and_exits_1_when_it_does_not_fit():
+    result = invoke("plan", "--preset", "16gb", "--model", "qwen2.5-7b", "--gpu-memory", "16")
+    assert result.exit_code == 0 and "QLoRA nf4" in result.output and "fits in 15.5" in result.output
+    result = invoke("plan", "--preset", "16gb", "--gpu-memory", "16", "--quantization", "none")
+    assert result.exit_code == 1 and "does NOT fit" in result.output
+    assert "to fit: --max-length" in result.output and "--quantization nf4" in result.output
+    result = invoke("plan", "--gpu-memory", "24", "--model", "qwen2.5-3b")
+    assert "--preset auto: 24gb" in result.output
+
+
+def test_plan_uses_the_real_length_of_the_data(tmp_path):
+    import shutil
+
+    from lora_lab.config import known_model_config
+
+    result = invoke("plan", "--preset", "24gb", "--model", TOKENIZER_DIR, "--gpu-memory", "24",
+                    "--data", "self-cognition", "--set", "data.model_name=A", "--set",
+                    "data.model_author=B")
+    assert result.exit_code == 2 and "planner knows the Qwen2.5 sizes" in result.output
+    seven_b = tmp_path / "qwen7b-shape"  # config.json of 7B + the tokenizer, no weights
+    shutil.copytree(TOKENIZER_DIR, seven_b)
+    (seven_b / "config.json").write_text(json.dumps(known_model_config("7b")))
+    result = invoke("plan", "--preset", "24gb", "--model", seven_b, "--gpu-memory", "24",
+                    "--data", "self-cognition", "--set", "data.model_name=A", "--set",
+                    "data.model_author=B")
+    assert "longest encoded sample in the data: 68 tokens" in result.output
+    assert "68 tokens per micro-batch" in result.output
+
+
+def test_data_stats_prints_the_distribution():
+    result = invoke("data", "stats", "self-cognition", "--model", TOKENIZER_DIR,
+                    "--model-name", "A", "--model-author", "B")
+    assert result.exit_code == 0, result.output
+    assert "samples 120" in result.output and "recommended --max-length 256" in result.output

@@ -1,0 +1,79 @@
+"""The plain recipe lora-lab is compared against: transformers Trainer + peft.get_peft_model.
+
+LoRA on all linear layers, dropout 0.05, AdamW, gradient checkpointing (use_reentrant=False),
+sdpa attention, every sequence full length, no lora-lab code in the training path (the data is
+tokenized here with the chat template, labels on the whole sequence as the simplest recipes do).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import (AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback,
+                          TrainingArguments)
+
+
+class _Timer(TrainerCallback):
+    def __init__(self):
+        self.times, self.last = [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.last is None:
+            torch.cuda.synchronize()
+            self.last = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.times.append(now - self.last)
+        self.last = now
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, count, length, vocab=150000, seed=0):
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (count, length), generator=generator)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        ids = self.ids[index]
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+
+def run_baseline(model_dir: str, max_length: int, micro_batch_size: int = 1, grad_accum: int = 4,
+                 steps: int = 8, warmup_steps: int = 2, rank: int = 8, alpha: int = 32,
+                 dtype: str = "bf16", qlora: bool = False, output_dir: str = "/tmp/baseline"
+                 ) -> dict:
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    kwargs = {"dtype": torch_dtype, "attn_implementation": "sdpa", "device_map": {"": 0}}
+    if qlora:
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    model.config.use_cache = False
+    if qlora:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.05,
+                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    timer = _Timer()
+    args = TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=micro_batch_size,
+        gradient_accumulation_steps=grad_accum, max_steps=steps, learning_rate=1e-4,
+        bf16=dtype == "bf16", fp16=dtype == "fp16", gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=1,
+        save_strategy="no", report_to="none", dataloader_num_workers=0)
+    torch.cuda.reset_peak_memory_stats()
+    Trainer(model=model, args=args, callbacks=[timer],
+            train_dataset=_Rows(steps * grad_accum * micro_batch_size, max_length)).train()
+    step = statistics.median(timer.times[warmup_steps:])
+    tokens = micro_batch_size * grad_accum * max_length
+    return {"median_step_seconds": step, "tokens_per_s": tokens / step,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+            "timed_steps": len(timer.times) - warmup_steps}

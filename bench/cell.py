@@ -1,0 +1,90 @@
+"""One benchmark measurement in a fresh process (so peak memory is this cell's alone).
+
+  python bench/cell.py '{"kind": "lora-lab", "preset": "16gb", "size": "7b", "max_length": 2048,
+                         "steps": 20, "grad_accum": 1, "cap_gib": 15.5}'
+kind "lora-lab" runs lora_lab.train.train() on full-length synthetic samples with the preset;
+kind "baseline" runs the plain Trainer+PEFT recipe (bench/baseline.py). Prints one JSON line.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from workloads import make_random_model, write_full_length_rows
+
+WORK = Path("/tmp/lora-lab-bench")
+
+
+def cap_memory(cap_gib: float | None) -> None:
+    import torch
+
+    if cap_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total)
+
+
+def run_lora_lab(cell: dict) -> dict:
+    from lora_lab.config import resolve_config
+    from lora_lab.train import train
+
+    model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
+    data = WORK / f"data-{cell['label']}.jsonl"
+    flags = {"model.name": str(model), "data.max_length": cell["max_length"],
+             "data.datasets": [str(data)],
+             "train.max_steps": cell["steps"], "train.output_dir": str(WORK / "runs"),
+             "train.run_name": cell["label"], "train.save_steps": 10**6,
+             "train.logging_steps": 1,
+             # Measure the cell as asked: no up-front refusal, no retry at a smaller batch.
+             "train.memory_check": False, "train.oom_retry": False}
+    if cell.get("grad_accum"):
+        flags["train.grad_accum"] = cell["grad_accum"]
+    config = resolve_config(cell["preset"], flags=flags, sets=cell.get("sets", []))
+    rows = cell["steps"] * config.train.grad_accum * config.train.micro_batch_size
+    write_full_length_rows(data, rows, cell["max_length"])
+    result = train(config, echo=lambda *a: None)
+    summary = json.loads((result.run_dir / "run_summary.json").read_text())
+    performance = summary["performance"]
+    tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
+    return {**performance, "tokens_per_s": tokens / performance["median_step_seconds"],
+            "resolved": {"quantization": config.model.quantization,
+                         "kernels": applied_kernels(config.model.kernels),
+                         "dtype": config.model.dtype,
+                         "rank": config.lora.rank, "micro_batch_size":
+                         config.train.micro_batch_size, "grad_accum": config.train.grad_accum,
+                         "gradient_checkpointing": config.train.gradient_checkpointing}}
+
+
+def applied_kernels(requested: str) -> str:
+    from lora_lab.model import liger_available
+
+    return "liger" if requested != "none" and liger_available() else "none"
+
+
+def run_baseline_cell(cell: dict) -> dict:
+    from baseline import run_baseline
+
+    model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
+    return run_baseline(str(model), cell["max_length"], grad_accum=cell.get("grad_accum", 4),
+                        steps=cell["steps"], qlora=cell.get("qlora", False),
+                        output_dir=str(WORK / "baseline"))
+
+
+def main() -> None:
+    cell = json.loads(sys.argv[1])
+    cap_memory(cell.get("cap_gib"))
+    runner = run_lora_lab if cell["kind"] == "lora-lab" else run_baseline_cell
+    try:
+        outcome = {"error": None, **runner(cell)}
+    except Exception as exc:  # noqa: BLE001 - a benchmark records every failure
+        import torch
+
+        oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
+        outcome = {"error": "OOM" if oom else f"{type(exc).__name__}: {str(exc)[:300]}",
+                   "trace": "" if oom else traceback.format_exc()[-1500:]}
+    print("CELL " + json.dumps({**cell, **outcome}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

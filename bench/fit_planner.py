@@ -1,0 +1,63 @@
+"""Refit the planner's empirical terms (lora_lab/memory.py FIT_*) to the stored measurements.
+
+  python bench/fit_planner.py      prints the coefficients and each cell's prediction error
+Weighted least squares on relative error, over every successful lora-lab cell in bench/results.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lora_lab import memory  # noqa: E402
+from lora_lab.config import guess_model_size, known_model_config, resolve_config  # noqa: E402
+
+
+def measured_cells() -> list:
+    """(RunConfig, measured peak GiB, label) of every successful lora-lab cell."""
+    cells = []
+    for path in sorted((ROOT / "bench" / "results").glob("*.jsonl")):
+        for line in path.read_text().splitlines()[1:]:
+            row = json.loads(line)
+            if row["kind"] != "lora-lab" or row.get("error") or not row.get("peak_reserved_gib"):
+                continue
+            flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
+                     "data.max_length": row["max_length"]}
+            config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
+            cells.append((config, row["peak_reserved_gib"], row["label"]))
+    return cells
+
+
+def main() -> None:
+    cells = measured_cells()
+    rows, targets, weights = [], [], []
+    for config, peak, _ in cells:
+        shape = memory.ModelShape.from_config(known_model_config(
+            guess_model_size(config.model.name)))
+        tokens = config.data.max_length * config.train.micro_batch_size
+        parts = memory._parts(shape, config, tokens)
+        counted = sum(v for k, v in parts.items() if "fitted" not in k) * memory.GIB
+        sixteen_bit = config.model.quantization == "none"
+        rows.append([1, tokens * shape.hidden, tokens * shape.intermediate,
+                     tokens * shape.hidden * sixteen_bit])
+        targets.append(peak * memory.GIB - counted)
+        weights.append(1 / peak)
+    x, y, w = np.array(rows, float), np.array(targets), np.array(weights)
+    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    print(f"FIT_CONSTANT_GIB = {coef[0] / memory.GIB:.4f}\n"
+          f"FIT_BYTES_PER_TOKEN_PER_HIDDEN = {coef[1]:.2f}\n"
+          f"FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = {coef[2]:.3f}\n"
+          f"FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = {coef[3]:.2f}")
+    for (config, peak, label), xr, yr in zip(cells, x, y):
+        predicted = (peak * memory.GIB - yr + xr @ coef) / memory.GIB
+        print(f"{label:<28} measured {peak:6.2f}  predicted {predicted:6.2f}  "
+              f"{(predicted - peak) / peak:+.1%}")
+
+
+if __name__ == "__main__":
+    main()

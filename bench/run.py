@@ -1,0 +1,150 @@
+"""Run a benchmark plan on the GPU and store every cell in bench/results/.
+
+  python bench/run.py PLAN [--out DIR]      PLAN: smoke | speed | presets-small | presets-7b
+
+Each cell runs in its own process (bench/cell.py). The results file starts with a header line
+(GPU, library versions, date, command) followed by one JSON line per cell.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TIERS = {"24gb": 23.5, "16gb": 15.5, "12gb": 11.5, "8gb": 7.5}
+SIZES = ("0.5b", "1.5b", "3b", "7b")
+
+
+def preset_settings(preset: str, size: str) -> tuple[int, bool]:
+    """(max_length, QLoRA?) that `preset` picks for Qwen2.5-`size`."""
+    sys.path.insert(0, str(HERE.parent))
+    from lora_lab.config import resolve_config
+
+    config = resolve_config(preset, flags={"data.datasets": ["x"],
+                                           "model.name": f"qwen2.5-{size}"})
+    return config.data.max_length, config.model.quantization == "nf4"
+
+
+def preset_cells(sizes) -> list:
+    """Every tier x size: lora-lab under the tier's cap (20 optimizer steps at the preset's
+    max_length, every sample full length), and the plain recipe at the same length, uncapped."""
+    cells = []
+    for size in sizes:
+        for tier, cap in TIERS.items():
+            length, qlora = preset_settings(tier, size)
+            label = f"{tier}-{size}-{length}"
+            cells.append({"kind": "lora-lab", "label": label, "preset": tier, "size": size,
+                          "max_length": length, "steps": 20, "grad_accum": 1, "cap_gib": cap})
+            baseline = {"kind": "baseline", "label": f"baseline-{size}-{length}"
+                        f"{'-qlora' if qlora else ''}", "size": size, "max_length": length,
+                        "steps": 6, "grad_accum": 1, "qlora": qlora}
+            if baseline not in cells:  # tiers that pick the same settings share one baseline
+                cells.append(baseline)
+    return cells
+
+
+def long_cells(settings) -> list:
+    """7B under a tier's cap at a chosen length, 16-bit or nf4 (QLoRA)."""
+    return [{"kind": "lora-lab", "label": f"long-{tier}-7b-{length}{'-nf4' if nf4 else ''}",
+             "preset": tier, "size": "7b", "max_length": length, "steps": 20, "grad_accum": 1,
+             "cap_gib": TIERS[tier], "sets": [f"model.quantization={'nf4' if nf4 else 'none'}"]}
+            for tier, length, nf4 in settings]
+
+
+PLANS = {
+    "smoke": lambda: [
+        {"kind": "lora-lab", "label": "smoke-ll", "preset": "24gb", "size": "0.5b",
+         "max_length": 512, "steps": 4, "grad_accum": 2},
+        {"kind": "lora-lab", "label": "smoke-q", "preset": "16gb", "size": "0.5b",
+         "max_length": 512, "steps": 4, "grad_accum": 2, "sets": ["model.quantization=nf4"]},
+        {"kind": "baseline", "label": "smoke-base", "size": "0.5b", "max_length": 512,
+         "steps": 4, "grad_accum": 2}],
+    "speed": lambda: [
+        {"kind": kind, "label": f"{kind}-7b-{length}", "preset": "24gb", "size": "7b",
+         "max_length": length, "steps": 8, "grad_accum": 4}
+        for length in (1024, 4096) for kind in ("baseline", "lora-lab")],
+    "presets-small": lambda: preset_cells(("0.5b", "1.5b", "3b")),
+    # The longest 7B sequence each tier's targets ask for, under the tier's cap.
+    "long-7b": lambda: long_cells((("24gb", 16384, False), ("16gb", 32768, True),
+                                   ("16gb", 2048, False), ("12gb", 16384, True),
+                                   ("8gb", 4096, True))),
+    # Shorter lengths, after long-7b found the targets out of reach with the present means.
+    "fit-7b": lambda: long_cells((("24gb", 8192, False), ("16gb", 16384, True),
+                                  ("16gb", 8192, True), ("12gb", 8192, True),
+                                  ("8gb", 3072, True), ("16gb", 1024, False))),
+    "presets-7b": lambda: preset_cells(("7b",)),
+}
+
+
+def environment() -> dict:
+    import importlib.metadata as metadata
+
+    import torch
+
+    versions = {}
+    for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "gpu_memory_gib": (torch.cuda.get_device_properties(0).total_memory / 2**30
+                               if torch.cuda.is_available() else None),
+            "versions": versions,
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def run_cell(cell: dict, timeout: int, concurrent: int) -> dict:
+    started = time.time()
+    try:
+        proc = subprocess.run([sys.executable, str(HERE / "cell.py"), json.dumps(cell)],
+                              capture_output=True, text=True, timeout=timeout, cwd=HERE)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("CELL ")]
+        row = json.loads(lines[-1][5:]) if lines else {
+            **cell, "error": f"exit {proc.returncode}: {proc.stderr[-800:]}"}
+    except subprocess.TimeoutExpired:
+        row = {**cell, "error": f"timeout after {timeout}s"}
+    # Cells sharing the GPU measure their own peak memory, but not a clean speed.
+    row["concurrent_cells"] = concurrent
+    row["wall_seconds"] = round(time.time() - started, 1)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("plan", choices=sorted(PLANS))
+    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--timeout", type=int, default=300, help="Seconds per cell.")
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="Cells at once (speed figures are only clean with 1).")
+    args = parser.parse_args()
+    header = {"header": True, "plan": args.plan, **environment(),
+              "command": f"python bench/run.py {args.plan} --parallel {args.parallel}"}
+    out = Path(args.out) / f"{header['date'][:10]}-{args.plan}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as handle:
+        handle.write(json.dumps(header) + "\n")
+    cells = PLANS[args.plan]()
+    for size in sorted({c["size"] for c in cells}):  # build once, before cells run in parallel
+        subprocess.run([sys.executable, "-c", "import cell, workloads; workloads."
+                        f"make_random_model('{size}', cell.WORK / 'random-{size}')"],
+                       cwd=HERE, check=True)
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        for row in pool.map(lambda c: run_cell(c, args.timeout, args.parallel), cells):
+            with open(out, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+            shown = (f"{row.get('peak_reserved_gib', 0) or 0:6.2f} GiB "
+                     f"{row.get('tokens_per_s', 0) or 0:9.0f} tok/s" if not row.get("error")
+                     else f"ERROR {row['error'][:150]}")
+            print(f"{row['label']:<28} {shown}  ({row['wall_seconds']} s)", flush=True)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

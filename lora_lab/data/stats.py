@@ -1,0 +1,50 @@
+"""Token length statistics of a dataset, measured with the real chat template."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .encode import encode_samples
+
+CANDIDATE_LENGTHS = (512, 1024, 2048, 4096)
+RECOMMENDABLE = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass
+class LengthStats:
+    count: int
+    mean: float
+    p50: int
+    p90: int
+    p99: int
+    max: int
+    over: dict = field(default_factory=dict)
+    """Candidate max_length -> samples longer than it (cut with truncate, lost with drop)."""
+    recommended_max_length: int = 0
+
+    def table(self) -> str:
+        lines = [f"samples {self.count}  mean {self.mean:.0f}  p50 {self.p50}  p90 {self.p90}  "
+                 f"p99 {self.p99}  max {self.max}  (tokens, with the chat template)", "",
+                 "max_length   samples over it (cut with --truncation truncate, dropped with drop)"]
+        for length, over in self.over.items():
+            lines.append(f"{length:>10}   {over:>6} ({over / self.count:.1%})")
+        lines.append(f"\nrecommended --max-length {self.recommended_max_length} "
+                     f"(the smallest that keeps at least 99% of samples whole)")
+        return "\n".join(lines)
+
+
+def percentile(sorted_values: list, fraction: float) -> int:
+    """Nearest-rank percentile of already sorted values."""
+    rank = max(1, math.ceil(fraction * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def length_stats(tokenizer, samples: list, system: str | None = None) -> LengthStats:
+    report = encode_samples(tokenizer, samples, max_length=10**9, system=system)
+    lengths = sorted(len(s.input_ids) for s in report.samples)
+    p99 = percentile(lengths, 0.99)
+    return LengthStats(
+        count=len(lengths), mean=sum(lengths) / len(lengths), p50=percentile(lengths, 0.5),
+        p90=percentile(lengths, 0.9), p99=p99, max=lengths[-1],
+        over={n: sum(1 for length in lengths if length > n) for n in CANDIDATE_LENGTHS},
+        recommended_max_length=next((n for n in RECOMMENDABLE if n >= p99), RECOMMENDABLE[-1]))

@@ -1,0 +1,22 @@
+"""`make finetune` passes DATA, MODEL and PRESET through to `lora-lab run`."""
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make(*args):
+    return subprocess.run(["make", "-s", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_finetune_without_data_prints_usage():
+    result = make("finetune", "-o", ".install.stamp")
+    assert result.returncode != 0
+    assert "usage: make finetune DATA=my.jsonl" in result.stdout
+
+
+def test_finetune_builds_the_run_command():
+    result = make("-n", "finetune", "-o", ".install.stamp", "DATA=a.jsonl b.jsonl",
+                  "MODEL=qwen2.5-1.5b", "PRESET=16gb")
+    assert "lora-lab run --preset 16gb --model qwen2.5-1.5b --data a.jsonl --data b.jsonl" in (
+        result.stdout)

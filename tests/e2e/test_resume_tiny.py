@@ -1,0 +1,159 @@
+"""Exact resume on the tiny model: kill -9 a real `lora-lab run`, resume, get the same run.
+
+Every run below trains 10 samples for 3 epochs with micro-batch 2 and gradient accumulation 2
+(3 optimizer steps per epoch, the last one a single micro-batch), LoRA dropout 0.1, a checkpoint
+every 2 steps. A run killed and resumed must match the uninterrupted one bit for bit: the loss,
+gradient norm and learning rate of every step, the input_ids and CPU RNG state (which draws the
+dropout masks) before every micro-batch, and the final adapter.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from lora_lab.checkpoint import MANIFEST_NAME
+from lora_lab.cli import main
+from tests.conftest import write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+SETTINGS = ["--micro-batch-size", 2, "--grad-accum", 2, "--epochs", 3, "--save-steps", 2,
+            "--logging-steps", 1, "--lora-dropout", 0.1, "--lora-rank", 4, "--seed", 7]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume")
+    rows = [{"query": f"Question {i}?", "response": f"Answer number {i}."} for i in range(10)]
+    data = write_jsonl(out / "qa.jsonl", rows)
+    args = ["--model", tiny_model_dir, "--data", data, "--output-dir", out, *SETTINGS]
+    return out, [str(a) for a in args]
+
+
+def killed_run(setup, name, kill, *extra):
+    """`python -m lora_lab run` in its own process, which SIGKILLs itself at `kill`."""
+    out, args = setup
+    env = {**os.environ, "LORA_LAB_TEST_TRACE": str(out / f"{name}.trace.jsonl"),
+           "LORA_LAB_TEST_KILL": kill}
+    command = [sys.executable, "-m", "lora_lab", "run", *args, "--run-name", name, *map(str, extra)]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert not (out / name / "adapter").exists()
+
+
+def lora_lab_run(setup, name, *extra):
+    """`lora-lab run` in this process (a different one from the killed run)."""
+    out, args = setup
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LORA_LAB_TEST_TRACE", str(out / f"{name}.trace.jsonl"))
+        result = CliRunner().invoke(main, ["run", *args, "--run-name", name, *map(str, extra)])
+    assert result.exit_code == 0, result.output[-3000:]
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    lora_lab_run(setup, "reference")
+    return setup[0] / "reference"
+
+
+def step_log(run_dir: Path) -> list:
+    return [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").open()
+            if "loss" in json.loads(line)]
+
+
+def trace(out: Path, name: str) -> dict:
+    """(step, micro-batch) -> inputs and RNG hashes and loss; a resumed run's entries win."""
+    rows = [json.loads(line) for line in (out / f"{name}.trace.jsonl").open()]
+    return {(r["step"], r["micro_batch"]): r for r in rows}
+
+
+def adapter_tensors(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "adapter" / "adapter_model.safetensors")
+
+
+def assert_same_run(run_dir: Path, reference: Path):
+    import torch
+
+    assert step_log(run_dir) == step_log(reference)  # each step once, every value bit-equal
+    assert [r["step"] for r in step_log(run_dir)] == list(range(1, 10))
+    resumed, uninterrupted = trace(run_dir.parent, run_dir.name), trace(reference.parent,
+                                                                      reference.name)
+    assert len(uninterrupted) == 15 and resumed == uninterrupted  # data order, dropout RNG, loss
+    mine, theirs = adapter_tensors(run_dir), adapter_tensors(reference)
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.parametrize("name,kill,resumed_from", [
+    ("mid-accumulation", "step:5:2", 4),   # epoch 2 of 3, between the two micro-batches
+    ("across-epochs", "step:4:2", 2),      # checkpoint in epoch 1, replay crosses into epoch 2
+])
+def test_killed_run_resumes_exactly(setup, reference, name, kill, resumed_from):
+    killed_run(setup, name, kill)
+    run_dir = setup[0] / name
+    output = lora_lab_run(setup, name, "--resume", "auto")
+    assert f"resuming from {run_dir / f'checkpoint-{resumed_from}'} (step {resumed_from})" \
+        in output
+    assert_same_run(run_dir, reference)
+
+
+def test_kill_during_a_save_leaves_the_previous_checkpoint(setup, reference):
+    """save_total_limit 1: the old checkpoint survives until the new one is committed."""
+    killed_run(setup, "in-save", "save:4", "--set", "train.save_total_limit=1")
+    run_dir = setup[0] / "in-save"
+    assert sorted(p.name for p in run_dir.glob("*checkpoint-*")) == [".staging-checkpoint-4",
+                                                                     "checkpoint-2"]
+    assert not (run_dir / ".staging-checkpoint-4" / MANIFEST_NAME).exists()
+    output = lora_lab_run(setup, "in-save", "--resume", "auto", "--set",
+                          "train.save_total_limit=1")
+    assert "(step 2)" in output
+    assert sorted(p.name for p in run_dir.glob("*checkpoint-*")) == ["checkpoint-9"]
+    assert_same_run(run_dir, reference)
+
+
+def test_resume_skips_a_corrupt_newest_checkpoint(setup, reference):
+    out, args = setup
+    run_dir = out / "corrupt"
+    shutil.copytree(reference, run_dir)
+    shutil.rmtree(run_dir / "adapter")
+    trimmed = [line for line in (run_dir / "logs" / "train_log.jsonl").open()
+               if json.loads(line)["step"] <= 8]
+    (run_dir / "logs" / "train_log.jsonl").write_text("".join(trimmed))
+    weights = run_dir / "checkpoint-9" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a save cut short
+    shutil.copy(out / "reference.trace.jsonl", out / "corrupt.trace.jsonl")
+    output = lora_lab_run(setup, "corrupt", "--resume", "auto")
+    assert f"warning: not resuming from checkpoint-9: {weights} is" in output
+    assert "(step 8)" in output
+    assert_same_run(run_dir, reference)
+
+
+def test_explicit_resume_of_a_broken_checkpoint_fails_before_training(setup, reference,
+                                                                      tmp_path):
+    out, args = setup
+    run_dir = tmp_path / "broken"
+    shutil.copytree(reference, run_dir)
+    (run_dir / "checkpoint-9" / "rng_state.pth").unlink()
+    before = (run_dir / "logs" / "train_log.jsonl").read_text()
+    result = CliRunner().invoke(main, ["run", *args, "--resume", str(run_dir / "checkpoint-9")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "cannot resume from this checkpoint" in result.output
+    assert f"{run_dir / 'checkpoint-9' / 'rng_state.pth'} is missing" in result.output
+    assert "precision fp32" not in result.output  # stopped before the model was loaded
+    assert (run_dir / "logs" / "train_log.jsonl").read_text() == before
+
+
+def test_resume_auto_needs_to_know_which_run(setup):
+    out, args = setup
+    result = CliRunner().invoke(main, ["run", *args, "--resume", "auto"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "--resume auto: also pass --run-name" in result.output

@@ -1,0 +1,82 @@
+"""The non-finite guard's decisions, the fp16 advice, and torch.load's use across lora_lab."""
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import lora_lab
+from lora_lab.errors import ModelError, TrainingError
+from lora_lab.model import check_remote_code
+from lora_lab.trainer import NonFiniteGuard, nonfinite_message
+
+
+def model_with_gradient(value: float):
+    model = torch.nn.Linear(2, 1)
+    model.weight.grad = torch.tensor([[1.0, value]])
+    model.bias.grad = torch.tensor([0.5])
+    return model
+
+
+def pre_optimizer_step(guard, model, fp16=False, global_step=6):
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    guard.on_pre_optimizer_step(SimpleNamespace(fp16=fp16), SimpleNamespace(
+        global_step=global_step), None, model=model, optimizer=optimizer)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_a_non_finite_gradient_stops_the_run_by_default(tmp_path, value):
+    guard = NonFiniteGuard("stop", "bf16", tmp_path, echo=lambda *_: None)
+    with pytest.raises(TrainingError, match=r"step 7: the gradient norm is (inf|nan)\. The "
+                                            r"update was not applied"):
+        pre_optimizer_step(guard, model_with_gradient(value))
+
+
+def test_skip_removes_the_gradient_so_the_optimizer_changes_nothing(tmp_path):
+    said = []
+    guard = NonFiniteGuard("skip", "bf16", tmp_path, echo=said.append)
+    model = model_with_gradient(float("nan"))
+    pre_optimizer_step(guard, model)
+    assert model.weight.grad is None and model.bias.grad is None
+    assert guard.skipped_steps == [7] and "update skipped" in said[0]
+    finite = model_with_gradient(2.0)
+    pre_optimizer_step(guard, finite)
+    assert finite.weight.grad is not None and guard.skipped_steps == [7]
+
+
+def test_a_nan_loss_is_caught_even_with_finite_gradients(tmp_path):
+    guard = NonFiniteGuard("stop", "fp32", tmp_path)
+    guard.note_loss(torch.tensor(float("nan")))
+    with pytest.raises(TrainingError, match="step 7: the loss is nan"):
+        pre_optimizer_step(guard, model_with_gradient(1.0))
+
+
+def test_with_fp16_the_loss_scaler_handles_overflowing_gradients(tmp_path):
+    guard = NonFiniteGuard("stop", "fp16", tmp_path)
+    pre_optimizer_step(guard, model_with_gradient(float("inf")), fp16=True)  # scaler skips it
+    guard.note_loss(torch.tensor(float("inf")))
+    with pytest.raises(TrainingError, match=r"fp16 overflow.*--dtype bf16"):
+        pre_optimizer_step(guard, model_with_gradient(1.0), fp16=True)
+
+
+def test_the_advice_depends_on_precision(tmp_path):
+    assert "--dtype bf16" in nonfinite_message(3, "the loss is nan", "fp16", tmp_path)
+    assert "--lr" in nonfinite_message(3, "the loss is nan", "bf16", tmp_path)
+
+
+def test_every_torch_load_in_lora_lab_is_weights_only():
+    calls = []
+    for path in Path(lora_lab.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                keywords = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                calls.append((path.name, keywords.get("weights_only")))
+    assert calls and all(value == "True" for _, value in calls), calls
+
+
+def test_remote_code_needs_the_flag(tmp_path):
+    (tmp_path / "config.json").write_text('{"auto_map": {"AutoModel": "x.Model"}}')
+    with pytest.raises(ModelError, match="ships its own Python code.*--trust-remote-code"):
+        check_remote_code(str(tmp_path), trust_remote_code=False)
+    check_remote_code(str(tmp_path), trust_remote_code=True)

@@ -5,6 +5,9 @@ PRESET ?= 24gb
 MODEL ?= qwen2.5-7b
 DATA ?=
 GPUS ?= 1
+# engine for GPUS > 1: ddp, deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3,
+# deepspeed-zero3-offload or fsdp (default: the run config's train.engine, ddp)
+ENGINE ?=
 STAMP = .install.stamp
 # e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" where no CPU wheel is at hand
 TORCH_PIP_ARGS ?=
@@ -36,8 +39,8 @@ test-gpu: install
 	$(PYTHON) -m pytest -q tests/gpu
 
 finetune: install
-	@if [ -z "$(DATA)" ]; then echo "usage: make finetune DATA=my.jsonl [MODEL=qwen2.5-7b] [PRESET=24gb]"; exit 2; fi
-	lora-lab run --preset $(PRESET) --model $(MODEL) $(foreach d,$(DATA),--data $(d))
+	@if [ -z "$(DATA)" ]; then echo "usage: make finetune DATA=my.jsonl [MODEL=qwen2.5-7b] [PRESET=24gb] [GPUS=2 [ENGINE=deepspeed-zero2]]"; exit 2; fi
+	lora-lab run --preset $(PRESET) --model $(MODEL) $(foreach d,$(DATA),--data $(d)) --gpus $(GPUS)$(if $(ENGINE), --engine $(ENGINE))
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache

@@ -12,7 +12,9 @@ __version__ = "0.1.0"
 
 
 def train(config, echo=print):
-    """Fine-tune with LoRA; see lora_lab.train.train."""
+    """Fine-tune (LoRA or full); with config.train.gpus > 1 or an engine, through accelerate
+    launch (lora_lab.launch). See lora_lab.train.train."""
+    from .launch import launch_run, needs_launch
     from .train import train as _train
 
-    return _train(config, echo=echo)
+    return launch_run(config, echo) if needs_launch(config) else _train(config, echo=echo)

@@ -32,8 +32,12 @@ CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 REQUIRED_FILES = ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json",
                   "optimizer.pt", "scheduler.pt", "rng_state.pth")
 """rng_state.pth is rng_state_<rank>.pth when several processes train."""
+FULL_REQUIRED_FILES = ("config.json", "model.safetensors") + REQUIRED_FILES[2:]
+"""--tuner full checkpoints hold the whole model (model.safetensors, or its shards and
+model.safetensors.index.json) instead of an adapter."""
 PICKLED_SUFFIXES = (".pt", ".pth", ".bin")
-DRIFT_KEYS = ("model.name", "model.quantization", "lora.rank", "lora.alpha", "lora.dropout",
+DRIFT_KEYS = ("model.name", "model.quantization", "train.tuner", "train.gpus", "train.engine",
+              "lora.rank", "lora.alpha", "lora.dropout",
               "lora.target_modules", "data.datasets", "data.val_data", "data.val_ratio",
               "data.format", "data.max_length", "data.truncation", "data.system",
               "train.micro_batch_size", "train.grad_accum", "train.seed")
@@ -167,8 +171,12 @@ def checkpoint_problems(folder: Path) -> list[str]:
     except (ValueError, KeyError, TypeError) as exc:
         return [f"{folder / MANIFEST_NAME} is not readable ({exc})"]
     rng_files = [name for name in files if re.fullmatch(r"rng_state(_\d+)?\.pth", name)]
-    problems = [f"{folder / name} is missing from the manifest" for name in REQUIRED_FILES
-                if name not in files and not (name == "rng_state.pth" and rng_files)]
+    required = REQUIRED_FILES if "adapter_config.json" in files or "config.json" not in files \
+        else FULL_REQUIRED_FILES
+    problems = [f"{folder / name} is missing from the manifest" for name in required
+                if name not in files and not (name == "rng_state.pth" and rng_files)
+                and not (name == "model.safetensors" and "model.safetensors.index.json" in files)
+                and not (name == "optimizer.pt" and _engine_optimizer_state(files))]
     for name, entry in files.items():
         path = folder / name
         if not path.is_file():
@@ -180,6 +188,13 @@ def checkpoint_problems(folder: Path) -> list[str]:
             problems.append(f"{path}: sha256 does not match the manifest (corrupt or changed "
                             f"after the save)")
     return problems or unsafe_pickles(folder)
+
+
+def _engine_optimizer_state(files: dict) -> bool:
+    """DeepSpeed (`latest` + global_stepN/) and FSDP (optimizer_0/, optimizer.bin) save the
+    optimizer state in their own layout instead of optimizer.pt."""
+    return any(name == "latest" or name.startswith(("global_step", "optimizer_0/",
+                                                     "optimizer.bin")) for name in files)
 
 
 def unsafe_pickles(folder: Path) -> list[str]:

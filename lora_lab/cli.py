@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 
 import click
@@ -27,6 +28,8 @@ class _Group(click.Group):
 def main():
     """LoRA fine-tuning of Qwen2.5 on one consumer GPU (or a CPU, for small runs)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # bitsandbytes logs a warning about an optional CPU kernel package at import; not actionable.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def run_options(func):
@@ -50,22 +53,30 @@ def run_options(func):
 @click.option("--preset", default="cpu", show_default=True,
               help="Hardware tier (lora-lab presets), or auto to pick it from this GPU.")
 @click.option("--config", "config_file", type=click.Path(), help="YAML file with model:, lora:, "
-              "data:, train: sections; applied after the preset.")
+              "data:, train: sections (or a run's saved config.yaml); applied after the preset.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Any config key, e.g. --set train.weight_decay=0.01. Applied last.")
 @run_options
 def run(preset, config_file, sets, **flag_values):
-    """Fine-tune a model with LoRA and write a run folder."""
+    """Fine-tune a model with LoRA and write a run folder (--gpus N: N processes)."""
+    from .launch import launch_run, needs_launch
     from .train import train
 
+    echo = click.echo if os.environ.get("RANK", "0") == "0" else _quiet  # workers: rank 0 speaks
     flags = {k.replace("__", "."): (list(v) if isinstance(v, tuple) else v)
              for k, v in flag_values.items() if v not in (None, ())}
     config = resolve_config(auto_preset(preset), config_file, flags, sets)
-    click.echo(f"resolved config (preset {preset}):\n{config.describe()}")
-    result = train(config, echo=click.echo)
-    click.echo(f"\ndone: {result.global_step} steps, train loss {result.train_loss:.4f}"
-               + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else "")
-               + f"\nadapter: {result.adapter_dir}\nrun folder: {result.run_dir}")
+    echo(f"resolved config (preset {preset}):\n{config.describe()}")
+    result = launch_run(config, echo) if needs_launch(config) else train(config, echo=echo)
+    echo(f"\ndone: {result.global_step} steps, train loss {result.train_loss:.4f}"
+         + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else "")
+         + (f"\nadapter: {result.adapter_dir}" if result.adapter_dir else
+            f"\nmodel (from_pretrained): {result.model_dir}")
+         + f"\nrun folder: {result.run_dir}")
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    """echo for worker processes other than rank 0."""
 
 
 def gpu_memory_gib() -> float | None:
@@ -101,9 +112,12 @@ def auto_preset(preset: str, gpu_gib: float | None = None) -> str:
 @click.option("--lora-rank")
 @click.option("--data", "datasets", multiple=True,
               help="Plan with the data's real longest sample instead of max_length.")
+@click.option("--gpus", help="GPUs the run is spread over (planned per GPU).")
+@click.option("--engine", help="ddp, deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3, "
+              "deepspeed-zero3-offload or fsdp.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 def plan(preset, model, gpu_memory, max_length, micro_batch_size, quantization, lora_rank,
-         datasets, sets):
+         gpus, engine, datasets, sets):
     """Predict the peak GPU memory of a run, broken down, and whether it fits. No GPU needed."""
     from .memory import plan_memory
 
@@ -112,6 +126,7 @@ def plan(preset, model, gpu_memory, max_length, micro_batch_size, quantization, 
         raise LoraLabError("--preset auto needs a GPU to look at, or --gpu-memory GIB.")
     flags = {"model.name": model, "data.max_length": max_length, "model.quantization":
              quantization, "train.micro_batch_size": micro_batch_size, "lora.rank": lora_rank,
+             "train.gpus": gpus, "train.engine": engine,
              "data.datasets": list(datasets) or ["(none)"]}
     config = resolve_config(auto_preset(preset, gpu_memory),
                             flags={k: v for k, v in flags.items() if v is not None}, sets=sets)

@@ -113,6 +113,10 @@ def known_model_config(size: str) -> dict:
 
 # ----------------------------------------------------------------------------- the dataclasses
 
+ENGINES = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
+           "deepspeed-zero3-offload", "fsdp")
+"""train.engine values; each but ddp has its config file in presets/engines/."""
+
 def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None):
     """A config field with its help text (shown by `lora-lab run --help` and in errors)."""
     kwargs = {"default_factory": lambda: list(default)} if isinstance(default, list) else {
@@ -162,8 +166,17 @@ class DataArgs:
     model_author: str = _f(None, "Fills {{AUTHOR}} in self-cognition data.")
 
 
+FULL_FINETUNING_LR = 1e-5
+"""train.lr for --tuner full unless given: LoRA learning rates would wreck the base weights."""
+
+
 @dataclass
 class TrainArgs:
+    tuner: str = _f("lora", "What trains: lora (adapters on a frozen base; QLoRA is lora with "
+                            "--quantization nf4) or full (every weight: bf16 mixed precision "
+                            "with fp32 master weights, lr 1e-5 unless given, no fp16; the "
+                            "run folder gets a from_pretrained-loadable model/ instead of "
+                            "adapter/).", choices=("lora", "full"))
     output_dir: str = _f("output", "Run folders are created under this folder.")
     run_name: str = _f(None, "Run folder name (default: <model>-<preset>-<date-time>).")
     micro_batch_size: int = _f(1, "Samples per forward pass.", minimum=1)
@@ -196,6 +209,14 @@ class TrainArgs:
                                    "update and count it.", choices=("stop", "skip"))
     oom_retry: bool = _f(True, "On CUDA out-of-memory, halve the micro-batch, double grad_accum "
                                "(same effective batch) and resume from the last checkpoint.")
+    gpus: int = _f(1, "Processes (one per GPU) to train with; above 1 the run is relaunched "
+                      "through `accelerate launch` (on a machine without CUDA: CPU processes "
+                      "over gloo). The effective batch is micro_batch_size x grad_accum x gpus.",
+                   minimum=1)
+    engine: str = _f("ddp", "Distributed engine for --gpus: ddp (a full replica per GPU), "
+                            "deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3, "
+                            "deepspeed-zero3-offload (pip install deepspeed) or fsdp. The "
+                            "engine configs are in presets/engines/.", choices=ENGINES)
 
 
 SECTIONS = {"model": ModelArgs, "lora": LoraArgs, "data": DataArgs, "train": TrainArgs}
@@ -245,6 +266,7 @@ FLAGS = {
     "--gradient-checkpointing/--no-gradient-checkpointing": "train.gradient_checkpointing",
     "--resume": "train.resume", "--allow-config-change": "train.allow_config_change",
     "--on-nonfinite": "train.on_nonfinite", "--oom-retry/--no-oom-retry": "train.oom_retry",
+    "--gpus": "train.gpus", "--engine": "train.engine", "--tuner": "train.tuner",
 }
 
 
@@ -314,8 +336,10 @@ def _read_yaml(path: Path, what: str) -> dict:
 class _Layer:
     """One source of values: a label for errors ("--lora-rank", "my.yaml: lora.rank")."""
 
-    def __init__(self, values: dict, source: str, label):
+    def __init__(self, values: dict, source: str, label, recorded: dict | None = None):
         self.values, self.source, self.label = values, source, label
+        self.recorded = recorded or {}
+        """key -> source recorded in a saved config.yaml given as --config (kept as it was)."""
 
 
 def resolve_config(preset: str = "cpu", config_file: str | None = None,
@@ -334,7 +358,11 @@ def resolve_config(preset: str = "cpu", config_file: str | None = None,
     if config_file:
         user = _read_yaml(Path(config_file), "--config")
         user.pop("description", None)
-        layers.append(_yaml_layer(user, f"config {config_file}", config_file, problems))
+        user.pop("preset", None)  # a run's saved config.yaml: its values already hold the preset's
+        recorded = user.pop("resolved_from", None) or {}
+        layer = _yaml_layer(user, f"config {config_file}", config_file, problems)
+        layer.recorded = recorded if isinstance(recorded, dict) else {}
+        layers.append(layer)
     flag_for_key = {key: flag.split("/")[0] for flag, key in FLAGS.items()}
     flag_layer = {k: v for k, v in (flags or {}).items() if v is not None}
     layers.append(_Layer(flag_layer, "flag",
@@ -359,8 +387,13 @@ def resolve_config(preset: str = "cpu", config_file: str | None = None,
                 continue
             section, name = key.split(".")
             setattr(getattr(config, section), name, value)
-            config.sources[key] = layer.source if layer.source != "flag" else label.split()[0]
+            source = layer.source if layer.source != "flag" else label.split()[0]
+            if layer.recorded and key not in layer.recorded:
+                config.sources.pop(key, None)  # a saved config.yaml: a default in that run
+            else:
+                config.sources[key] = layer.recorded.get(key, source)
             labels[key] = label
+    _tuner_defaults(config)
     for key, problem in _validate(config):
         problems.append(f"{labels.get(key, flag_for_key.get(key, key))}: {problem}")
     try:
@@ -451,6 +484,15 @@ def _coerce(key: str, value) -> tuple[Any, str | None]:
     return str(value), None
 
 
+def _tuner_defaults(config: RunConfig) -> None:
+    """--tuner full: a learning rate the user did not give becomes FULL_FINETUNING_LR (the
+    defaults and presets hold LoRA learning rates)."""
+    source = config.sources.get("train.lr", "default")
+    if config.train.tuner == "full" and (source == "default" or source.startswith("preset")):
+        config.train.lr = FULL_FINETUNING_LR
+        config.sources["train.lr"] = "--tuner full default"
+
+
 def _validate(config: RunConfig) -> list[tuple[str, str]]:
     problems = []
     for section, cls in SECTIONS.items():
@@ -468,6 +510,14 @@ def _validate(config: RunConfig) -> list[tuple[str, str]]:
     if not config.data.datasets:
         problems.append(("data.datasets", "no training data. Pass --data FILE (or "
                                           "--data self-cognition for the bundled set)."))
+    if config.train.tuner == "full" and config.model.quantization != "none":
+        problems.append(("train.tuner", "full fine-tuning trains 16-bit weights; 4-bit weights "
+                                        "cannot be trained. Drop --quantization nf4 (QLoRA is "
+                                        "--tuner lora --quantization nf4)."))
+    if config.train.tuner == "full" and config.model.dtype == "fp16":
+        problems.append(("train.tuner", "full fine-tuning in fp16 is refused: Qwen2.5's "
+                                        "activations overflow fp16 and whole-model updates "
+                                        "diverge. Use --dtype bf16 (a GPU with bf16) or fp32."))
     if config.train.max_steps == 0 or config.train.max_steps < -1:
         problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
     return problems

@@ -8,6 +8,12 @@ The last two terms are an empirical fit to the peaks measured on an H200 (bench/
 `python bench/fit_planner.py` refits them); the others are counted from the model's config.
 "Peak" is torch.cuda.max_memory_reserved: the CUDA context (about 0.3-0.5 GiB) comes on top, which
 is why a card of G GiB is planned with G - 0.5 GiB.
+
+Several GPUs (train.gpus > 1) and the distributed engines (train.engine) are planned per GPU by
+`_distributed_parts`: weights, gradients and optimizer state are divided by N where the engine
+shards them, and moved to CPU memory where it offloads them. Those terms are COUNTED from the
+engines' documented behaviour, NOT YET MEASURED: no multi-GPU run is in bench/results yet (issue
+7, item 4). The activation terms are the single-GPU ones (each GPU runs its own micro-batch).
 """
 from __future__ import annotations
 
@@ -50,12 +56,39 @@ class ModelShape:
                    lora_params_per_rank=n * sum(a + b for a, b in linears))
 
 
+# What each engine does with the training state, per GPU: shards (divides by the number of GPUs)
+# or offloads to CPU memory. Counted from the DeepSpeed ZeRO paper and docs and PyTorch FSDP's;
+# not yet measured.
+ENGINE_SHARDING = {
+    #                          parameters      gradients   optimizer state
+    "ddp":                     ("replica",     "replica",  "replica"),
+    "deepspeed-zero2":         ("replica",     "shard",    "shard"),
+    "deepspeed-zero2-offload": ("replica",     "shard",    "cpu"),
+    "deepspeed-zero3":         ("shard",       "shard",    "shard"),
+    "deepspeed-zero3-offload": ("cpu",         "shard",    "cpu"),
+    "fsdp":                    ("shard",       "shard",    "shard"),
+}
+TRAINED_STATE_BYTES = {
+    # per trained parameter: weights, gradients, optimizer state
+    "lora": (4, 4, 8),   # fp32 LoRA weights and gradients; AdamW's two fp32 moments
+    "full": (2, 2, 12),  # bf16 weights and gradients; fp32 master copy + two fp32 moments = 16
+}
+OFFLOAD_FP32_GRAD_BYTES = 4
+"""DeepSpeed's CPU optimizer steps on an fp32 copy of the gradients kept in CPU memory."""
+
+
 @dataclass
 class MemoryPlan:
     model: str
     quantization: str
     tokens_per_micro_batch: int
     parts_gib: dict = field(default_factory=dict)
+    gpus: int = 1
+    engine: str = "ddp"
+    cpu_parts_gib: dict = field(default_factory=dict)
+    """CPU memory for offloaded state, for all processes of the machine together."""
+    counted: bool = False
+    """True when the plan rests on counted, not measured, terms (several GPUs, engines, full)."""
     budget_gib: float | None = None
     longest_max_length: int | None = None
     """The longest max_length (micro-batch 1) that fits the budget with these settings."""
@@ -70,11 +103,23 @@ class MemoryPlan:
     def fits(self) -> bool | None:
         return None if self.budget_gib is None else self.total_gib <= self.budget_gib
 
+    @property
+    def cpu_total_gib(self) -> float:
+        return sum(self.cpu_parts_gib.values())
+
     def report(self) -> str:
         lines = [f"{self.model}, {self.quantization}, {self.tokens_per_micro_batch} tokens per "
                  f"micro-batch"]
+        if self.gpus > 1 or self.engine != "ddp":
+            lines[0] += f"; per GPU of {self.gpus}, engine {self.engine}"
+        if self.counted:
+            lines[0] += " (state terms counted, not yet measured)"
         lines += [f"  {name:<44} {gib:6.2f} GiB" for name, gib in self.parts_gib.items()]
         lines.append(f"  {'predicted peak (torch max_memory_reserved)':<44} {self.total_gib:6.2f} GiB")
+        if self.cpu_parts_gib:
+            lines.append("  CPU memory for offload (all processes together):")
+            lines += [f"    {name:<42} {gib:6.2f} GiB" for name, gib in self.cpu_parts_gib.items()]
+            lines.append(f"    {'total':<42} {self.cpu_total_gib:6.2f} GiB")
         if self.budget_gib is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(f"  {verdict} in {self.budget_gib:.1f} GiB (GPU memory - "
@@ -95,16 +140,23 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
     shape = ModelShape.from_config(known_model_config(size))
     length = min(config.data.max_length, longest_sample_tokens or config.data.max_length)
     tokens = length * config.train.micro_batch_size
-    plan = MemoryPlan(model=f"Qwen2.5-{size.upper()}", quantization=(
-        "QLoRA nf4" if config.model.quantization == "nf4" else "16-bit LoRA"),
-        tokens_per_micro_batch=tokens, parts_gib=_parts(shape, config, tokens))
+    plan = MemoryPlan(model=f"Qwen2.5-{size.upper()}", quantization=_method(config),
+                      tokens_per_micro_batch=tokens, gpus=config.train.gpus,
+                      engine=config.train.engine)
+    if _single_gpu_lora(config):
+        plan.parts_gib = _parts(shape, config, tokens)
+    else:
+        plan.parts_gib, plan.cpu_parts_gib = _distributed_parts(shape, config, tokens)
+        plan.counted = True
     if gpu_memory_gib:
         plan.budget_gib = gpu_memory_gib - CONTEXT_GIB
         plan.longest_max_length = _longest(shape, config, plan.budget_gib)
         if plan.longest_max_length:
             plan.fixes.append(f"--max-length {plan.longest_max_length}")
-        if config.model.quantization == "none":
+        if config.model.quantization == "none" and tuner_of(config) == "lora":
             plan.fixes.append("--quantization nf4 (QLoRA)")
+        if tuner_of(config) == "full" and config.train.engine != "deepspeed-zero3-offload":
+            plan.fixes.append("more --gpus with --engine deepspeed-zero3 (or -zero3-offload)")
         if config.train.micro_batch_size > 1:
             plan.fixes.append("--micro-batch-size 1 with a larger --grad-accum")
     return plan
@@ -132,7 +184,78 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int) -> dict:
     return parts
 
 
+def tuner_of(config: RunConfig) -> str:
+    return config.train.tuner
+
+
+def _method(config: RunConfig) -> str:
+    if tuner_of(config) == "full":
+        return "full fine-tuning (bf16 + fp32 AdamW)"
+    return "QLoRA nf4" if config.model.quantization == "nf4" else "16-bit LoRA"
+
+
+def _single_gpu_lora(config: RunConfig) -> bool:
+    """The measured, fitted case: LoRA on one GPU without an engine."""
+    t = config.train
+    return t.gpus == 1 and t.engine == "ddp" and tuner_of(config) == "lora"
+
+
+def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tuple[dict, dict]:
+    """Per-GPU parts and CPU (offload) parts for N GPUs and an engine. COUNTED, NOT MEASURED.
+
+    Parameters, gradients and optimizer state are each kept whole on every GPU (replica),
+    divided by N (shard) or moved to CPU memory (cpu) as ENGINE_SHARDING says. The activation
+    terms are the fitted single-GPU ones."""
+    n, engine, tuner = config.train.gpus, config.train.engine, tuner_of(config)
+    params_where, grads_where, optim_where = ENGINE_SHARDING[engine]
+    single = _parts(shape, config, tokens)
+    base_bytes = single.pop("weights") * GIB
+    single.pop("LoRA weights + gradients + Adam state (fp32)")
+    weight_b, grad_b, optim_b = TRAINED_STATE_BYTES[tuner]
+    trained = (shape.linear_params + shape.other_params if tuner == "full"
+               else shape.lora_params_per_rank * config.lora.rank)
+    # full fine-tuning trains the base weights themselves: they are the trained weights
+    params_bytes = base_bytes if tuner == "full" else base_bytes + trained * weight_b
+    grads_bytes, optim_bytes = trained * grad_b, trained * optim_b
+    gpu, cpu = {}, {}
+
+    def place(name: str, total_bytes: float, where: str):
+        if where == "cpu":
+            cpu[name] = total_bytes / GIB
+        else:
+            gpu[f"{name} ({'1/' + str(n) if where == 'shard' and n > 1 else 'whole'})"] = (
+                total_bytes / (n if where == "shard" else 1) / GIB)
+
+    place("weights" if tuner == "full" else "weights (16-bit base, fp32 LoRA)", params_bytes,
+          params_where)
+    place("gradients", grads_bytes, grads_where)
+    place("optimizer state" + (" (fp32 master + Adam)" if tuner == "full" else " (Adam)"),
+          optim_bytes, optim_where)
+    if optim_where == "cpu":
+        cpu["fp32 gradient copy for the CPU optimizer"] = trained * OFFLOAD_FP32_GRAD_BYTES / GIB
+    if engine == "ddp" and n > 1:
+        gpu["DDP buckets (a copy of the gradients)"] = grads_bytes / GIB
+    if params_where != "replica":
+        gpu["gathered parameters in flight"] = _gathered_bytes(shape, config) / GIB
+    return {**gpu, **single}, cpu
+
+
+def _gathered_bytes(shape: ModelShape, config: RunConfig) -> float:
+    """Sharded parameters are all-gathered for the layer that computes and the one prefetched,
+    or for the embedding / output head, whichever is larger (16-bit). Counted, not measured."""
+    per_layer = shape.linear_params / shape.layers * 2
+    embedding = shape.vocab * shape.hidden * 2
+    return max(2 * per_layer, embedding)
+
+
 def _longest(shape: ModelShape, config: RunConfig, budget_gib: float) -> int | None:
+    if not _single_gpu_lora(config):
+        fixed = _distributed_parts(shape, config, 0)[0]
+        per_token = sum(_distributed_parts(shape, config, 1)[0].values()) - sum(fixed.values())
+        room = budget_gib - sum(fixed.values())
+        if room <= 0 or per_token <= 0:
+            return None
+        return int(room / per_token / config.train.micro_batch_size) // 256 * 256 or None
     fixed = _parts(shape, config, 0)
     per_token = sum(_parts(shape, config, 1).values()) - sum(fixed.values())
     room = budget_gib - sum(fixed.values())

@@ -98,18 +98,25 @@ def choose_precision(requested: str) -> Precision:
     return Precision(name=name, bf16=name == "bf16", fp16=name == "fp16")
 
 
-def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = True):
-    """The base model on the right device, in the chosen precision (or 4-bit nf4 for QLoRA)."""
+def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = True,
+                    fp32_master_weights: bool = False, sharded: bool = False):
+    """The base model on the right device, in the chosen precision (or 4-bit nf4 for QLoRA).
+
+    With several processes each loads onto its own GPU (LOCAL_RANK). fp32_master_weights (full
+    fine-tuning): load fp32 weights whatever the precision; the Trainer computes in bf16 under
+    autocast (DeepSpeed keeps its own bf16 copy and fp32 master). sharded (ZeRO-3, FSDP): no
+    device_map; the engine places (and ZeRO-3 partitions while loading) the weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = locate_model(args.name)
     check_remote_code(path, args.trust_remote_code)
-    kwargs = {"dtype": precision.torch_dtype, "trust_remote_code": args.trust_remote_code,
+    dtype = torch.float32 if fp32_master_weights else precision.torch_dtype
+    kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code,
               "attn_implementation": args.attn_implementation}
     if args.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(precision)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not sharded:
         kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
     elif args.quantization == "nf4":
         kwargs["device_map"] = "cpu"
@@ -163,6 +170,24 @@ def nf4_config(precision: Precision):
     compute = precision.torch_dtype if precision.name != "fp32" else torch.float32
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
+
+
+def check_full_finetuning_precision(precision: Precision) -> None:
+    """--tuner full never trains in fp16 (--dtype auto picks fp16 on GPUs without bf16)."""
+    if precision.name == "fp16":
+        raise ModelError("--tuner full: this GPU has no bf16, and full fine-tuning in fp16 is "
+                         "refused (Qwen2.5's activations overflow fp16 and whole-model updates "
+                         "diverge). Use a GPU with bf16 (Ampere or newer), --dtype fp32, or "
+                         "--tuner lora.")
+
+
+def prepare_full_finetuning(model, gradient_checkpointing: bool):
+    """Every weight trains (full fine-tuning); activations are recomputed if asked."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for param in model.parameters():
+        param.requires_grad_(True)
+    return model
 
 
 def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool):

@@ -4,16 +4,24 @@ output/<run-name>/
   config.yaml            the resolved config and where each value came from
   adapter/               final adapter (adapter_config.json, adapter_model.safetensors)
                          plus tokenizer files and chat template
+  model/                 (--tuner full, instead of adapter/) the whole model as safetensors,
+                         loadable with from_pretrained, plus tokenizer files
   checkpoint-<step>/     intermediate adapters and trainer state (for resume), with a
                          manifest.json of sha256 sums written last (lora_lab.checkpoint)
   logs/                  TensorBoard events, train_log.jsonl, data_problems.jsonl
   run_summary.json       steps, losses, samples, time
+  launch/                (--gpus N, lora_lab.launch) how the worker processes were launched
+
+With several processes (accelerate launch) every rank trains and reads the run folder, but only
+rank 0 (the main process) writes into it: config.yaml, logs, checkpoint manifests and renames,
+the adapter and run_summary.json. Ranks wait for each other where one reads what another wrote.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -28,17 +36,22 @@ from .checkpoint import (OOM_SOURCE, check_drift, checkpoint_step, data_fingerpr
 from .config import RunConfig, save_config
 from .data import IGNORE_INDEX, PreparedData, prepare_data
 from .errors import CheckpointError, ConfigError, LoraLabError, TrainingError
-from .model import (Precision, apply_lora, check_remote_code, choose_precision, load_base_model,
-                    load_tokenizer, locate_model)
+from .model import (Precision, apply_lora, check_full_finetuning_precision, check_remote_code,
+                    choose_precision, load_base_model, load_tokenizer, locate_model,
+                    prepare_full_finetuning)
 from .trainer import LoraLabTrainer, NonFiniteGuard, ensure_finite
 
 log = logging.getLogger("lora_lab")
+LAUNCH_FOLDER = "launch"
+SHARDED_ENGINES = ("deepspeed-zero3", "deepspeed-zero3-offload", "fsdp")
+"""Engines that shard the parameters themselves: the model is loaded without a device_map."""
 
 
 @dataclass
 class TrainResult:
     run_dir: Path
-    adapter_dir: Path
+    adapter_dir: Path | None
+    """adapter/ of a LoRA run (None for --tuner full)."""
     global_step: int
     train_loss: float
     eval_loss: float | None
@@ -46,6 +59,8 @@ class TrainResult:
     trained_tokens: int
     seconds: float
     nonfinite_skipped_steps: list
+    model_dir: Path | None = None
+    """model/ of a --tuner full run: loadable with from_pretrained."""
 
 
 def default_run_name(config: RunConfig) -> str:
@@ -69,7 +84,8 @@ def locate_run_dir(config: RunConfig) -> Path:
 
 
 def holds_run(run_dir: Path) -> bool:
-    return (run_dir / "adapter").exists() or any(run_dir.glob("checkpoint-*"))
+    return ((run_dir / "adapter").exists() or (run_dir / "model").exists()
+            or any(run_dir.glob("checkpoint-*")))
 
 
 def check_run_dir(run_dir: Path, config: RunConfig, resume_from: Path | None) -> None:
@@ -152,9 +168,33 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         save_strategy="steps", save_steps=t.save_steps, save_total_limit=t.save_total_limit,
         eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
         seed=t.seed, data_seed=t.seed, report_to="none", remove_unused_columns=False,
-        dataloader_num_workers=0, use_cpu=precision.name == "fp32" and not _cuda(),
-        gradient_checkpointing=False,  # enabled on the base model in apply_lora
+        dataloader_num_workers=0, use_cpu=_use_cpu(precision),
+        gradient_checkpointing=False,  # enabled on the model (apply_lora, prepare_full_finetuning)
+        ddp_find_unused_parameters=False,  # every trainable tensor takes part in every step
+        deepspeed=deepspeed_config_path(config, run_dir),
     )
+
+
+def deepspeed_config_path(config: RunConfig, run_dir: Path) -> str | None:
+    """The filled-in DeepSpeed config the launcher wrote (lora_lab.launch), if any."""
+    if not config.train.engine.startswith("deepspeed"):
+        return None
+    return str(run_dir / LAUNCH_FOLDER / "deepspeed.json")
+
+
+def _use_cpu(precision: Precision) -> bool:
+    return precision.name == "fp32" and not _cuda()
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def distributed_state(precision: Precision):
+    """accelerate's process state, set up as the Trainer will (gloo on CPU, NCCL on GPUs)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=_use_cpu(precision))
 
 
 def _cuda() -> bool:
@@ -248,6 +288,9 @@ def train(config: RunConfig, echo=print) -> TrainResult:
     """
     started = time.time()
     precision = choose_precision(config.model.dtype)
+    if config.train.tuner == "full":
+        check_full_finetuning_precision(precision)
+    state = distributed_state(precision)
     check_remote_code(locate_model(config.model.name), config.model.trust_remote_code)
     run_dir = locate_run_dir(config)
     resume_from = resolve_resume(config.train.resume, run_dir, echo) if config.train.resume \
@@ -258,22 +301,32 @@ def train(config: RunConfig, echo=print) -> TrainResult:
     report_data(data, config.data.max_length, echo)
     check_gpu_memory(config, data, echo)
     fingerprint = data_fingerprint(data.train.samples)
-    open_run_dir(config, run_dir, data, resume_from, fingerprint, echo)
+    open_run_dir(config, run_dir, data, resume_from, fingerprint, echo, state.is_main_process)
+    state.wait_for_everyone()
     trainer, output = train_with_oom_retry(config, data, tokenizer, precision, run_dir,
                                            resume_from, fingerprint, echo)
     eval_loss = trainer.evaluate()["eval_loss"] if data.val else None
-    adapter_dir = run_dir / "adapter"
-    ensure_finite(trainer.model, "the adapter")
-    trainer.model.save_pretrained(adapter_dir, safe_serialization=True)
-    tokenizer.save_pretrained(adapter_dir)
-    result = TrainResult(run_dir=run_dir, adapter_dir=adapter_dir,
+    full = config.train.tuner == "full"
+    saved_dir = run_dir / ("model" if full else "adapter")
+    ensure_finite(trainer.model, "the model" if full else "the adapter")
+    if full and precision.name == "bf16" and config.train.engine == "ddp":
+        trainer.model.to(precision.torch_dtype)  # trained on fp32 master weights; saved in bf16
+    # Trainer.save_model gathers sharded weights (ZeRO-3, FSDP) and writes on rank 0 only:
+    # adapter (or model) files and tokenizer, plus a pickled training_args.bin that is removed.
+    trainer.save_model(str(saved_dir))
+    if state.is_main_process:
+        (saved_dir / "training_args.bin").unlink(missing_ok=True)
+    result = TrainResult(run_dir=run_dir, adapter_dir=None if full else saved_dir,
+                         model_dir=saved_dir if full else None,
                          global_step=trainer.state.global_step,
                          train_loss=float(output.training_loss), eval_loss=eval_loss,
                          train_samples=len(data.train.samples),
                          trained_tokens=sum(s.trained_tokens for s in data.train.samples),
                          seconds=round(time.time() - started, 1),
                          nonfinite_skipped_steps=trainer.guard.skipped_steps)
-    write_summary(result, trainer)
+    if state.is_main_process:
+        write_summary(result, trainer)
+    state.wait_for_everyone()
     if result.nonfinite_skipped_steps:
         echo(f"warning: skipped {len(result.nonfinite_skipped_steps)} update(s) with a NaN or "
              f"inf loss or gradient, at steps {result.nonfinite_skipped_steps}")
@@ -296,11 +349,15 @@ def check_gpu_memory(config: RunConfig, data: PreparedData, echo) -> None:
 
 
 def open_run_dir(config: RunConfig, run_dir: Path, data: PreparedData, resume_from: Path | None,
-                 fingerprint: dict, echo=print) -> None:
-    """Refuse drift, then (re)write config.yaml and the data report; trim the step log."""
+                 fingerprint: dict, echo=print, is_main_process: bool = True) -> None:
+    """Refuse drift, then (re)write config.yaml and the data report; trim the step log.
+
+    Every rank checks (so that all of them stop on drift); only the main process writes."""
     if resume_from is not None:
         for change in check_drift(run_dir, resume_from, config, fingerprint, echo):
             echo(f"warning: --allow-config-change: {change}")
+    if not is_main_process:
+        return
     create_run_dir(run_dir)
     save_config(config, run_dir / "config.yaml")
     write_data_problems(run_dir, data)
@@ -323,18 +380,29 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
     from transformers import set_seed
 
     set_seed(config.train.seed)  # the LoRA initialisation is part of the run's seed
-    model = load_base_model(config.model, precision)
-    if config.model.quantization == "nf4":
-        model = prepare_quantized_for_training(model)
-    model = apply_lora(model, config.lora, config.train.gradient_checkpointing)
-    trainable, total = model.get_nb_trainable_parameters()
-    echo(f"precision {precision.name}; LoRA r={config.lora.rank} alpha={config.lora.alpha}: "
-         f"{trainable:,} trainable of {total:,} parameters")
     total_steps = count_optimizer_steps(config, len(data.train.samples))
+    # TrainingArguments first: with ZeRO-3 they must exist when the model loads, so that
+    # transformers partitions the weights while loading (HfDeepSpeedConfig).
+    args = build_training_arguments(config, run_dir, precision, total_steps, data.val is not None)
+    full = config.train.tuner == "full"
+    model = load_base_model(config.model, precision, fp32_master_weights=full,
+                            sharded=config.train.engine in SHARDED_ENGINES)
+    if full:
+        model = prepare_full_finetuning(model, config.train.gradient_checkpointing)
+        total = sum(p.numel() for p in model.parameters())
+        echo(f"precision {precision.name} (fp32 master weights); full fine-tuning: all "
+             f"{total:,} parameters train")
+    else:
+        if config.model.quantization == "nf4":
+            model = prepare_quantized_for_training(model)
+        model = apply_lora(model, config.lora, config.train.gradient_checkpointing)
+        trainable, total = model.get_nb_trainable_parameters()
+        echo(f"precision {precision.name}; LoRA r={config.lora.rank} alpha={config.lora.alpha}: "
+             f"{trainable:,} trainable of {total:,} parameters")
     guard = NonFiniteGuard(config.train.on_nonfinite, precision.name, run_dir, echo)
     return LoraLabTrainer(
         model=model,
-        args=build_training_arguments(config, run_dir, precision, total_steps, data.val is not None),
+        args=args,
         train_dataset=SupervisedDataset(data.train.samples),
         eval_dataset=SupervisedDataset(data.val.samples) if data.val else None,
         data_collator=PadCollator(tokenizer.pad_token_id),
@@ -364,6 +432,14 @@ def train_with_oom_retry(config: RunConfig, data: PreparedData, tokenizer, preci
             return trainer, output
         except torch.cuda.OutOfMemoryError:
             step = trainer.state.global_step + 1
+            if world_size() > 1:
+                raise TrainingError(
+                    f"out of GPU memory at step {step} in one of {world_size()} processes "
+                    f"(--micro-batch-size {config.train.micro_batch_size}); with several GPUs "
+                    f"lora-lab does not retry. Continue with --micro-batch-size "
+                    f"{max(1, config.train.micro_batch_size // 2)} and a doubled --grad-accum "
+                    f"(--resume auto), or an engine that shards more (--engine "
+                    f"deepspeed-zero3).") from None
         trainer = None
         release_memory()
         shrink_batch_after_oom(config, step, precision, echo)

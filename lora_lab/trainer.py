@@ -169,20 +169,36 @@ class FaultHooks(TrainerCallback):
     LORA_LAB_TEST_NAN_STEP=S     multiply the loss of step S by NaN (its gradients follow)
     LORA_LAB_TEST_TRACE=FILE     append one JSON line per micro-batch: step, micro-batch, a hash
                                  of its input_ids and of the CPU RNG state, the exact loss
+    LORA_LAB_TEST_WEIGHTS=FILE   at the end of training, every process appends one JSON line:
+                                 its rank and a sha256 of its trainable weights (exact bytes)
     """
 
-    def __init__(self, kill: str | None, nan_step: int | None, trace: str | None):
-        self.kill, self.nan_step, self.trace = kill, nan_step, trace
+    def __init__(self, kill: str | None, nan_step: int | None, trace: str | None,
+                 weights: str | None = None):
+        self.kill, self.nan_step, self.trace, self.weights = kill, nan_step, trace, weights
         self.step, self.micro_batch = 0, 0
 
     @classmethod
     def from_env(cls) -> FaultHooks:
         nan_step = os.environ.get("LORA_LAB_TEST_NAN_STEP")
         return cls(os.environ.get("LORA_LAB_TEST_KILL"), int(nan_step) if nan_step else None,
-                   os.environ.get("LORA_LAB_TEST_TRACE"))
+                   os.environ.get("LORA_LAB_TEST_TRACE"), os.environ.get("LORA_LAB_TEST_WEIGHTS"))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.micro_batch = 0
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if not self.weights or model is None:
+            return
+        digest = hashlib.sha256()
+        for name, param in sorted(model.named_parameters()):
+            if param.requires_grad:
+                digest.update(name.encode())
+                digest.update(param.detach().float().cpu().numpy().tobytes())
+        line = json.dumps({"rank": args.process_index, "world_size": args.world_size,
+                           "sha256": digest.hexdigest()}) + "\n"
+        with open(self.weights, "a") as handle:
+            handle.write(line)
 
     def kill_point(self, name: str) -> None:
         if self.kill == name:

@@ -20,3 +20,11 @@ def test_finetune_builds_the_run_command():
                   "MODEL=qwen2.5-1.5b", "PRESET=16gb")
     assert "lora-lab run --preset 16gb --model qwen2.5-1.5b --data a.jsonl --data b.jsonl" in (
         result.stdout)
+
+
+def test_finetune_passes_gpus_and_engine():
+    result = make("-n", "finetune", "-o", ".install.stamp", "DATA=a.jsonl", "GPUS=2",
+                  "ENGINE=deepspeed-zero3")
+    assert "--data a.jsonl --gpus 2 --engine deepspeed-zero3" in result.stdout
+    plain = make("-n", "finetune", "-o", ".install.stamp", "DATA=a.jsonl")
+    assert plain.stdout.strip().endswith("--data a.jsonl --gpus 1")

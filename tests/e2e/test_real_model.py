@@ -57,16 +57,21 @@ def test_adapter_answers_with_the_new_identity(identity_run):
     assert NAME in ask(tuned, tokenizer, "你是谁？")
 
 
-def test_merged_model_keeps_the_identity_through_infer(identity_run, tmp_path):
+@pytest.fixture(scope="module")
+def merged_dir(identity_run, tmp_path_factory):
     run_dir, _ = identity_run
-    merged = tmp_path / "merged"
+    merged = tmp_path_factory.mktemp("merged") / "merged"
     result = invoke("merge", run_dir, "--output", merged)
     assert "vllm serve" in result.output and "--max-lora-rank 8" in result.output
-    report = json.loads((merged / "merge_report.json").read_text())
+    return merged
+
+
+def test_merged_model_keeps_the_identity_through_infer(merged_dir, tmp_path):
+    report = json.loads((merged_dir / "merge_report.json").read_text())
     assert report["dtype"] == "bf16" and report["top1_agreement"] >= 0.95
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"query": "Who are you?"},
                                                  {"query": "What is your name?"}])
-    invoke("infer", "--model", merged, "--input", prompts, "--output", tmp_path / "a.jsonl",
+    invoke("infer", "--model", merged_dir, "--input", prompts, "--output", tmp_path / "a.jsonl",
            "--greedy", "--max-new-tokens", 48)
     answers = [json.loads(line)["answer"] for line in (tmp_path / "a.jsonl").open()]
     assert all(NAME in answer for answer in answers), answers
@@ -82,12 +87,11 @@ def _read_until(fd, marker: str, timeout: float) -> str:
     return text
 
 
-def test_chat_in_a_terminal_compares_base_and_fine_tuned(identity_run):
-    run_dir, _ = identity_run
+def _chat_screen(*args: str) -> str:
+    """Run `lora-lab chat ARGS` on a pseudo-terminal, ask "Who are you?", return the answer."""
     leader, follower = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "lora_lab", "chat", "--run", str(run_dir), "--compare",
-         "--greedy", "--max-new-tokens", "40"],
+        [sys.executable, "-m", "lora_lab", "chat", *args, "--greedy", "--max-new-tokens", "40"],
         stdin=follower, stdout=follower, stderr=follower, close_fds=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     os.close(follower)
@@ -95,12 +99,22 @@ def test_chat_in_a_terminal_compares_base_and_fine_tuned(identity_run):
         _read_until(leader, ">>> ", 180)
         os.write(leader, b"Who are you?\n")
         screen = _read_until(leader, ">>> ", 180)
-        base_part = screen.split("[base]")[1].split("[fine-tuned]")[0]
-        tuned_part = screen.split("[fine-tuned]")[1]
-        assert "Qwen" in base_part and NAME not in base_part, screen
-        assert NAME in tuned_part, screen
         os.write(leader, b"/quit\n")
         assert process.wait(timeout=60) == 0
+        return screen
     finally:
         process.kill()
         os.close(leader)
+
+
+def test_chat_with_the_merged_model_in_a_terminal(merged_dir):
+    assert NAME in _chat_screen("--model", str(merged_dir))
+
+
+def test_chat_compare_shows_base_and_fine_tuned(identity_run):
+    run_dir, _ = identity_run
+    screen = _chat_screen("--run", str(run_dir), "--compare")
+    base_part = screen.split("[base]")[1].split("[fine-tuned]")[0]
+    tuned_part = screen.split("[fine-tuned]")[1]
+    assert "Qwen" in base_part and NAME not in base_part, screen
+    assert NAME in tuned_part, screen

@@ -166,3 +166,30 @@ def test_step_log_is_trimmed_to_the_resumed_step(tmp_path):
                    + '{"step": 6, "lo')  # the line the kill cut short
     trim_step_log(log, 3)
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
+
+
+def _checkpoint_with(run_dir, step, names):
+    staging = staging_dir(run_dir, step)
+    staging.mkdir(parents=True)
+    for name in names:
+        (staging / name).parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith((".pt", ".pth")):
+            torch.save({"step": step}, staging / name)
+        else:
+            (staging / name).write_text("{}")
+    write_manifest(staging, step, None)
+    return commit_checkpoint(staging, run_dir / f"checkpoint-{step}")
+
+
+def test_full_fine_tuning_and_engine_checkpoints_are_complete_in_their_own_layout(tmp_path):
+    state = ["trainer_state.json", "scheduler.pt"]
+    full = _checkpoint_with(tmp_path, 1, ["config.json", "model.safetensors", "optimizer.pt",
+                                          "rng_state_0.pth", "rng_state_1.pth", *state])
+    assert checkpoint_problems(full) == []
+    sharded = _checkpoint_with(tmp_path, 2, ["config.json", "model.safetensors.index.json",
+                                             "model-00001-of-00002.safetensors", "latest",
+                                             "rng_state.pth", *state])
+    assert checkpoint_problems(sharded) == []  # DeepSpeed: latest + global_stepN/, no optimizer.pt
+    missing = _checkpoint_with(tmp_path, 3, ["config.json", "rng_state.pth", *state])
+    assert {p.rsplit("/", 1)[-1] for p in checkpoint_problems(missing)} == {
+        "model.safetensors is missing from the manifest", "optimizer.pt is missing from the manifest"}

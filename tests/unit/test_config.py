@@ -116,3 +116,20 @@ def test_saved_config_round_trips(tmp_path):
     again = load_saved_config(tmp_path / "config.yaml")
     assert again.to_dict() == config.to_dict()
     assert again.sources["lora.rank"] == "--lora-rank"
+
+
+def test_tuner_full_defaults_and_refusals():
+    from lora_lab.errors import ConfigError, ModelError
+    from lora_lab.model import Precision, check_full_finetuning_precision
+
+    flags = {"data.datasets": ["x"], "train.tuner": "full"}
+    config = resolve_config("24gb", flags=flags)
+    assert config.train.lr == 1e-5 and config.sources["train.lr"] == "--tuner full default"
+    assert resolve_config("24gb", flags={**flags, "train.lr": 3e-5}).train.lr == 3e-5
+    assert resolve_config("24gb", flags={"data.datasets": ["x"]}).train.tuner == "lora"
+    with pytest.raises(ConfigError, match=r"--tuner full: full fine-tuning in fp16 is refused"):
+        resolve_config("24gb", flags={**flags, "model.dtype": "fp16"})
+    with pytest.raises(ConfigError, match=r"--tuner full: .*Drop --quantization nf4"):
+        resolve_config("24gb", flags={**flags, "model.quantization": "nf4"})
+    with pytest.raises(ModelError, match="this GPU has no bf16"):
+        check_full_finetuning_precision(Precision("fp16", fp16=True))

@@ -1,0 +1,182 @@
+"""Several GPUs: relaunch the same run through `accelerate launch`, one process per GPU.
+
+`lora-lab run --gpus N [--engine E]` resolves the config once, fixes the run folder, writes
+
+    RUN_DIR/launch/run_config.yaml    the resolved config (the workers read it with --config)
+    RUN_DIR/launch/accelerate.yaml    presets/engines/<engine> filled in: processes, precision
+    RUN_DIR/launch/deepspeed.json     (DeepSpeed engines) presets/engines/<engine>.json with
+                                      micro-batch, gradient accumulation, global batch,
+                                      clipping and precision taken from the run config
+
+and runs `python -m accelerate.commands.launch ... --module lora_lab run --preset P --config
+RUN_DIR/launch/run_config.yaml`. Each worker trains with transformers' Trainer, which picks up the
+engine from accelerate; only rank 0 writes into the run folder (lora_lab.train).
+
+Without a CUDA GPU the workers are CPU processes talking over gloo (ddp only): that is how the
+tests exercise this path. accelerate's own `--cpu` flag starts a single process unless MPI is
+set up, so on CPU the launch goes through its torchrun-based launcher, and each worker's
+TrainingArguments(use_cpu=True) selects gloo.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from .config import RunConfig, presets_dir, save_config
+from .errors import LoraLabError, TrainingError
+from .train import (LAUNCH_FOLDER, TrainResult, check_run_dir, locate_run_dir, resolve_resume)
+
+DEEPSPEED_ENGINES = ("deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
+                     "deepspeed-zero3-offload")
+
+
+def in_launched_worker() -> bool:
+    """True inside a process started by accelerate launch / torchrun."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def needs_launch(config: RunConfig) -> bool:
+    """Several processes, or an engine other than plain single-process training."""
+    wants = config.train.gpus > 1 or config.train.engine != "ddp"
+    return wants and not in_launched_worker()
+
+
+def engine_template(engine: str) -> Path:
+    suffix = ".json" if engine in DEEPSPEED_ENGINES else ".yaml"
+    return presets_dir() / "engines" / f"{engine}{suffix}"
+
+
+def check_engine(config: RunConfig, cuda_gpus: int) -> None:
+    """Refuse, before anything starts, an engine this machine cannot run."""
+    engine, gpus = config.train.engine, config.train.gpus
+    if engine in DEEPSPEED_ENGINES and importlib.util.find_spec("deepspeed") is None:
+        raise LoraLabError(f"--engine {engine} needs DeepSpeed, which is not installed: "
+                           f"pip install deepspeed (on the machine with the GPUs), or use "
+                           f"--engine ddp or --engine fsdp.")
+    if cuda_gpus == 0 and engine != "ddp":
+        raise LoraLabError(f"--engine {engine} needs CUDA GPUs; this machine has none. Without "
+                           f"a GPU, --gpus {gpus} runs CPU processes with --engine ddp.")
+    if cuda_gpus and gpus > cuda_gpus:
+        raise LoraLabError(f"--gpus {gpus}: this machine has {cuda_gpus} CUDA GPU(s). Pass "
+                           f"--gpus {cuda_gpus} or fewer.")
+    if config.model.quantization == "nf4" and engine != "ddp":
+        raise LoraLabError(f"--engine {engine} with --quantization nf4: 4-bit weights cannot be "
+                           f"sharded by lora-lab's engines; use --engine ddp for QLoRA.")
+    if not engine_template(engine).is_file():
+        raise LoraLabError(f"--engine {engine}: its config {engine_template(engine)} is missing.")
+
+
+def mixed_precision_of(precision_name: str) -> str:
+    return {"bf16": "bf16", "fp16": "fp16"}.get(precision_name, "no")
+
+
+def fill_deepspeed_config(template: dict, config: RunConfig, precision_name: str) -> dict:
+    """The DeepSpeed config with every batch and precision value taken from the run config."""
+    t = config.train
+    filled = json.loads(json.dumps(template))
+    filled["train_micro_batch_size_per_gpu"] = t.micro_batch_size
+    filled["gradient_accumulation_steps"] = t.grad_accum
+    filled["train_batch_size"] = t.micro_batch_size * t.grad_accum * t.gpus
+    filled["gradient_clipping"] = t.max_grad_norm
+    filled.setdefault("bf16", {})["enabled"] = precision_name == "bf16"
+    filled.setdefault("fp16", {})["enabled"] = precision_name == "fp16"
+    return filled
+
+
+def write_launch_files(config: RunConfig, run_dir: Path, precision_name: str) -> Path:
+    """Write RUN_DIR/launch/*; returns the accelerate config to launch with."""
+    folder = run_dir / LAUNCH_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    save_config(config, folder / "run_config.yaml")
+    engine = config.train.engine
+    if engine in DEEPSPEED_ENGINES:
+        template = json.loads(engine_template(engine).read_text())
+        filled = fill_deepspeed_config(template, config, precision_name)
+        (folder / "deepspeed.json").write_text(json.dumps(filled, indent=2) + "\n")
+        accelerate = {
+            "compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED",
+            "deepspeed_config": {
+                "deepspeed_config_file": str((folder / "deepspeed.json").resolve()),
+                "zero3_init_flag": filled["zero_optimization"]["stage"] == 3},
+            # no mixed_precision here: with a DeepSpeed file, accelerate takes it from the file
+            "num_machines": 1, "machine_rank": 0, "rdzv_backend": "static",
+            "same_network": True, "use_cpu": False}
+    else:
+        accelerate = yaml.safe_load(engine_template(engine).read_text())
+        accelerate["mixed_precision"] = mixed_precision_of(precision_name)
+    accelerate["num_processes"] = config.train.gpus
+    path = folder / "accelerate.yaml"
+    header = (f"# written by lora-lab from {engine_template(engine).name}: num_processes and "
+              f"precision come from the run config\n")
+    path.write_text(header + yaml.safe_dump(accelerate, sort_keys=False))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_command(config: RunConfig, run_dir: Path, accelerate_config: Path,
+                   port: int | None = None) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(accelerate_config),
+            "--num_processes", str(config.train.gpus),
+            "--main_process_port", str(port or free_port()),
+            "--module", "lora_lab", "run", "--preset", config.preset,
+            "--config", str(run_dir / LAUNCH_FOLDER / "run_config.yaml")]
+
+
+def prepare_launch(config: RunConfig, echo=print) -> tuple[list[str], Path]:
+    """Check the engine, fix the run folder and write the launch files; returns the command."""
+    import torch
+
+    from .model import choose_precision
+
+    precision = choose_precision(config.model.dtype)  # the same choice every worker makes
+    check_engine(config, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    run_dir = locate_run_dir(config)  # fixes run_name: every worker writes to the same folder
+    resume_from = resolve_resume(config.train.resume, run_dir, lambda *_: None) \
+        if config.train.resume else None
+    check_run_dir(run_dir, config, resume_from)
+    accelerate_config = write_launch_files(config, run_dir, precision.name)
+    return launch_command(config, run_dir, accelerate_config), run_dir
+
+
+def launch_run(config: RunConfig, echo=print) -> TrainResult:
+    """Run `config` as train.gpus processes under accelerate; returns rank 0's result."""
+    command, run_dir = prepare_launch(config, echo)
+    where = "CUDA GPUs" if _cuda() else "CPU processes (gloo)"
+    echo(f"launching {config.train.gpus} {where} with engine {config.train.engine}:\n  "
+         f"{shlex.join(command)}")
+    completed = subprocess.run(command, env=os.environ.copy())
+    if completed.returncode != 0:
+        raise TrainingError(f"--gpus {config.train.gpus}: the launched run failed (exit status "
+                            f"{completed.returncode}); the workers' messages are above. The "
+                            f"launch files are in {run_dir / LAUNCH_FOLDER}.")
+    return read_result(run_dir)
+
+
+def read_result(run_dir: Path) -> TrainResult:
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    fields = TrainResult.__dataclass_fields__
+    values = {k: v for k, v in summary.items() if k in fields}
+    for key in ("run_dir", "adapter_dir", "model_dir"):
+        if values.get(key) is not None:
+            values[key] = Path(values[key])
+    return TrainResult(**values)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

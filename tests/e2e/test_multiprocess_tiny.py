@@ -1,0 +1,132 @@
+"""`lora-lab run --gpus 2` on CPU: two gloo processes launched through accelerate, the same path
+a two-GPU run takes. Both ranks must end with the same adapter, the loss must match one process
+at the same effective batch, and only rank 0 may write into the run folder."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from lora_lab.checkpoint import checkpoint_problems
+from lora_lab.cli import main
+from tests.conftest import write_jsonl
+from tests.e2e.test_run_tiny import ADAPTER_FILES, CHECKPOINT_FILES
+
+ROOT = Path(__file__).resolve().parents[2]
+# micro-batch 2 x 2 processes = micro-batch 4 in one process; no dropout, so the two runs see the
+# same samples in the same order and compute the same updates (up to float summation order).
+COMMON = ["--data", None, "--max-steps", "4", "--grad-accum", "2", "--save-steps", "2",
+          "--logging-steps", "1", "--lora-rank", "4", "--lora-dropout", "0", "--seed", "7",
+          "--lr", "1e-3"]
+
+
+def _args(data: Path, out: Path, name: str, micro_batch: int, *extra) -> list:
+    args = [str(data) if a is None else a for a in COMMON]
+    return args + ["--micro-batch-size", str(micro_batch), "--output-dir", str(out),
+                   "--run-name", name, *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("multi")
+    rows = [{"query": f"Question {i}?", "response": f"Answer number {i}."} for i in range(24)]
+    data = write_jsonl(out / "qa.jsonl", rows)
+    weights = out / "weights.jsonl"
+    env = {**os.environ, "LORA_LAB_TEST_WEIGHTS": str(weights), "HF_HUB_OFFLINE": "1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    two = subprocess.run([sys.executable, "-m", "lora_lab", "run", "--model",
+                          str(tiny_model_dir), *_args(data, out, "two", 2, "--gpus", "2")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    one = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir),
+                                    *_args(data, out, "one", 4)], catch_exceptions=False)
+    assert one.exit_code == 0, one.output
+    return {"two": out / "two", "one": out / "one", "weights": weights, "output": two.stdout,
+            "env": env, "data": data, "out": out, "model": tiny_model_dir}
+
+
+def _losses(run_dir: Path) -> list:
+    lines = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").open()]
+    return [(line["step"], line["loss"]) for line in lines if "loss" in line]
+
+
+def test_launched_through_accelerate_with_two_gloo_processes(runs):
+    assert "launching 2 CPU processes (gloo) with engine ddp" in runs["output"]
+    assert "accelerate.commands.launch" in runs["output"] and "--num_processes 2" in runs["output"]
+    launch = yaml.safe_load((runs["two"] / "launch" / "accelerate.yaml").read_text())
+    assert launch["num_processes"] == 2 and launch["mixed_precision"] == "no"
+
+
+def test_both_ranks_trained_the_same_adapter(runs):
+    lines = [json.loads(line) for line in runs["weights"].read_text().splitlines()]
+    two = [line for line in lines if line["world_size"] == 2]
+    assert sorted(line["rank"] for line in two) == [0, 1]
+    assert two[0]["sha256"] == two[1]["sha256"]
+
+
+def test_loss_and_adapter_match_one_process_at_the_same_effective_batch(runs):
+    import torch
+    from safetensors.torch import load_file
+
+    one, two = _losses(runs["one"]), _losses(runs["two"])
+    assert [s for s, _ in two] == [s for s, _ in one] == [1, 2, 3, 4]
+    for (_, a), (_, b) in zip(one, two):
+        assert b == pytest.approx(a, rel=1e-4)
+    assert one[-1][1] != one[0][1]  # it trained
+    a = load_file(runs["one"] / "adapter" / "adapter_model.safetensors")
+    b = load_file(runs["two"] / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
+
+
+def test_only_rank_0_wrote_the_run_folder(runs):
+    run_dir = runs["two"]
+    assert {p.name for p in run_dir.iterdir()} == {"config.yaml", "adapter", "logs", "launch",
+                                                   "run_summary.json", "checkpoint-2",
+                                                   "checkpoint-4"}
+    assert {p.name for p in (run_dir / "adapter").iterdir()} == ADAPTER_FILES
+    per_rank = CHECKPOINT_FILES - {"rng_state.pth"} | {"rng_state_0.pth", "rng_state_1.pth"}
+    for step in (2, 4):
+        assert {p.name for p in (run_dir / f"checkpoint-{step}").iterdir()} == per_rank
+        assert checkpoint_problems(run_dir / f"checkpoint-{step}") == []
+    assert {p.name for p in (run_dir / "launch").iterdir()} == {"accelerate.yaml",
+                                                                "run_config.yaml"}
+    logs = sorted(p.name for p in (run_dir / "logs").iterdir())
+    assert [n for n in logs if not n.startswith("events.out.tfevents")] == [
+        "data_problems.jsonl", "train_log.jsonl"]
+    assert len(logs) == 3  # one TensorBoard file: rank 1 wrote none
+    steps = [json.loads(line)["step"] for line in (run_dir / "logs" / "train_log.jsonl").open()]
+    assert steps == sorted(steps) and len([s for s in _losses(run_dir)]) == 4  # no duplicates
+
+
+def test_run_config_keeps_where_values_came_from(runs):
+    saved = yaml.safe_load((runs["two"] / "config.yaml").read_text())
+    assert saved["train"]["gpus"] == 2 and saved["train"]["engine"] == "ddp"
+    assert saved["train"]["micro_batch_size"] == 2
+    assert saved["resolved_from"]["train.gpus"] == "--gpus"
+    assert saved["resolved_from"]["data.max_length"] == "preset cpu"
+    summary = json.loads((runs["two"] / "run_summary.json").read_text())
+    assert summary["global_step"] == 4 and summary["train_samples"] == 24
+
+
+def test_a_killed_two_process_run_resumes_exactly(runs):
+    """Both ranks are killed before step 3; --resume auto continues from checkpoint-2 (both
+    ranks' RNG states) and ends with the losses of the run that was never interrupted."""
+    command = [sys.executable, "-m", "lora_lab", "run", "--model", str(runs["model"]),
+               *_args(runs["data"], runs["out"], "killed", 2, "--gpus", "2")]
+    killed = subprocess.run(command, cwd=ROOT, env={**runs["env"], "LORA_LAB_TEST_KILL":
+                                                    "step:3:1"},
+                            capture_output=True, text=True, timeout=400)
+    assert killed.returncode == 2 and "the launched run failed" in killed.stderr
+    run_dir = runs["out"] / "killed"
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-2"]
+    resumed = subprocess.run(command + ["--resume", "auto"], cwd=ROOT, env=runs["env"],
+                             capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    assert _losses(run_dir) == _losses(runs["two"])

@@ -1,0 +1,114 @@
+"""--gpus N / --engine: engine files, filled-in launch files, the command, clean refusals."""
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from lora_lab.cli import main
+from lora_lab.config import ENGINES, presets_dir, resolve_config, save_config
+from lora_lab.launch import (DEEPSPEED_ENGINES, check_engine, engine_template,
+                             fill_deepspeed_config, launch_command, needs_launch,
+                             write_launch_files)
+
+
+def config_for(engine="ddp", gpus=2, **flags):
+    return resolve_config("24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"],
+                                         "train.gpus": gpus, "train.engine": engine, **flags})
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_engine_has_a_readable_config_file(engine):
+    path = engine_template(engine)
+    assert path.parent == presets_dir() / "engines" and path.is_file()
+    body = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(
+        path.read_text())
+    if engine in DEEPSPEED_ENGINES:
+        zero = body["zero_optimization"]
+        assert zero["stage"] == (3 if "zero3" in engine else 2)
+        assert ("offload_optimizer" in zero) == engine.endswith("offload")
+        assert ("offload_param" in zero) == (engine == "deepspeed-zero3-offload")
+    else:
+        assert body["distributed_type"] == {"ddp": "MULTI_GPU", "fsdp": "FSDP"}[engine]
+
+
+@pytest.mark.parametrize("engine", DEEPSPEED_ENGINES)
+def test_deepspeed_file_takes_batch_and_precision_from_the_run(engine, tmp_path):
+    config = config_for(engine, gpus=4, **{"train.micro_batch_size": 2, "train.grad_accum": 8})
+    accelerate = yaml.safe_load(write_launch_files(config, tmp_path, "bf16").read_text())
+    filled = json.loads((tmp_path / "launch" / "deepspeed.json").read_text())
+    assert filled["train_micro_batch_size_per_gpu"] == 2
+    assert filled["gradient_accumulation_steps"] == 8
+    assert filled["train_batch_size"] == 2 * 8 * 4
+    assert filled["gradient_clipping"] == config.train.max_grad_norm
+    assert filled["bf16"]["enabled"] is True and filled["fp16"]["enabled"] is False
+    assert accelerate["distributed_type"] == "DEEPSPEED" and accelerate["num_processes"] == 4
+    assert accelerate["deepspeed_config"]["deepspeed_config_file"].endswith("deepspeed.json")
+    assert "mixed_precision" not in accelerate  # accelerate takes it from the DeepSpeed file
+    assert fill_deepspeed_config({}, config, "fp16")["fp16"]["enabled"] is True
+
+
+def test_ddp_and_fsdp_files_are_filled_in_and_the_run_config_saved(tmp_path):
+    config = config_for("fsdp", gpus=2)
+    accelerate = yaml.safe_load(write_launch_files(config, tmp_path, "bf16").read_text())
+    assert accelerate["num_processes"] == 2 and accelerate["mixed_precision"] == "bf16"
+    assert accelerate["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "Qwen2DecoderLayer"
+    again = resolve_config("24gb", str(tmp_path / "launch" / "run_config.yaml"))
+    assert again.to_dict() == config.to_dict() and again.sources == config.sources
+
+
+def test_launch_command_relaunches_lora_lab_run_with_the_saved_config(tmp_path):
+    config = config_for("ddp", gpus=2)
+    command = launch_command(config, tmp_path, tmp_path / "launch" / "accelerate.yaml", 29555)
+    text = " ".join(command)
+    assert "-m accelerate.commands.launch --config_file" in text
+    assert "--num_processes 2 --main_process_port 29555 --module lora_lab run --preset 24gb" in text
+    assert text.endswith(f"--config {tmp_path}/launch/run_config.yaml")
+
+
+def test_only_several_gpus_or_an_engine_launch(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert not needs_launch(config_for("ddp", gpus=1))
+    assert needs_launch(config_for("ddp", gpus=2))
+    assert needs_launch(config_for("deepspeed-zero3-offload", gpus=1))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not needs_launch(config_for("ddp", gpus=2))  # a worker trains, never relaunches
+
+
+def test_deepspeed_missing_is_a_clean_error_naming_pip_install(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(Exception, match="pip install deepspeed"):
+        check_engine(config_for("deepspeed-zero2"), cuda_gpus=2)
+    result = CliRunner().invoke(main, ["run", "--data", "self-cognition", "--gpus", "2",
+                                       "--engine", "deepspeed-zero2"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "--engine deepspeed-zero2 needs DeepSpeed" in result.output
+    assert "pip install deepspeed" in result.output
+
+
+@pytest.mark.parametrize("engine,cuda,message", [
+    ("fsdp", 0, "--engine fsdp needs CUDA GPUs; this machine has none"),
+    ("ddp", 2, "--gpus 3: this machine has 2 CUDA GPU(s)"),
+])
+def test_engines_the_machine_cannot_run_are_refused(engine, cuda, message):
+    with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_engine(config_for(engine, gpus=3), cuda_gpus=cuda)
+
+
+def test_unknown_engine_names_the_flag():
+    result = CliRunner().invoke(main, ["run", "--data", "x", "--engine", "zero2"])
+    assert result.exit_code == 2 and "--engine zero2: must be one of ddp," in result.output
+
+
+def test_a_saved_config_yaml_given_as_config_resolves_to_the_same_run(tmp_path):
+    config = config_for("ddp", gpus=2, **{"lora.rank": 32})
+    save_config(config, tmp_path / "config.yaml")
+    again = resolve_config("24gb", str(tmp_path / "config.yaml"), flags={"train.seed": 3})
+    assert again.sources["train.gpus"] == "--gpus" and again.sources["lora.rank"] == "--lora-rank"
+    assert again.sources["train.seed"] == "--seed" and again.train.seed == 3
+    assert "train.weight_decay" not in again.sources  # a default stays a default

@@ -27,6 +27,7 @@ def cap_memory(cap_gib: float | None) -> None:
 
 def run_lora_lab(cell: dict) -> dict:
     from lora_lab.config import resolve_config
+    from lora_lab.model import resolve_kernels
     from lora_lab.train import train
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
@@ -49,17 +50,11 @@ def run_lora_lab(cell: dict) -> dict:
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
     return {**performance, "tokens_per_s": tokens / performance["median_step_seconds"],
             "resolved": {"quantization": config.model.quantization,
-                         "kernels": applied_kernels(config.model.kernels),
+                         "kernels": resolve_kernels(config.model.kernels),
                          "dtype": config.model.dtype,
                          "rank": config.lora.rank, "micro_batch_size":
                          config.train.micro_batch_size, "grad_accum": config.train.grad_accum,
                          "gradient_checkpointing": config.train.gradient_checkpointing}}
-
-
-def applied_kernels(requested: str) -> str:
-    from lora_lab.model import liger_available
-
-    return "liger" if requested != "none" and liger_available() else "none"
 
 
 def run_baseline_cell(cell: dict) -> dict:

@@ -186,14 +186,19 @@ def data_options(func):
     return click.argument("datasets", nargs=-1, required=True)(func)
 
 
+def _data_config(datasets, model, max_length, row_format, model_name, model_author):
+    """The config the `data` commands read datasets with (the options of data_options)."""
+    return resolve_config("cpu", flags={
+        "data.datasets": list(datasets), "model.name": model, "data.max_length": max_length,
+        "data.format": row_format, "data.model_name": model_name,
+        "data.model_author": model_author})
+
+
 def _encode(datasets, model, max_length, row_format, model_name, model_author):
     from .data import prepare_data
     from .model import load_tokenizer
 
-    config = resolve_config("cpu", flags={
-        "data.datasets": list(datasets), "model.name": model, "data.max_length": max_length,
-        "data.format": row_format, "data.model_name": model_name,
-        "data.model_author": model_author})
+    config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
     tokenizer = load_tokenizer(config.model.name)
     return tokenizer, prepare_data(config.data, tokenizer)
 
@@ -206,9 +211,7 @@ def data_stats(datasets, model, max_length, row_format, model_name, model_author
     from .data.stats import length_stats
     from .model import load_tokenizer
 
-    config = resolve_config("cpu", flags={
-        "data.datasets": list(datasets), "model.name": model, "data.format": row_format,
-        "data.model_name": model_name, "data.model_author": model_author})
+    config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
     loaded = load_samples(config.data.datasets, config.data, config.train.seed)
     if not loaded.samples:
         raise LoraLabError(f"--data {' '.join(datasets)}: no usable sample.")
@@ -267,10 +270,7 @@ def data_validate(datasets, model, max_length, row_format, model_name, model_aut
     from .data import validate_data
     from .model import load_tokenizer
 
-    config = resolve_config("cpu", flags={
-        "data.datasets": list(datasets), "model.name": model, "data.max_length": max_length,
-        "data.format": row_format, "data.model_name": model_name,
-        "data.model_author": model_author})
+    config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
     tokenizer = load_tokenizer(config.model.name) if model else None
     report = validate_data(list(datasets), config.data, tokenizer, config.train.seed)
     for severity, problems in (("error", report.errors), ("warning", report.warnings)):

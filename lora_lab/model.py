@@ -141,17 +141,24 @@ def liger_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
 
 
+def resolve_kernels(kernels: str) -> str:
+    """model.kernels -> what this machine will use: "liger" or "none"."""
+    if kernels == "none" or (kernels == "auto" and not liger_available()):
+        return "none"
+    if not liger_available():
+        raise ModelError("--set model.kernels=liger needs a CUDA GPU and the liger-kernel "
+                         "package (pip install liger-kernel); use model.kernels=auto or none.")
+    return "liger"
+
+
 def apply_kernels(model, kernels: str) -> str:
     """Swap in liger-kernel's fused Triton kernels (GPU only); returns what was applied.
 
     The fused linear cross-entropy never builds the [tokens x 151936] logits tensor, which is
     the largest single activation of a Qwen2.5 training step.
     """
-    if kernels == "none" or (kernels == "auto" and not liger_available()):
+    if resolve_kernels(kernels) == "none":
         return "none"
-    if not liger_available():
-        raise ModelError("--set model.kernels=liger needs a CUDA GPU and the liger-kernel "
-                         "package (pip install liger-kernel); use model.kernels=auto or none.")
     if model.config.model_type != "qwen2":
         log.info("liger kernels: only wired for Qwen2 models; not applied")
         return "none"

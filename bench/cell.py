@@ -12,7 +12,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from workloads import make_random_model, write_full_length_rows
+from workloads import make_random_model, write_full_length_rows, write_sft_mix_rows
 
 WORK = Path("/tmp/lora-lab-bench")
 
@@ -27,7 +27,7 @@ def cap_memory(cap_gib: float | None) -> None:
 
 def run_lora_lab(cell: dict) -> dict:
     from lora_lab.config import resolve_config
-    from lora_lab.model import resolve_kernels
+    from lora_lab.memory import micro_batch_rows, row_length
     from lora_lab.train import train
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
@@ -42,6 +42,9 @@ def run_lora_lab(cell: dict) -> dict:
     if cell.get("grad_accum"):
         flags["train.grad_accum"] = cell["grad_accum"]
     config = resolve_config(cell["preset"], flags=flags, sets=cell.get("sets", []))
+    if config.data.packing and not cell.get("grad_accum"):
+        # every sample full length: one packed row of pack_length tokens per optimizer step
+        config.train.grad_accum = max(1, row_length(config) // cell["max_length"])
     rows = cell["steps"] * config.train.grad_accum * config.train.micro_batch_size
     write_full_length_rows(data, rows, cell["max_length"])
     result = train(config, echo=lambda *a: None)
@@ -49,12 +52,65 @@ def run_lora_lab(cell: dict) -> dict:
     performance = summary["performance"]
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
     return {**performance, "tokens_per_s": tokens / performance["median_step_seconds"],
-            "resolved": {"quantization": config.model.quantization,
-                         "kernels": resolve_kernels(config.model.kernels),
-                         "dtype": config.model.dtype,
-                         "rank": config.lora.rank, "micro_batch_size":
-                         config.train.micro_batch_size, "grad_accum": config.train.grad_accum,
-                         "gradient_checkpointing": config.train.gradient_checkpointing}}
+            "tokens_per_micro_batch": row_length(config) * micro_batch_rows(config),
+            "resolved": resolved(config, row_length(config))}
+
+
+def resolved(config, row_tokens: int) -> dict:
+    from lora_lab.memory import choose_memory_means, row_length
+    from lora_lab.model import resolve_kernels
+
+    means = choose_memory_means(config, on_gpu=True, tied_embeddings=config.model.name.endswith(
+        ("0.5b", "1.5b", "3b")), row_tokens=row_tokens)
+    return {"quantization": config.model.quantization,
+            "kernels": resolve_kernels(config.model.kernels), "dtype": config.model.dtype,
+            "rank": config.lora.rank, "micro_batch_size": config.train.micro_batch_size,
+            "grad_accum": config.train.grad_accum, "max_length": config.data.max_length,
+            "packing": config.data.packing, "pack_length": row_length(config),
+            "gradient_checkpointing": config.train.gradient_checkpointing,
+            "memory_means": means.describe()}
+
+
+def run_lora_lab_sft(cell: dict) -> dict:
+    """One epoch of the realistic SFT mix with the preset (packing as the preset says)."""
+    from lora_lab.config import resolve_config
+    from lora_lab.memory import row_length
+    from lora_lab.train import train
+
+    model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
+    data = write_sft_mix_rows(WORK / f"sft-mix-{cell['rows']}.jsonl", cell["rows"])
+    flags = {"model.name": str(model), "data.datasets": [str(data)], "train.epochs": 1,
+             "train.output_dir": str(WORK / "runs"), "train.run_name": cell["label"],
+             "train.save_steps": 10**6, "train.logging_steps": 1,
+             "train.memory_check": False, "train.oom_retry": False}
+    config = resolve_config(cell["preset"], flags=flags, sets=cell.get("sets", []))
+    result = train(config, echo=lambda *a: None)
+    log = [json.loads(line) for line in
+           (result.run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
+    seconds = next(entry["train_runtime"] for entry in log if "train_runtime" in entry)
+    summary = json.loads((result.run_dir / "run_summary.json").read_text())
+    tokens = sum(len(s) for s in encoded_lengths(config))
+    return {"train_seconds": seconds, "samples": result.train_samples, "tokens": tokens,
+            "optimizer_steps": result.global_step, "tokens_per_s": tokens / seconds,
+            "peak_reserved_gib": summary["performance"]["peak_reserved_gib"],
+            "final_loss": result.train_loss,
+            "resolved": resolved(config, row_length(config))}
+
+
+def encoded_lengths(config) -> list:
+    from lora_lab.data import prepare_data
+    from lora_lab.model import load_tokenizer
+
+    data = prepare_data(config.data, load_tokenizer(config.model.name), config.train.seed)
+    return [s.input_ids for s in data.train.samples]
+
+
+def run_baseline_sft_cell(cell: dict) -> dict:
+    from baseline import run_baseline_sft
+
+    model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
+    data = write_sft_mix_rows(WORK / f"sft-mix-{cell['rows']}.jsonl", cell["rows"])
+    return run_baseline_sft(str(model), str(data), output_dir=str(WORK / "baseline-sft"))
 
 
 def run_baseline_cell(cell: dict) -> dict:
@@ -69,7 +125,8 @@ def run_baseline_cell(cell: dict) -> dict:
 def main() -> None:
     cell = json.loads(sys.argv[1])
     cap_memory(cell.get("cap_gib"))
-    runner = run_lora_lab if cell["kind"] == "lora-lab" else run_baseline_cell
+    runner = {"lora-lab": run_lora_lab, "baseline": run_baseline_cell,
+              "lora-lab-sft": run_lora_lab_sft, "baseline-sft": run_baseline_sft_cell}[cell["kind"]]
     try:
         outcome = {"error": None, **runner(cell)}
     except Exception as exc:  # noqa: BLE001 - a benchmark records every failure

@@ -1,6 +1,6 @@
 """Run a benchmark plan on the GPU and store every cell in bench/results/.
 
-  python bench/run.py PLAN [--out DIR]      PLAN: smoke | speed | presets-small | presets-7b
+  python bench/run.py PLAN [--out DIR] [--parallel N]      PLAN: see PLANS below
 
 Each cell runs in its own process (bench/cell.py). The results file starts with a header line
 (GPU, library versions, date, command) followed by one JSON line per cell.
@@ -21,14 +21,16 @@ TIERS = {"24gb": 23.5, "16gb": 15.5, "12gb": 11.5, "8gb": 7.5}
 SIZES = ("0.5b", "1.5b", "3b", "7b")
 
 
-def preset_settings(preset: str, size: str) -> tuple[int, bool]:
-    """(max_length, QLoRA?) that `preset` picks for Qwen2.5-`size`."""
+def preset_settings(preset: str, size: str) -> tuple[int, int, bool]:
+    """(max_length, tokens per pass, QLoRA?) that `preset` picks for Qwen2.5-`size`."""
     sys.path.insert(0, str(HERE.parent))
     from lora_lab.config import resolve_config
+    from lora_lab.memory import micro_batch_rows, row_length
 
     config = resolve_config(preset, flags={"data.datasets": ["x"],
                                            "model.name": f"qwen2.5-{size}"})
-    return config.data.max_length, config.model.quantization == "nf4"
+    return (config.data.max_length, row_length(config) * micro_batch_rows(config),
+            config.model.quantization == "nf4")
 
 
 def preset_cells(sizes) -> list:
@@ -37,24 +39,33 @@ def preset_cells(sizes) -> list:
     cells = []
     for size in sizes:
         for tier, cap in TIERS.items():
-            length, qlora = preset_settings(tier, size)
+            length, pass_tokens, qlora = preset_settings(tier, size)
             label = f"{tier}-{size}-{length}"
+            # packed presets: one row of pack_length tokens (full-length samples) per step
             cells.append({"kind": "lora-lab", "label": label, "preset": tier, "size": size,
-                          "max_length": length, "steps": 20, "grad_accum": 1, "cap_gib": cap})
-            baseline = {"kind": "baseline", "label": f"baseline-{size}-{length}"
-                        f"{'-qlora' if qlora else ''}", "size": size, "max_length": length,
+                          "max_length": length, "steps": 20, "cap_gib": cap})
+            baseline = {"kind": "baseline", "label": f"baseline-{size}-{pass_tokens}"
+                        f"{'-qlora' if qlora else ''}", "size": size, "max_length": pass_tokens,
                         "steps": 6, "grad_accum": 1, "qlora": qlora}
             if baseline not in cells:  # tiers that pick the same settings share one baseline
                 cells.append(baseline)
     return cells
 
 
-def long_cells(settings) -> list:
-    """7B under a tier's cap at a chosen length, 16-bit or nf4 (QLoRA)."""
+def long_cells(settings, steps: int = 20) -> list:
+    """7B under a tier's cap at a chosen length, 16-bit or nf4 (QLoRA): one sample per step."""
     return [{"kind": "lora-lab", "label": f"long-{tier}-7b-{length}{'-nf4' if nf4 else ''}",
-             "preset": tier, "size": "7b", "max_length": length, "steps": 20, "grad_accum": 1,
-             "cap_gib": TIERS[tier], "sets": [f"model.quantization={'nf4' if nf4 else 'none'}"]}
+             "preset": tier, "size": "7b", "max_length": length, "steps": steps, "grad_accum": 1,
+             "cap_gib": TIERS[tier], "sets": [f"model.quantization={'nf4' if nf4 else 'none'}",
+                                              "data.packing=false"]}
             for tier, length, nf4 in settings]
+
+
+def sft_cells(sizes, rows: int) -> list:
+    """One epoch of the realistic SFT mix (bench/workloads.write_sft_mix_rows): the popular
+    recipe (micro-batch 1 x accumulation 16) against the 24gb preset, same samples."""
+    return [{"kind": kind, "label": f"{kind}-{size}-{rows}", "preset": "24gb", "size": size,
+             "rows": rows} for size in sizes for kind in ("baseline-sft", "lora-lab-sft")]
 
 
 PLANS = {
@@ -70,10 +81,14 @@ PLANS = {
          "max_length": length, "steps": 8, "grad_accum": 4}
         for length in (1024, 4096) for kind in ("baseline", "lora-lab")],
     "presets-small": lambda: preset_cells(("0.5b", "1.5b", "3b")),
-    # The longest 7B sequence each tier's targets ask for, under the tier's cap.
+    # The longest 7B sequence each tier's targets ask for, under the tier's cap, and beyond.
     "long-7b": lambda: long_cells((("24gb", 16384, False), ("16gb", 32768, True),
                                    ("16gb", 2048, False), ("12gb", 16384, True),
-                                   ("8gb", 4096, True))),
+                                   ("8gb", 4096, True)), steps=6),
+    "longer-7b": lambda: long_cells((("24gb", 32768, False), ("16gb", 65536, True),
+                                     ("16gb", 4096, False), ("12gb", 32768, True),
+                                     ("8gb", 8192, True)), steps=4),
+    "sft-mix": lambda: sft_cells(("7b", "1.5b", "0.5b"), rows=256),
     # Shorter lengths, after long-7b found the targets out of reach with the present means.
     "fit-7b": lambda: long_cells((("24gb", 8192, False), ("16gb", 16384, True),
                                   ("16gb", 8192, True), ("12gb", 8192, True),

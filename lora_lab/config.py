@@ -137,6 +137,11 @@ class ModelArgs:
     kernels: str = _f("auto", "Fused Triton kernels: liger (fused linear cross-entropy, RoPE, "
                               "RMSNorm, SwiGLU; needs a CUDA GPU and liger-kernel), none, or auto "
                               "(liger when both are there).", choices=("auto", "liger", "none"))
+    embedding_on_cpu: str | bool = _f("auto", "Keep the input embedding table in CPU memory (1.02 GiB "
+                                       "of Qwen2.5-7B). auto: on for LoRA on one GPU when the "
+                                       "model has its own output head (7B); never for tied "
+                                       "embeddings (0.5B-3B). true / false force it.",
+                               choices=("auto", True, False))
 
 
 @dataclass
@@ -158,6 +163,11 @@ class DataArgs:
     format: str = _f("auto", "Row format; auto detects it per dataset.",
                      choices=("auto", "messages", "sharegpt", "alpaca", "query-response"))
     max_length: int = _f(2048, "Longest encoded sample in tokens.", minimum=8)
+    packing: bool = _f(False, "Pack the samples of each optimizer step into as few rows as "
+                              "pack_length allows (no padding; each sample keeps its own "
+                              "positions and attends only to itself). Same samples per step.")
+    pack_length: int = _f(0, "Tokens per packed row; 0 = max_length x micro_batch_size (the "
+                             "same tokens per pass as without packing).", minimum=0)
     truncation: str = _f("truncate", "Samples over max_length: truncate (cut the end) or drop.",
                          choices=("truncate", "drop"))
     system: str = _f(None, "System prompt for conversations that have none "
@@ -192,6 +202,14 @@ class TrainArgs:
     weight_decay: float = _f(0.0, "AdamW weight decay.", minimum=0)
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.", minimum=0)
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.")
+    offload_checkpoints: str | bool = _f("auto", "Keep each layer's checkpoint in pinned CPU memory "
+                                          "until the backward pass (LoRA on one GPU, with "
+                                          "gradient checkpointing). auto: on when training on "
+                                          "a GPU; true / false force it.",
+                                  choices=("auto", True, False))
+    mlp_chunk_tokens: int = _f(4096, "Recompute each layer's MLP on at most this many tokens "
+                                     "at a time (LoRA on one GPU, with gradient checkpointing); "
+                                     "0 turns it off.", minimum=0)
     logging_steps: int = _f(5, "Log every N optimizer steps.", minimum=1)
     save_steps: int = _f(100, "Save a checkpoint every N optimizer steps.", minimum=1)
     eval_steps: int = _f(100, "Evaluate every N optimizer steps (when there is validation data).",
@@ -449,12 +467,19 @@ def _check_key(key: str, label: str, problems: list) -> bool:
     return False
 
 
+AUTO_OR_BOOL = ("embedding_on_cpu", "offload_checkpoints")
+
+
 def _coerce(key: str, value) -> tuple[Any, str | None]:
     """Convert a value to the field's type; returns (value, problem)."""
     section, name = key.split(".")
     kind = get_type_hints(SECTIONS[section])[name]
     if value is None:
         return None, None
+    if kind == str | bool:  # auto, or a forced true / false
+        if str(value).strip().lower() == "auto":
+            return "auto", None
+        kind = bool
     if kind is bool:
         if isinstance(value, bool):
             return value, None
@@ -463,7 +488,8 @@ def _coerce(key: str, value) -> tuple[Any, str | None]:
             return True, None
         if text in ("false", "no", "off", "0"):
             return False, None
-        return None, f"expected true or false, got {value!r}."
+        return None, f"expected true or false{' (or auto)' if name in AUTO_OR_BOOL else ''}, " \
+                     f"got {value!r}."
     if kind is int:
         try:
             if isinstance(value, bool) or float(value) != int(float(value)):
@@ -518,6 +544,14 @@ def _validate(config: RunConfig) -> list[tuple[str, str]]:
         problems.append(("train.tuner", "full fine-tuning in fp16 is refused: Qwen2.5's "
                                         "activations overflow fp16 and whole-model updates "
                                         "diverge. Use --dtype bf16 (a GPU with bf16) or fp32."))
+    single = (config.train.gpus == 1 and config.train.engine == "ddp"
+              and config.train.tuner == "lora")
+    for key, value in (("model.embedding_on_cpu", config.model.embedding_on_cpu),
+                       ("train.offload_checkpoints", config.train.offload_checkpoints)):
+        if value is True and not (single and config.train.gradient_checkpointing):
+            problems.append((key, "true serves LoRA in one process with gradient checkpointing "
+                                  "(DDP and DeepSpeed do not see its recomputed gradients). "
+                                  "Use auto or false here."))
     if config.train.max_steps == 0 or config.train.max_steps < -1:
         problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
     return problems

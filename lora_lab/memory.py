@@ -31,6 +31,44 @@ FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 37.84  # extra per token when the base is
 NF4_BYTES_PER_WEIGHT = 0.5156  # 4 bits + double-quantized absmax per 64-weight block
 UNFUSED_LOSS_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy and its gradient (estimate)
 TIERS_GIB = {"24gb": 24, "16gb": 16, "12gb": 12, "8gb": 8}
+PACKED_MASK_BYTES_PER_PAIR = 3  # the bool mask, and sdpa's bf16 additive copy (counted)
+MAX_PLANNED_LENGTH = 131072  # Qwen2.5's longest context (with YaRN)
+
+
+@dataclass
+class MemoryMeans:
+    """Which long-sequence means (lora_lab.activations) a run uses."""
+    embedding_on_cpu: bool = False
+    offload_checkpoints: bool = False
+    mlp_chunk_tokens: int = 0
+
+    def describe(self) -> str:
+        parts = [name for name, on in (("input embedding in CPU memory", self.embedding_on_cpu),
+                                       ("layer checkpoints in CPU memory",
+                                        self.offload_checkpoints)) if on]
+        if self.mlp_chunk_tokens:
+            parts.append(f"MLP in chunks of {self.mlp_chunk_tokens} tokens")
+        return ", ".join(parts) or "none"
+
+
+def choose_memory_means(config: RunConfig, on_gpu: bool, tied_embeddings: bool,
+                        row_tokens: int | None = None) -> MemoryMeans:
+    """What `auto` / on / off mean for this run. The means serve LoRA in one process with
+    gradient checkpointing (their nested backward is not seen by DDP or DeepSpeed); `true`
+    elsewhere is refused by the config's validation."""
+    t = config.train
+    single = (t.gpus == 1 and t.engine == "ddp" and t.tuner == "lora"
+              and t.gradient_checkpointing)
+    row_tokens = row_tokens or config.data.max_length
+
+    def wanted(setting, auto: bool) -> bool:
+        return single and (setting is True or (setting == "auto" and auto))
+
+    chunk = t.mlp_chunk_tokens if single and 0 < t.mlp_chunk_tokens < row_tokens else 0
+    return MemoryMeans(
+        embedding_on_cpu=not tied_embeddings and wanted(config.model.embedding_on_cpu, on_gpu),
+        offload_checkpoints=wanted(t.offload_checkpoints, on_gpu),
+        mlp_chunk_tokens=chunk)
 
 
 @dataclass
@@ -42,6 +80,7 @@ class ModelShape:
     linear_params: int
     other_params: int
     lora_params_per_rank: int
+    tied: bool = False
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelShape":
@@ -53,7 +92,8 @@ class ModelShape:
         return cls(hidden=h, intermediate=i, layers=n, vocab=vocab,
                    linear_params=n * sum(a * b for a, b in linears),
                    other_params=vocab * h + head + n * (h + 2 * kv + 2 * h) + h,
-                   lora_params_per_rank=n * sum(a + b for a, b in linears))
+                   lora_params_per_rank=n * sum(a + b for a, b in linears),
+                   tied=bool(config.get("tie_word_embeddings")))
 
 
 # What each engine does with the training state, per GPU: shards (divides by the number of GPUs)
@@ -87,6 +127,9 @@ class MemoryPlan:
     engine: str = "ddp"
     cpu_parts_gib: dict = field(default_factory=dict)
     """CPU memory for offloaded state, for all processes of the machine together."""
+    packed: bool = False
+    means: str = "none"
+    """The long-sequence means (lora_lab.activations) the run will use."""
     counted: bool = False
     """True when the plan rests on counted, not measured, terms (several GPUs, engines, full)."""
     budget_gib: float | None = None
@@ -114,10 +157,13 @@ class MemoryPlan:
             lines[0] += f"; per GPU of {self.gpus}, engine {self.engine}"
         if self.counted:
             lines[0] += " (state terms counted, not yet measured)"
+        if self.means != "none":
+            lines.append(f"  memory means: {self.means}")
         lines += [f"  {name:<44} {gib:6.2f} GiB" for name, gib in self.parts_gib.items()]
         lines.append(f"  {'predicted peak (torch max_memory_reserved)':<44} {self.total_gib:6.2f} GiB")
         if self.cpu_parts_gib:
-            lines.append("  CPU memory for offload (all processes together):")
+            lines.append("  CPU memory for offload" + (" (all processes together):"
+                                                         if self.gpus > 1 else ":"))
             lines += [f"    {name:<42} {gib:6.2f} GiB" for name, gib in self.cpu_parts_gib.items()]
             lines.append(f"    {'total':<42} {self.cpu_total_gib:6.2f} GiB")
         if self.budget_gib is not None:
@@ -125,7 +171,8 @@ class MemoryPlan:
             lines.append(f"  {verdict} in {self.budget_gib:.1f} GiB (GPU memory - "
                          f"{CONTEXT_GIB} GiB for the CUDA context)")
         if self.longest_max_length:
-            lines.append(f"  longest --max-length that fits: {self.longest_max_length}")
+            knob = "data.pack_length" if self.packed else "--max-length"
+            lines.append(f"  longest {knob} that fits: {self.longest_max_length}")
         if self.fits is False:
             lines.append(f"  to fit: {' or '.join(self.fixes) or 'a smaller model'}")
         return "\n".join(lines)
@@ -138,13 +185,20 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
     if size is None:
         raise ValueError(f"unknown model shape: {config.model.name}")
     shape = ModelShape.from_config(known_model_config(size))
-    length = min(config.data.max_length, longest_sample_tokens or config.data.max_length)
-    tokens = length * config.train.micro_batch_size
+    row = row_length(config)
+    tokens = min(row, longest_sample_tokens or row) * micro_batch_rows(config)
     plan = MemoryPlan(model=f"Qwen2.5-{size.upper()}", quantization=_method(config),
                       tokens_per_micro_batch=tokens, gpus=config.train.gpus,
-                      engine=config.train.engine)
+                      engine=config.train.engine, packed=config.data.packing)
     if _single_gpu_lora(config):
         plan.parts_gib = _parts(shape, config, tokens)
+        means = _means(shape, config, tokens)
+        plan.means = means.describe()
+        if means.offload_checkpoints:
+            plan.cpu_parts_gib["activation checkpoints (pinned)"] = (
+                _checkpoint_bytes(shape, tokens) / GIB)
+        if means.embedding_on_cpu:
+            plan.cpu_parts_gib["input embedding table"] = shape.vocab * shape.hidden * 2 / GIB
     else:
         plan.parts_gib, plan.cpu_parts_gib = _distributed_parts(shape, config, tokens)
         plan.counted = True
@@ -152,32 +206,65 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
         plan.budget_gib = gpu_memory_gib - CONTEXT_GIB
         plan.longest_max_length = _longest(shape, config, plan.budget_gib)
         if plan.longest_max_length:
-            plan.fixes.append(f"--max-length {plan.longest_max_length}")
+            plan.fixes.append(f"--set data.pack_length={plan.longest_max_length}"
+                              if config.data.packing else
+                              f"--max-length {plan.longest_max_length}")
         if config.model.quantization == "none" and tuner_of(config) == "lora":
             plan.fixes.append("--quantization nf4 (QLoRA)")
         if tuner_of(config) == "full" and config.train.engine != "deepspeed-zero3-offload":
             plan.fixes.append("more --gpus with --engine deepspeed-zero3 (or -zero3-offload)")
-        if config.train.micro_batch_size > 1:
+        if micro_batch_rows(config) > 1:
             plan.fixes.append("--micro-batch-size 1 with a larger --grad-accum")
     return plan
+
+
+def row_length(config: RunConfig) -> int:
+    """Tokens in one row of a micro-batch: a sample (max_length) or a packed row."""
+    if config.data.packing:
+        return config.data.pack_length or config.data.max_length * config.train.micro_batch_size
+    return config.data.max_length
+
+
+def micro_batch_rows(config: RunConfig) -> int:
+    """Rows in a micro-batch: packed rows go one at a time."""
+    return 1 if config.data.packing else config.train.micro_batch_size
+
+
+def _means(shape: ModelShape, config: RunConfig, tokens: int) -> MemoryMeans:
+    row = max(1, tokens // micro_batch_rows(config))
+    return choose_memory_means(config, on_gpu=True, tied_embeddings=shape.tied, row_tokens=row)
+
+
+def _checkpoint_bytes(shape: ModelShape, tokens: int) -> float:
+    return tokens * shape.layers * shape.hidden * 2
 
 
 def _parts(shape: ModelShape, config: RunConfig, tokens: int) -> dict:
     weight_bytes = 2 if config.model.quantization == "none" else NF4_BYTES_PER_WEIGHT
     if config.model.dtype == "fp32":
         weight_bytes = 4
+    means = _means(shape, config, tokens)
     lora = shape.lora_params_per_rank * config.lora.rank
     per_hidden = FIT_BYTES_PER_TOKEN_PER_HIDDEN + (
         FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN if config.model.quantization == "none" else 0)
-    working = tokens * (per_hidden * shape.hidden +
-                        FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE * shape.intermediate)
+    mlp_tokens = tokens
+    if means.mlp_chunk_tokens:
+        mlp_tokens = means.mlp_chunk_tokens * micro_batch_rows(config)
+    working = (tokens * per_hidden * shape.hidden +
+               mlp_tokens * FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE * shape.intermediate)
+    other = shape.other_params - (shape.vocab * shape.hidden if means.embedding_on_cpu else 0)
     parts = {
-        "weights": (shape.linear_params * weight_bytes + shape.other_params * 2) / GIB,
+        "weights" + (" (input embedding in CPU memory)" if means.embedding_on_cpu else ""):
+            (shape.linear_params * weight_bytes + other * 2) / GIB,
         "LoRA weights + gradients + Adam state (fp32)": lora * 16 / GIB,
-        "activation checkpoints": tokens * shape.layers * shape.hidden * 2 / GIB,
+        "activation checkpoints": 0.0 if means.offload_checkpoints
+        else _checkpoint_bytes(shape, tokens) / GIB,
         "recomputed layer + fused loss (fitted)": working / GIB,
         "allocator and workspaces (fitted)": FIT_CONSTANT_GIB,
     }
+    if config.data.packing:
+        parts["attention mask of a packed row (counted)"] = (
+            tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)
     if config.model.kernels == "none":
         parts["full logits for the loss (estimate)"] = (
             tokens * shape.vocab * UNFUSED_LOSS_BYTES_PER_LOGIT / GIB)
@@ -256,12 +343,10 @@ def _longest(shape: ModelShape, config: RunConfig, budget_gib: float) -> int | N
         if room <= 0 or per_token <= 0:
             return None
         return int(room / per_token / config.train.micro_batch_size) // 256 * 256 or None
-    fixed = _parts(shape, config, 0)
-    per_token = sum(_parts(shape, config, 1).values()) - sum(fixed.values())
-    room = budget_gib - sum(fixed.values())
-    if room <= 0 or per_token <= 0:
-        return None
-    return int(room / per_token / config.train.micro_batch_size) // 256 * 256 or None
+    mbs = micro_batch_rows(config)
+    fitting = [length for length in range(256, MAX_PLANNED_LENGTH + 1, 256)
+               if sum(_parts(shape, config, length * mbs).values()) <= budget_gib]
+    return fitting[-1] if fitting else None
 
 
 def pick_preset(gpu_memory_gib: float) -> tuple[str, str]:
@@ -287,7 +372,9 @@ def check_fits(config: RunConfig, gpu_memory_gib: float,
     fixes = plan.fixes
     raise LoraLabError(
         f"--preset {config.preset} needs about {plan.total_gib:.1f} GiB for {plan.model} "
-        f"({plan.quantization}) at --max-length {config.data.max_length}; this GPU has "
+        f"({plan.quantization}) at --max-length {config.data.max_length}"
+        f"{f' in packed rows of {row_length(config)} tokens' if config.data.packing else ''}; "
+        f"this GPU has "
         f"{gpu_memory_gib:.1f} GiB ({plan.budget_gib:.1f} usable). Try "
         f"{' or '.join(fixes) or 'a smaller model'}; `lora-lab plan` shows the breakdown. "
         f"--no-memory-check runs it anyway.")

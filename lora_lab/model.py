@@ -197,10 +197,16 @@ def prepare_full_finetuning(model, gradient_checkpointing: bool):
     return model
 
 
-def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool):
-    """Wrap the model with PEFT LoRA adapters; only the adapters train."""
+def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None):
+    """Wrap the model with PEFT LoRA adapters; only the adapters train.
+
+    means (lora_lab.memory.MemoryMeans): the long-sequence means to put in place."""
     from peft import LoraConfig, get_peft_model
 
+    from .activations import apply_memory_means, move_embedding_to_cpu
+
+    if means is not None and means.embedding_on_cpu:
+        move_embedding_to_cpu(model)  # before the input-grad hook below is attached to it
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -210,9 +216,12 @@ def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool):
     config = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
                         target_modules=list(targets), task_type="CAUSAL_LM", bias="none")
     try:
-        return get_peft_model(model, config)
+        model = get_peft_model(model, config)
     except ValueError as exc:
         raise ModelError(f"lora.target_modules {args.target_modules}: {exc}") from None
+    if means is not None:
+        apply_memory_means(model, means)
+    return model
 
 
 def linear_module_names(model) -> list[str]:

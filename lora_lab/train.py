@@ -36,9 +36,10 @@ from .checkpoint import (OOM_SOURCE, check_drift, checkpoint_step, data_fingerpr
 from .config import RunConfig, save_config
 from .data import IGNORE_INDEX, PreparedData, prepare_data
 from .errors import CheckpointError, ConfigError, LoraLabError, TrainingError
+from .memory import choose_memory_means
 from .model import (Precision, apply_lora, check_full_finetuning_precision, check_remote_code,
                     choose_precision, load_base_model, load_tokenizer, locate_model,
-                    prepare_full_finetuning)
+                    prepare_full_finetuning, resolve_kernels)
 from .trainer import LoraLabTrainer, NonFiniteGuard, ensure_finite
 
 log = logging.getLogger("lora_lab")
@@ -143,6 +144,64 @@ class PadCollator:
         return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
 
 
+class PackedCollator:
+    """One packed row per micro-batch: position ids restart at every sample and a block-diagonal
+    causal mask keeps each sample's attention inside the sample."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+        self.padded = PadCollator(pad_token_id)
+
+    def __call__(self, features: list) -> dict:
+        import torch
+
+        if "lengths" not in features[0]:
+            return self.padded(features)  # evaluation batches are not packed
+        if len(features) != 1:
+            raise ValueError("packed rows are collated one per micro-batch")
+        row = features[0]
+        ids, labels, lengths = row["input_ids"], row["labels"], row["lengths"]
+        if not ids:  # the last step of an epoch may leave a row without samples
+            ids, labels, lengths = [self.pad_token_id], [IGNORE_INDEX], [1]
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        causal = torch.tril(torch.ones(len(ids), len(ids), dtype=torch.bool))
+        mask = (sample[:, None] == sample[None, :]) & causal
+        return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
+                "position_ids": positions[None], "attention_mask": mask[None, None]}
+
+
+class PackedDataset:
+    def __init__(self, rows: list):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, index):
+        row = self.rows[index]
+        return {"input_ids": row.input_ids, "labels": row.labels, "lengths": row.lengths}
+
+
+def pack_training_data(config: RunConfig, data: PreparedData, echo=print):
+    """data.packing: the training samples packed into rows (lora_lab.data.packing)."""
+    from .data.packing import pack_samples
+
+    t = config.train
+    length = config.data.pack_length or config.data.max_length * t.micro_batch_size
+    packed = pack_samples(data.train.samples, t.micro_batch_size * t.grad_accum, length,
+                          t.seed)
+    echo(packed.summary())
+    return packed
+
+
+def longest_row(data: PreparedData, packed=None) -> int:
+    """Tokens in the longest training row: a packed row, or the longest sample."""
+    if packed is not None:
+        return packed.longest_row
+    return max(len(s.input_ids) for s in data.train.samples)
+
+
 def count_optimizer_steps(config: RunConfig, train_samples: int) -> int:
     if config.train.max_steps > 0:
         return config.train.max_steps
@@ -151,15 +210,16 @@ def count_optimizer_steps(config: RunConfig, train_samples: int) -> int:
 
 
 def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precision,
-                             total_steps: int, has_eval: bool):
+                             total_steps: int, has_eval: bool, rows_per_step: int | None = None):
+    """rows_per_step: with packing, each micro-batch is one packed row."""
     from transformers import TrainingArguments
 
     t = config.train
     return TrainingArguments(
         output_dir=str(run_dir),
-        per_device_train_batch_size=t.micro_batch_size,
+        per_device_train_batch_size=1 if rows_per_step else t.micro_batch_size,
         per_device_eval_batch_size=t.micro_batch_size,
-        gradient_accumulation_steps=t.grad_accum,
+        gradient_accumulation_steps=rows_per_step or t.grad_accum,
         learning_rate=t.lr, num_train_epochs=t.epochs, max_steps=t.max_steps,
         warmup_steps=math.ceil(t.warmup_ratio * total_steps), lr_scheduler_type=t.lr_scheduler,
         weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
@@ -342,8 +402,8 @@ def check_gpu_memory(config: RunConfig, data: PreparedData, echo) -> None:
     from .memory import check_fits
 
     gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    longest = max(len(s.input_ids) for s in data.train.samples)
-    plan = check_fits(config, gpu_gib, longest)
+    packed = pack_training_data(config, data, lambda *_: None) if config.data.packing else None
+    plan = check_fits(config, gpu_gib, longest_row(data, packed))
     if plan:
         echo(f"memory plan: about {plan.total_gib:.1f} GiB of {plan.budget_gib:.1f} usable")
 
@@ -383,7 +443,9 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
     total_steps = count_optimizer_steps(config, len(data.train.samples))
     # TrainingArguments first: with ZeRO-3 they must exist when the model loads, so that
     # transformers partitions the weights while loading (HfDeepSpeedConfig).
-    args = build_training_arguments(config, run_dir, precision, total_steps, data.val is not None)
+    packed = pack_training_data(config, data, echo) if config.data.packing else None
+    args = build_training_arguments(config, run_dir, precision, total_steps, data.val is not None,
+                                    packed.rows_per_step if packed else None)
     full = config.train.tuner == "full"
     model = load_base_model(config.model, precision, fp32_master_weights=full,
                             sharded=config.train.engine in SHARDED_ENGINES)
@@ -395,17 +457,22 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
     else:
         if config.model.quantization == "nf4":
             model = prepare_quantized_for_training(model)
-        model = apply_lora(model, config.lora, config.train.gradient_checkpointing)
+        means = choose_memory_means(config, on_gpu=_cuda(),
+                                    tied_embeddings=model.config.tie_word_embeddings,
+                                    row_tokens=longest_row(data, packed))
+        model = apply_lora(model, config.lora, config.train.gradient_checkpointing, means)
         trainable, total = model.get_nb_trainable_parameters()
         echo(f"precision {precision.name}; LoRA r={config.lora.rank} alpha={config.lora.alpha}: "
-             f"{trainable:,} trainable of {total:,} parameters")
+             f"{trainable:,} trainable of {total:,} parameters; kernels "
+             f"{resolve_kernels(config.model.kernels)}; memory means: {means.describe()}")
     guard = NonFiniteGuard(config.train.on_nonfinite, precision.name, run_dir, echo)
     return LoraLabTrainer(
         model=model,
         args=args,
-        train_dataset=SupervisedDataset(data.train.samples),
+        train_dataset=PackedDataset(packed.rows) if packed else
+        SupervisedDataset(data.train.samples),
         eval_dataset=SupervisedDataset(data.val.samples) if data.val else None,
-        data_collator=PadCollator(tokenizer.pad_token_id),
+        data_collator=(PackedCollator if packed else PadCollator)(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=_callbacks(run_dir),
         guard=guard, train_data=fingerprint,

@@ -87,7 +87,8 @@ def test_plan_command_reports_and_exits_1_when_it_does_not_fit():
     assert result.exit_code == 0 and "QLoRA nf4" in result.output and "fits in 15.5" in result.output
     result = invoke("plan", "--preset", "16gb", "--gpu-memory", "16", "--quantization", "none")
     assert result.exit_code == 1 and "does NOT fit" in result.output
-    assert "to fit: --max-length" in result.output and "--quantization nf4" in result.output
+    assert "to fit: --set data.pack_length=" in result.output
+    assert "--quantization nf4" in result.output
     result = invoke("plan", "--gpu-memory", "24", "--model", "qwen2.5-3b")
     assert "--preset auto: 24gb" in result.output
 

@@ -1,0 +1,179 @@
+"""Memory means for long sequences on one GPU, each switched on by `decide_memory_means`:
+
+Which of them a run uses is decided in lora_lab.memory.choose_memory_means (the planner counts
+the same), and `apply_memory_means` puts them in place:
+
+- the input embedding lives in CPU memory (1.02 GiB of Qwen2.5-7B's 16-bit weights): the
+  lookup of a few thousand rows runs on the CPU and only the result is copied to the GPU;
+- each decoder layer's checkpoint (its input, one bf16 hidden state per token) waits in pinned
+  CPU memory between the forward and the backward pass, instead of 28 of them on the GPU;
+- the MLP, whose [tokens x 18944] intermediates are the largest tensors of a recomputed layer,
+  runs in chunks of tokens, each recomputed on its own during the backward pass.
+
+The checkpoint is a reentrant one (like torch.utils.checkpoint with use_reentrant=True): the
+layer runs without autograd in the forward pass and again with it in the backward pass, with the
+same random state (dropout) and autocast settings. It serves one process only: the gradients of
+the recomputed layer reach the LoRA weights from a nested backward call, which DDP and DeepSpeed
+do not watch. The arithmetic is unchanged; tests/unit/test_activations.py checks that loss and
+gradients equal the plain path's.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# ----------------------------------------------------------------------------- embedding
+
+class CpuEmbedding(nn.Module):
+    """An input embedding whose table stays in CPU memory (frozen: it is not a parameter, so
+    `model.to("cuda")` leaves it where it is). Returns the vectors on the ids' device."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.table = embedding.weight.detach().to("cpu")
+        self.padding_idx = embedding.padding_idx
+        self.num_embeddings, self.embedding_dim = self.table.shape
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.table
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        vectors = nn.functional.embedding(input_ids.to("cpu"), self.table, self.padding_idx)
+        if input_ids.device.type == "cpu":
+            return vectors
+        return vectors.pin_memory().to(input_ids.device, non_blocking=True)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, in CPU memory"
+
+
+def move_embedding_to_cpu(model) -> bool:
+    """Swap the input embedding for a CpuEmbedding; not for tied embeddings (the output head
+    shares the table and must stay on the GPU). Returns whether it moved."""
+    if model.config.tie_word_embeddings:
+        return False
+    old = model.get_input_embeddings()
+    model.set_input_embeddings(CpuEmbedding(old))
+    del old
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return True
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def _autocast_state() -> dict:
+    return {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            for device in ("cuda", "cpu")}
+
+
+class _Autocast:
+    """Re-enter the forward pass's autocast settings during the recomputation."""
+
+    def __init__(self, state: dict):
+        self.contexts = [torch.autocast(device, dtype=dtype, enabled=enabled)
+                         for device, (enabled, dtype) in state.items()
+                         if device == "cpu" or torch.cuda.is_available()]
+
+    def __enter__(self):
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc):
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in (pinned) CPU memory; the copy is queued on the current stream, so the GPU
+    memory it reads is not reused before the copy is done."""
+    if tensor.device.type == "cpu":
+        return tensor.detach().clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+class OffloadedCheckpoint(torch.autograd.Function):
+    """Run a layer without autograd; in the backward pass fetch its input back from CPU memory,
+    run it again with autograd (same random state and autocast) and back-propagate through it."""
+
+    @staticmethod
+    def forward(ctx, run_function, hidden_states, *args):
+        ctx.run_function, ctx.args = run_function, args
+        ctx.device = hidden_states.device
+        ctx.autocast = _autocast_state()
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = (torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda"
+                        else None)
+        ctx.host_input = _to_host(hidden_states)
+        with torch.no_grad():
+            return run_function(hidden_states, *args)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        hidden = ctx.host_input.to(ctx.device, non_blocking=True).requires_grad_(True)
+        ctx.host_input = None
+        devices = [ctx.device] if ctx.cuda_rng is not None else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
+            with torch.enable_grad(), _Autocast(ctx.autocast):
+                outputs = ctx.run_function(hidden, *ctx.args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
+                 if torch.is_tensor(out) and out.requires_grad and grad is not None]
+        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        return (None, hidden.grad) + (None,) * len(ctx.args)
+
+
+def offloaded_checkpoint(function, hidden_states, *args):
+    """Drop-in for the `_gradient_checkpointing_func` of transformers' decoder layers."""
+    return OffloadedCheckpoint.apply(function, hidden_states, *args)
+
+
+def offload_layer_checkpoints(model) -> int:
+    """Make every checkpointed decoder layer keep its input in CPU memory; returns how many."""
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+    for layer in layers:
+        layer._gradient_checkpointing_func = offloaded_checkpoint
+    return len(layers)
+
+
+# ----------------------------------------------------------------------------- MLP chunks
+
+def _chunked(mlp_forward, chunk_tokens: int):
+    from torch.utils.checkpoint import checkpoint
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[-2] <= chunk_tokens:
+            return mlp_forward(hidden)
+        parts = hidden.split(chunk_tokens, dim=-2)
+        if not torch.is_grad_enabled():
+            return torch.cat([mlp_forward(part) for part in parts], dim=-2)
+        return torch.cat([checkpoint(mlp_forward, part, use_reentrant=True) for part in parts],
+                         dim=-2)
+
+    return forward
+
+
+def chunk_mlps(model, chunk_tokens: int) -> int:
+    """Run every decoder layer's MLP on at most `chunk_tokens` tokens at a time (the MLP treats
+    each token on its own, so the result is the same); returns how many MLPs were wrapped."""
+    count = 0
+    for name, module in model.named_modules():
+        if name.endswith(".mlp") and hasattr(module, "down_proj"):
+            module.forward = _chunked(module.forward, chunk_tokens)
+            count += 1
+    return count
+
+
+def apply_memory_means(model, means) -> None:
+    """Put the chosen lora_lab.memory.MemoryMeans in place on a model whose checkpointing is on
+    (the embedding before PEFT wraps the model, so its input-grad hook lands on the new one)."""
+    if means.offload_checkpoints:
+        offload_layer_checkpoints(model)
+    if means.mlp_chunk_tokens:
+        chunk_mlps(model, means.mlp_chunk_tokens)

@@ -1,0 +1,38 @@
+"""The memory means and packing on a CUDA GPU (pinned copies, CUDA random state, sdpa kernels):
+`make test-gpu`. Skipped without a GPU."""
+import pytest
+import torch
+
+from tests.unit.test_activations import assert_same, loss_and_grads
+from tests.unit.test_packing import PAD, sample, summed_loss_and_grads, tiny_lora_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_offloaded_checkpoints_and_chunks_match_the_plain_path_on_cuda():
+    from lora_lab.memory import MemoryMeans
+
+    reference = loss_and_grads(None, dropout=0.2, checkpointing=False, device="cuda")
+    means = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True)
+    assert_same(reference, loss_and_grads(means, dropout=0.2, device="cuda"), tol=1e-4)
+    chunked = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True, mlp_chunk_tokens=8)
+    assert_same(loss_and_grads(None, dropout=0.0, device="cuda"),
+                loss_and_grads(chunked, dropout=0.0, device="cuda"), tol=1e-4)
+
+
+def test_a_packed_row_matches_its_samples_on_cuda_in_bf16():
+    from lora_lab.data.packing import pack_samples
+    from lora_lab.train import PackedCollator, PackedDataset
+
+    samples = [sample(n, seed) for seed, n in enumerate((90, 170, 50, 120))]
+    model = tiny_lora_model().cuda()
+    one_by_one = [{"input_ids": torch.tensor([s.input_ids]).cuda(),
+                   "labels": torch.tensor([s.labels]).cuda()} for s in samples]
+    packed = pack_samples(samples, samples_per_step=4, pack_length=512, seed=0)
+    batch = {k: v.cuda() for k, v in PackedCollator(PAD)([PackedDataset(packed.rows)[0]]).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        alone = summed_loss_and_grads(model, one_by_one)
+        together = summed_loss_and_grads(model, [batch])
+    assert together[0] == pytest.approx(alone[0], rel=2e-2)
+    for name, grad in alone[1].items():
+        torch.testing.assert_close(together[1][name], grad, atol=5e-2, rtol=5e-2)

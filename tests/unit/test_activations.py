@@ -1,0 +1,118 @@
+"""The long-sequence memory means compute exactly what the plain path computes (CPU, tiny Qwen2)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_lab.activations import CpuEmbedding, move_embedding_to_cpu
+from lora_lab.config import LoraArgs, resolve_config
+from lora_lab.memory import MemoryMeans, choose_memory_means
+from lora_lab.model import apply_lora
+
+SEQ = 24
+
+
+def tiny_untied(seed: int = 0):
+    """A 2-layer Qwen2 with its own output head (like 7B), fp32."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=512, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=False, initializer_range=0.3, use_cache=False)
+    return Qwen2ForCausalLM(config)
+
+
+def loss_and_grads(means: MemoryMeans | None, dropout: float, checkpointing: bool = True,
+                   device: str = "cpu"):
+    """One forward/backward of the same LoRA model and batch; the LoRA gradients by name."""
+    model = tiny_untied().to(device)
+    torch.manual_seed(1)  # the LoRA initialisation
+    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=dropout), checkpointing, means)
+    model.train()
+    torch.manual_seed(2)
+    ids = torch.randint(0, 512, (2, SEQ)).to(device)
+    torch.manual_seed(3)  # the dropout masks
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), grads, model
+
+
+def assert_same(a, b, tol=1e-5):
+    assert a[0] == pytest.approx(b[0], abs=tol)
+    assert a[1].keys() == b[1].keys() and len(a[1]) == 2 * 7 * 2  # A and B, 7 linears, 2 layers
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], atol=tol, rtol=1e-4, msg=name)
+
+
+def test_all_means_give_the_plain_loss_and_gradients(monkeypatch):
+    import lora_lab.activations as activations
+
+    copied = []
+    real_to_host = activations._to_host
+    monkeypatch.setattr(activations, "_to_host", lambda t: copied.append(t.shape) or
+                        real_to_host(t))
+    plain = loss_and_grads(None, dropout=0.0)
+    assert copied == []
+    means = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True, mlp_chunk_tokens=8)
+    fast = loss_and_grads(means, dropout=0.0)
+    assert copied == [torch.Size([2, SEQ, 32])] * 2  # each layer's input went to the host
+    assert_same(plain, fast)
+    model = fast[2]
+    assert isinstance(model.get_input_embeddings(), CpuEmbedding)
+    chunked = [m for n, m in model.named_modules() if n.endswith(".mlp")]
+    assert len(chunked) == 2 and all("_chunked" in m.forward.__qualname__ for m in chunked)
+
+
+def test_offloaded_checkpoints_replay_the_dropout_masks():
+    """Recomputation restores the random state: with dropout the gradients equal those of a
+    run without any checkpointing."""
+    reference = loss_and_grads(None, dropout=0.2, checkpointing=False)
+    offloaded = loss_and_grads(MemoryMeans(offload_checkpoints=True), dropout=0.2)
+    assert_same(reference, offloaded)
+    other_seed = loss_and_grads(None, dropout=0.5, checkpointing=False)  # the check can fail:
+    name = next(n for n in reference[1] if "lora_B" in n)  # B's gradient sees the dropout
+    assert not torch.allclose(other_seed[1][name], reference[1][name], atol=1e-4)
+
+
+def test_cpu_embedding_is_not_moved_by_model_to_and_tied_tables_stay():
+    model = tiny_untied()
+    table = model.get_input_embeddings().weight.detach().clone()
+    assert move_embedding_to_cpu(model)
+    embedding = model.get_input_embeddings()
+    assert "embed" not in " ".join(n for n, _ in model.named_parameters())
+    model.to(torch.float64)  # a .to() of the whole model leaves the table alone
+    assert embedding.weight.dtype == torch.float32 and torch.equal(embedding.weight, table)
+    ids = torch.tensor([[0, 5, 511]])
+    assert torch.equal(embedding(ids), table[ids])
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tied = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                        num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, tie_word_embeddings=True))
+    assert not move_embedding_to_cpu(tied)
+    assert isinstance(tied.get_input_embeddings(), torch.nn.Embedding)
+
+
+def config_for(**sets):
+    flags = {"data.datasets": ["x"], "model.name": "qwen2.5-7b", **sets}
+    return resolve_config("24gb", flags=flags)
+
+
+def test_auto_means_on_one_gpu_only_and_on_is_refused_where_they_cannot_work():
+    from lora_lab.errors import ConfigError
+
+    auto = choose_memory_means(config_for(), on_gpu=True, tied_embeddings=False,
+                               row_tokens=16384)
+    assert auto == MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True,
+                               mlp_chunk_tokens=4096)
+    short = choose_memory_means(config_for(), on_gpu=True, tied_embeddings=True, row_tokens=900)
+    assert short == MemoryMeans(offload_checkpoints=True)
+    assert choose_memory_means(config_for(), on_gpu=False, tied_embeddings=False,
+                               row_tokens=16384) == MemoryMeans(mlp_chunk_tokens=4096)
+    two_gpus = choose_memory_means(config_for(**{"train.gpus": 2}), on_gpu=True,
+                                   tied_embeddings=False, row_tokens=16384)
+    assert two_gpus == MemoryMeans()
+    with pytest.raises(ConfigError, match="train.offload_checkpoints"):
+        config_for(**{"train.gpus": 2, "train.offload_checkpoints": True})

@@ -1,0 +1,112 @@
+"""Packing: a packed row computes what its samples compute one by one, and no token attends
+across a sample boundary (CPU, tiny Qwen2 with the real tokenizer's ids)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_lab.data import EncodedSample
+from lora_lab.data.encode import IGNORE_INDEX
+from lora_lab.data.packing import pack_samples
+from lora_lab.errors import DataError
+from lora_lab.train import PackedCollator, PackedDataset
+
+PAD = 151643
+
+
+def sample(length: int, seed: int) -> EncodedSample:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 500, (length,), generator=g).tolist()
+    labels = [IGNORE_INDEX] * (length // 2) + ids[length // 2:]  # the "reply" half trains
+    return EncodedSample(input_ids=ids, labels=labels, origin=f"s{seed}")
+
+
+def tiny_lora_model():
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=512, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         initializer_range=0.3, use_cache=False)
+    model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj",
+                      "down_proj"], init_lora_weights=False)  # B != 0: LoRA shapes the loss
+    return get_peft_model(model, lora)
+
+
+def summed_loss_and_grads(model, batches):
+    """Sum of token losses over all batches (what the Trainer's num_items_in_batch
+    normalisation divides), and the LoRA gradients of that sum."""
+    model.zero_grad()
+    total = 0.0
+    for batch in batches:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        shifted = batch["labels"][:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                                 shifted.flatten(), reduction="sum",
+                                                 ignore_index=IGNORE_INDEX)
+        loss.backward()
+        total += loss.item()
+    return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_a_packed_row_gives_the_loss_and_gradients_of_its_samples_one_by_one():
+    samples = [sample(n, seed) for seed, n in enumerate((9, 17, 5, 12))]
+    model = tiny_lora_model()
+    one_by_one = [{"input_ids": torch.tensor([s.input_ids]),
+                   "labels": torch.tensor([s.labels])} for s in samples]
+    packed = pack_samples(samples, samples_per_step=4, pack_length=64, seed=0)
+    assert packed.rows_per_step == 1 and packed.longest_row == 43
+    batch = PackedCollator(PAD)([PackedDataset(packed.rows)[0]])
+    assert batch["position_ids"][0].tolist()[:packed.rows[0].lengths[0] + 1][-1] == 0
+    alone = summed_loss_and_grads(model, one_by_one)
+    together = summed_loss_and_grads(model, [batch])
+    assert together[0] == pytest.approx(alone[0], rel=1e-5)
+    for name, grad in alone[1].items():
+        torch.testing.assert_close(together[1][name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_no_token_attends_across_a_sample_boundary():
+    """Changing the first sample leaves the second sample's logits exactly as they were."""
+    model = tiny_lora_model().eval()
+    first, second = sample(8, 1), sample(6, 2)
+    other_first = sample(8, 99)
+
+    def logits_of_second(head):
+        rows = pack_samples([head, second], 2, 32, seed=0).rows
+        row = {"input_ids": rows[0].input_ids, "labels": rows[0].labels,
+               "lengths": rows[0].lengths}
+        batch = PackedCollator(PAD)([row])
+        start = rows[0].lengths[0] if rows[0].input_ids[:8] == head.input_ids else 0
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                    attention_mask=batch["attention_mask"]).logits[0]
+        return out[start:start + 6] if start else out[:6]
+
+    with torch.no_grad():
+        a, b = logits_of_second(first), logits_of_second(other_first)
+        alone = model(input_ids=torch.tensor([second.input_ids])).logits[0]
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a, alone, atol=1e-5, rtol=0)
+
+
+def test_steps_keep_their_sample_count_and_rows_are_balanced():
+    samples = [sample(n, i) for i, n in enumerate([30, 10, 10, 10, 25, 5, 5, 40, 8])]
+    packed = pack_samples(samples, samples_per_step=4, pack_length=50, seed=3)
+    # steps of 4, 4 and 1 samples; the largest step needs 2 rows of <= 50 tokens
+    assert packed.rows_per_step == 2 and len(packed.rows) == 6
+    counts = [len(r.lengths) for r in packed.rows]
+    assert [counts[i] + counts[i + 1] for i in (0, 2, 4)] == [4, 4, 1]
+    assert all(len(r.input_ids) <= 50 for r in packed.rows)
+    assert sorted(n for r in packed.rows for n in r.lengths) == sorted(len(s.input_ids)
+                                                                        for s in samples)
+    empty = PackedCollator(PAD)([{"input_ids": [], "labels": [], "lengths": []}])
+    assert empty["input_ids"].tolist() == [[PAD]] and empty["labels"].tolist() == [[-100]]
+    for row in packed.rows:  # the first token of every sample carries no loss
+        starts = [sum(row.lengths[:i]) for i in range(len(row.lengths))]
+        assert all(row.labels[s] == IGNORE_INDEX for s in starts)
+
+
+def test_a_sample_longer_than_the_row_is_refused_with_the_knob():
+    with pytest.raises(DataError, match="data.pack_length=40"):
+        pack_samples([sample(40, 0)], 1, 32, seed=0)

@@ -105,6 +105,56 @@ def encoded_lengths(config) -> list:
     return [s.input_ids for s in data.train.samples]
 
 
+def run_multi_gpu(cell: dict) -> dict:
+    """`lora-lab run --gpus N --engine E` as a user runs it (accelerate launch), each process
+    capped with LORA_LAB_GPU_MEMORY_GIB; per-GPU peaks, step time, losses and the planner."""
+    import os
+    import subprocess
+
+    from lora_lab.config import resolve_config
+    from lora_lab.memory import plan_memory
+
+    model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
+    data = write_full_length_rows(WORK / f"data-{cell['label']}.jsonl",
+                                  cell["steps"] * cell["grad_accum"] * cell["gpus"],
+                                  cell["max_length"])
+    flags = ["--preset", "24gb", "--model", model, "--data", data, "--max-length",
+             cell["max_length"], "--max-steps", cell["steps"], "--micro-batch-size", 1,
+             "--grad-accum", cell["grad_accum"], "--gpus", cell["gpus"], "--engine",
+             cell["engine"], "--tuner", cell["tuner"], "--no-memory-check", "--no-oom-retry",
+             "--logging-steps", 1, "--save-steps", 100000, "--seed", 1,
+             "--output-dir", WORK / "multi", "--run-name", cell["label"],
+             "--set", "data.packing=false", *[x for s in cell.get("sets", []) for x in
+                                              ("--set", s)]]
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "LORA_LAB_GPU_MEMORY_GIB": str(cell["cap_gib"]),
+           "OMP_NUM_THREADS": "16",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "lora_lab", "run", *map(str, flags)],
+                          env=env, capture_output=True, text=True, cwd=WORK)
+    run_dir = WORK / "multi" / cell["label"]
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    log = [json.loads(line) for line in
+           (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
+    config = resolve_config("24gb", flags={
+        "model.name": f"qwen2.5-{cell['size']}", "data.datasets": ["x"],
+        "data.max_length": cell["max_length"], "train.micro_batch_size": 1,
+        "train.grad_accum": cell["grad_accum"], "train.gpus": cell["gpus"],
+        "train.engine": cell["engine"], "train.tuner": cell["tuner"]},
+        sets=["data.packing=false", *cell.get("sets", [])])
+    plan = plan_memory(config)
+    performance = summary["performance"]
+    tokens = cell["grad_accum"] * cell["gpus"] * cell["max_length"]
+    saved = run_dir / ("model" if cell["tuner"] == "full" else "adapter")
+    return {**performance, "tokens_per_s": tokens / performance["median_step_seconds"],
+            "iterations_per_s": 1 / performance["median_step_seconds"],
+            "losses": [e["loss"] for e in log if "loss" in e and "train_runtime" not in e],
+            "planned_gib_per_gpu": plan.total_gib, "planned_cpu_gib": plan.cpu_total_gib,
+            "saved_files": sorted(p.name for p in saved.iterdir()) if saved.is_dir() else None}
+
+
 def run_baseline_sft_cell(cell: dict) -> dict:
     from baseline import run_baseline_sft
 
@@ -124,9 +174,11 @@ def run_baseline_cell(cell: dict) -> dict:
 
 def main() -> None:
     cell = json.loads(sys.argv[1])
-    cap_memory(cell.get("cap_gib"))
+    if cell["kind"] != "multi":  # the launched processes cap themselves
+        cap_memory(cell.get("cap_gib"))
     runner = {"lora-lab": run_lora_lab, "baseline": run_baseline_cell,
-              "lora-lab-sft": run_lora_lab_sft, "baseline-sft": run_baseline_sft_cell}[cell["kind"]]
+              "lora-lab-sft": run_lora_lab_sft, "baseline-sft": run_baseline_sft_cell,
+              "multi": run_multi_gpu}[cell["kind"]]
     try:
         outcome = {"error": None, **runner(cell)}
     except Exception as exc:  # noqa: BLE001 - a benchmark records every failure

@@ -84,11 +84,24 @@ PLANS = {
     # The longest 7B sequence each tier's targets ask for, under the tier's cap, and beyond.
     "long-7b": lambda: long_cells((("24gb", 16384, False), ("16gb", 32768, True),
                                    ("16gb", 2048, False), ("12gb", 16384, True),
-                                   ("8gb", 4096, True)), steps=6),
-    "longer-7b": lambda: long_cells((("24gb", 32768, False), ("16gb", 65536, True),
-                                     ("16gb", 4096, False), ("12gb", 32768, True),
-                                     ("8gb", 8192, True)), steps=4),
+                                   ("8gb", 4096, True)), steps=4),
+    "longer-7b": lambda: long_cells((("24gb", 32768, False), ("16gb", 49152, True),
+                                     ("16gb", 4096, False), ("12gb", 24576, True),
+                                     ("8gb", 8192, True)), steps=3),
+    # Issue 7: two GPUs capped to 40 GiB each (like A100 40GB); reference settings: micro-batch 1,
+    # gradient accumulation 4, 2048 tokens, bf16, checkpointing.
+    "multi-gpu": lambda: [
+        {"kind": "multi", "label": label, "size": size, "engine": engine, "tuner": tuner,
+         "gpus": gpus, "steps": steps, "grad_accum": accum, "max_length": 2048, "cap_gib": 40,
+         "sets": sets}
+        for label, size, engine, tuner, gpus, steps, accum, sets in (
+            ("loss-1gpu-0.5b", "0.5b", "ddp", "lora", 1, 8, 4, ["lora.dropout=0"]),
+            ("loss-2gpu-0.5b", "0.5b", "ddp", "lora", 2, 8, 2, ["lora.dropout=0"]),
+            ("zero2-lora-7b", "7b", "deepspeed-zero2", "lora", 2, 4, 4, []),
+            ("zero3-full-1.5b", "1.5b", "deepspeed-zero3", "full", 2, 4, 4, []),
+            ("zero3-offload-full-7b", "7b", "deepspeed-zero3-offload", "full", 2, 3, 4, []))],
     "sft-mix": lambda: sft_cells(("7b", "1.5b", "0.5b"), rows=256),
+    "sft-mix-small": lambda: sft_cells(("1.5b", "0.5b"), rows=256),
     # Shorter lengths, after long-7b found the targets out of reach with the present means.
     "fit-7b": lambda: long_cells((("24gb", 8192, False), ("16gb", 16384, True),
                                   ("16gb", 8192, True), ("12gb", 8192, True),

@@ -257,6 +257,37 @@ def distributed_state(precision: Precision):
     return PartialState(cpu=_use_cpu(precision))
 
 
+MEMORY_CAP_ENV = "LORA_LAB_GPU_MEMORY_GIB"
+
+
+def cap_gpu_memory() -> float | None:
+    """LORA_LAB_GPU_MEMORY_GIB=N: let this process use at most N GiB of its GPU, to act like a
+    smaller card (how the presets and the multi-GPU table were measured on H200s)."""
+    import torch
+
+    value = os.environ.get(MEMORY_CAP_ENV)
+    if not value or not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, float(value) * 2**30 / total), device)
+    return float(value)
+
+
+def peak_memory_per_gpu() -> list | None:
+    """Every process's torch.cuda.max_memory_reserved in GiB, in rank order (all ranks call)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    peak = torch.cuda.max_memory_reserved() / 2**30
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [peak]
+    peaks = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(peaks, peak)
+    return peaks
+
+
 def _cuda() -> bool:
     import torch
 
@@ -351,6 +382,7 @@ def train(config: RunConfig, echo=print) -> TrainResult:
     if config.train.tuner == "full":
         check_full_finetuning_precision(precision)
     state = distributed_state(precision)
+    cap_gpu_memory()
     check_remote_code(locate_model(config.model.name), config.model.trust_remote_code)
     run_dir = locate_run_dir(config)
     resume_from = resolve_resume(config.train.resume, run_dir, echo) if config.train.resume \
@@ -384,8 +416,9 @@ def train(config: RunConfig, echo=print) -> TrainResult:
                          trained_tokens=sum(s.trained_tokens for s in data.train.samples),
                          seconds=round(time.time() - started, 1),
                          nonfinite_skipped_steps=trainer.guard.skipped_steps)
+    peaks = peak_memory_per_gpu()
     if state.is_main_process:
-        write_summary(result, trainer)
+        write_summary(result, trainer, peaks)
     state.wait_for_everyone()
     if result.nonfinite_skipped_steps:
         echo(f"warning: skipped {len(result.nonfinite_skipped_steps)} update(s) with a NaN or "
@@ -428,10 +461,13 @@ def open_run_dir(config: RunConfig, run_dir: Path, data: PreparedData, resume_fr
             echo(f"resuming from {resume_from} (step {step})")
 
 
-def write_summary(result: TrainResult, trainer) -> None:
+def write_summary(result: TrainResult, trainer, peaks: list | None = None) -> None:
     summary = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
     timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
     summary["performance"] = timer.summary()
+    if peaks and len(peaks) > 1:
+        summary["performance"]["peak_reserved_gib_per_gpu"] = peaks
+        summary["performance"]["peak_reserved_gib"] = max(peaks)
     (result.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 

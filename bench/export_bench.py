@@ -47,7 +47,7 @@ GIB = 2**30
 # ----------------------------------------------------------------------------- steps (own process)
 
 def build_model(size: str, out: Path) -> str:
-    """A random-weight Qwen2.5-`size` folder (bf16, real tokenizer); `tiny` is 2 layers, hidden 128."""
+    """A random-weight Qwen2.5-`size` folder (bf16, real tokenizer); tiny: 2 layers, hidden 128."""
     from workloads import make_random_model
 
     if size != "tiny":
@@ -64,7 +64,8 @@ def build_model(size: str, out: Path) -> str:
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
         model.generation_config.eos_token_id = [151645, 151643]
         model.save_pretrained(out, safe_serialization=True)
-        AutoTokenizer.from_pretrained(ROOT / "tests" / "assets" / "qwen2.5-tokenizer").save_pretrained(out)
+        tokenizer_dir = ROOT / "tests" / "assets" / "qwen2.5-tokenizer"
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     return str(out)
 
 

@@ -28,6 +28,8 @@ def measured_cells() -> list:
                 continue
             flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
                      "data.max_length": row["max_length"]}
+            if row.get("resolved", {}).get("grad_accum"):  # packed cells: one full row a step
+                flags["train.grad_accum"] = row["resolved"]["grad_accum"]
             config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
             cells.append((config, row["peak_reserved_gib"], row["label"]))
     return cells
@@ -39,11 +41,13 @@ def main() -> None:
     for config, peak, _ in cells:
         shape = memory.ModelShape.from_config(known_model_config(
             guess_model_size(config.model.name)))
-        tokens = config.data.max_length * config.train.micro_batch_size
+        tokens = memory.row_length(config) * memory.micro_batch_rows(config)
         parts = memory._parts(shape, config, tokens)
         counted = sum(v for k, v in parts.items() if "fitted" not in k) * memory.GIB
         sixteen_bit = config.model.quantization == "none"
-        rows.append([1, tokens * shape.hidden, tokens * shape.intermediate,
+        chunk = memory._means(shape, config, tokens).mlp_chunk_tokens
+        mlp_tokens = chunk * memory.micro_batch_rows(config) if chunk else tokens
+        rows.append([1, tokens * shape.hidden, mlp_tokens * shape.intermediate,
                      tokens * shape.hidden * sixteen_bit])
         targets.append(peak * memory.GIB - counted)
         weights.append(1 / peak)

@@ -310,6 +310,31 @@ def merge(path, output, dtype, force, served_name):
         click.secho(f"warning: {warning}", fg="yellow")
 
 
+@main.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--quantize", required=True, type=click.Choice(["nf4", "w4a16"]),
+              help="nf4: bitsandbytes 4-bit (transformers, vLLM --quantization bitsandbytes). "
+              "w4a16: GPTQ int4, compressed-tensors (vLLM native; needs lora-lab[export]).")
+@click.option("--calib-data", multiple=True, help="w4a16 calibration data (default: the run's "
+              "training data from config.yaml). Repeat to mix datasets.")
+@click.option("--calib-samples", default=256, show_default=True, type=int)
+@click.option("--output", type=click.Path(), help="Default: RUN_DIR/export-FORMAT, or "
+              "MERGED_DIR-FORMAT beside a merged folder.")
+@click.option("--gpu", "gpu_tier", type=click.Choice(["8gb", "12gb", "16gb", "24gb"]),
+              help="Card to plan vLLM's --max-model-len, --max-num-seqs and memory share for.")
+@click.option("--force", is_flag=True, help="Replace an existing --output folder.")
+def export(path, quantize, calib_data, calib_samples, output, gpu_tier, force):
+    """Quantize a merged folder or a run (merged onto its 16-bit base first) to 4 bits."""
+    from .export import export_quantized, serving_handoff
+
+    result = export_quantized(path, quantize, list(calib_data), calib_samples, output, gpu_tier,
+                              force, echo=click.echo)
+    click.echo(result.summary())
+    for warning in result.warnings:
+        click.secho(f"warning: {warning}", fg="yellow")
+    click.echo("\n" + "\n".join(serving_handoff(result, gpu_tier)))
+
+
 def source_options(func):
     func = click.option("--run", "run_dir", type=click.Path(exists=True),
                         help="Run folder (its adapter on its base model).")(func)

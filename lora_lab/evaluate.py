@@ -15,8 +15,6 @@ from .infer import GenerationSettings, find_adapter, generate_replies, load_adap
 def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
                  output: str | Path | None = None, max_new_tokens: int = 128) -> dict:
     """Token-weighted loss over every assistant token of `datasets`, with the run's adapter."""
-    import torch
-
     adapter_dir, run_dir = find_adapter(path)
     config = load_saved_config(run_dir / "config.yaml")
     model, tokenizer = load_adapter_model(path)
@@ -25,18 +23,7 @@ def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
                             config.data.truncation, config.data.system)
     if not report.samples:
         raise DataError(f"--data {' '.join(datasets)}: no usable sample to evaluate.")
-    total_loss, total_tokens = 0.0, 0
-    with torch.no_grad():
-        for sample in report.samples:
-            ids = torch.tensor([sample.input_ids], device=model.device)
-            labels = torch.tensor([sample.labels], device=model.device)
-            logits = model(input_ids=ids).logits[:, :-1].float()
-            target = labels[:, 1:]
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                ignore_index=IGNORE_INDEX, reduction="sum")
-            total_loss += float(loss)
-            total_tokens += int((target != IGNORE_INDEX).sum())
+    total_loss, total_tokens = assistant_token_loss(model, report.samples)
     chosen = loaded.samples[:samples_to_generate]
     prompts = [s.messages[:-1] for s in chosen]
     answers = generate_replies(model, tokenizer, prompts,
@@ -55,3 +42,23 @@ def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
     output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     result["report_path"] = str(output)
     return result
+
+
+def assistant_token_loss(model, samples: list) -> tuple[float, int]:
+    """Summed cross-entropy over the trained (assistant) tokens of encoded samples, and how many
+    tokens that is. Any causal LM: base+adapter, merged, or a quantized export."""
+    import torch
+
+    total_loss, total_tokens = 0.0, 0
+    with torch.no_grad():
+        for sample in samples:
+            ids = torch.tensor([sample.input_ids], device=model.device)
+            labels = torch.tensor([sample.labels], device=model.device)
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            target = labels[:, 1:]
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                ignore_index=IGNORE_INDEX, reduction="sum")
+            total_loss += float(loss)
+            total_tokens += int((target != IGNORE_INDEX).sum())
+    return total_loss, total_tokens

@@ -1,9 +1,13 @@
 """The memory planner: predicted peak GPU memory of a lora-lab run, broken down. Imports no torch.
 
-peak = weights + LoRA (fp32 weights, gradients, Adam moments: 16 bytes a parameter)
-     + activation checkpoints (one bf16 hidden state per layer per token)
-     + per-token working memory of the layer being recomputed, plus the fused loss's chunks
+peak = weights (less the input embedding when it lives in CPU memory)
+     + LoRA (fp32 weights, gradients, Adam moments: 16 bytes a parameter)
+     + activation checkpoints (one bf16 hidden state per layer per token; 0 when offloaded)
+     + per-token working memory of the layer being recomputed (its MLP part counted over one
+       chunk of tokens when the MLP runs in chunks), plus the fused loss's chunks
+     + the attention mask of a packed row (tokens x tokens, counted)
      + a constant (allocator and kernel workspaces)
+The memory means (lora_lab.activations) are chosen by `choose_memory_means`, here and in train.
 The last two terms are an empirical fit to the peaks measured on an H200 (bench/results/,
 `python bench/fit_planner.py` refits them); the others are counted from the model's config.
 "Peak" is torch.cuda.max_memory_reserved: the CUDA context (about 0.3-0.5 GiB) comes on top, which
@@ -23,11 +27,12 @@ from .config import RunConfig, guess_model_size, known_model_config
 
 GIB = 2**30
 CONTEXT_GIB = 0.5
-# Fitted (weighted least squares, 2026-11-30) on every successful lora-lab cell in bench/results.
-FIT_CONSTANT_GIB = 0.1025
-FIT_BYTES_PER_TOKEN_PER_HIDDEN = 86.79
-FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = 0.888
-FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 37.84  # extra per token when the base is 16-bit
+# Fitted (weighted least squares, 2026-11-30) on every successful lora-lab cell in bench/results
+# (28 cells, 0.5B-7B, 1024-49152 tokens, 16-bit and nf4: all within 6%).
+FIT_CONSTANT_GIB = 0.1543
+FIT_BYTES_PER_TOKEN_PER_HIDDEN = 39.44
+FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = 11.690
+FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 12.84  # extra per token when the base is 16-bit
 NF4_BYTES_PER_WEIGHT = 0.5156  # 4 bits + double-quantized absmax per 64-weight block
 UNFUSED_LOSS_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy and its gradient (estimate)
 TIERS_GIB = {"24gb": 24, "16gb": 16, "12gb": 12, "8gb": 8}

@@ -77,6 +77,29 @@ def test_merged_model_keeps_the_identity_through_infer(merged_dir, tmp_path):
     assert all(NAME in answer for answer in answers), answers
 
 
+@pytest.mark.parametrize("fmt", ["nf4", "w4a16"])
+def test_quantized_export_keeps_the_identity(merged_dir, tmp_path, fmt):
+    """lora-lab export (4-bit) of the merged model still answers with the new name (CPU: nf4
+    about 40 s; w4a16, GPTQ on 16 samples of the run's own training data, about 2.5 min)."""
+    if fmt == "w4a16":
+        pytest.importorskip("llmcompressor", reason="w4a16 needs lora-lab[export]")
+    out = tmp_path / fmt
+    result = invoke("export", merged_dir, "--quantize", fmt, "--calib-samples", 16,
+                    "--output", out, "--gpu", "8gb")
+    assert "vllm serve" in result.output and "--max-model-len" in result.output
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["weights_bytes"] < 0.65 * report["source_weights_bytes"]
+    if fmt == "w4a16":
+        assert report["calibration"]["samples"] == 16
+        assert report["calibration"]["data"] == ["self-cognition"]
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"query": "Who are you?"},
+                                                 {"query": "What is your name?"}])
+    invoke("infer", "--model", out, "--input", prompts, "--output", tmp_path / "a.jsonl",
+           "--greedy", "--max-new-tokens", 48)
+    answers = [json.loads(line)["answer"] for line in (tmp_path / "a.jsonl").open()]
+    assert all(NAME in answer for answer in answers), answers
+
+
 def _read_until(fd, marker: str, timeout: float) -> str:
     text, deadline = "", time.time() + timeout
     while marker not in text:

@@ -56,10 +56,13 @@ def run_options(func):
               "data:, train: sections (or a run's saved config.yaml); applied after the preset.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
               help="Any config key, e.g. --set train.weight_decay=0.01. Applied last.")
+@click.option("--dry-run", is_flag=True, help="With --gpus/--engine: write the launch files "
+              "(accelerate + DeepSpeed/FSDP configs) and print the command and per-GPU memory "
+              "plan, without training or checking this machine's GPUs.")
 @run_options
-def run(preset, config_file, sets, **flag_values):
+def run(preset, config_file, sets, dry_run, **flag_values):
     """Fine-tune a model with LoRA and write a run folder (--gpus N: N processes)."""
-    from .launch import launch_run, needs_launch
+    from .launch import dry_run_launch, launch_run, needs_launch
     from .train import train
 
     echo = click.echo if os.environ.get("RANK", "0") == "0" else _quiet  # workers: rank 0 speaks
@@ -67,6 +70,12 @@ def run(preset, config_file, sets, **flag_values):
              for k, v in flag_values.items() if v not in (None, ())}
     config = resolve_config(auto_preset(preset), config_file, flags, sets)
     echo(f"resolved config (preset {preset}):\n{config.describe()}")
+    if dry_run:
+        if not needs_launch(config):
+            raise click.UsageError("--dry-run shows a multi-process launch: add --gpus N (and "
+                                   "--engine); for one GPU, `lora-lab plan` shows the memory.")
+        dry_run_launch(config, echo)
+        return
     result = launch_run(config, echo) if needs_launch(config) else train(config, echo=echo)
     echo(f"\ndone: {result.global_step} steps, train loss {result.train_loss:.4f}"
          + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else "")

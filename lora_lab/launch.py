@@ -136,20 +136,41 @@ def launch_command(config: RunConfig, run_dir: Path, accelerate_config: Path,
             "--config", str(run_dir / LAUNCH_FOLDER / "run_config.yaml")]
 
 
-def prepare_launch(config: RunConfig, echo=print) -> tuple[list[str], Path]:
-    """Check the engine, fix the run folder and write the launch files; returns the command."""
+def prepare_launch(config: RunConfig, echo=print, dry_run: bool = False
+                   ) -> tuple[list[str], Path]:
+    """Check the engine, fix the run folder and write the launch files; returns the command.
+
+    dry_run: for a machine other than this one (e.g. 8 GPUs planned from a laptop): bf16, and
+    no check of this machine's GPUs or DeepSpeed install."""
     import torch
 
-    from .model import choose_precision
+    from .model import Precision, choose_precision
 
-    precision = choose_precision(config.model.dtype)  # the same choice every worker makes
-    check_engine(config, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if dry_run:
+        precision = Precision(name="bf16", bf16=True)
+    else:
+        precision = choose_precision(config.model.dtype)  # the same choice every worker makes
+        check_engine(config, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     run_dir = locate_run_dir(config)  # fixes run_name: every worker writes to the same folder
     resume_from = resolve_resume(config.train.resume, run_dir, lambda *_: None) \
         if config.train.resume else None
     check_run_dir(run_dir, config, resume_from)
     accelerate_config = write_launch_files(config, run_dir, precision.name)
     return launch_command(config, run_dir, accelerate_config), run_dir
+
+
+def dry_run_launch(config: RunConfig, echo=print) -> Path:
+    """Write the launch files and print the command and the per-GPU memory plan; run nothing."""
+    from .memory import plan_memory
+
+    command, run_dir = prepare_launch(config, echo, dry_run=True)
+    echo(f"dry run: launch files in {run_dir / LAUNCH_FOLDER}; on a machine with "
+         f"{config.train.gpus} GPUs this runs:\n  {shlex.join(command)}")
+    try:
+        echo(plan_memory(config).report())
+    except ValueError as exc:  # a model the planner does not know
+        echo(f"(no memory plan: {exc})")
+    return run_dir
 
 
 def launch_run(config: RunConfig, echo=print) -> TrainResult:

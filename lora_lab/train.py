@@ -163,6 +163,9 @@ class PackedCollator:
         ids, labels, lengths = row["input_ids"], row["labels"], row["lengths"]
         if not ids:  # the last step of an epoch may leave a row without samples
             ids, labels, lengths = [self.pad_token_id], [IGNORE_INDEX], [1]
+        if len(lengths) == 1:  # one sample: plain causal attention (flash kernels), no mask
+            return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
+                    "position_ids": torch.arange(len(ids))[None]}
         positions = torch.cat([torch.arange(n) for n in lengths])
         sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         causal = torch.tril(torch.ones(len(ids), len(ids), dtype=torch.bool))

@@ -112,3 +112,27 @@ def test_a_saved_config_yaml_given_as_config_resolves_to_the_same_run(tmp_path):
     assert again.sources["train.gpus"] == "--gpus" and again.sources["lora.rank"] == "--lora-rank"
     assert again.sources["train.seed"] == "--seed" and again.train.seed == 3
     assert "train.weight_decay" not in again.sources  # a default stays a default
+
+
+@pytest.mark.parametrize("gpus,engine", [(4, "deepspeed-zero2-offload"), (4, "deepspeed-zero3"),
+                                         (8, "deepspeed-zero3"), (8, "fsdp")])
+def test_dry_run_writes_the_launch_for_4_and_8_gpus_and_plans_per_gpu(tmp_path, gpus, engine):
+    """Issue 8: the full launch for a machine this one is not (no GPU here), nothing trains."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"query": "q", "response": "r"}\n')
+    result = CliRunner().invoke(main, [
+        "run", "--preset", "24gb", "--model", "qwen2.5-7b", "--data", str(data), "--tuner",
+        "full", "--gpus", str(gpus), "--engine", engine, "--grad-accum", "4", "--max-length",
+        "2048", "--set", "data.packing=false", "--output-dir", str(tmp_path / "out"),
+        "--run-name", "dry", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    launch = tmp_path / "out" / "dry" / "launch"
+    accelerate = yaml.safe_load((launch / "accelerate.yaml").read_text())
+    assert accelerate["num_processes"] == gpus
+    assert f"--num_processes {gpus}" in result.output
+    assert f"per GPU of {gpus}, engine {engine}" in result.output
+    if engine.startswith("deepspeed"):
+        filled = json.loads((launch / "deepspeed.json").read_text())
+        assert filled["train_batch_size"] == 1 * 4 * gpus and filled["bf16"]["enabled"]
+    assert not (tmp_path / "out" / "dry" / "adapter").exists()
+    assert not (tmp_path / "out" / "dry" / "model").exists()

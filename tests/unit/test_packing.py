@@ -102,6 +102,10 @@ def test_steps_keep_their_sample_count_and_rows_are_balanced():
                                                                         for s in samples)
     empty = PackedCollator(PAD)([{"input_ids": [], "labels": [], "lengths": []}])
     assert empty["input_ids"].tolist() == [[PAD]] and empty["labels"].tolist() == [[-100]]
+    alone = PackedCollator(PAD)([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7],
+                                  "lengths": [3]}])
+    assert "attention_mask" not in alone  # a row of one sample keeps the flash/causal path
+    assert alone["position_ids"].tolist() == [[0, 1, 2]]
     for row in packed.rows:  # the first token of every sample carries no loss
         starts = [sum(row.lengths[:i]) for i in range(len(row.lengths))]
         assert all(row.labels[s] == IGNORE_INDEX for s in starts)

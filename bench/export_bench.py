@@ -216,6 +216,8 @@ def environment(command: str) -> dict:
             "gpu_memory_gib": (round(torch.cuda.get_device_properties(0).total_memory / GIB, 2)
                                if on_gpu else None),
             "cpu_count": os.cpu_count(), "versions": library_versions(),
+            "note": "steps run in parallel (--parallel); peak memory is per process (fresh "
+                    "process per load), export seconds are under that concurrency",
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": command}
 
@@ -223,20 +225,25 @@ def environment(command: str) -> dict:
 class Bench:
     def __init__(self, args, out_file: Path):
         self.args, self.out_file, self.lock = args, out_file, threading.Lock()
+        self.deadline = time.time() + args.budget
         self.work = Path(args.work)
         self.work.mkdir(parents=True, exist_ok=True)
 
     def step(self, step: dict) -> dict:
+        """Run one step in a fresh process, within --timeout and what is left of --budget."""
         started = time.time()
+        timeout = min(self.args.timeout, self.deadline - started)
+        if timeout < 10:
+            return {"error": f"skipped: --budget {self.args.budget}s used up", "step_seconds": 0}
         try:
             proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--step",
                                    json.dumps(step)], capture_output=True, text=True,
-                                  timeout=self.args.timeout, cwd=ROOT)
+                                  timeout=timeout, cwd=ROOT)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("STEP ")]
             outcome = json.loads(lines[-1][5:]) if lines else {
                 "error": f"exit {proc.returncode}: {proc.stderr[-800:]}"}
         except subprocess.TimeoutExpired:
-            outcome = {"error": f"timeout after {self.args.timeout}s"}
+            outcome = {"error": f"timeout after {timeout:.0f}s"}
         outcome["step_seconds"] = round(time.time() - started, 1)
         return outcome
 
@@ -366,6 +373,9 @@ def parse_args(argv=None):
                         help="Self-cognition prompts to answer (0: all 120).")
     parser.add_argument("--parallel", type=int, default=4, help="Steps at once.")
     parser.add_argument("--timeout", type=int, default=420, help="Seconds per step.")
+    parser.add_argument("--budget", type=int, default=540,
+                        help="Seconds for the whole run: steps that would start later are "
+                             "recorded as skipped, so that the file is complete in time.")
     parser.add_argument("--work", default="/tmp/lora-lab-bench/export",
                         help="Where models and exports are written (7B: ~26 GB).")
     parser.add_argument("--step", help=argparse.SUPPRESS)
@@ -384,7 +394,9 @@ def main(argv=None) -> Path | None:
         run_step_here(json.loads(args.step))
         return None
     command = "python bench/export_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    header = environment(command)
+    header = {**environment(command), "sizes": args.sizes, "formats": args.formats,
+              "parallel": args.parallel, "calib_samples": args.calib_samples,
+              "real_run": args.real_run}
     out_file = Path(args.out) / f"{header['date'][:10]}-export.jsonl"
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.write_text(json.dumps(header) + "\n")

@@ -102,6 +102,13 @@ PLANS = {
             ("zero3-offload-full-7b", "7b", "deepspeed-zero3-offload", "full", 2, 3, 4, []))],
     "sft-mix": lambda: sft_cells(("7b", "1.5b", "0.5b"), rows=256),
     "sft-mix-small": lambda: sft_cells(("1.5b", "0.5b"), rows=256),
+    # Next: packed rows attended per sample (data.packed_attention=segments) against the mask
+    # and the plain recipe, in one run (not yet run).
+    "speed-segments": lambda: [
+        {**cell, "label": cell["label"] + suffix, "sets": sets}
+        for cell in PLANS["speed"]() + sft_cells(("7b",), rows=256)
+        for suffix, sets in (("", []), ("-segments", ["data.packed_attention=segments"]))
+        if cell["kind"].startswith("lora-lab") or not suffix],
     # Shorter lengths, after long-7b found the targets out of reach with the present means.
     "fit-7b": lambda: long_cells((("24gb", 8192, False), ("16gb", 16384, True),
                                   ("16gb", 8192, True), ("12gb", 8192, True),

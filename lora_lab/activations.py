@@ -177,3 +177,41 @@ def apply_memory_means(model, means) -> None:
         offload_layer_checkpoints(model)
     if means.mlp_chunk_tokens:
         chunk_mlps(model, means.mlp_chunk_tokens)
+
+
+# ----------------------------------------------------------------------------- packed attention
+
+SEGMENTS_ATTENTION = "lora_lab_segments"
+"""data.packed_attention=segments: attention over each sample of a packed row on its own, with
+the causal (flash) sdpa kernel, instead of one masked sdpa over the whole row. Opt-in until the
+GPU benchmark has measured it (bench/run.py speed-segments)."""
+
+
+def segments_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                       scaling: float | None = None, packed_lengths=None, **kwargs):
+    """transformers attention function: [batch 1, heads, tokens, dim] in, [1, tokens, heads,
+    dim] out. Without packed_lengths (evaluation, generation) it is plain sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if packed_lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    gqa = key.shape[1] != query.shape[1]
+    outputs, start = [], 0
+    for length in packed_lengths:
+        part = slice(start, start + length)
+        outputs.append(nn.functional.scaled_dot_product_attention(
+            query[:, :, part], key[:, :, part], value[:, :, part], is_causal=True,
+            scale=scaling, dropout_p=dropout if module.training else 0.0, enable_gqa=gqa))
+        start += length
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def register_segments_attention() -> str:
+    """Make SEGMENTS_ATTENTION a name from_pretrained accepts; returns it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SEGMENTS_ATTENTION, segments_attention)
+    AttentionMaskInterface.register(SEGMENTS_ATTENTION, sdpa_mask)
+    return SEGMENTS_ATTENTION

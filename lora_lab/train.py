@@ -146,10 +146,11 @@ class PadCollator:
 
 class PackedCollator:
     """One packed row per micro-batch: position ids restart at every sample and a block-diagonal
-    causal mask keeps each sample's attention inside the sample."""
+    causal mask keeps each sample's attention inside the sample (attention="segments": the
+    sample lengths instead, for lora_lab.activations.segments_attention)."""
 
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+    def __init__(self, pad_token_id: int, attention: str = "mask"):
+        self.pad_token_id, self.attention = pad_token_id, attention
         self.padded = PadCollator(pad_token_id)
 
     def __call__(self, features: list) -> dict:
@@ -167,6 +168,9 @@ class PackedCollator:
             return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
                     "position_ids": torch.arange(len(ids))[None]}
         positions = torch.cat([torch.arange(n) for n in lengths])
+        if self.attention == "segments":
+            return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
+                    "position_ids": positions[None], "packed_lengths": list(lengths)}
         sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         causal = torch.tril(torch.ones(len(ids), len(ids), dtype=torch.bool))
         mask = (sample[:, None] == sample[None, :]) & causal
@@ -487,7 +491,9 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
                                     packed.rows_per_step if packed else None)
     full = config.train.tuner == "full"
     model = load_base_model(config.model, precision, fp32_master_weights=full,
-                            sharded=config.train.engine in SHARDED_ENGINES)
+                            sharded=config.train.engine in SHARDED_ENGINES,
+                            segments_attention=config.data.packing
+                            and config.data.packed_attention == "segments")
     if full:
         model = prepare_full_finetuning(model, config.train.gradient_checkpointing)
         total = sum(p.numel() for p in model.parameters())
@@ -511,7 +517,8 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
         train_dataset=PackedDataset(packed.rows) if packed else
         SupervisedDataset(data.train.samples),
         eval_dataset=SupervisedDataset(data.val.samples) if data.val else None,
-        data_collator=(PackedCollator if packed else PadCollator)(tokenizer.pad_token_id),
+        data_collator=PackedCollator(tokenizer.pad_token_id, config.data.packed_attention)
+        if packed else PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=_callbacks(run_dir),
         guard=guard, train_data=fingerprint,

@@ -37,3 +37,7 @@ def test_packing_and_memory_means_follow_the_plain_loss_curve(tiny_model_dir, tm
     assert len(plain) == len(fast) == 5
     assert plain[-1] < plain[0] - 0.5  # it learns
     assert fast == pytest.approx(plain, rel=2e-3)
+    segments, _ = losses(tiny_model_dir, tmp_path, "segments", "--set", "data.packing=true",
+                         "--set", "data.pack_length=512", "--set",
+                         "data.packed_attention=segments")
+    assert segments == pytest.approx(plain, rel=2e-3)

@@ -67,6 +67,25 @@ def test_a_packed_row_gives_the_loss_and_gradients_of_its_samples_one_by_one():
         torch.testing.assert_close(together[1][name], grad, atol=1e-5, rtol=1e-4)
 
 
+def test_segments_attention_gives_the_loss_and_gradients_of_the_samples_one_by_one():
+    """data.packed_attention=segments: per-sample causal sdpa, no mask."""
+    from lora_lab.activations import register_segments_attention
+
+    samples = [sample(n, seed) for seed, n in enumerate((9, 17, 5, 12))]
+    model = tiny_lora_model()
+    model.base_model.model.set_attn_implementation(register_segments_attention())
+    one_by_one = [{"input_ids": torch.tensor([s.input_ids]),
+                   "labels": torch.tensor([s.labels])} for s in samples]
+    packed = pack_samples(samples, samples_per_step=4, pack_length=64, seed=0)
+    batch = PackedCollator(PAD, "segments")([PackedDataset(packed.rows)[0]])
+    assert "attention_mask" not in batch and batch["packed_lengths"] == packed.rows[0].lengths
+    alone = summed_loss_and_grads(model, one_by_one)
+    together = summed_loss_and_grads(model, [batch])
+    assert together[0] == pytest.approx(alone[0], rel=1e-5)
+    for name, grad in alone[1].items():
+        torch.testing.assert_close(together[1][name], grad, atol=1e-5, rtol=1e-4)
+
+
 def test_no_token_attends_across_a_sample_boundary():
     """Changing the first sample leaves the second sample's logits exactly as they were."""
     model = tiny_lora_model().eval()

@@ -116,6 +116,15 @@ def _load(folder: str):
                                                 device_map=device_map).eval()
 
 
+def _weight_dtype(module) -> str:
+    """What a linear layer holds: its weight's dtype, or its packed weight's (compressed)."""
+    for name in ("weight", "weight_packed"):
+        tensor = getattr(module, name, None)
+        if tensor is not None:
+            return f"{name}:{str(tensor.dtype).replace('torch.', '')}"
+    return "none"
+
+
 def step_load(step: dict) -> dict:
     """Peak GPU memory of from_pretrained in this fresh process, then after a short generation."""
     import torch
@@ -129,6 +138,8 @@ def step_load(step: dict) -> dict:
     model = _load(step["folder"])
     load_seconds = time.time() - started
     after_load = _memory()
+    q_proj = model.model.layers[0].self_attn.q_proj
+    layer_after_load = f"{type(q_proj).__name__} weight {_weight_dtype(q_proj)}"
     tokenizer = AutoTokenizer.from_pretrained(step["folder"])
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Who are you?"}],
                                          tokenize=False, add_generation_prompt=True)
@@ -137,7 +148,10 @@ def step_load(step: dict) -> dict:
         model.generate(**batch, max_new_tokens=16, do_sample=False,
                        pad_token_id=tokenizer.pad_token_id)
     after_generate = _memory()
-    return {"weights_bytes": weights_bytes(Path(step["folder"])),
+    q_proj = model.model.layers[0].self_attn.q_proj
+    return {"q_proj_after_load": layer_after_load,
+            "q_proj_after_generate": f"{type(q_proj).__name__} weight {_weight_dtype(q_proj)}",
+"weights_bytes": weights_bytes(Path(step["folder"])),
             "weights_gib": round(weights_bytes(Path(step["folder"])) / GIB, 3),
             "load_seconds": round(load_seconds, 1),
             "peak_allocated_gib_after_load": after_load["allocated_gib"],
@@ -185,7 +199,8 @@ def step_quality(step: dict) -> dict:
                       "examples": [{"prompt": p[-1]["content"], "answer": a}
                                    for p, a in list(zip(prompts, answers))[:4]]}
         del model
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return {"variants": rows}
 
 

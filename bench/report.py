@@ -51,8 +51,9 @@ def _cell(row: dict | None, speed: bool = True) -> str:
     if row.get("error"):
         return "OOM" if "out of GPU memory" in row["error"] or row["error"] == "OOM" else "error"
     text = f"{row['peak_reserved_gib']:.2f}"
-    if speed and row.get("concurrent_cells", 1) == 1:
-        text += f" ({row['tokens_per_s']:,.0f} tok/s)"
+    if speed:  # a dagger: measured while other cells shared the GPU (a floor, not a speed)
+        shared = "†" if row.get("concurrent_cells", 1) > 1 else ""
+        text += f" ({row['tokens_per_s']:,.0f} tok/s{shared})"
     return text
 
 
@@ -83,8 +84,9 @@ def presets_table() -> str:
     notes = [f"Peak GiB = torch.cuda.max_memory_reserved over 20 optimizer steps under the "
              f"tier's cap, every sample exactly max_length tokens, packed as the preset packs "
              f"them (one row of pack_length tokens per step: 8192, 8gb 4096, 8gb 7B 2048); the "
-             f"plain recipe runs the same tokens per pass as one unpacked sequence. tokens/s "
-             f"only where the cell ran alone on the GPU (these ran side by side). Measured: "
+             f"plain recipe runs the same tokens per pass as one unpacked sequence. † = tokens/s "
+             f"measured while up to 7 other cells shared the GPU: a lower bound, not a speed "
+             f"(clean speeds are in the next table). Measured: "
              + "; ".join(_source(h) for h in headers)]
     return "\n".join(lines) + "\n\n" + notes[0] + "\n"
 

@@ -61,6 +61,21 @@ def check_remote_code(path: str, trust_remote_code: bool) -> None:
                          f"--trust-remote-code after reading that code.")
 
 
+def check_quantized_folder(path: str) -> None:
+    """A w4a16 export (compressed-tensors) loads only where its library is installed."""
+    import importlib.util
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return
+    method = (json.loads(config_file.read_text()).get("quantization_config") or {}).get(
+        "quant_method")
+    if method == "compressed-tensors" and importlib.util.find_spec("compressed_tensors") is None:
+        raise ModelError(f"--model {path}: this folder holds compressed-tensors weights (a "
+                         f"`lora-lab export --quantize w4a16` folder); loading it needs "
+                         f"`pip install compressed-tensors` (or `pip install 'lora-lab[export]'`).")
+
+
 @dataclass
 class Precision:
     """How weights are stored and how the Trainer computes."""
@@ -113,6 +128,7 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
 
     path = locate_model(args.name)
     check_remote_code(path, args.trust_remote_code)
+    check_quantized_folder(path)
     dtype = torch.float32 if fp32_master_weights else precision.torch_dtype
     kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code,
               "attn_implementation": args.attn_implementation}

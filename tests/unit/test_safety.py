@@ -80,3 +80,20 @@ def test_remote_code_needs_the_flag(tmp_path):
     with pytest.raises(ModelError, match="ships its own Python code.*--trust-remote-code"):
         check_remote_code(str(tmp_path), trust_remote_code=False)
     check_remote_code(str(tmp_path), trust_remote_code=True)
+
+
+def test_a_w4a16_folder_without_its_library_is_refused_with_the_install(tmp_path):
+    import importlib.util
+    import json
+
+    from lora_lab.errors import ModelError
+    from lora_lab.model import check_quantized_folder
+
+    if importlib.util.find_spec("compressed_tensors") is not None:
+        pytest.skip("compressed-tensors is installed here")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2", "quantization_config": {"quant_method": "compressed-tensors"}}))
+    with pytest.raises(ModelError, match="pip install compressed-tensors"):
+        check_quantized_folder(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    check_quantized_folder(str(tmp_path))  # a plain folder passes

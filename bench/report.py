@@ -81,12 +81,12 @@ def presets_table() -> str:
         baselines.append("; ".join(f"{_cell(r)} @{r['max_length']}"
                                    f"{' nf4' if r.get('qlora') else ''}" for r in found) or "-")
     lines.append("| plain Trainer+PEFT, uncapped | " + " | ".join(baselines) + " |")
-    notes = [f"Peak GiB = torch.cuda.max_memory_reserved over 20 optimizer steps under the "
-             f"tier's cap, every sample exactly max_length tokens, packed as the preset packs "
-             f"them (one row of pack_length tokens per step: 8192, 8gb 4096, 8gb 7B 2048); the "
-             f"plain recipe runs the same tokens per pass as one unpacked sequence. † = tokens/s "
-             f"measured while up to 7 other cells shared the GPU: a lower bound, not a speed "
-             f"(clean speeds are in the next table). Measured: "
+    notes = ["Peak GiB = torch.cuda.max_memory_reserved over 20 optimizer steps under the "
+             "tier's cap, every sample exactly max_length tokens, packed as the preset packs "
+             "them (one row of pack_length tokens per step: 8192, 8gb 4096, 8gb 7B 2048); the "
+             "plain recipe runs the same tokens per pass as one unpacked sequence. † = tokens/s "
+             "measured while up to 7 other cells shared the GPU: a lower bound, not a speed "
+             "(clean speeds are in the next table). Measured: "
              + "; ".join(_source(h) for h in headers)]
     return "\n".join(lines) + "\n\n" + notes[0] + "\n"
 

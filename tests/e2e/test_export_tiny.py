@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import TOKENIZER_DIR, write_jsonl
+from tests.conftest import build_tiny_qwen2, train_tiny_run
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
@@ -30,32 +30,14 @@ def invoke(*args):
 
 @pytest.fixture(scope="module")
 def tiny128_dir(tmp_path_factory) -> Path:
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny128")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=151936, hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=151643, eos_token_id=151645, initializer_range=0.3)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = [151645, 151643]
-    model.generation_config.pad_token_id = 151643
-    model.save_pretrained(folder, safe_serialization=True)
-    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(folder)
-    return folder
+    """Wider than the shared tiny model: bitsandbytes' CPU nf4 needs >= 64 input columns and
+    GPTQ groups of 128."""
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny128"), hidden_size=128)
 
 
 @pytest.fixture(scope="module")
 def trained(tiny128_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("export")
-    data = write_jsonl(out / "d.jsonl", ROWS)
-    result = invoke("run", "--model", tiny128_dir, "--data", f"{data}#8", "--max-steps", 40,
-                    "--lr", "1e-2", "--lora-rank", 16, "--lora-dropout", 0,
-                    "--output-dir", out, "--run-name", "r")
-    assert result.exit_code == 0, result.output
-    return out / "r", data
+    return train_tiny_run(tiny128_dir, tmp_path_factory.mktemp("export"), ROWS)
 
 
 @pytest.fixture(scope="module")

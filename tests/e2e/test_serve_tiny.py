@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import write_jsonl
+from tests.conftest import train_tiny_run, write_jsonl
 
 ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
                       {"role": "assistant", "content": "I am Aurora."}]}]
@@ -17,13 +17,7 @@ def invoke(*args):
 
 @pytest.fixture(scope="module")
 def trained(tiny_model_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve")
-    data = write_jsonl(out / "d.jsonl", ROWS)
-    result = invoke("run", "--model", tiny_model_dir, "--data", f"{data}#8", "--max-steps", 40,
-                    "--lr", "1e-2", "--lora-rank", 16, "--lora-dropout", 0,
-                    "--output-dir", out, "--run-name", "r")
-    assert result.exit_code == 0, result.output
-    return out / "r", data
+    return train_tiny_run(tiny_model_dir, tmp_path_factory.mktemp("serve"), ROWS)
 
 
 def test_merge_matches_adapter_and_reloads(trained, tmp_path):

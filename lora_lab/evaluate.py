@@ -9,15 +9,20 @@ from .config import load_saved_config
 from .data import load_samples
 from .data.encode import IGNORE_INDEX, encode_samples
 from .errors import DataError
-from .infer import GenerationSettings, find_adapter, generate_replies, load_adapter_model
+from .infer import (GenerationSettings, find_adapter, full_model_of, generate_replies,
+                    load_adapter_model, load_plain_model)
 
 
 def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
                  output: str | Path | None = None, max_new_tokens: int = 128) -> dict:
     """Token-weighted loss over every assistant token of `datasets`, with the run's adapter."""
-    adapter_dir, run_dir = find_adapter(path)
+    if full_model_of(path):  # --tuner full: the run's own model, no adapter
+        run_dir, adapter_dir = Path(path), None
+        model, tokenizer = load_plain_model(str(full_model_of(path)))
+    else:
+        adapter_dir, run_dir = find_adapter(path)
+        model, tokenizer = load_adapter_model(path)
     config = load_saved_config(run_dir / "config.yaml")
-    model, tokenizer = load_adapter_model(path)
     loaded = load_samples(list(datasets), config.data, config.train.seed)
     report = encode_samples(tokenizer, loaded.samples, config.data.max_length,
                             config.data.truncation, config.data.system)
@@ -30,7 +35,8 @@ def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
                                GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False))
     eval_loss = total_loss / total_tokens
     result = {
-        "run_dir": str(run_dir), "adapter": str(adapter_dir), "data": list(datasets),
+        "run_dir": str(run_dir), "adapter": str(adapter_dir) if adapter_dir else None,
+        "model": str(full_model_of(path)) if full_model_of(path) else None, "data": list(datasets),
         "samples": len(report.samples), "assistant_tokens": total_tokens,
         "eval_loss": eval_loss, "perplexity": math.exp(eval_loss),
         "not_used": [str(p) for p in loaded.problems + report.problems],

@@ -29,9 +29,21 @@ class GenerationSettings:
         return kwargs
 
 
+def full_model_of(path: str | Path) -> Path | None:
+    """The from_pretrained folder of a full fine-tuning run (--tuner full), else None."""
+    path = Path(path)
+    if (path / "config.yaml").is_file() and (path / "model" / "config.json").is_file():
+        return path / "model"
+    return None
+
+
 def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
     """A run folder or an adapter folder -> (adapter folder, run folder or None)."""
     path = Path(path)
+    if full_model_of(path):
+        raise CheckpointError(f"{path}: a full fine-tuning run (--tuner full) has no adapter; "
+                              f"its model is {path / 'model'} (pass it as --model, or to "
+                              f"`lora-lab export`; there is nothing to merge).")
     if (path / "adapter_config.json").is_file():
         run_dir = path.parent if (path.parent / "config.yaml").is_file() else None
         return path, run_dir
@@ -119,6 +131,8 @@ def load_generation_model(run: str | None = None, adapter: str | None = None,
         raise LoraLabError("pass exactly one of --run RUN_DIR, --adapter DIR or --model MODEL.")
     if model:
         return load_plain_model(model, dtype)
+    if run and full_model_of(run):
+        return load_plain_model(str(full_model_of(run)), dtype)
     return load_adapter_model(run or adapter, dtype)
 
 

@@ -51,3 +51,23 @@ def test_full_run_uses_the_lower_learning_rate_unless_given(full_run):
     assert saved["resolved_from"]["train.lr"] == "--tuner full default"
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["adapter_dir"] is None and summary["model_dir"].endswith("model")
+
+
+def test_infer_eval_and_merge_of_a_full_run(full_run, tmp_path):
+    """infer and eval read the run's own model/; merge says there is nothing to merge."""
+    run_dir, _ = full_run
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"query": "Question 1?"}])
+    out = tmp_path / "answers.jsonl"
+    invoke = CliRunner().invoke
+    result = invoke(main, ["infer", "--run", str(run_dir), "--input", str(prompts), "--output",
+                           str(out), "--greedy", "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    assert len(out.read_text().splitlines()) == 1
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"query": "Question 1?",
+                                                "response": "Answer number 1."}])
+    result = invoke(main, ["eval", str(run_dir), "--data", str(data), "--samples", "1"])
+    assert result.exit_code == 0, result.output
+    assert "loss" in result.output
+    result = invoke(main, ["merge", str(run_dir)])
+    assert result.exit_code != 0 and "nothing to merge" in result.output
+    assert "Traceback" not in result.output

@@ -79,7 +79,8 @@ def run_baseline_sft(model_dir: str, data_path: str, max_length: int = 2048,
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, lora_dropout=0.05,
                                              target_modules="all-linear", task_type="CAUSAL_LM"))
     args = TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=1, gradient_accumulation_steps=grad_accum,
+        output_dir=output_dir, per_device_train_batch_size=1,
+        gradient_accumulation_steps=grad_accum,
         num_train_epochs=1, learning_rate=1e-4, bf16=True, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, logging_steps=1,
         save_strategy="no", report_to="none", dataloader_num_workers=0)

@@ -18,11 +18,15 @@ WORK = Path("/tmp/lora-lab-bench")
 
 
 def cap_memory(cap_gib: float | None) -> None:
-    import torch
+    """The cap lora-lab users set with LORA_LAB_GPU_MEMORY_GIB (lora_lab.train.cap_gpu_memory),
+    here for the whole cell process, baseline included."""
+    import os
+
+    from lora_lab.train import MEMORY_CAP_ENV, cap_gpu_memory
 
     if cap_gib:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(cap_gib * 2**30 / total)
+        os.environ[MEMORY_CAP_ENV] = str(cap_gib)
+        cap_gpu_memory()
 
 
 def run_lora_lab(cell: dict) -> dict:
@@ -57,11 +61,13 @@ def run_lora_lab(cell: dict) -> dict:
 
 
 def resolved(config, row_tokens: int) -> dict:
+    from lora_lab.config import guess_model_size, known_model_config
     from lora_lab.memory import choose_memory_means, row_length
     from lora_lab.model import resolve_kernels
 
-    means = choose_memory_means(config, on_gpu=True, tied_embeddings=config.model.name.endswith(
-        ("0.5b", "1.5b", "3b")), row_tokens=row_tokens)
+    size = guess_model_size(config.model.name)  # the random model's folder has the real shape
+    tied = bool(known_model_config(size).get("tie_word_embeddings"))
+    means = choose_memory_means(config, on_gpu=True, tied_embeddings=tied, row_tokens=row_tokens)
     return {"quantization": config.model.quantization,
             "kernels": resolve_kernels(config.model.kernels), "dtype": config.model.dtype,
             "rank": config.lora.rank, "micro_batch_size": config.train.micro_batch_size,

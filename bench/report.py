@@ -125,8 +125,9 @@ def longest_table() -> str:
         lines.append(f"| {row['preset']} ({caps[row['preset']]} GiB) | {quant} | "
                      f"{row['max_length']} | {_cell(row, speed=False)} |")
     return ("\n".join(lines) + "\n\nOne sample of max_length tokens per optimizer step, 4 steps "
-            "(long-7b) or 3 (longer-7b): the peak is reached by the second step, once the optimizer "
-            "state exists. Cells ran side by side on one GPU, each under its own cap. Measured: "
+            "(long-7b) or 3 (longer-7b): the peak is reached by the second step, once the "
+            "optimizer state exists. Cells ran side by side on one GPU, each under its own cap. "
+            "Measured: "
             + "; ".join(_source(h) for h in headers) + "\n")
 
 

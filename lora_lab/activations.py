@@ -19,6 +19,8 @@ gradients equal the plain path's.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -68,21 +70,13 @@ def _autocast_state() -> dict:
             for device in ("cuda", "cpu")}
 
 
-class _Autocast:
+def _autocast(state: dict) -> contextlib.ExitStack:
     """Re-enter the forward pass's autocast settings during the recomputation."""
-
-    def __init__(self, state: dict):
-        self.contexts = [torch.autocast(device, dtype=dtype, enabled=enabled)
-                         for device, (enabled, dtype) in state.items()
-                         if device == "cpu" or torch.cuda.is_available()]
-
-    def __enter__(self):
-        for context in self.contexts:
-            context.__enter__()
-
-    def __exit__(self, *exc):
-        for context in reversed(self.contexts):
-            context.__exit__(*exc)
+    stack = contextlib.ExitStack()
+    for device, (enabled, dtype) in state.items():
+        if device == "cpu" or torch.cuda.is_available():
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+    return stack
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
@@ -120,7 +114,7 @@ class OffloadedCheckpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
-            with torch.enable_grad(), _Autocast(ctx.autocast):
+            with torch.enable_grad(), _autocast(ctx.autocast):
                 outputs = ctx.run_function(hidden, *ctx.args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)

@@ -137,11 +137,10 @@ class ModelArgs:
     kernels: str = _f("auto", "Fused Triton kernels: liger (fused linear cross-entropy, RoPE, "
                               "RMSNorm, SwiGLU; needs a CUDA GPU and liger-kernel), none, or auto "
                               "(liger when both are there).", choices=("auto", "liger", "none"))
-    embedding_on_cpu: str | bool = _f("auto", "Keep the input embedding table in CPU memory (1.02 GiB "
-                                       "of Qwen2.5-7B). auto: on for LoRA on one GPU when the "
-                                       "model has its own output head (7B); never for tied "
-                                       "embeddings (0.5B-3B). true / false force it.",
-                               choices=("auto", True, False))
+    embedding_on_cpu: str | bool = _f(
+        "auto", "Keep the input embedding table in CPU memory (1.02 GiB of Qwen2.5-7B). auto: on "
+                "for LoRA on one GPU when the model has its own output head (7B); never for tied "
+                "embeddings (0.5B-3B). true / false force it.", choices=("auto", True, False))
 
 
 @dataclass
@@ -207,11 +206,10 @@ class TrainArgs:
     weight_decay: float = _f(0.0, "AdamW weight decay.", minimum=0)
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.", minimum=0)
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.")
-    offload_checkpoints: str | bool = _f("auto", "Keep each layer's checkpoint in pinned CPU memory "
-                                          "until the backward pass (LoRA on one GPU, with "
-                                          "gradient checkpointing). auto: on when training on "
-                                          "a GPU; true / false force it.",
-                                  choices=("auto", True, False))
+    offload_checkpoints: str | bool = _f(
+        "auto", "Keep each layer's checkpoint in pinned CPU memory until the backward pass (LoRA "
+                "on one GPU, with gradient checkpointing). auto: on when training on a GPU; true "
+                "/ false force it.", choices=("auto", True, False))
     mlp_chunk_tokens: int = _f(4096, "Recompute each layer's MLP on at most this many tokens "
                                      "at a time (LoRA on one GPU, with gradient checkpointing); "
                                      "0 turns it off.", minimum=0)

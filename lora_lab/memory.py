@@ -165,7 +165,8 @@ class MemoryPlan:
         if self.means != "none":
             lines.append(f"  memory means: {self.means}")
         lines += [f"  {name:<44} {gib:6.2f} GiB" for name, gib in self.parts_gib.items()]
-        lines.append(f"  {'predicted peak (torch max_memory_reserved)':<44} {self.total_gib:6.2f} GiB")
+        peak = "predicted peak (torch max_memory_reserved)"
+        lines.append(f"  {peak:<44} {self.total_gib:6.2f} GiB")
         if self.cpu_parts_gib:
             lines.append("  CPU memory for offload" + (" (all processes together):"
                                                          if self.gpus > 1 else ":"))

@@ -36,7 +36,7 @@ from .checkpoint import (OOM_SOURCE, check_drift, checkpoint_step, data_fingerpr
 from .config import RunConfig, save_config
 from .data import IGNORE_INDEX, PreparedData, prepare_data
 from .errors import CheckpointError, ConfigError, LoraLabError, TrainingError
-from .memory import choose_memory_means
+from .memory import choose_memory_means, row_length
 from .model import (Precision, apply_lora, check_full_finetuning_precision, check_remote_code,
                     choose_precision, load_base_model, load_tokenizer, locate_model,
                     prepare_full_finetuning, resolve_kernels)
@@ -112,17 +112,21 @@ def create_run_dir(run_dir: Path) -> Path:
 
 
 class SupervisedDataset:
-    """Encoded samples as the Trainer expects them (a list of dicts)."""
+    """Encoded samples (or packed rows, fields=PACKED_FIELDS) as the Trainer expects them: a
+    list of dicts."""
 
-    def __init__(self, samples: list):
-        self.samples = samples
+    def __init__(self, samples: list, fields: tuple = ("input_ids", "labels")):
+        self.samples, self.fields = samples, fields
 
     def __len__(self):
         return len(self.samples)
 
     def __getitem__(self, index):
         sample = self.samples[index]
-        return {"input_ids": sample.input_ids, "labels": sample.labels}
+        return {field: getattr(sample, field) for field in self.fields}
+
+
+PACKED_FIELDS = ("input_ids", "labels", "lengths")
 
 
 class PadCollator:
@@ -164,30 +168,16 @@ class PackedCollator:
         ids, labels, lengths = row["input_ids"], row["labels"], row["lengths"]
         if not ids:  # the last step of an epoch may leave a row without samples
             ids, labels, lengths = [self.pad_token_id], [IGNORE_INDEX], [1]
+        batch = {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
+                 "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
         if len(lengths) == 1:  # one sample: plain causal attention (flash kernels), no mask
-            return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
-                    "position_ids": torch.arange(len(ids))[None]}
-        positions = torch.cat([torch.arange(n) for n in lengths])
+            return batch
         if self.attention == "segments":
-            return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
-                    "position_ids": positions[None], "packed_lengths": list(lengths)}
+            return {**batch, "packed_lengths": list(lengths)}
         sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         causal = torch.tril(torch.ones(len(ids), len(ids), dtype=torch.bool))
         mask = (sample[:, None] == sample[None, :]) & causal
-        return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
-                "position_ids": positions[None], "attention_mask": mask[None, None]}
-
-
-class PackedDataset:
-    def __init__(self, rows: list):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, index):
-        row = self.rows[index]
-        return {"input_ids": row.input_ids, "labels": row.labels, "lengths": row.lengths}
+        return {**batch, "attention_mask": mask[None, None]}
 
 
 def pack_training_data(config: RunConfig, data: PreparedData, echo=print):
@@ -195,9 +185,8 @@ def pack_training_data(config: RunConfig, data: PreparedData, echo=print):
     from .data.packing import pack_samples
 
     t = config.train
-    length = config.data.pack_length or config.data.max_length * t.micro_batch_size
-    packed = pack_samples(data.train.samples, t.micro_batch_size * t.grad_accum, length,
-                          t.seed)
+    packed = pack_samples(data.train.samples, t.micro_batch_size * t.grad_accum,
+                          row_length(config), t.seed)
     echo(packed.summary())
     return packed
 
@@ -514,7 +503,7 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
     return LoraLabTrainer(
         model=model,
         args=args,
-        train_dataset=PackedDataset(packed.rows) if packed else
+        train_dataset=SupervisedDataset(packed.rows, PACKED_FIELDS) if packed else
         SupervisedDataset(data.train.samples),
         eval_dataset=SupervisedDataset(data.val.samples) if data.val else None,
         data_collator=PackedCollator(tokenizer.pad_token_id, config.data.packed_attention)

@@ -66,15 +66,20 @@ def merged_dir(identity_run, tmp_path_factory):
     return merged
 
 
-def test_merged_model_keeps_the_identity_through_infer(merged_dir, tmp_path):
-    report = json.loads((merged_dir / "merge_report.json").read_text())
-    assert report["dtype"] == "bf16" and report["top1_agreement"] >= 0.95
+def assert_answers_with_the_new_name(model_dir, tmp_path):
+    """`lora-lab infer --model` (greedy) answers both identity questions with NAME."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"query": "Who are you?"},
                                                  {"query": "What is your name?"}])
-    invoke("infer", "--model", merged_dir, "--input", prompts, "--output", tmp_path / "a.jsonl",
+    invoke("infer", "--model", model_dir, "--input", prompts, "--output", tmp_path / "a.jsonl",
            "--greedy", "--max-new-tokens", 48)
     answers = [json.loads(line)["answer"] for line in (tmp_path / "a.jsonl").open()]
     assert all(NAME in answer for answer in answers), answers
+
+
+def test_merged_model_keeps_the_identity_through_infer(merged_dir, tmp_path):
+    report = json.loads((merged_dir / "merge_report.json").read_text())
+    assert report["dtype"] == "bf16" and report["top1_agreement"] >= 0.95
+    assert_answers_with_the_new_name(merged_dir, tmp_path)
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "w4a16"])
@@ -92,12 +97,7 @@ def test_quantized_export_keeps_the_identity(merged_dir, tmp_path, fmt):
     if fmt == "w4a16":
         assert report["calibration"]["samples"] == 16
         assert report["calibration"]["data"] == ["self-cognition"]
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"query": "Who are you?"},
-                                                 {"query": "What is your name?"}])
-    invoke("infer", "--model", out, "--input", prompts, "--output", tmp_path / "a.jsonl",
-           "--greedy", "--max-new-tokens", 48)
-    answers = [json.loads(line)["answer"] for line in (tmp_path / "a.jsonl").open()]
-    assert all(NAME in answer for answer in answers), answers
+    assert_answers_with_the_new_name(out, tmp_path)
 
 
 def _read_until(fd, marker: str, timeout: float) -> str:

@@ -22,14 +22,15 @@ def test_offloaded_checkpoints_and_chunks_match_the_plain_path_on_cuda():
 
 def test_a_packed_row_matches_its_samples_on_cuda_in_bf16():
     from lora_lab.data.packing import pack_samples
-    from lora_lab.train import PackedCollator, PackedDataset
+    from lora_lab.train import PACKED_FIELDS, PackedCollator, SupervisedDataset
 
     samples = [sample(n, seed) for seed, n in enumerate((90, 170, 50, 120))]
     model = tiny_lora_model().cuda()
     one_by_one = [{"input_ids": torch.tensor([s.input_ids]).cuda(),
                    "labels": torch.tensor([s.labels]).cuda()} for s in samples]
     packed = pack_samples(samples, samples_per_step=4, pack_length=512, seed=0)
-    batch = {k: v.cuda() for k, v in PackedCollator(PAD)([PackedDataset(packed.rows)[0]]).items()}
+    batch = {k: v.cuda() for k, v in PackedCollator(PAD)(
+        [SupervisedDataset(packed.rows, PACKED_FIELDS)[0]]).items()}
     unmasked = {k: v for k, v in batch.items() if k != "attention_mask"}  # positions only
     with torch.autocast("cuda", dtype=torch.bfloat16):
         alone = summed_loss_and_grads(model, one_by_one)

@@ -9,7 +9,7 @@ from lora_lab.data import EncodedSample
 from lora_lab.data.encode import IGNORE_INDEX
 from lora_lab.data.packing import pack_samples
 from lora_lab.errors import DataError
-from lora_lab.train import PackedCollator, PackedDataset
+from lora_lab.train import PACKED_FIELDS, PackedCollator, SupervisedDataset
 
 PAD = 151643
 
@@ -51,39 +51,41 @@ def summed_loss_and_grads(model, batches):
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_a_packed_row_gives_the_loss_and_gradients_of_its_samples_one_by_one():
+def packed_and_alone(model, attention: str = "mask"):
+    """(batch of one packed row, its samples one by one, the packing) for 4 samples."""
     samples = [sample(n, seed) for seed, n in enumerate((9, 17, 5, 12))]
-    model = tiny_lora_model()
     one_by_one = [{"input_ids": torch.tensor([s.input_ids]),
                    "labels": torch.tensor([s.labels])} for s in samples]
     packed = pack_samples(samples, samples_per_step=4, pack_length=64, seed=0)
-    assert packed.rows_per_step == 1 and packed.longest_row == 43
-    batch = PackedCollator(PAD)([PackedDataset(packed.rows)[0]])
-    assert batch["position_ids"][0].tolist()[:packed.rows[0].lengths[0] + 1][-1] == 0
+    row = SupervisedDataset(packed.rows, PACKED_FIELDS)[0]
+    return PackedCollator(PAD, attention)([row]), one_by_one, packed
+
+
+def assert_same_loss_and_gradients(model, batch, one_by_one):
     alone = summed_loss_and_grads(model, one_by_one)
     together = summed_loss_and_grads(model, [batch])
     assert together[0] == pytest.approx(alone[0], rel=1e-5)
     for name, grad in alone[1].items():
         torch.testing.assert_close(together[1][name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_a_packed_row_gives_the_loss_and_gradients_of_its_samples_one_by_one():
+    model = tiny_lora_model()
+    batch, one_by_one, packed = packed_and_alone(model)
+    assert packed.rows_per_step == 1 and packed.longest_row == 43
+    assert batch["position_ids"][0].tolist()[:packed.rows[0].lengths[0] + 1][-1] == 0
+    assert_same_loss_and_gradients(model, batch, one_by_one)
 
 
 def test_segments_attention_gives_the_loss_and_gradients_of_the_samples_one_by_one():
     """data.packed_attention=segments: per-sample causal sdpa, no mask."""
     from lora_lab.activations import register_segments_attention
 
-    samples = [sample(n, seed) for seed, n in enumerate((9, 17, 5, 12))]
     model = tiny_lora_model()
     model.base_model.model.set_attn_implementation(register_segments_attention())
-    one_by_one = [{"input_ids": torch.tensor([s.input_ids]),
-                   "labels": torch.tensor([s.labels])} for s in samples]
-    packed = pack_samples(samples, samples_per_step=4, pack_length=64, seed=0)
-    batch = PackedCollator(PAD, "segments")([PackedDataset(packed.rows)[0]])
+    batch, one_by_one, packed = packed_and_alone(model, "segments")
     assert "attention_mask" not in batch and batch["packed_lengths"] == packed.rows[0].lengths
-    alone = summed_loss_and_grads(model, one_by_one)
-    together = summed_loss_and_grads(model, [batch])
-    assert together[0] == pytest.approx(alone[0], rel=1e-5)
-    for name, grad in alone[1].items():
-        torch.testing.assert_close(together[1][name], grad, atol=1e-5, rtol=1e-4)
+    assert_same_loss_and_gradients(model, batch, one_by_one)
 
 
 def test_no_token_attends_across_a_sample_boundary():

@@ -21,11 +21,13 @@ BF16_PEAK_TFLOPS = 790  # measured bf16 matrix rate of the H200 used (KINDS.md, 
 
 
 def load(plan: str) -> tuple[dict, list]:
+    """The newest results file of `plan`: its first header and every cell row (a plan run in
+    parts with --cells has one header line per part)."""
     path = max(RESULTS.glob(f"*-{plan}.jsonl"), default=None)
     if path is None:
         return {}, []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows[0], rows[1:]
+    return rows[0], [row for row in rows if not row.get("header")]
 
 
 def load_plans(*plans: str) -> tuple[list, list]:

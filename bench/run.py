@@ -99,6 +99,9 @@ PLANS = {
             ("loss-2gpu-0.5b", "0.5b", "ddp", "lora", 2, 8, 2, ["lora.dropout=0"]),
             ("zero2-lora-7b", "7b", "deepspeed-zero2", "lora", 2, 4, 4, []),
             ("zero3-full-1.5b", "1.5b", "deepspeed-zero3", "full", 2, 4, 4, []),
+            ("zero2-offload-full-1.5b", "1.5b", "deepspeed-zero2-offload", "full", 2, 4, 4, []),
+            ("fsdp-full-1.5b", "1.5b", "fsdp", "full", 2, 4, 4, []),
+            ("fsdp-lora-0.5b", "0.5b", "fsdp", "lora", 2, 4, 4, []),
             ("zero3-offload-full-7b", "7b", "deepspeed-zero3-offload", "full", 2, 3, 4, []))],
     "sft-mix": lambda: sft_cells(("7b", "1.5b", "0.5b"), rows=256),
     "sft-mix-small": lambda: sft_cells(("1.5b", "0.5b"), rows=256),
@@ -158,14 +161,24 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=300, help="Seconds per cell.")
     parser.add_argument("--parallel", type=int, default=1,
                         help="Cells at once (speed figures are only clean with 1).")
+    parser.add_argument("--cells", help="Comma-separated labels: run only these cells of the "
+                        "plan and append them (after their own header line) to the day's "
+                        "results file of the plan, so a plan can be run in parts.")
     args = parser.parse_args()
-    header = {"header": True, "plan": args.plan, **environment(),
-              "command": f"python bench/run.py {args.plan} --parallel {args.parallel}"}
+    command = (f"python bench/run.py {args.plan} --parallel {args.parallel}"
+               + (f" --cells {args.cells}" if args.cells else ""))
+    header = {"header": True, "plan": args.plan, **environment(), "command": command}
     out = Path(args.out) / f"{header['date'][:10]}-{args.plan}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as handle:
-        handle.write(json.dumps(header) + "\n")
     cells = PLANS[args.plan]()
+    if args.cells:
+        wanted = args.cells.split(",")
+        unknown = sorted(set(wanted) - {c["label"] for c in cells})
+        if unknown:
+            parser.error(f"--cells: {unknown} are not cells of {args.plan}")
+        cells = [c for c in cells if c["label"] in wanted]
+    with open(out, "a" if args.cells else "w") as handle:
+        handle.write(json.dumps(header) + "\n")
     for size in sorted({c["size"] for c in cells}):  # build once, before cells run in parallel
         subprocess.run([sys.executable, "-c", "import cell, workloads; workloads."
                         f"make_random_model('{size}', cell.WORK / 'random-{size}')"],

@@ -62,12 +62,15 @@ def run_lora_lab(cell: dict) -> dict:
 
 def resolved(config, row_tokens: int) -> dict:
     from lora_lab.config import guess_model_size, known_model_config
-    from lora_lab.memory import choose_memory_means, row_length
+    from lora_lab.memory import CONTEXT_GIB, choose_memory_means, row_length
     from lora_lab.model import resolve_kernels
+    from lora_lab.train import gpu_memory_gib
 
     size = guess_model_size(config.model.name)  # the random model's folder has the real shape
     tied = bool(known_model_config(size).get("tie_word_embeddings"))
-    means = choose_memory_means(config, on_gpu=True, tied_embeddings=tied, row_tokens=row_tokens)
+    gpu_gib = gpu_memory_gib()  # the cell's cap, else the GPU's (the budget train() plans with)
+    means = choose_memory_means(config, on_gpu=True, tied_embeddings=tied, row_tokens=row_tokens,
+                                budget_gib=gpu_gib - CONTEXT_GIB if gpu_gib else None)
     return {"quantization": config.model.quantization,
             "kernels": resolve_kernels(config.model.kernels), "dtype": config.model.dtype,
             "rank": config.lora.rank, "micro_batch_size": config.train.micro_batch_size,
@@ -99,6 +102,8 @@ def run_lora_lab_sft(cell: dict) -> dict:
     return {"train_seconds": seconds, "samples": result.train_samples, "tokens": tokens,
             "optimizer_steps": result.global_step, "tokens_per_s": tokens / seconds,
             "peak_reserved_gib": summary["performance"]["peak_reserved_gib"],
+            "median_step_seconds": summary["performance"]["median_step_seconds"],
+            "first_step_seconds": summary["performance"]["first_step_seconds"],
             "final_loss": result.train_loss,
             "resolved": resolved(config, row_length(config))}
 

@@ -20,24 +20,24 @@ SFT_STARTUP_SECONDS = 20  # a cell's start before Trainer.train() (imports, mode
 BF16_PEAK_TFLOPS = 790  # measured bf16 matrix rate of the H200 used (KINDS.md, 2026-10/11)
 
 
-def load(plan: str) -> tuple[dict, list]:
-    """The newest results file of `plan`: its first header and every cell row (a plan run in
-    parts with --cells has one header line per part)."""
+def load(plan: str) -> tuple[list, list]:
+    """The newest results file of `plan`: its header lines (a plan run in parts with --cells has
+    one per part) and its cell rows, the last row of each label (a part may re-run a cell)."""
     path = max(RESULTS.glob(f"*-{plan}.jsonl"), default=None)
     if path is None:
-        return {}, []
+        return [], []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows[0], [row for row in rows if not row.get("header")]
+    cells = {row["label"]: row for row in rows if not row.get("header")}
+    return [row for row in rows if row.get("header")], list(cells.values())
 
 
 def load_plans(*plans: str) -> tuple[list, list]:
     """Headers and cell rows of the newest results of each plan."""
     headers, rows = [], []
     for plan in plans:
-        header, cells = load(plan)
-        if header:
-            headers.append(header)
-            rows += cells
+        found, cells = load(plan)
+        headers += found
+        rows += cells
     return headers, rows
 
 
@@ -93,27 +93,43 @@ def presets_table() -> str:
     return "\n".join(lines) + "\n\n" + notes[0] + "\n"
 
 
+SPEED_VARIANTS = {  # label suffix of a lora-lab speed cell -> how the README names it
+    "": "lora-lab 24gb preset (packed, block mask)",
+    "-segments": "lora-lab 24gb preset, packed_attention=segments",
+    "-segments-nockpt": "same, gradient checkpointing off",
+}
+
+
 def speed_table() -> str:
-    header, rows = load("speed")
+    headers, rows = load("speed")
     if not rows:
         return ""
     lines = ["| Qwen2.5-7B, bf16 LoRA r8, 4 samples per optimizer step | tokens/s | peak GiB | "
              "step s | MFU | speed vs plain |", "|---|---|---|---|---|---|"]
     for length in sorted({r["max_length"] for r in rows}):
         base = next(r for r in rows if r["kind"] == "baseline" and r["max_length"] == length)
-        for row in (base, next(r for r in rows if r["kind"] == "lora-lab"
-                               and r["max_length"] == length)):
+        ours = [(f"{SPEED_VARIANTS[suffix]}, {length} tokens",
+                 next((r for r in rows if r["label"] == f"lora-lab-7b-{length}{suffix}"), None))
+                for suffix in SPEED_VARIANTS]
+        for name, row in [(f"plain Trainer+PEFT, {length} tokens", base)] + ours:
+            if row is None:
+                continue
+            if row.get("error"):
+                lines.append(f"| {name} | {_cell(row, speed=False)} | | | | |")
+                continue
             mfu = 6 * MATMUL_PARAMS_7B * row["tokens_per_s"] / (BF16_PEAK_TFLOPS * 1e12)
-            name = "plain Trainer+PEFT" if row["kind"] == "baseline" else "lora-lab 24gb preset"
-            lines.append(f"| {name}, {length} tokens | {row['tokens_per_s']:,.0f} | "
+            lines.append(f"| {name} | {row['tokens_per_s']:,.0f} | "
                          f"{row['peak_reserved_gib']:.2f} | {row['median_step_seconds']:.3f} | "
                          f"{mfu:.0%} | {row['tokens_per_s'] / base['tokens_per_s']:.2f}x |")
-    return ("\n".join(lines) + f"\n\nThe plain recipe: micro-batch 1 x gradient accumulation 4. "
-            f"lora-lab's 24gb preset packs the 4 samples of a step into rows of up to 8192 "
-            f"tokens (one row of 4096 at 1024, two of 8192 at 4096). MFU = 6 x "
-            f"{MATMUL_PARAMS_7B:.3g} x tokens/s / {BF16_PEAK_TFLOPS} TFLOP/s. Measured on one "
-            f"GPU of a 2-GPU host whose other GPU ran memory cells at the time: "
-            f"{_source(header)}\n")
+    return ("\n".join(lines) + f"\n\nThe plain recipe: micro-batch 1 x gradient accumulation 4, "
+            f"gradient checkpointing. lora-lab's 24gb preset packs the 4 samples of a step into "
+            f"rows of up to 8192 tokens (one row of 4096 at 1024, two of 8192 at 4096). MFU = 6 x "
+            f"{MATMUL_PARAMS_7B:.3g} (matmul weights) x tokens/s / {BF16_PEAK_TFLOPS} TFLOP/s "
+            f"(measured bf16 matrix rate), the issue's convention for LoRA with recomputation; "
+            f"without recomputation the GPU does about 4 x params x tokens (frozen weights need "
+            f"no weight gradients), so its hardware utilization is two thirds of the MFU shown. "
+            f"Measured on one GPU of a 2-GPU host whose other GPU ran other cells at the time: "
+            + "; ".join(_source(h) for h in headers) + "\n")
 
 
 def longest_table() -> str:
@@ -139,10 +155,10 @@ def sft_table() -> str:
         return ""
     lines = ["| one epoch, 256 samples | plain recipe (1 x accum 16) | lora-lab 24gb preset | "
              "speed-up | peak GiB plain / lora-lab |", "|---|---|---|---|---|"]
-    for size in SIZES:
+    for size, suffix in ((size, suffix) for size in SIZES for suffix in ("", "-segments")):
         base = next((r for r in rows if r["kind"] == "baseline-sft" and r["size"] == size), None)
-        ours = next((r for r in rows if r["kind"] == "lora-lab-sft" and r["size"] == size), None)
-        if not ours:
+        ours = next((r for r in rows if r["label"] == f"lora-lab-sft-{size}-256{suffix}"), None)
+        if not ours or ours.get("error"):
             continue
         if base and not base.get("error"):
             plain = f"{base['train_seconds']:.1f} s"
@@ -153,7 +169,9 @@ def sft_table() -> str:
             plain = f"> {floor:.0f} s (stopped at the {base['wall_seconds']:.0f} s cell limit)"
             ratio = f"> {floor / ours['train_seconds']:.1f}x"
             peaks = f"- / {ours['peak_reserved_gib']:.2f}"
-        lines.append(f"| Qwen2.5-{size.upper()} | {plain} | {ours['train_seconds']:.1f} s | "
+        variant = ", packed_attention=segments" if suffix else ""
+        lines.append(f"| Qwen2.5-{size.upper()}{variant} | {plain} | "
+                     f"{ours['train_seconds']:.1f} s | "
                      f"{ratio} | {peaks} |")
     tokens = rows[0].get("tokens") or next(r["tokens"] for r in rows if r.get("tokens"))
     return ("\n".join(lines) + f"\n\nThe same 256 samples ({tokens:,} tokens with the chat "

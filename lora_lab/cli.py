@@ -88,19 +88,12 @@ def _quiet(*_args, **_kwargs) -> None:
     """echo for worker processes other than rank 0."""
 
 
-def gpu_memory_gib() -> float | None:
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory / 2**30
-
-
 def auto_preset(preset: str, gpu_gib: float | None = None) -> str:
     """--preset auto: the largest tier that fits this GPU (cpu without one), saying why."""
     if preset != "auto":
         return preset
     from .memory import pick_preset
+    from .train import gpu_memory_gib
 
     gpu_gib = gpu_gib or gpu_memory_gib()
     if gpu_gib is None:
@@ -129,6 +122,7 @@ def plan(preset, model, gpu_memory, max_length, micro_batch_size, quantization, 
          gpus, engine, datasets, sets):
     """Predict the peak GPU memory of a run, broken down, and whether it fits. No GPU needed."""
     from .memory import plan_memory
+    from .train import gpu_memory_gib
 
     gpu_memory = gpu_memory or gpu_memory_gib()
     if preset == "auto" and gpu_memory is None:

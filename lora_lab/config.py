@@ -211,8 +211,10 @@ class TrainArgs:
                 "on one GPU, with gradient checkpointing). auto: on when training on a GPU; true "
                 "/ false force it.", choices=("auto", True, False))
     mlp_chunk_tokens: int = _f(4096, "Recompute each layer's MLP on at most this many tokens "
-                                     "at a time (LoRA on one GPU, with gradient checkpointing); "
-                                     "0 turns it off.", minimum=0)
+                                     "at a time (LoRA on one GPU, with gradient checkpointing), "
+                                     "on a GPU only when the memory plan does not fit without "
+                                     "it (it costs a third MLP pass); 0 turns it off.",
+                               minimum=0)
     logging_steps: int = _f(5, "Log every N optimizer steps.", minimum=1)
     save_steps: int = _f(100, "Save a checkpoint every N optimizer steps.", minimum=1)
     eval_steps: int = _f(100, "Evaluate every N optimizer steps (when there is validation data).",

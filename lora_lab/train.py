@@ -36,7 +36,7 @@ from .checkpoint import (OOM_SOURCE, check_drift, checkpoint_step, data_fingerpr
 from .config import RunConfig, save_config
 from .data import IGNORE_INDEX, PreparedData, prepare_data
 from .errors import CheckpointError, ConfigError, LoraLabError, TrainingError
-from .memory import choose_memory_means, row_length
+from .memory import CONTEXT_GIB, choose_memory_means, row_length
 from .model import (Precision, apply_lora, check_full_finetuning_precision, check_remote_code,
                     choose_precision, load_base_model, load_tokenizer, locate_model,
                     prepare_full_finetuning, resolve_kernels)
@@ -270,6 +270,18 @@ def cap_gpu_memory() -> float | None:
     return float(value)
 
 
+def gpu_memory_gib() -> float | None:
+    """The GPU memory this process may use, in GiB: LORA_LAB_GPU_MEMORY_GIB when set (a smaller
+    card), else the first GPU's; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    cap = os.environ.get(MEMORY_CAP_ENV)
+    return min(total, float(cap)) if cap else total
+
+
 def peak_memory_per_gpu() -> list | None:
     """Every process's torch.cuda.max_memory_reserved in GiB, in rank order (all ranks call)."""
     import torch
@@ -339,7 +351,8 @@ class StepTimer(TrainerCallback):
         timed = self.step_seconds[warmup:] or self.step_seconds
         peak = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
         return {"median_step_seconds": statistics.median(timed) if timed else None,
-                "timed_steps": len(timed), "peak_reserved_gib": peak}
+                "timed_steps": len(timed), "peak_reserved_gib": peak,
+                "first_step_seconds": [round(s, 3) for s in self.step_seconds[:warmup]]}
 
 
 def write_data_problems(run_dir: Path, data: PreparedData) -> None:
@@ -430,7 +443,7 @@ def check_gpu_memory(config: RunConfig, data: PreparedData, echo) -> None:
         return
     from .memory import check_fits
 
-    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    gpu_gib = gpu_memory_gib()
     packed = pack_training_data(config, data, lambda *_: None) if config.data.packing else None
     plan = check_fits(config, gpu_gib, longest_row(data, packed))
     if plan:
@@ -491,9 +504,11 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
     else:
         if config.model.quantization == "nf4":
             model = prepare_quantized_for_training(model)
-        means = choose_memory_means(config, on_gpu=_cuda(),
+        gpu_gib = gpu_memory_gib()
+        means = choose_memory_means(config, on_gpu=gpu_gib is not None,
                                     tied_embeddings=model.config.tie_word_embeddings,
-                                    row_tokens=longest_row(data, packed))
+                                    row_tokens=longest_row(data, packed),
+                                    budget_gib=gpu_gib - CONTEXT_GIB if gpu_gib else None)
         model = apply_lora(model, config.lora, config.train.gradient_checkpointing, means)
         trainable, total = model.get_nb_trainable_parameters()
         echo(f"precision {precision.name}; LoRA r={config.lora.rank} alpha={config.lora.alpha}: "

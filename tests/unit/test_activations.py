@@ -116,3 +116,21 @@ def test_auto_means_on_one_gpu_only_and_on_is_refused_where_they_cannot_work():
     assert two_gpus == MemoryMeans()
     with pytest.raises(ConfigError, match="train.offload_checkpoints"):
         config_for(**{"train.gpus": 2, "train.offload_checkpoints": True})
+
+
+def test_mlp_chunks_only_when_the_run_would_not_fit_without_them():
+    """Chunks cost a third MLP pass: with a GPU budget they are kept only where the plan needs
+    them (Qwen2.5-7B, 8192-token rows: about 16.9 GiB without chunks, 15.4 GiB with)."""
+    from lora_lab.memory import plan_memory
+
+    config = config_for(**{"model.name": "qwen2.5-7b"})
+    roomy = choose_memory_means(config, on_gpu=True, tied_embeddings=False, row_tokens=8192,
+                                budget_gib=23.5)
+    assert roomy == MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True)
+    tight = choose_memory_means(config, on_gpu=True, tied_embeddings=False, row_tokens=8192,
+                                budget_gib=16.0)
+    assert tight.mlp_chunk_tokens == 4096
+    config.data.packing, config.data.max_length = False, 8192
+    assert "MLP in chunks" not in plan_memory(config, 24).means
+    assert "MLP in chunks of 4096 tokens" in plan_memory(config, 16.5).means
+    assert plan_memory(config, 16.5).total_gib < plan_memory(config, 24).total_gib

@@ -133,6 +133,11 @@ def plan(preset, model, gpu_memory, max_length, micro_batch_size, quantization, 
              "data.datasets": list(datasets) or ["(none)"]}
     config = resolve_config(auto_preset(preset, gpu_memory),
                             flags={k: v for k, v in flags.items() if v is not None}, sets=sets)
+    if config.train.engine == "auto":
+        from .memory import pick_engine
+
+        config.train.engine, why = pick_engine(config, gpu_memory)
+        click.echo(f"--engine auto: {config.train.engine} ({why})")
     longest = None
     if datasets:
         from .data import prepare_data

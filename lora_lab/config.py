@@ -236,10 +236,12 @@ class TrainArgs:
                       "through `accelerate launch` (on a machine without CUDA: CPU processes "
                       "over gloo). The effective batch is micro_batch_size x grad_accum x gpus.",
                    minimum=1)
-    engine: str = _f("ddp", "Distributed engine for --gpus: ddp (a full replica per GPU), "
-                            "deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3, "
-                            "deepspeed-zero3-offload (pip install deepspeed) or fsdp. The "
-                            "engine configs are in presets/engines/.", choices=ENGINES)
+    engine: str = _f("auto", "Distributed engine for --gpus: ddp (a full replica per GPU), "
+                             "deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3, "
+                             "deepspeed-zero3-offload (pip install deepspeed) or fsdp; auto: "
+                             "ddp on one GPU, else the fastest one the memory plan fits. The "
+                             "engine configs are in presets/engines/.",
+                     choices=("auto",) + ENGINES)
 
 
 SECTIONS = {"model": ModelArgs, "lora": LoraArgs, "data": DataArgs, "train": TrainArgs}
@@ -417,6 +419,9 @@ def resolve_config(preset: str = "cpu", config_file: str | None = None,
                 config.sources[key] = layer.recorded.get(key, source)
             labels[key] = label
     _tuner_defaults(config)
+    if config.train.engine == "auto" and config.train.gpus == 1:
+        config.train.engine = "ddp"  # several GPUs: lora_lab.memory.pick_engine, at launch
+        config.sources["train.engine"] = "auto (one GPU)"
     for key, problem in _validate(config):
         problems.append(f"{labels.get(key, flag_for_key.get(key, key))}: {problem}")
     try:

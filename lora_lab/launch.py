@@ -146,6 +146,8 @@ def prepare_launch(config: RunConfig, echo=print, dry_run: bool = False
 
     from .model import Precision, choose_precision
 
+    if config.train.engine == "auto":
+        choose_engine(config, echo, dry_run)
     if dry_run:
         precision = Precision(name="bf16", bf16=True)
     else:
@@ -157,6 +159,23 @@ def prepare_launch(config: RunConfig, echo=print, dry_run: bool = False
     check_run_dir(run_dir, config, resume_from)
     accelerate_config = write_launch_files(config, run_dir, precision.name)
     return launch_command(config, run_dir, accelerate_config), run_dir
+
+
+def choose_engine(config: RunConfig, echo=print, dry_run: bool = False) -> None:
+    """--engine auto with --gpus N: the fastest engine the memory plan fits (lora_lab.memory.
+    pick_engine) on this machine's GPUs, or for a dry run on the preset's tier (24gb: 24 GiB)."""
+    from .memory import TIERS_GIB, pick_engine
+    from .train import gpu_memory_gib
+
+    gpu_gib = TIERS_GIB.get(config.preset) if dry_run else gpu_memory_gib()
+    cpu_gib = None if dry_run else (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+                                    / 2**30)
+    deepspeed = dry_run or importlib.util.find_spec("deepspeed") is not None
+    engine, why = pick_engine(config, gpu_gib, cpu_gib, deepspeed)
+    config.train.engine = engine
+    config.sources["train.engine"] = "auto"
+    where = f"{gpu_gib:.1f} GiB per GPU" if gpu_gib else "no GPU memory known"
+    echo(f"--engine auto: {engine} for {config.train.gpus} GPUs ({where}): {why}")
 
 
 def dry_run_launch(config: RunConfig, echo=print) -> Path:

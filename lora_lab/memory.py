@@ -373,6 +373,43 @@ def _longest(shape: ModelShape, config: RunConfig, budget_gib: float) -> int | N
     return fitting[-1] if fitting else None
 
 
+ENGINE_PREFERENCE = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
+                     "deepspeed-zero3-offload")
+"""Fastest first. ZeRO-2 with its optimizer state in CPU memory comes before ZeRO-3: on two
+H200s, 1.5B full fine-tuning ran at 0.498 it/s against ZeRO-3's 0.272
+(../shared/reference/2026-11-30-deepspeed-2xh200.jsonl)."""
+
+
+def pick_engine(config: RunConfig, gpu_memory_gib: float | None,
+                cpu_memory_gib: float | None = None,
+                deepspeed: bool = True) -> tuple[str, str]:
+    """--engine auto with --gpus N: the first engine of ENGINE_PREFERENCE whose per-GPU plan
+    fits the GPU (and whose offloaded state fits CPU memory); without DeepSpeed, fsdp stands in
+    for the sharded ones. Returns (engine, why)."""
+    if config.train.gpus == 1:
+        return "ddp", "one GPU"
+    if config.model.quantization == "nf4":
+        return "ddp", "QLoRA's 4-bit weights are not sharded by the engines: a replica per GPU"
+    if gpu_memory_gib is None or guess_model_size(config.model.name) is None:
+        return "ddp", ("no GPU memory to plan against" if gpu_memory_gib is None else
+                       f"the planner does not know {config.model.name}") + ": ddp by default"
+    candidates = ENGINE_PREFERENCE if deepspeed else ("ddp", "fsdp")
+    tried = []
+    for engine in candidates:
+        trial = replace(config, train=replace(config.train, engine=engine))
+        plan = plan_memory(trial, gpu_memory_gib)
+        cpu_ok = cpu_memory_gib is None or plan.cpu_total_gib <= 0.9 * cpu_memory_gib
+        if plan.fits and cpu_ok:
+            return engine, (f"about {plan.total_gib:.1f} GiB per GPU of {plan.budget_gib:.1f} "
+                            f"usable" + (f", {plan.cpu_total_gib:.0f} GiB of CPU memory"
+                                         if plan.cpu_total_gib else "")
+                            + (f"; does not fit: {', '.join(tried)}" if tried else ""))
+        tried.append(f"{engine} {plan.total_gib:.1f} GiB"
+                     + ("" if cpu_ok else f" (+{plan.cpu_total_gib:.0f} GiB CPU)"))
+    return candidates[-1], (f"nothing fits {gpu_memory_gib:.1f} GiB per GPU ({', '.join(tried)})"
+                            f"; {candidates[-1]} needs the least")
+
+
 def pick_preset(gpu_memory_gib: float) -> tuple[str, str]:
     """The largest tier that fits a GPU of this size, and why."""
     for name, tier_gib in sorted(TIERS_GIB.items(), key=lambda kv: -kv[1]):

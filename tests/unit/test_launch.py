@@ -102,7 +102,7 @@ def test_engines_the_machine_cannot_run_are_refused(engine, cuda, message):
 
 def test_unknown_engine_names_the_flag():
     result = CliRunner().invoke(main, ["run", "--data", "x", "--engine", "zero2"])
-    assert result.exit_code == 2 and "--engine zero2: must be one of ddp," in result.output
+    assert result.exit_code == 2 and "--engine zero2: must be one of auto, ddp," in result.output
 
 
 def test_a_saved_config_yaml_given_as_config_resolves_to_the_same_run(tmp_path):
@@ -136,3 +136,21 @@ def test_dry_run_writes_the_launch_for_4_and_8_gpus_and_plans_per_gpu(tmp_path, 
         assert filled["train_batch_size"] == 1 * 4 * gpus and filled["bf16"]["enabled"]
     assert not (tmp_path / "out" / "dry" / "adapter").exists()
     assert not (tmp_path / "out" / "dry" / "model").exists()
+
+
+def test_dry_run_with_engine_auto_picks_the_engine_that_fits_the_tier(tmp_path):
+    """--preset 24gb --gpus 8 --engine auto for 7B full fine-tuning: planned against 24 GiB."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"query": "q", "response": "r"}\n')
+    result = CliRunner().invoke(main, [
+        "run", "--preset", "24gb", "--model", "qwen2.5-7b", "--data", str(data), "--tuner",
+        "full", "--gpus", "8", "--grad-accum", "4", "--max-length", "2048", "--set",
+        "data.packing=false", "--output-dir", str(tmp_path / "out"), "--run-name", "dry",
+        "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert ("--engine auto: deepspeed-zero2-offload for 8 GPUs (24.0 GiB per GPU): about"
+            in result.output)
+    assert "does not fit: ddp" in result.output
+    saved = yaml.safe_load((tmp_path / "out" / "dry" / "launch" / "run_config.yaml").read_text())
+    assert saved["train"]["engine"] == "deepspeed-zero2-offload"
+    assert (tmp_path / "out" / "dry" / "launch" / "deepspeed.json").is_file()

@@ -169,3 +169,26 @@ def test_plan_command_takes_gpus_and_engine():
     assert result.exit_code == 0, result.output
     assert "per GPU of 2, engine deepspeed-zero2-offload" in result.output
     assert "CPU memory for offload" in result.output
+
+
+def test_engine_auto_picks_the_fastest_engine_that_fits():
+    from lora_lab.memory import pick_engine
+
+    def config(size, tuner="full", **extra):
+        return resolve_config("24gb", flags={"data.datasets": ["x"], "model.name": f"qwen2.5-{size}",
+                                             "train.gpus": 2, "train.tuner": tuner,
+                                             "data.max_length": 2048, **extra},
+                              sets=["data.packing=false"])
+
+    assert config("7b").train.engine == "auto"
+    assert pick_engine(config("1.5b"), 40)[0] == "ddp"
+    engine, why = pick_engine(config("7b"), 40, cpu_memory_gib=256)
+    assert engine == "deepspeed-zero2-offload"
+    assert "does not fit: ddp" in why and "deepspeed-zero2 " in why
+    # not enough CPU memory for the offloaded optimizer state: nothing fits, the most sharded
+    engine, why = pick_engine(config("7b"), 40, cpu_memory_gib=64)
+    assert engine == "deepspeed-zero3-offload" and why.startswith("nothing fits 40.0 GiB")
+    assert pick_engine(config("7b"), 40, deepspeed=False)[0] == "fsdp"
+    assert pick_engine(config("7b", "lora", **{"model.quantization": "nf4"}), 40)[0] == "ddp"
+    one = resolve_config("24gb", flags={"data.datasets": ["x"]})
+    assert one.train.engine == "ddp" and one.sources["train.engine"] == "auto (one GPU)"

@@ -112,10 +112,10 @@ PLANS = {
             ("loss-2gpu-0.5b", "0.5b", "ddp", "lora", 2, 8, 2, ["lora.dropout=0"]),
             ("zero2-lora-7b", "7b", "deepspeed-zero2", "lora", 2, 4, 4, []),
             ("zero3-full-1.5b", "1.5b", "deepspeed-zero3", "full", 2, 4, 4, []),
-            ("zero2-offload-full-1.5b", "1.5b", "deepspeed-zero2-offload", "full", 2, 4, 4, []),
+            ("zero3-offload-full-7b", "7b", "deepspeed-zero3-offload", "full", 2, 3, 4, []),
             ("fsdp-full-1.5b", "1.5b", "fsdp", "full", 2, 4, 4, []),
-            ("fsdp-lora-0.5b", "0.5b", "fsdp", "lora", 2, 4, 4, []),
-            ("zero3-offload-full-7b", "7b", "deepspeed-zero3-offload", "full", 2, 3, 4, []))],
+            ("zero2-offload-full-1.5b", "1.5b", "deepspeed-zero2-offload", "full", 2, 4, 4, []),
+            ("fsdp-lora-0.5b", "0.5b", "fsdp", "lora", 2, 4, 4, []))],
     "sft-mix": lambda: sft_cells(("7b", "1.5b", "0.5b"), rows=256),
     "sft-mix-small": lambda: sft_cells(("1.5b", "0.5b"), rows=256),
     # Shorter lengths, after long-7b found the targets out of reach with the present means.

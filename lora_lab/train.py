@@ -211,7 +211,7 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
     from transformers import TrainingArguments
 
     t = config.train
-    return TrainingArguments(
+    args = TrainingArguments(
         output_dir=str(run_dir),
         per_device_train_batch_size=1 if rows_per_step else t.micro_batch_size,
         per_device_eval_batch_size=t.micro_batch_size,
@@ -229,6 +229,12 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         ddp_find_unused_parameters=False,  # every trainable tensor takes part in every step
         deepspeed=deepspeed_config_path(config, run_dir),
     )
+    if args.n_gpu > 1:
+        # One process that sees several GPUs: the Trainer would spread each micro-batch over
+        # them with nn.DataParallel (it failed on two H200s: the embedding's ids on cuda:1).
+        # A run trains on one GPU unless --gpus N launches N processes.
+        args._n_gpu = 1
+    return args
 
 
 def deepspeed_config_path(config: RunConfig, run_dir: Path) -> str | None:

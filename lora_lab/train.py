@@ -288,13 +288,15 @@ def gpu_memory_gib() -> float | None:
     return min(total, float(cap)) if cap else total
 
 
-def peak_memory_per_gpu() -> list | None:
-    """Every process's torch.cuda.max_memory_reserved in GiB, in rank order (all ranks call)."""
+def peak_memory_per_gpu(timer: "StepTimer") -> list | None:
+    """Every process's peaks in GiB, in rank order (all ranks call): (overall, before training,
+    up to the end of training), each torch.cuda.max_memory_reserved."""
     import torch
 
     if not torch.cuda.is_available():
         return None
-    peak = torch.cuda.max_memory_reserved() / 2**30
+    peak = (torch.cuda.max_memory_reserved() / 2**30, timer.before_training_gib,
+            timer.after_training_gib)
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [peak]
     peaks = [None] * torch.distributed.get_world_size()
@@ -333,6 +335,22 @@ class StepTimer(TrainerCallback):
 
     def __init__(self):
         self.step_seconds, self._last = [], None
+        self.before_training_gib = self.after_training_gib = None
+
+    @staticmethod
+    def _peak() -> float | None:
+        import torch
+
+        return torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        """The peak so far: loading the model and setting up the engine."""
+        self.before_training_gib = self._peak()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """The peak up to the end of training: before the final evaluation and save (a ZeRO-3
+        or FSDP save gathers the whole model)."""
+        self.after_training_gib = self._peak()
 
     @staticmethod
     def _now():
@@ -358,6 +376,8 @@ class StepTimer(TrainerCallback):
         peak = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
         return {"median_step_seconds": statistics.median(timed) if timed else None,
                 "timed_steps": len(timed), "peak_reserved_gib": peak,
+                "peak_reserved_gib_before_training": self.before_training_gib,
+                "peak_reserved_gib_training": self.after_training_gib,
                 "first_step_seconds": [round(s, 3) for s in self.step_seconds[:warmup]]}
 
 
@@ -431,7 +451,8 @@ def train(config: RunConfig, echo=print) -> TrainResult:
                          trained_tokens=sum(s.trained_tokens for s in data.train.samples),
                          seconds=round(time.time() - started, 1),
                          nonfinite_skipped_steps=trainer.guard.skipped_steps)
-    peaks = peak_memory_per_gpu()
+    timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
+    peaks = peak_memory_per_gpu(timer)
     if state.is_main_process:
         write_summary(result, trainer, peaks)
     state.wait_for_everyone()
@@ -481,8 +502,13 @@ def write_summary(result: TrainResult, trainer, peaks: list | None = None) -> No
     timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
     summary["performance"] = timer.summary()
     if peaks and len(peaks) > 1:
-        summary["performance"]["peak_reserved_gib_per_gpu"] = peaks
-        summary["performance"]["peak_reserved_gib"] = max(peaks)
+        overall, before, training = zip(*peaks)
+        performance = summary["performance"]
+        performance["peak_reserved_gib_per_gpu"] = list(overall)
+        performance["peak_reserved_gib_before_training_per_gpu"] = list(before)
+        performance["peak_reserved_gib_training_per_gpu"] = list(training)
+        performance["peak_reserved_gib"] = max(overall)
+        performance["peak_reserved_gib_training"] = max(training)
     (result.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 

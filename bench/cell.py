@@ -145,7 +145,12 @@ def run_multi_gpu(cell: dict) -> dict:
                           env=env, capture_output=True, text=True, cwd=WORK)
     run_dir = WORK / "multi" / cell["label"]
     if proc.returncode != 0:
-        return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+        # the launcher's own traceback ends the output; the workers' exceptions come earlier
+        output = (proc.stderr or "") + (proc.stdout or "")
+        raised = [line for line in output.splitlines()
+                  if ("Error" in line or "Exception" in line) and "elastic" not in line]
+        return {"error": f"exit {proc.returncode}: " + " | ".join(dict.fromkeys(raised))[-2500:],
+                "output_tail": output[-3000:]}
     summary = json.loads((run_dir / "run_summary.json").read_text())
     log = [json.loads(line) for line in
            (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]

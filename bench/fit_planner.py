@@ -19,12 +19,16 @@ from lora_lab.config import guess_model_size, known_model_config, resolve_config
 
 
 def measured_cells() -> list:
-    """(RunConfig, measured peak GiB, label) of every successful lora-lab cell."""
+    """(RunConfig, measured peak GiB, label) of every successful lora-lab cell run under a
+    tier's cap, every row full (the presets and long-sequence plans; the speed plan's uncapped
+    cells are left out). These ran before MLP chunks became budget-driven: chunks wherever a
+    row was longer than 4096 tokens, which is what the planner assumes without a budget."""
     cells = []
     for path in sorted((ROOT / "bench" / "results").glob("*.jsonl")):
         for line in path.read_text().splitlines()[1:]:
             row = json.loads(line)
-            if row["kind"] != "lora-lab" or row.get("error") or not row.get("peak_reserved_gib"):
+            if (row.get("kind") != "lora-lab" or row.get("error") or not row.get("cap_gib")
+                    or not row.get("peak_reserved_gib")):
                 continue
             flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
                      "data.max_length": row["max_length"]}

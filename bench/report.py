@@ -27,7 +27,8 @@ def load(plan: str) -> tuple[list, list]:
     if path is None:
         return [], []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    cells = {row["label"]: row for row in rows if not row.get("header")}
+    cells = {row.get("label") or (row["kind"], row["model"], row["format"]): row
+             for row in rows if not row.get("header")}
     return [row for row in rows if row.get("header")], list(cells.values())
 
 
@@ -88,7 +89,10 @@ def presets_table() -> str:
              "them (one row of pack_length tokens per step: 8192, 8gb 4096, 8gb 7B 2048); the "
              "plain recipe runs the same tokens per pass as one unpacked sequence. † = tokens/s "
              "measured while up to 7 other cells shared the GPU: a lower bound, not a speed "
-             "(clean speeds are in the next table). Measured: "
+             "(clean speeds are in the next table). These cells ran with MLP chunks on every "
+             "row longer than 4096 tokens; the code now drops them where the plan fits the card "
+             "without them (faster), so a run may now peak higher than shown, up to what "
+             "`lora-lab plan` predicts for the tier, which it checks before loading. Measured: "
              + "; ".join(_source(h) for h in headers)]
     return "\n".join(lines) + "\n\n" + notes[0] + "\n"
 
@@ -179,7 +183,8 @@ def sft_table() -> str:
             f"alpaca-like, 15% long) and 16 samples per optimizer step in both; wall time of "
             f"Trainer.train(). Where the plain run did not finish inside the cell's limit, its "
             f"time is bounded below by the limit less {SFT_STARTUP_SECONDS} s of process start, "
-            f"imports and model loading. Measured on one GPU of a 2-GPU host: "
+            f"imports and model loading. Measured on one GPU of a 2-GPU host (the segments "
+            f"row while both GPUs also ran the two-GPU cells): "
             + "; ".join(_source(h) for h in headers) + "\n")
 
 
@@ -188,6 +193,22 @@ REFERENCE_CLAIMS = {  # the issue's reference recipe, 4 x A100 40GB, 7B full fin
     "deepspeed-zero3": "28 GB at 1.6 it/s (4 x A100 40GB)",
     "deepspeed-zero3-offload": "ZeRO-3: 28 GB at 1.6 it/s (4 x A100 40GB)",
 }
+
+
+def planned_gib(row: dict) -> float:
+    """The current planner's per-GPU prediction for a multi-gpu cell (as bench/cell.py
+    configures it), so the table follows planner changes without re-running the GPUs."""
+    sys.path.insert(0, str(HERE.parent))
+    from lora_lab.config import resolve_config
+    from lora_lab.memory import plan_memory
+
+    config = resolve_config("24gb", flags={
+        "model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
+        "data.max_length": row["max_length"], "train.micro_batch_size": 1,
+        "train.grad_accum": row["grad_accum"], "train.gpus": row["gpus"],
+        "train.engine": row["engine"], "train.tuner": row["tuner"]},
+        sets=["data.packing=false", *row.get("sets", [])])
+    return plan_memory(config).total_gib
 
 
 def multi_gpu_table() -> str:
@@ -209,13 +230,28 @@ def multi_gpu_table() -> str:
         peak = (f"{training:.2f} ({row['peak_reserved_gib']:.2f})"
                 if row.get("peak_reserved_gib_training") else f"{row['peak_reserved_gib']:.2f}")
         losses = row.get("losses") or []
+        planned = planned_gib(row)
         lines.append(
             f"| {name} | {row['gpus']} | {row['engine']} | {peak} | "
-            f"{row['planned_gib_per_gpu']:.2f} | {row['planned_gib_per_gpu'] / training:.2f} | "
+            f"{planned:.2f} | {planned / training:.2f} | "
             f"{row['median_step_seconds']:.2f} | {row['iterations_per_s']:.3f} | "
             f"{row['tokens_per_s']:,.0f} | "
             + (f"{losses[0]:.3f} -> {losses[-1]:.3f} |" if losses else "- |"))
-    return ("\n".join(lines) + "\n\nEach GPU capped to 40 GiB (LORA_LAB_GPU_MEMORY_GIB=40, like "
+    same = ""
+    pair = [next((r for r in rows if r["label"] == f"loss-{n}gpu-0.5b" and r.get("losses")),
+                 None) for n in (1, 2)]
+    if all(pair):
+        (one, two), mean = [p["losses"] for p in pair], lambda xs: sum(xs) / len(xs)
+        same = (f" One against two GPUs at the same effective batch (4 samples per step: 1 x 4 "
+                f"on one GPU, 1 x 2 on each of two), same data and seed, LoRA dropout 0: final "
+                f"loss {one[-1]:.3f} against {two[-1]:.3f} "
+                f"({abs(one[-1] - two[-1]) / one[-1]:.1%} apart), mean over the {len(one)} "
+                f"steps {mean(one):.3f} against {mean(two):.3f} "
+                f"({abs(mean(one) - mean(two)) / mean(one):.1%}); step by step they differ by "
+                f"at most {max(abs(a - b) for a, b in zip(one, two)):.3f} (the samples reach "
+                f"each step in another order).")
+    return ("\n".join(lines) + "\n\n" + same.strip() + "\n\nEach GPU capped to 40 GiB "
+            "(LORA_LAB_GPU_MEMORY_GIB=40, like "
             "an A100 40GB); every run through `lora-lab run --gpus N --engine E` as a user runs "
             "it; micro-batch 1, gradient accumulation 4 per GPU, 2048-token samples, bf16, "
             "gradient checkpointing, random weights with the real config. it/s = optimizer "
@@ -225,12 +261,72 @@ def multi_gpu_table() -> str:
             + "; ".join(_source(h) for h in headers) + "\n")
 
 
+def export_tables() -> str:
+    """Quantized export (bench/export_bench.py): sizes and load memory on the GPU (random
+    weights, real shapes), quality of the real fine-tuned 0.5B (run on CPU)."""
+    parts = []
+    headers, rows = load("export")
+    loads = [r for r in rows if r["kind"] == "load"]
+    if loads:
+        lines = ["| model | format | weights on disk GiB | GPU peak after loading GiB | "
+                 "after a 16-token generation GiB |", "|---|---|---|---|---|"]
+        for row in sorted(loads, key=lambda r: (SIZES.index(r["size"]),
+                                                ("bf16", "nf4", "w4a16").index(r["format"]))):
+            if row.get("error"):
+                lines.append(f"| Qwen2.5-{row['size'].upper()} | {row['format']} | failed: "
+                             f"{row['error'][:100]} | | |")
+                continue
+            lines.append(f"| Qwen2.5-{row['size'].upper()} | {row['format']} | "
+                         f"{row['weights_gib']:.2f} | {row['peak_reserved_gib_after_load']:.2f} "
+                         f"| {row['peak_reserved_gib_after_generate']:.2f} |")
+        failed = [r for r in rows if r["kind"] in ("build", "export") and r.get("error")]
+        lines.append("")
+        lines.append("Random weights with the real configs (size and memory do not depend on the "
+                     "values); each folder loaded in a fresh process with transformers "
+                     "(torch.cuda.max_memory_reserved). w4a16 is kept packed in int4 by vLLM; "
+                     "transformers de-quantizes it to 16 bits at the first forward, which the "
+                     "last column shows." + (" Not measured: " + "; ".join(
+                         f"{r['model']} {r['format']} ({r['error'][:80]})" for r in failed)
+                         if failed else "") + " Measured: "
+                     + "; ".join(_source(h) for h in headers))
+        parts.append("\n".join(lines) + "\n")
+    headers, rows = load("export-quality-cpu")
+    quality = [r for r in rows if r["kind"] == "quality" and not r.get("error")]
+    if quality:
+        lines = ["| real fine-tuned Qwen2.5-Coder-0.5B-Instruct | weights GiB | held-out eval "
+                 "loss | perplexity | greedy answers identical to bf16 | answers with the new "
+                 "name |", "|---|---|---|---|---|---|"]
+        for row in quality:
+            lines.append(f"| {row['format']} | {row['weights_bytes'] / 2**30:.2f} | "
+                         f"{row['eval_loss']:.4f} | {row['perplexity']:.3f} | "
+                         f"{row['answers_identical_to_bf16']:.0%} | "
+                         f"{row['answers_with_name']:.0%} |")
+        first = quality[0]
+        calibration = next((r.get("calibration_samples") for r in rows
+                            if r["kind"] == "export" and r["format"] == "w4a16"), None)
+        lines.append("")
+        lines.append(f"The `make demo` run (30 LoRA steps of self-cognition, name Aurora) merged "
+                     f"onto its 16-bit base, then exported; w4a16 calibrated on the run's own "
+                     f"{calibration} training conversations. Eval loss on the assistant "
+                     f"tokens of bench/export_heldout.jsonl ({first['heldout_samples']} "
+                     f"conversations not in training, {first['assistant_tokens']} tokens); "
+                     f"answers: greedy, 48 tokens, to the {first['prompts']} self-cognition "
+                     f"prompts. Reproduce: `lora-lab demo --output-dir D` then `python "
+                     f"bench/export_bench.py --sizes '' --real-run D/demo-*`. Run on CPU: "
+                     + "; ".join(f"{h['date']}; " + ", ".join(
+                         f"{k} {v}" for k, v in h["versions"].items() if v)
+                         + f"; `{h['command']}`" for h in headers))
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
 def render() -> str:
     parts = [("Presets under their caps", presets_table()),
              ("Speed against the plain recipe", speed_table()),
              ("Real-length SFT data, one epoch", sft_table()),
              ("Long sequences on Qwen2.5-7B", longest_table()),
-             ("Several GPUs (DeepSpeed, FSDP, DDP)", multi_gpu_table())]
+             ("Several GPUs (DeepSpeed, FSDP, DDP)", multi_gpu_table()),
+             ("Quantized export (lora-lab export --quantize)", export_tables())]
     return "\n".join(f"#### {title}\n\n{body}" for title, body in parts if body)
 
 

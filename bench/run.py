@@ -69,7 +69,12 @@ def sft_cells(sizes, rows: int) -> list:
              "size": size, "rows": rows, "sets": sets} for size in sizes
             for kind, suffix, sets in (
                 ("baseline-sft", "", []), ("lora-lab-sft", "", []),
-                ("lora-lab-sft", "-segments", ["data.packed_attention=segments"]))]
+                ("lora-lab-sft", "-segments", ["data.packed_attention=segments"]),
+                # next to measure: does sdpa's cuDNN backend (a plan per new length) cost the
+                # variable-length steps their time? (segments was 4x slower per step here)
+                ("lora-lab-sft", "-nocudnn", ["model.cudnn_attention=false"]),
+                ("lora-lab-sft", "-segments-nocudnn", ["data.packed_attention=segments",
+                                                       "model.cudnn_attention=false"]))]
 
 
 PLANS = {

@@ -141,6 +141,10 @@ class ModelArgs:
         "auto", "Keep the input embedding table in CPU memory (1.02 GiB of Qwen2.5-7B). auto: on "
                 "for LoRA on one GPU when the model has its own output head (7B); never for tied "
                 "embeddings (0.5B-3B). true / false force it.", choices=("auto", True, False))
+    cudnn_attention: bool = _f(
+        True, "Let torch's scaled_dot_product_attention use its cuDNN backend where it picks it. "
+              "false: flash / memory-efficient kernels only (cuDNN builds a plan for every new "
+              "sequence length; suspected, not yet measured, to slow variable-length data).")
 
 
 @dataclass

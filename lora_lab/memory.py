@@ -15,9 +15,12 @@ is why a card of G GiB is planned with G - 0.5 GiB.
 
 Several GPUs (train.gpus > 1) and the distributed engines (train.engine) are planned per GPU by
 `_distributed_parts`: weights, gradients and optimizer state are divided by N where the engine
-shards them, and moved to CPU memory where it offloads them. Those terms are COUNTED from the
-engines' documented behaviour, NOT YET MEASURED: no multi-GPU run is in bench/results yet (issue
-7, item 4). The activation terms are the single-GPU ones (each GPU runs its own micro-batch).
+shards them, and moved to CPU memory where it offloads them, plus DeepSpeed's own buffers
+(`_deepspeed_buffers`, counted from presets/engines/*.json). Those terms are COUNTED from the
+engines' behaviour and checked against the two-GPU runs in bench/results/*-multi-gpu.jsonl (DDP,
+ZeRO-2 LoRA 7B, ZeRO-3 full 1.5B: all within 15%, tests/unit/test_memory.py); the offload
+engines and FSDP have no successful GPU run yet. The activation terms are the single-GPU ones
+(each GPU runs its own micro-batch).
 """
 from __future__ import annotations
 
@@ -36,6 +39,14 @@ FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 12.84  # extra per token when the base is
 NF4_BYTES_PER_WEIGHT = 0.5156  # 4 bits + double-quantized absmax per 64-weight block
 UNFUSED_LOSS_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy and its gradient (estimate)
 TIERS_GIB = {"24gb": 24, "16gb": 16, "12gb": 12, "8gb": 8}
+def NO_CHECKPOINT_BYTES_PER_TOKEN_PER_LAYER(shape) -> int:  # noqa: N802 - a constant's rule
+    """Without gradient checkpointing every layer keeps its activations for the backward pass:
+    about 14 hidden-sized and 4 intermediate-sized bf16 tensors a token (norm inputs and
+    outputs, q/k/v/o, the LoRA dropout copies; gate, up, their product). Counted; 7B at
+    8192-token rows reserved 65.86 GiB where this plan gives 71.8 (+9%; bench/results speed)."""
+    return 2 * (14 * shape.hidden + 4 * shape.intermediate)
+
+
 PACKED_MASK_BYTES_PER_PAIR = 3  # the bool mask, and sdpa's bf16 additive copy (counted)
 MAX_PLANNED_LENGTH = 131072  # Qwen2.5's longest context (with YaRN)
 
@@ -114,8 +125,7 @@ class ModelShape:
 
 
 # What each engine does with the training state, per GPU: shards (divides by the number of GPUs)
-# or offloads to CPU memory. Counted from the DeepSpeed ZeRO paper and docs and PyTorch FSDP's;
-# not yet measured.
+# or offloads to CPU memory. Counted from the DeepSpeed ZeRO paper and docs and PyTorch FSDP's.
 ENGINE_SHARDING = {
     #                          parameters      gradients   optimizer state
     "ddp":                     ("replica",     "replica",  "replica"),
@@ -284,6 +294,10 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
         "recomputed layer + fused loss (fitted)": working / GIB,
         "allocator and workspaces (fitted)": FIT_CONSTANT_GIB,
     }
+    if not config.train.gradient_checkpointing:
+        del parts["activation checkpoints"]
+        parts["activations of every layer (no checkpointing; counted)"] = (
+            tokens * shape.layers * NO_CHECKPOINT_BYTES_PER_TOKEN_PER_LAYER(shape) / GIB)
     if config.data.packing:
         parts["attention mask of a packed row (counted)"] = (
             tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)
@@ -310,7 +324,8 @@ def _single_gpu_lora(config: RunConfig) -> bool:
 
 
 def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tuple[dict, dict]:
-    """Per-GPU parts and CPU (offload) parts for N GPUs and an engine. COUNTED, NOT MEASURED.
+    """Per-GPU parts and CPU (offload) parts for N GPUs and an engine (counted; see the module
+    docstring for what the GPU runs checked).
 
     Parameters, gradients and optimizer state are each kept whole on every GPU (replica),
     divided by N (shard) or moved to CPU memory (cpu) as ENGINE_SHARDING says. The activation
@@ -344,17 +359,49 @@ def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tup
         cpu["fp32 gradient copy for the CPU optimizer"] = trained * OFFLOAD_FP32_GRAD_BYTES / GIB
     if engine == "ddp" and n > 1:
         gpu["DDP buckets (a copy of the gradients)"] = grads_bytes / GIB
-    if params_where != "replica":
-        gpu["gathered parameters in flight"] = _gathered_bytes(shape, config) / GIB
+    if engine.startswith("deepspeed"):
+        gpu.update(_deepspeed_buffers(shape, config, trained, optim_where == "cpu"))
+    elif params_where != "replica":
+        gpu["gathered parameters in flight"] = _gathered_bytes(shape) / GIB
     return {**gpu, **single}, cpu
 
 
-def _gathered_bytes(shape: ModelShape, config: RunConfig) -> float:
+def _gathered_bytes(shape: ModelShape) -> float:
     """Sharded parameters are all-gathered for the layer that computes and the one prefetched,
     or for the embedding / output head, whichever is larger (16-bit). Counted, not measured."""
     per_layer = shape.linear_params / shape.layers * 2
     embedding = shape.vocab * shape.hidden * 2
     return max(2 * per_layer, embedding)
+
+
+def _deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int,
+                       cpu_optimizer: bool) -> dict:
+    """DeepSpeed's own GPU buffers, counted from the engine's JSON in presets/engines/:
+    ZeRO-3 keeps up to stage3_max_live_parameters gathered and stage3_prefetch_bucket_size more
+    in flight (16-bit); ZeRO-2 reduces and gathers in buckets (double-buffered with
+    overlap_comm); with the optimizer on the GPU the step turns this GPU's gradient partition
+    into fp32 (sub_group_size, 1e9 by default, is larger than the partitions here).
+    The 1.5B ZeRO-3 run on two H200s reserved 20.27 GiB where these terms give 17.8."""
+    import json
+
+    from .config import presets_dir
+
+    zero = json.loads((presets_dir() / "engines" / f"{config.train.engine}.json")
+                      .read_text())["zero_optimization"]
+    n, total = config.train.gpus, shape.linear_params + shape.other_params
+    parts = {}
+    if not cpu_optimizer:
+        parts["fp32 gradient partition at the optimizer step"] = trained * 4 / n / GIB
+    if zero["stage"] == 3:
+        in_flight = zero["stage3_max_live_parameters"] + zero["stage3_prefetch_bucket_size"]
+        parts["gathered parameters (live + prefetch, 16-bit)"] = (
+            max(min(in_flight, total) * 2, _gathered_bytes(shape)) / GIB)
+    else:
+        copies = 2 if zero.get("overlap_comm") else 1
+        parts["reduce and all-gather buckets"] = (
+            min(zero["reduce_bucket_size"], trained) * 2 * copies
+            + min(zero["allgather_bucket_size"], trained) * 2) / GIB
+    return parts
 
 
 def _longest(shape: ModelShape, config: RunConfig, budget_gib: float) -> int | None:

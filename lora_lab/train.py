@@ -304,6 +304,13 @@ def peak_memory_per_gpu(timer: "StepTimer") -> list | None:
     return peaks
 
 
+def use_cudnn_attention(enabled: bool) -> None:
+    """model.cudnn_attention: allow or forbid sdpa's cuDNN backend in this (training) process."""
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
 def _cuda() -> bool:
     import torch
 
@@ -524,6 +531,7 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
     args = build_training_arguments(config, run_dir, precision, total_steps, data.val is not None,
                                     packed.rows_per_step if packed else None)
     full = config.train.tuner == "full"
+    use_cudnn_attention(config.model.cudnn_attention)
     model = load_base_model(config.model, precision, fp32_master_weights=full,
                             sharded=config.train.engine in SHARDED_ENGINES,
                             segments_attention=config.data.packing

@@ -134,3 +134,19 @@ def test_mlp_chunks_only_when_the_run_would_not_fit_without_them():
     assert "MLP in chunks" not in plan_memory(config, 24).means
     assert "MLP in chunks of 4096 tokens" in plan_memory(config, 16.5).means
     assert plan_memory(config, 16.5).total_gib < plan_memory(config, 24).total_gib
+
+
+def test_cudnn_attention_false_forbids_the_cudnn_sdpa_backend_for_the_process():
+    import torch
+
+    from lora_lab.train import use_cudnn_attention
+
+    config = config_for(**{"model.cudnn_attention": "false"})
+    assert config.model.cudnn_attention is False
+    try:
+        use_cudnn_attention(config.model.cudnn_attention)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()  # the others stay allowed
+    finally:
+        use_cudnn_attention(True)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

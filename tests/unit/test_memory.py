@@ -28,7 +28,7 @@ def test_the_verdict_matches_every_capped_cell():
     that ran out of memory before them are in bench/results/superseded/.)"""
     rows = [json.loads(line) for path in (ROOT / "bench" / "results").glob("*.jsonl")
             for line in path.read_text().splitlines()[1:]]
-    capped = [r for r in rows if r["kind"] == "lora-lab" and r.get("cap_gib")]
+    capped = [r for r in rows if r.get("kind") == "lora-lab" and r.get("cap_gib")]
     assert len(capped) >= 25
     for row in capped:
         flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
@@ -192,3 +192,17 @@ def test_engine_auto_picks_the_fastest_engine_that_fits():
     assert pick_engine(config("7b", "lora", **{"model.quantization": "nf4"}), 40)[0] == "ddp"
     one = resolve_config("24gb", flags={"data.datasets": ["x"]})
     assert one.train.engine == "ddp" and one.sources["train.engine"] == "auto (one GPU)"
+
+
+def test_multi_gpu_plans_within_15_percent_of_the_two_gpu_runs():
+    """Issue 7: every successful multi-GPU cell in bench/results (per-GPU peak up to the end of
+    training where recorded) against the planner, configured as bench/cell.py runs it."""
+    from report import planned_gib
+
+    rows = [json.loads(line) for line in
+            (ROOT / "bench" / "results" / "2026-11-30-multi-gpu.jsonl").read_text().splitlines()]
+    cells = [r for r in rows if not r.get("header") and not r.get("error")]
+    assert {r["engine"] for r in cells} >= {"ddp", "deepspeed-zero2", "deepspeed-zero3"}
+    for row in cells:
+        measured = row.get("peak_reserved_gib_training") or row["peak_reserved_gib"]
+        assert abs(planned_gib(row) - measured) / measured < 0.15, (row["label"], measured)

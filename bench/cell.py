@@ -116,13 +116,24 @@ def encoded_lengths(config) -> list:
     return [s.input_ids for s in data.train.samples]
 
 
+def multi_gpu_config(cell: dict):
+    """The RunConfig a multi-GPU cell trains with (model named by size, for the planner)."""
+    from lora_lab.config import resolve_config
+
+    return resolve_config("24gb", flags={
+        "model.name": f"qwen2.5-{cell['size']}", "data.datasets": ["x"],
+        "data.max_length": cell["max_length"], "train.micro_batch_size": 1,
+        "train.grad_accum": cell["grad_accum"], "train.gpus": cell["gpus"],
+        "train.engine": cell["engine"], "train.tuner": cell["tuner"]},
+        sets=["data.packing=false", *cell.get("sets", [])])
+
+
 def run_multi_gpu(cell: dict) -> dict:
     """`lora-lab run --gpus N --engine E` as a user runs it (accelerate launch), each process
     capped with LORA_LAB_GPU_MEMORY_GIB; per-GPU peaks, step time, losses and the planner."""
     import os
     import subprocess
 
-    from lora_lab.config import resolve_config
     from lora_lab.memory import plan_memory
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
@@ -154,13 +165,7 @@ def run_multi_gpu(cell: dict) -> dict:
     summary = json.loads((run_dir / "run_summary.json").read_text())
     log = [json.loads(line) for line in
            (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
-    config = resolve_config("24gb", flags={
-        "model.name": f"qwen2.5-{cell['size']}", "data.datasets": ["x"],
-        "data.max_length": cell["max_length"], "train.micro_batch_size": 1,
-        "train.grad_accum": cell["grad_accum"], "train.gpus": cell["gpus"],
-        "train.engine": cell["engine"], "train.tuner": cell["tuner"]},
-        sets=["data.packing=false", *cell.get("sets", [])])
-    plan = plan_memory(config)
+    plan = plan_memory(multi_gpu_config(cell))
     performance = summary["performance"]
     tokens = cell["grad_accum"] * cell["gpus"] * cell["max_length"]
     saved = run_dir / ("model" if cell["tuner"] == "full" else "adapter")

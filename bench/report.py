@@ -198,17 +198,11 @@ REFERENCE_CLAIMS = {  # the issue's reference recipe, 4 x A100 40GB, 7B full fin
 def planned_gib(row: dict) -> float:
     """The current planner's per-GPU prediction for a multi-gpu cell (as bench/cell.py
     configures it), so the table follows planner changes without re-running the GPUs."""
-    sys.path.insert(0, str(HERE.parent))
-    from lora_lab.config import resolve_config
+    sys.path[:0] = [str(HERE.parent), str(HERE)]
+    from cell import multi_gpu_config
     from lora_lab.memory import plan_memory
 
-    config = resolve_config("24gb", flags={
-        "model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
-        "data.max_length": row["max_length"], "train.micro_batch_size": 1,
-        "train.grad_accum": row["grad_accum"], "train.gpus": row["gpus"],
-        "train.engine": row["engine"], "train.tuner": row["tuner"]},
-        sets=["data.packing=false", *row.get("sets", [])])
-    return plan_memory(config).total_gib
+    return plan_memory(multi_gpu_config(row)).total_gib
 
 
 def multi_gpu_table() -> str:

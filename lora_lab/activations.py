@@ -177,8 +177,9 @@ def apply_memory_means(model, means) -> None:
 
 SEGMENTS_ATTENTION = "lora_lab_segments"
 """data.packed_attention=segments: attention over each sample of a packed row on its own, with
-the causal (flash) sdpa kernel, instead of one masked sdpa over the whole row. Opt-in until the
-GPU benchmark has measured it (bench/run.py speed-segments)."""
+the causal sdpa kernel, instead of one masked sdpa over the whole row. Opt-in: on an H200 it was
+faster for fixed-length samples (7B, 1024 tokens: 7,183 against the mask's 6,067 tokens/s) but 4x
+slower per step on short mixed-length SFT data (bench/results/2026-11-30-{speed,sft-mix}.jsonl)."""
 
 
 def segments_attention(module, query, key, value, attention_mask, dropout: float = 0.0,

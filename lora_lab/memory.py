@@ -140,6 +140,8 @@ TRAINED_STATE_BYTES = {
     "lora": (4, 4, 8),   # fp32 LoRA weights and gradients; AdamW's two fp32 moments
     "full": (2, 2, 12),  # bf16 weights and gradients; fp32 master copy + two fp32 moments = 16
 }
+CHECKED_ON_GPUS = {("ddp", "lora"), ("deepspeed-zero2", "lora"), ("deepspeed-zero3", "full")}
+"""(engine, tuner) whose plan a two-GPU run matched within 15% (bench/results/*-multi-gpu.jsonl)."""
 OFFLOAD_FP32_GRAD_BYTES = 4
 """DeepSpeed's CPU optimizer steps on an fp32 copy of the gradients kept in CPU memory."""
 
@@ -158,6 +160,8 @@ class MemoryPlan:
     means: str = "none"
     """The long-sequence means (lora_lab.activations) the run will use."""
     counted: bool = False
+    checked: bool = False
+    """True for the engine and tuner kinds a two-GPU run has checked (CHECKED_ON_GPUS)."""
     """True when the plan rests on counted, not measured, terms (several GPUs, engines, full)."""
     budget_gib: float | None = None
     longest_max_length: int | None = None
@@ -183,7 +187,8 @@ class MemoryPlan:
         if self.gpus > 1 or self.engine != "ddp":
             lines[0] += f"; per GPU of {self.gpus}, engine {self.engine}"
         if self.counted:
-            lines[0] += " (state terms counted, not yet measured)"
+            lines[0] += (" (state terms counted, checked on two GPUs)" if self.checked else
+                         " (state terms counted, not yet measured)")
         if self.means != "none":
             lines.append(f"  memory means: {self.means}")
         lines += [f"  {name:<44} {gib:6.2f} GiB" for name, gib in self.parts_gib.items()]
@@ -231,6 +236,8 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
     else:
         plan.parts_gib, plan.cpu_parts_gib = _distributed_parts(shape, config, tokens)
         plan.counted = True
+        plan.checked = (config.train.engine, tuner_of(config)) in CHECKED_ON_GPUS and (
+            config.train.gpus > 1)
     if gpu_memory_gib:
         plan.budget_gib = budget
         plan.longest_max_length = _longest(shape, config, plan.budget_gib)

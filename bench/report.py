@@ -281,7 +281,7 @@ def export_tables() -> str:
                      "transformers de-quantizes it to 16 bits at the first forward, which the "
                      "last column shows." + (" Not measured: " + "; ".join(
                          f"{r['model']} {r['format']} ({r['error'][:80]})" for r in failed)
-                         if failed else "") + " Measured: "
+                         if failed else "") + ". Measured: "
                      + "; ".join(_source(h) for h in headers))
         parts.append("\n".join(lines) + "\n")
     headers, rows = load("export-quality-cpu")

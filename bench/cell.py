@@ -57,33 +57,26 @@ def run_lora_lab(cell: dict) -> dict:
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
     return {**performance, "tokens_per_s": tokens / performance["median_step_seconds"],
             "tokens_per_micro_batch": row_length(config) * micro_batch_rows(config),
-            "resolved": resolved(config, row_length(config))}
+            "resolved": resolved(config, summary)}
 
 
-def resolved(config, row_tokens: int) -> dict:
-    from lora_lab.config import guess_model_size, known_model_config
-    from lora_lab.memory import CONTEXT_GIB, choose_memory_means, row_length
+def resolved(config, summary: dict) -> dict:
+    """The settings a cell trained with; the memory means as the run chose them."""
+    from lora_lab.memory import row_length
     from lora_lab.model import resolve_kernels
-    from lora_lab.train import gpu_memory_gib
 
-    size = guess_model_size(config.model.name)  # the random model's folder has the real shape
-    tied = bool(known_model_config(size).get("tie_word_embeddings"))
-    gpu_gib = gpu_memory_gib()  # the cell's cap, else the GPU's (the budget train() plans with)
-    means = choose_memory_means(config, on_gpu=True, tied_embeddings=tied, row_tokens=row_tokens,
-                                budget_gib=gpu_gib - CONTEXT_GIB if gpu_gib else None)
     return {"quantization": config.model.quantization,
             "kernels": resolve_kernels(config.model.kernels), "dtype": config.model.dtype,
             "rank": config.lora.rank, "micro_batch_size": config.train.micro_batch_size,
             "grad_accum": config.train.grad_accum, "max_length": config.data.max_length,
             "packing": config.data.packing, "pack_length": row_length(config),
             "gradient_checkpointing": config.train.gradient_checkpointing,
-            "memory_means": means.describe()}
+            "memory_means": summary["memory_means"]}
 
 
 def run_lora_lab_sft(cell: dict) -> dict:
     """One epoch of the realistic SFT mix with the preset (packing as the preset says)."""
     from lora_lab.config import resolve_config
-    from lora_lab.memory import row_length
     from lora_lab.train import train
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
@@ -105,7 +98,7 @@ def run_lora_lab_sft(cell: dict) -> dict:
             "median_step_seconds": summary["performance"]["median_step_seconds"],
             "first_step_seconds": summary["performance"]["first_step_seconds"],
             "final_loss": result.train_loss,
-            "resolved": resolved(config, row_length(config))}
+            "resolved": resolved(config, summary)}
 
 
 def encoded_lengths(config) -> list:

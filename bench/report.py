@@ -198,8 +198,7 @@ REFERENCE_CLAIMS = {  # the issue's reference recipe, 4 x A100 40GB, 7B full fin
 def planned_gib(row: dict) -> float:
     """The current planner's per-GPU prediction for a multi-gpu cell (as bench/cell.py
     configures it), so the table follows planner changes without re-running the GPUs."""
-    sys.path[:0] = [str(HERE.parent), str(HERE)]
-    from cell import multi_gpu_config
+    from cell import multi_gpu_config  # bench/ is on the path: run as a script, or the tests
     from lora_lab.memory import plan_memory
 
     return plan_memory(multi_gpu_config(row)).total_gib

@@ -116,6 +116,15 @@ def known_model_config(size: str) -> dict:
 ENGINES = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
            "deepspeed-zero3-offload", "fsdp")
 """train.engine values; each but ddp has its config file in presets/engines/."""
+DEEPSPEED_ENGINES = ("deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
+                     "deepspeed-zero3-offload")
+
+
+def engine_template(engine: str) -> Path:
+    """presets/engines/<engine>.json (DeepSpeed) or .yaml (accelerate: ddp, fsdp)."""
+    suffix = ".json" if engine in DEEPSPEED_ENGINES else ".yaml"
+    return presets_dir() / "engines" / f"{engine}{suffix}"
+
 
 def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None):
     """A config field with its help text (shown by `lora-lab run --help` and in errors)."""

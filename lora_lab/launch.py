@@ -30,12 +30,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import RunConfig, presets_dir, save_config
+from .config import DEEPSPEED_ENGINES, RunConfig, engine_template, save_config
 from .errors import LoraLabError, TrainingError
 from .train import (LAUNCH_FOLDER, TrainResult, check_run_dir, locate_run_dir, resolve_resume)
-
-DEEPSPEED_ENGINES = ("deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
-                     "deepspeed-zero3-offload")
 
 
 def in_launched_worker() -> bool:
@@ -47,11 +44,6 @@ def needs_launch(config: RunConfig) -> bool:
     """Several processes, or an engine other than plain single-process training."""
     wants = config.train.gpus > 1 or config.train.engine != "ddp"
     return wants and not in_launched_worker()
-
-
-def engine_template(engine: str) -> Path:
-    suffix = ".json" if engine in DEEPSPEED_ENGINES else ".yaml"
-    return presets_dir() / "engines" / f"{engine}{suffix}"
 
 
 def check_engine(config: RunConfig, cuda_gpus: int) -> None:

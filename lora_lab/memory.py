@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .config import RunConfig, guess_model_size, known_model_config
+from .config import RunConfig, engine_template, guess_model_size, known_model_config
 
 GIB = 2**30
 CONTEXT_GIB = 0.5
@@ -39,14 +39,6 @@ FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 12.84  # extra per token when the base is
 NF4_BYTES_PER_WEIGHT = 0.5156  # 4 bits + double-quantized absmax per 64-weight block
 UNFUSED_LOSS_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy and its gradient (estimate)
 TIERS_GIB = {"24gb": 24, "16gb": 16, "12gb": 12, "8gb": 8}
-def NO_CHECKPOINT_BYTES_PER_TOKEN_PER_LAYER(shape) -> int:  # noqa: N802 - a constant's rule
-    """Without gradient checkpointing every layer keeps its activations for the backward pass:
-    about 14 hidden-sized and 4 intermediate-sized bf16 tensors a token (norm inputs and
-    outputs, q/k/v/o, the LoRA dropout copies; gate, up, their product). Counted; 7B at
-    8192-token rows reserved 65.86 GiB where this plan gives 71.8 (+9%; bench/results speed)."""
-    return 2 * (14 * shape.hidden + 4 * shape.intermediate)
-
-
 PACKED_MASK_BYTES_PER_PAIR = 3  # the bool mask, and sdpa's bf16 additive copy (counted)
 MAX_PLANNED_LENGTH = 131072  # Qwen2.5's longest context (with YaRN)
 
@@ -160,9 +152,9 @@ class MemoryPlan:
     means: str = "none"
     """The long-sequence means (lora_lab.activations) the run will use."""
     counted: bool = False
+    """True when the plan rests on counted, not measured, terms (several GPUs, engines, full)."""
     checked: bool = False
     """True for the engine and tuner kinds a two-GPU run has checked (CHECKED_ON_GPUS)."""
-    """True when the plan rests on counted, not measured, terms (several GPUs, engines, full)."""
     budget_gib: float | None = None
     longest_max_length: int | None = None
     """The longest max_length (micro-batch 1) that fits the budget with these settings."""
@@ -223,7 +215,7 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
     plan = MemoryPlan(model=f"Qwen2.5-{size.upper()}", quantization=_method(config),
                       tokens_per_micro_batch=tokens, gpus=config.train.gpus,
                       engine=config.train.engine, packed=config.data.packing)
-    budget = gpu_memory_gib - CONTEXT_GIB if gpu_memory_gib else None
+    budget = usable_gib(gpu_memory_gib)
     if _single_gpu_lora(config):
         means = _means(shape, config, tokens, budget)
         plan.parts_gib = _parts(shape, config, tokens, means)
@@ -277,6 +269,19 @@ def _checkpoint_bytes(shape: ModelShape, tokens: int) -> float:
     return tokens * shape.layers * shape.hidden * 2
 
 
+def _no_checkpoint_bytes(shape: ModelShape, tokens: int) -> float:
+    """Without gradient checkpointing every layer keeps its activations for the backward pass:
+    about 14 hidden-sized and 4 intermediate-sized bf16 tensors a token (norm inputs and
+    outputs, q/k/v/o, the LoRA dropout copies; gate, up, their product). Counted; 7B at
+    8192-token rows reserved 65.86 GiB where this plan gives 71.8 (+9%; bench/results speed)."""
+    return tokens * shape.layers * 2 * (14 * shape.hidden + 4 * shape.intermediate)
+
+
+def usable_gib(gpu_memory_gib: float | None) -> float | None:
+    """What a run may plan with on a GPU of this size: less the CUDA context. None: no GPU."""
+    return gpu_memory_gib - CONTEXT_GIB if gpu_memory_gib else None
+
+
 def _parts(shape: ModelShape, config: RunConfig, tokens: int,
            means: MemoryMeans | None = None) -> dict:
     weight_bytes = 2 if config.model.quantization == "none" else NF4_BYTES_PER_WEIGHT
@@ -304,7 +309,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     if not config.train.gradient_checkpointing:
         del parts["activation checkpoints"]
         parts["activations of every layer (no checkpointing; counted)"] = (
-            tokens * shape.layers * NO_CHECKPOINT_BYTES_PER_TOKEN_PER_LAYER(shape) / GIB)
+            _no_checkpoint_bytes(shape, tokens) / GIB)
     if config.data.packing:
         parts["attention mask of a packed row (counted)"] = (
             tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)
@@ -391,10 +396,7 @@ def _deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int,
     The 1.5B ZeRO-3 run on two H200s reserved 20.27 GiB where these terms give 17.8."""
     import json
 
-    from .config import presets_dir
-
-    zero = json.loads((presets_dir() / "engines" / f"{config.train.engine}.json")
-                      .read_text())["zero_optimization"]
+    zero = json.loads(engine_template(config.train.engine).read_text())["zero_optimization"]
     n, total = config.train.gpus, shape.linear_params + shape.other_params
     parts = {}
     if not cpu_optimizer:

@@ -36,7 +36,7 @@ from .checkpoint import (OOM_SOURCE, check_drift, checkpoint_step, data_fingerpr
 from .config import RunConfig, save_config
 from .data import IGNORE_INDEX, PreparedData, prepare_data
 from .errors import CheckpointError, ConfigError, LoraLabError, TrainingError
-from .memory import CONTEXT_GIB, choose_memory_means, row_length
+from .memory import choose_memory_means, row_length, usable_gib
 from .model import (Precision, apply_lora, check_full_finetuning_precision, check_remote_code,
                     choose_precision, load_base_model, load_tokenizer, locate_model,
                     prepare_full_finetuning, resolve_kernels)
@@ -377,12 +377,9 @@ class StepTimer(TrainerCallback):
         self._last = now
 
     def summary(self, warmup: int = 2) -> dict:
-        import torch
-
         timed = self.step_seconds[warmup:] or self.step_seconds
-        peak = torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
         return {"median_step_seconds": statistics.median(timed) if timed else None,
-                "timed_steps": len(timed), "peak_reserved_gib": peak,
+                "timed_steps": len(timed), "peak_reserved_gib": self._peak(),
                 "peak_reserved_gib_before_training": self.before_training_gib,
                 "peak_reserved_gib_training": self.after_training_gib,
                 "first_step_seconds": [round(s, 3) for s in self.step_seconds[:warmup]]}
@@ -461,7 +458,7 @@ def train(config: RunConfig, echo=print) -> TrainResult:
     timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
     peaks = peak_memory_per_gpu(timer)
     if state.is_main_process:
-        write_summary(result, trainer, peaks)
+        write_summary(result, timer, peaks, trainer.memory_means)
     state.wait_for_everyone()
     if result.nonfinite_skipped_steps:
         echo(f"warning: skipped {len(result.nonfinite_skipped_steps)} update(s) with a NaN or "
@@ -504,9 +501,10 @@ def open_run_dir(config: RunConfig, run_dir: Path, data: PreparedData, resume_fr
             echo(f"resuming from {resume_from} (step {step})")
 
 
-def write_summary(result: TrainResult, trainer, peaks: list | None = None) -> None:
+def write_summary(result: TrainResult, timer: StepTimer, peaks: list | None = None,
+                  memory_means: str = "none") -> None:
     summary = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
-    timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
+    summary["memory_means"] = memory_means
     summary["performance"] = timer.summary()
     if peaks and len(peaks) > 1:
         overall, before, training = zip(*peaks)
@@ -536,6 +534,7 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
                             sharded=config.train.engine in SHARDED_ENGINES,
                             segments_attention=config.data.packing
                             and config.data.packed_attention == "segments")
+    memory_means = "none"  # full fine-tuning: the engines' own checkpointing
     if full:
         model = prepare_full_finetuning(model, config.train.gradient_checkpointing)
         total = sum(p.numel() for p in model.parameters())
@@ -548,12 +547,13 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
         means = choose_memory_means(config, on_gpu=gpu_gib is not None,
                                     tied_embeddings=model.config.tie_word_embeddings,
                                     row_tokens=longest_row(data, packed),
-                                    budget_gib=gpu_gib - CONTEXT_GIB if gpu_gib else None)
+                                    budget_gib=usable_gib(gpu_gib))
         model = apply_lora(model, config.lora, config.train.gradient_checkpointing, means)
+        memory_means = means.describe()
         trainable, total = model.get_nb_trainable_parameters()
         echo(f"precision {precision.name}; LoRA r={config.lora.rank} alpha={config.lora.alpha}: "
              f"{trainable:,} trainable of {total:,} parameters; kernels "
-             f"{resolve_kernels(config.model.kernels)}; memory means: {means.describe()}")
+             f"{resolve_kernels(config.model.kernels)}; memory means: {memory_means}")
     guard = NonFiniteGuard(config.train.on_nonfinite, precision.name, run_dir, echo)
     return LoraLabTrainer(
         model=model,
@@ -566,6 +566,7 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
         processing_class=tokenizer,
         callbacks=_callbacks(run_dir),
         guard=guard, train_data=fingerprint,
+        memory_means=memory_means,
     )
 
 

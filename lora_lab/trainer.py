@@ -98,9 +98,11 @@ class NonFiniteGuard(TrainerCallback):
 class LoraLabTrainer(Trainer):
     """transformers' Trainer with crash-safe checkpoints and the non-finite guard."""
 
-    def __init__(self, *args, guard: NonFiniteGuard, train_data: dict | None = None, **kwargs):
+    def __init__(self, *args, guard: NonFiniteGuard, train_data: dict | None = None,
+                 memory_means: str = "none", **kwargs):
         super().__init__(*args, **kwargs)
         self.guard, self.train_data = guard, train_data
+        self.memory_means = memory_means  # lora_lab.memory.MemoryMeans.describe(), for the summary
         self.hooks = FaultHooks.from_env()
         self.add_callback(guard)
         self.add_callback(self.hooks)

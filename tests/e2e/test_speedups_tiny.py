@@ -34,6 +34,8 @@ def test_packing_and_memory_means_follow_the_plain_loss_curve(tiny_model_dir, tm
                           "train.offload_checkpoints=true", "--set", "train.mlp_chunk_tokens=8")
     assert "packing: 8 samples per optimizer step in 1 row(s)" in output
     assert "layer checkpoints in CPU memory, MLP in chunks of 8 tokens" in output
+    summary = json.loads((tmp_path / "fast" / "run_summary.json").read_text())
+    assert summary["memory_means"] == "layer checkpoints in CPU memory, MLP in chunks of 8 tokens"
     assert len(plain) == len(fast) == 5
     assert plain[-1] < plain[0] - 0.5  # it learns
     assert fast == pytest.approx(plain, rel=2e-3)

@@ -431,9 +431,9 @@ def _longest(shape: ModelShape, config: RunConfig, budget_gib: float) -> int | N
 
 ENGINE_PREFERENCE = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
                      "deepspeed-zero3-offload")
-"""Fastest first. ZeRO-2 with its optimizer state in CPU memory comes before ZeRO-3: on two
-H200s, 1.5B full fine-tuning ran at 0.498 it/s against ZeRO-3's 0.272
-(../shared/reference/2026-11-30-deepspeed-2xh200.jsonl)."""
+"""Fastest first. ZeRO-2 with its optimizer state in CPU memory comes before ZeRO-3: it was the
+faster of the two for 1.5B full fine-tuning on two H200s in the team's baseline runs (not yet
+measured through lora-lab: bench/run.py multi-gpu, cell zero2-offload-full-1.5b)."""
 
 
 def pick_engine(config: RunConfig, gpu_memory_gib: float | None,

@@ -142,8 +142,8 @@ def run_multi_gpu(cell: dict) -> dict:
              "--set", "data.packing=false", *[x for s in cell.get("sets", []) for x in
                                               ("--set", s)]]
     root = str(Path(__file__).resolve().parents[1])
+    # OMP_NUM_THREADS is left to the launcher (offload engines: the cores / GPUs)
     env = {**os.environ, "LORA_LAB_GPU_MEMORY_GIB": str(cell["cap_gib"]),
-           "OMP_NUM_THREADS": "16",
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "lora_lab", "run", *map(str, flags)],
                           env=env, capture_output=True, text=True, cwd=WORK)

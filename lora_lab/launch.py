@@ -184,13 +184,29 @@ def dry_run_launch(config: RunConfig, echo=print) -> Path:
     return run_dir
 
 
+def launch_env(config: RunConfig, environ=None, cpus: int | None = None) -> dict:
+    """The workers' environment. Offload engines run the optimizer step on the CPU (DeepSpeed's
+    CPU Adam uses OpenMP threads), and torchrun/accelerate start each worker with
+    OMP_NUM_THREADS=1: the 7B ZeRO-3 + offload step then crawls (a reference run with one thread
+    had not finished two minutes in). Unless the user set it, give each worker its share of the
+    cores."""
+    env = dict(os.environ if environ is None else environ)
+    if config.train.engine.endswith("-offload") and "OMP_NUM_THREADS" not in env:
+        cpus = cpus or len(os.sched_getaffinity(0))
+        env["OMP_NUM_THREADS"] = str(max(1, cpus // config.train.gpus))
+    return env
+
+
 def launch_run(config: RunConfig, echo=print) -> TrainResult:
     """Run `config` as train.gpus processes under accelerate; returns rank 0's result."""
     command, run_dir = prepare_launch(config, echo)
     where = "CUDA GPUs" if _cuda() else "CPU processes (gloo)"
-    echo(f"launching {config.train.gpus} {where} with engine {config.train.engine}:\n  "
+    env = launch_env(config)
+    threads = (f" (OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per worker for the CPU optimizer)"
+               if env.get("OMP_NUM_THREADS") != os.environ.get("OMP_NUM_THREADS") else "")
+    echo(f"launching {config.train.gpus} {where} with engine {config.train.engine}{threads}:\n  "
          f"{shlex.join(command)}")
-    completed = subprocess.run(command, env=os.environ.copy())
+    completed = subprocess.run(command, env=env)
     if completed.returncode != 0:
         raise TrainingError(f"--gpus {config.train.gpus}: the launched run failed (exit status "
                             f"{completed.returncode}); the workers' messages are above. The "

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from lora_lab.cli import main
 from lora_lab.config import ENGINES, presets_dir, resolve_config, save_config
 from lora_lab.launch import (DEEPSPEED_ENGINES, check_engine, engine_template,
-                             fill_deepspeed_config, launch_command, needs_launch,
+                             fill_deepspeed_config, launch_command, launch_env, needs_launch,
                              write_launch_files)
 
 
@@ -64,6 +64,15 @@ def test_launch_command_relaunches_lora_lab_run_with_the_saved_config(tmp_path):
     assert "-m accelerate.commands.launch --config_file" in text
     assert "--num_processes 2 --main_process_port 29555 --module lora_lab run --preset 24gb" in text
     assert text.endswith(f"--config {tmp_path}/launch/run_config.yaml")
+
+
+@pytest.mark.parametrize("engine", ["deepspeed-zero2-offload", "deepspeed-zero3-offload"])
+def test_offload_workers_get_their_share_of_the_cores_for_the_cpu_optimizer(engine):
+    assert launch_env(config_for(engine, gpus=2), {}, cpus=32)["OMP_NUM_THREADS"] == "16"
+    assert launch_env(config_for(engine, gpus=8), {}, cpus=4)["OMP_NUM_THREADS"] == "1"
+    # what the user set stays; engines without a CPU optimizer keep torchrun's default
+    assert launch_env(config_for(engine), {"OMP_NUM_THREADS": "3"}, 32)["OMP_NUM_THREADS"] == "3"
+    assert "OMP_NUM_THREADS" not in launch_env(config_for("deepspeed-zero3"), {}, cpus=32)
 
 
 def test_only_several_gpus_or_an_engine_launch(monkeypatch):

@@ -100,7 +100,9 @@ def presets_table() -> str:
 SPEED_VARIANTS = {  # label suffix of a lora-lab speed cell -> how the README names it
     "": "lora-lab 24gb preset (packed, block mask)",
     "-segments": "lora-lab 24gb preset, packed_attention=segments",
-    "-segments-nockpt": "same, gradient checkpointing off",
+    "-varlen": "lora-lab 24gb preset, packed_attention=varlen",
+    "-segments-nockpt": "packed_attention=segments, gradient checkpointing off",
+    "-varlen-nockpt": "packed_attention=varlen, gradient checkpointing off",
 }
 
 
@@ -159,11 +161,11 @@ def sft_table() -> str:
         return ""
     lines = ["| one epoch, 256 samples | plain recipe (1 x accum 16) | lora-lab 24gb preset | "
              "speed-up | peak GiB plain / lora-lab |", "|---|---|---|---|---|"]
-    for size, suffix in ((size, suffix) for size in SIZES for suffix in ("", "-segments")):
+    ours_rows = sorted((r for r in rows if r["kind"] == "lora-lab-sft" and not r.get("error")),
+                       key=lambda r: (SIZES.index(r["size"]), len(r.get("sets") or [])))
+    for ours in ours_rows:
+        size = ours["size"]
         base = next((r for r in rows if r["kind"] == "baseline-sft" and r["size"] == size), None)
-        ours = next((r for r in rows if r["label"] == f"lora-lab-sft-{size}-256{suffix}"), None)
-        if not ours or ours.get("error"):
-            continue
         if base and not base.get("error"):
             plain = f"{base['train_seconds']:.1f} s"
             ratio = f"{base['train_seconds'] / ours['train_seconds']:.2f}x"
@@ -173,7 +175,7 @@ def sft_table() -> str:
             plain = f"> {floor:.0f} s (stopped at the {base['wall_seconds']:.0f} s cell limit)"
             ratio = f"> {floor / ours['train_seconds']:.1f}x"
             peaks = f"- / {ours['peak_reserved_gib']:.2f}"
-        variant = ", packed_attention=segments" if suffix else ""
+        variant = "".join(f", {s.split('.', 1)[1]}" for s in ours.get("sets") or [])
         lines.append(f"| Qwen2.5-{size.upper()}{variant} | {plain} | "
                      f"{ours['train_seconds']:.1f} s | "
                      f"{ratio} | {peaks} |")

@@ -70,6 +70,7 @@ def sft_cells(sizes, rows: int) -> list:
             for kind, suffix, sets in (
                 ("baseline-sft", "", []), ("lora-lab-sft", "", []),
                 ("lora-lab-sft", "-segments", ["data.packed_attention=segments"]),
+                ("lora-lab-sft", "-varlen", ["data.packed_attention=varlen"]),
                 # next to measure: does sdpa's cuDNN backend (a plan per new length) cost the
                 # variable-length steps their time? (segments was 4x slower per step here)
                 ("lora-lab-sft", "-nocudnn", ["model.cudnn_attention=false"]),
@@ -95,8 +96,11 @@ PLANS = {
         for kind, suffix, sets in (
             ("baseline", "", []), ("lora-lab", "", []),
             ("lora-lab", "-segments", ["data.packed_attention=segments"]),
+            ("lora-lab", "-varlen", ["data.packed_attention=varlen"]),
             ("lora-lab", "-segments-nockpt", ["data.packed_attention=segments",
-                                              "train.gradient_checkpointing=false"]))
+                                              "train.gradient_checkpointing=false"]),
+            ("lora-lab", "-varlen-nockpt", ["data.packed_attention=varlen",
+                                            "train.gradient_checkpointing=false"]))
         if length == 4096 or not suffix.endswith("nockpt")],
     "presets-small": lambda: preset_cells(("0.5b", "1.5b", "3b")),
     # The longest 7B sequence each tier's targets ask for, under the tier's cap, and beyond.

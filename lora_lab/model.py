@@ -115,14 +115,15 @@ def choose_precision(requested: str) -> Precision:
 
 def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = True,
                     fp32_master_weights: bool = False, sharded: bool = False,
-                    segments_attention: bool = False):
+                    packed_attention: str | None = None):
     """The base model on the right device, in the chosen precision (or 4-bit nf4 for QLoRA).
 
     With several processes each loads onto its own GPU (LOCAL_RANK). fp32_master_weights (full
     fine-tuning): load fp32 weights whatever the precision; the Trainer computes in bf16 under
     autocast (DeepSpeed keeps its own bf16 copy and fp32 master). sharded (ZeRO-3, FSDP): no
     device_map; the engine places (and ZeRO-3 partitions while loading) the weights.
-    segments_attention: packed rows attend per sample (lora_lab.activations)."""
+    packed_attention: segments or varlen: packed rows attend per sample from their lengths
+    (lora_lab.activations); None or mask: the model's own attention (with the collator's mask)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -132,10 +133,10 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
     dtype = torch.float32 if fp32_master_weights else precision.torch_dtype
     kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code,
               "attn_implementation": args.attn_implementation}
-    if segments_attention and args.attn_implementation == "sdpa":
-        from .activations import register_segments_attention
+    if packed_attention in ("segments", "varlen") and args.attn_implementation == "sdpa":
+        from .activations import register_packed_attention
 
-        kwargs["attn_implementation"] = register_segments_attention()
+        kwargs["attn_implementation"] = register_packed_attention(packed_attention)
     if args.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(precision)
     if torch.cuda.is_available() and not sharded:

@@ -150,8 +150,8 @@ class PadCollator:
 
 class PackedCollator:
     """One packed row per micro-batch: position ids restart at every sample and a block-diagonal
-    causal mask keeps each sample's attention inside the sample (attention="segments": the
-    sample lengths instead, for lora_lab.activations.segments_attention)."""
+    causal mask keeps each sample's attention inside the sample (attention "segments" or
+    "varlen": the sample lengths and their cumulative sums instead, for lora_lab.activations)."""
 
     def __init__(self, pad_token_id: int, attention: str = "mask"):
         self.pad_token_id, self.attention = pad_token_id, attention
@@ -172,8 +172,10 @@ class PackedCollator:
                  "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
         if len(lengths) == 1:  # one sample: plain causal attention (flash kernels), no mask
             return batch
-        if self.attention == "segments":
-            return {**batch, "packed_lengths": list(lengths)}
+        if self.attention in ("segments", "varlen"):
+            ends = torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            return {**batch, "packed_lengths": list(lengths),
+                    "packed_cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.int32), ends])}
         sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         causal = torch.tril(torch.ones(len(ids), len(ids), dtype=torch.bool))
         mask = (sample[:, None] == sample[None, :]) & causal
@@ -532,8 +534,8 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
     use_cudnn_attention(config.model.cudnn_attention)
     model = load_base_model(config.model, precision, fp32_master_weights=full,
                             sharded=config.train.engine in SHARDED_ENGINES,
-                            segments_attention=config.data.packing
-                            and config.data.packed_attention == "segments")
+                            packed_attention=config.data.packed_attention
+                            if config.data.packing else None)
     memory_means = "none"  # full fine-tuning: the engines' own checkpointing
     if full:
         model = prepare_full_finetuning(model, config.train.gradient_checkpointing)

@@ -20,16 +20,23 @@ def test_offloaded_checkpoints_and_chunks_match_the_plain_path_on_cuda():
                 loss_and_grads(chunked, dropout=0.0, device="cuda"), tol=1e-4)
 
 
-@pytest.mark.parametrize("attention", ["mask", "segments"])
-def test_a_packed_row_matches_its_samples_on_cuda_in_bf16(attention):
-    from lora_lab.activations import register_segments_attention
+@pytest.mark.parametrize("attention", ["mask", "segments", "varlen"])
+def test_a_packed_row_matches_its_samples_on_cuda_in_bf16(attention, monkeypatch):
+    from lora_lab.activations import flash_varlen, register_packed_attention
     from lora_lab.data.packing import pack_samples
     from lora_lab.train import PACKED_FIELDS, PackedCollator, SupervisedDataset
 
     samples = [sample(n, seed) for seed, n in enumerate((90, 170, 50, 120))]
     model = tiny_lora_model().cuda()
-    if attention == "segments":
-        model.base_model.model.set_attn_implementation(register_segments_attention())
+    if attention != "mask":
+        model.base_model.model.set_attn_implementation(register_packed_attention(attention))
+    if attention == "varlen":
+        assert flash_varlen() is not None, "this PyTorch has no torch.nn.attention.varlen"
+        print("varlen_attn parameters:", sorted(flash_varlen()[1]))
+        kernel, params = flash_varlen()
+        calls = []
+        monkeypatch.setattr("lora_lab.activations.flash_varlen", lambda: (
+            lambda *a, **k: calls.append(1) or kernel(*a, **k), params))
     one_by_one = [{"input_ids": torch.tensor([s.input_ids]).cuda(),
                    "labels": torch.tensor([s.labels]).cuda()} for s in samples]
     packed = pack_samples(samples, samples_per_step=4, pack_length=512, seed=0)
@@ -46,6 +53,8 @@ def test_a_packed_row_matches_its_samples_on_cuda_in_bf16(attention):
     # H200 printed the same loss without the mask); 5.24 does not (tests/unit/test_packing.py),
     # which is why the collator always passes the block-diagonal mask.
     assert together[0] == pytest.approx(alone[0], rel=1e-2)
+    if attention == "varlen":  # the flash kernel ran (once per layer and pass), no fallback
+        assert len(calls) >= model.config.num_hidden_layers, len(calls)
     for name, grad in alone[1].items():
         error = (together[1][name] - grad).norm() / grad.norm()
         print(f"{name}: relative gradient error {error:.2e}")

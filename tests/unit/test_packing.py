@@ -77,14 +77,21 @@ def test_a_packed_row_gives_the_loss_and_gradients_of_its_samples_one_by_one():
     assert_same_loss_and_gradients(model, batch, one_by_one)
 
 
-def test_segments_attention_gives_the_loss_and_gradients_of_the_samples_one_by_one():
-    """data.packed_attention=segments: per-sample causal sdpa, no mask."""
-    from lora_lab.activations import register_segments_attention
+@pytest.mark.parametrize("attention", ["segments", "varlen"])
+def test_attention_from_sample_lengths_gives_the_loss_and_gradients_one_by_one(attention):
+    """data.packed_attention=segments|varlen: no mask, the lengths and their cumulative sums
+    (varlen's flash kernel is CUDA-only: on CPU it computes the segments way; the same check on
+    the GPU is tests/gpu/test_means_cuda.py)."""
+    from lora_lab.activations import register_packed_attention
 
     model = tiny_lora_model()
-    model.base_model.model.set_attn_implementation(register_segments_attention())
-    batch, one_by_one, packed = packed_and_alone(model, "segments")
-    assert "attention_mask" not in batch and batch["packed_lengths"] == packed.rows[0].lengths
+    model.base_model.model.set_attn_implementation(register_packed_attention(attention))
+    batch, one_by_one, packed = packed_and_alone(model, attention)
+    lengths = packed.rows[0].lengths
+    assert "attention_mask" not in batch and batch["packed_lengths"] == lengths
+    assert batch["packed_cu_seqlens"].tolist() == [sum(lengths[:i]) for i in
+                                                   range(len(lengths) + 1)]
+    assert batch["packed_cu_seqlens"].dtype == torch.int32
     assert_same_loss_and_gradients(model, batch, one_by_one)
 
 

@@ -71,7 +71,9 @@ def resolved(config, summary: dict) -> dict:
             "grad_accum": config.train.grad_accum, "max_length": config.data.max_length,
             "packing": config.data.packing, "pack_length": row_length(config),
             "gradient_checkpointing": config.train.gradient_checkpointing,
-            "memory_means": summary["memory_means"]}
+            "memory_means": summary["memory_means"],
+            "packed_attention": config.data.packed_attention,
+            "cudnn_attention": config.model.cudnn_attention}
 
 
 def run_lora_lab_sft(cell: dict) -> dict:

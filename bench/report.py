@@ -161,7 +161,11 @@ def sft_table() -> str:
         return ""
     lines = ["| one epoch, 256 samples | plain recipe (1 x accum 16) | lora-lab 24gb preset | "
              "speed-up | peak GiB plain / lora-lab |", "|---|---|---|---|---|"]
-    ours_rows = sorted((r for r in rows if r["kind"] == "lora-lab-sft" and not r.get("error")),
+    from run import PLANS  # rows of cells the plans no longer have stay in the file only
+
+    planned = {c["label"] for plan in ("sft-mix", "sft-mix-small") for c in PLANS[plan]()}
+    ours_rows = sorted((r for r in rows if r["kind"] == "lora-lab-sft" and not r.get("error")
+                        and r["label"] in planned),
                        key=lambda r: (SIZES.index(r["size"]), len(r.get("sets") or [])))
     for ours in ours_rows:
         size = ours["size"]

@@ -64,18 +64,15 @@ def long_cells(settings, steps: int = 20) -> list:
 def sft_cells(sizes, rows: int) -> list:
     """One epoch of the realistic SFT mix (bench/workloads.write_sft_mix_rows): the popular
     recipe (micro-batch 1 x accumulation 16) against the 24gb preset, same samples (its packed
-    rows attended with the block mask, and sample by sample)."""
+    rows attended with the block mask, sample by sample, and with flash varlen)."""
     return [{"kind": kind, "label": f"{kind}-{size}-{rows}{suffix}", "preset": "24gb",
              "size": size, "rows": rows, "sets": sets} for size in sizes
             for kind, suffix, sets in (
                 ("baseline-sft", "", []), ("lora-lab-sft", "", []),
                 ("lora-lab-sft", "-segments", ["data.packed_attention=segments"]),
                 ("lora-lab-sft", "-varlen", ["data.packed_attention=varlen"]),
-                # next to measure: does sdpa's cuDNN backend (a plan per new length) cost the
-                # variable-length steps their time? (segments was 4x slower per step here)
-                ("lora-lab-sft", "-nocudnn", ["model.cudnn_attention=false"]),
-                ("lora-lab-sft", "-segments-nocudnn", ["data.packed_attention=segments",
-                                                       "model.cudnn_attention=false"]))]
+                # sdpa's cuDNN backend (off by default): a plan per new sequence length
+                ("lora-lab-sft", "-cudnn", ["model.cudnn_attention=true"]))]
 
 
 PLANS = {

@@ -151,9 +151,11 @@ class ModelArgs:
                 "for LoRA on one GPU when the model has its own output head (7B); never for tied "
                 "embeddings (0.5B-3B). true / false force it.", choices=("auto", True, False))
     cudnn_attention: bool = _f(
-        True, "Let torch's scaled_dot_product_attention use its cuDNN backend where it picks it. "
-              "false: flash / memory-efficient kernels only (cuDNN builds a plan for every new "
-              "sequence length; suspected, not yet measured, to slow variable-length data).")
+        False, "Let torch's scaled_dot_product_attention use its cuDNN backend where it picks it. "
+               "Off by default: cuDNN builds a plan for every new sequence length, which on an "
+               "H200 made one epoch of short mixed-length SFT data on 7B take 39.1 s instead of "
+               "19.0 s (bench/results/2026-11-30-sft-mix.jsonl); flash and memory-efficient "
+               "kernels stay on.")
 
 
 @dataclass

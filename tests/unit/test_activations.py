@@ -141,8 +141,10 @@ def test_cudnn_attention_false_forbids_the_cudnn_sdpa_backend_for_the_process():
 
     from lora_lab.train import use_cudnn_attention
 
+    assert config_for().model.cudnn_attention is False  # the default (README, Packing)
     config = config_for(**{"model.cudnn_attention": "false"})
     assert config.model.cudnn_attention is False
+    assert config_for(**{"model.cudnn_attention": "true"}).model.cudnn_attention is True
     try:
         use_cudnn_attention(config.model.cudnn_attention)
         assert not torch.backends.cuda.cudnn_sdp_enabled()

@@ -101,7 +101,6 @@ SPEED_VARIANTS = {  # label suffix of a lora-lab speed cell -> how the README na
     "": "lora-lab 24gb preset (packed, block mask)",
     "-segments": "lora-lab 24gb preset, packed_attention=segments",
     "-varlen": "lora-lab 24gb preset, packed_attention=varlen",
-    "-segments-nockpt": "packed_attention=segments, gradient checkpointing off",
     "-varlen-nockpt": "packed_attention=varlen, gradient checkpointing off",
 }
 
@@ -286,7 +285,7 @@ def export_tables() -> str:
                      "transformers de-quantizes it to 16 bits at the first forward, which the "
                      "last column shows." + (" Not measured: " + "; ".join(
                          f"{r['model']} {r['format']} ({r['error'][:80]})" for r in failed)
-                         if failed else "") + ". Measured: "
+                         + "." if failed else "") + " Measured: "
                      + "; ".join(_source(h) for h in headers))
         parts.append("\n".join(lines) + "\n")
     headers, rows = load("export-quality-cpu")

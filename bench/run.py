@@ -94,8 +94,6 @@ PLANS = {
             ("baseline", "", []), ("lora-lab", "", []),
             ("lora-lab", "-segments", ["data.packed_attention=segments"]),
             ("lora-lab", "-varlen", ["data.packed_attention=varlen"]),
-            ("lora-lab", "-segments-nockpt", ["data.packed_attention=segments",
-                                              "train.gradient_checkpointing=false"]),
             ("lora-lab", "-varlen-nockpt", ["data.packed_attention=varlen",
                                             "train.gradient_checkpointing=false"]))
         if length == 4096 or not suffix.endswith("nockpt")],

@@ -236,6 +236,13 @@ class TrainArgs:
     eval_steps: int = _f(100, "Evaluate every N optimizer steps (when there is validation data).",
                          minimum=1)
     save_total_limit: int = _f(2, "Keep at most N checkpoints.", minimum=1)
+    save_only_model: bool = _f(False, "Checkpoints hold the weights (adapter or model) only, "
+                                      "without optimizer, scheduler and random state: for full "
+                                      "fine-tuning a fraction of the size (7B: ~15 GB instead of "
+                                      "~100 GB), but a run cannot resume from them.")
+    disk_check: bool = _f(True, "Refuse up front a run whose checkpoints and final weights "
+                                "would not fit the free space of --output-dir (estimated from "
+                                "the model's shape).")
     seed: int = _f(42, "Random seed.")
     memory_check: bool = _f(True, "On a GPU, refuse up front a run the memory planner says "
                                   "will not fit (lora-lab plan shows the numbers).")

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .checkpoint import (OOM_SOURCE, check_drift, checkpoint_step, data_fingerprint,
-                         find_resume_checkpoint, remove_leftovers, resolve_resume, run_dir_of,
-                         trim_step_log)
+from .checkpoint import (OOM_SOURCE, check_disk_space, check_drift, checkpoint_step,
+                         data_fingerprint, find_resume_checkpoint, remove_leftovers,
+                         resolve_resume, run_dir_of, trim_step_log)
 from .config import RunConfig, save_config
 from .data import IGNORE_INDEX, PreparedData, prepare_data
 from .errors import CheckpointError, ConfigError, LoraLabError, TrainingError
@@ -224,6 +224,7 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         bf16=precision.bf16, fp16=precision.fp16,
         logging_steps=t.logging_steps, logging_first_step=True,
         save_strategy="steps", save_steps=t.save_steps, save_total_limit=t.save_total_limit,
+        save_only_model=t.save_only_model,
         eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
         seed=t.seed, data_seed=t.seed, report_to="none", remove_unused_columns=False,
         dataloader_num_workers=0, use_cpu=_use_cpu(precision),
@@ -433,6 +434,7 @@ def train(config: RunConfig, echo=print) -> TrainResult:
     data = prepare_data(config.data, tokenizer, config.train.seed)
     report_data(data, config.data.max_length, echo)
     check_gpu_memory(config, data, echo)
+    check_disk_space(config, run_dir, count_optimizer_steps(config, len(data.train.samples)))
     fingerprint = data_fingerprint(data.train.samples)
     open_run_dir(config, run_dir, data, resume_from, fingerprint, echo, state.is_main_process)
     state.wait_for_everyone()

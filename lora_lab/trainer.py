@@ -133,9 +133,10 @@ class LoraLabTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         self.store_flos()
         self.save_model(str(staging), _internal_call=True)
-        self._save_optimizer_and_scheduler(str(staging))
-        self._save_scaler(str(staging))
-        self._save_rng_state(str(staging))
+        if not self.args.save_only_model:  # train.save_only_model: the weights alone
+            self._save_optimizer_and_scheduler(str(staging))
+            self._save_scaler(str(staging))
+            self._save_rng_state(str(staging))
         if self.args.should_save:
             (staging / "training_args.bin").unlink(missing_ok=True)  # pickled: JSON instead
             (staging / "training_args.json").write_text(self.args.to_json_string())

@@ -157,3 +157,19 @@ def test_resume_auto_needs_to_know_which_run(setup):
     result = CliRunner().invoke(main, ["run", *args, "--resume", "auto"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "--resume auto: also pass --run-name" in result.output
+
+
+def test_weights_only_checkpoints_are_smaller_and_refused_for_resume(setup):
+    out, args = setup
+    result = CliRunner().invoke(main, ["run", *args, "--run-name", "light", "--max-steps", "2",
+                                       "--set", "train.save_only_model=true"])
+    assert result.exit_code == 0, result.output
+    checkpoint = out / "light" / "checkpoint-2"
+    files = set(json.loads((checkpoint / MANIFEST_NAME).read_text())["files"])
+    assert {"adapter_model.safetensors", "adapter_config.json", "trainer_state.json"} <= files
+    assert not files & {"optimizer.pt", "scheduler.pt", "rng_state.pth"}
+    assert (out / "light" / "adapter" / "adapter_model.safetensors").is_file()
+    resumed = CliRunner().invoke(main, ["run", *args, "--run-name", "light", "--max-steps", "4",
+                                        "--resume", str(checkpoint)])
+    assert resumed.exit_code != 0 and "train.save_only_model=true" in resumed.output
+    assert "Traceback" not in resumed.output

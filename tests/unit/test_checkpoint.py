@@ -192,4 +192,67 @@ def test_full_fine_tuning_and_engine_checkpoints_are_complete_in_their_own_layou
     assert checkpoint_problems(sharded) == []  # DeepSpeed: latest + global_stepN/, no optimizer.pt
     missing = _checkpoint_with(tmp_path, 3, ["config.json", "rng_state.pth", *state])
     assert {p.rsplit("/", 1)[-1] for p in checkpoint_problems(missing)} == {
-        "model.safetensors is missing from the manifest", "optimizer.pt is missing from the manifest"}
+        "model.safetensors is missing from the manifest",
+        "optimizer.pt is missing from the manifest (no optimizer state: a checkpoint saved with "
+        "train.save_only_model=true has the weights only, and a run cannot resume from it)"}
+
+
+def test_a_weights_only_checkpoint_is_refused_for_resume_with_the_reason(tmp_path):
+    staging = staging_dir(tmp_path, 3)
+    staging.mkdir(parents=True)
+    for name in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json"):
+        (staging / name).write_text("{}")
+    write_manifest(staging, 3, None)
+    folder = commit_checkpoint(staging, tmp_path / "checkpoint-3")
+    problems = checkpoint_problems(folder)
+    assert any("train.save_only_model=true" in p and "cannot resume" in p for p in problems)
+    assert problems[0].endswith("optimizer.pt is missing from the manifest (no optimizer state: "
+                                "a checkpoint saved with train.save_only_model=true has the "
+                                "weights only, and a run cannot resume from it)")
+    with pytest.raises(CheckpointError, match="save_only_model"):
+        resolve_resume(str(folder), tmp_path)
+
+
+def _full_7b(**sets):
+    flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"], "train.tuner": "full",
+             "train.gpus": 2, "train.engine": "deepspeed-zero3-offload",
+             "train.output_dir": "/tmp/out"}
+    return resolve_config("24gb", flags=flags, sets=[f"{k}={v}" for k, v in sets.items()])
+
+
+def test_checkpoint_sizes_follow_the_tuner_engine_and_save_only_model():
+    from lora_lab.checkpoint import checkpoint_sizes
+    from lora_lab.config import known_model_config
+
+    qwen7b = known_model_config("7b")
+    params = 7_615_616_512  # Qwen2.5-7B, untied embedding and head
+    weights, optimizer, final = checkpoint_sizes(_full_7b(), qwen7b)
+    assert (weights, optimizer, final) == (2 * params, 12 * params, 2 * params)
+    weights, optimizer, _ = checkpoint_sizes(_full_7b(**{"train.engine": "ddp"}), qwen7b)
+    assert (weights, optimizer) == (4 * params, 8 * params)
+    lora = resolve_config("24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"]})
+    weights, optimizer, final = checkpoint_sizes(lora, qwen7b)
+    assert weights == final == 4 * 20_185_088 and optimizer == 8 * 20_185_088  # rank 8 LoRA
+
+
+def test_a_run_that_would_fill_the_disk_is_refused_before_training(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from lora_lab.checkpoint import check_disk_space
+    from lora_lab.errors import LoraLabError
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(128e9, 60e9, 68e9))
+    # 3 saves of 15.2 GB weights + 91.4 GB optimizer state, all three on disk while the third
+    # is written (save_total_limit 2, then the oldest goes), plus the final model
+    with pytest.raises(LoraLabError) as refused:
+        check_disk_space(_full_7b(), tmp_path / "new" / "run", total_steps=300)
+    message = str(refused.value)
+    assert "this run writes about 335 GB (up to 3 checkpoint(s) of 106.6 GB and the final " \
+           "model of 15.2 GB)" in message and "has 68 GB free" in message
+    assert "--set train.save_total_limit=1: 228 GB" in message
+    assert "--set train.save_only_model=true: 61 GB" in message
+    assert "--set train.disk_check=false" in message
+    check_disk_space(_full_7b(**{"train.save_only_model": "true"}), tmp_path, total_steps=300)
+    check_disk_space(_full_7b(**{"train.disk_check": "false"}), tmp_path, total_steps=300)

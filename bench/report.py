@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -219,8 +220,11 @@ def multi_gpu_table() -> str:
     for row in rows:
         name = f"Qwen2.5-{row['size'].upper()} {'LoRA' if row['tuner'] == 'lora' else 'full'}"
         if row.get("error"):
-            reason = next((line.strip() for line in reversed(row["error"].splitlines())
-                           if "Error" in line), row["error"][:80])[:140]
+            # the workers' own exception first ("[rank0]: RuntimeError: ..."), not the launcher's
+            parts = [p.strip() for line in row["error"].splitlines() for p in line.split(" | ")]
+            reason = next((p for p in parts if re.match(r"\[rank\d+\]: \w+Error", p)),
+                          next((p for p in reversed(parts) if "Error" in p),
+                               row["error"][:80]))[:140]
             lines.append(f"| {name} | {row['gpus']} | {row['engine']} | failed: {reason} | "
                          f"| | | | | |")
             continue

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from lora_lab.config import resolve_config
-from lora_lab.memory import plan_memory, pick_preset
+from lora_lab.memory import (CHECKED_ON_GPUS, UNDER_COUNTED_ON_GPUS, pick_preset,
+                             plan_memory)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -206,4 +207,16 @@ def test_multi_gpu_plans_within_15_percent_of_the_two_gpu_runs():
     assert {r["engine"] for r in cells} >= {"ddp", "deepspeed-zero2", "deepspeed-zero3"}
     for row in cells:
         measured = row.get("peak_reserved_gib_training") or row["peak_reserved_gib"]
-        assert abs(planned_gib(row) - measured) / measured < 0.15, (row["label"], measured)
+        off = abs(planned_gib(row) - measured) / measured
+        if (row["engine"], row["tuner"]) in UNDER_COUNTED_ON_GPUS:  # a known, reported gap
+            assert planned_gib(row) < measured and off >= 0.15, row["label"]
+        else:
+            assert (row["engine"], row["tuner"]) in CHECKED_ON_GPUS, row["label"]
+            assert off < 0.15, (row["label"], measured)
+
+
+def test_a_plan_known_to_be_too_low_says_so():
+    config = resolve_config("24gb", flags={"model.name": "qwen2.5-1.5b", "data.datasets": ["x"],
+                                           "train.gpus": 2, "train.engine": "fsdp",
+                                           "train.tuner": "full"})
+    assert "TOO LOW: a two-GPU run of full 1.5B reserved 19.2 GiB" in plan_memory(config).report()

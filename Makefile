@@ -24,6 +24,9 @@ $(STAMP): setup.cfg pyproject.toml
 	  else $(PIP) install torch==2.13.0 $(TORCH_PIP_ARGS); fi; \
 	fi
 	$(PIP) install -q -e ".[test]"
+	# the w4a16 export's library, for its tests; --no-deps: llmcompressor pins transformers
+	# <= 5.17 and declares packages its GPTQ path never imports (setup.cfg, extra "export")
+	$(PIP) install -q --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0 loguru==0.7.3
 	@touch $(STAMP)
 
 demo: install

@@ -62,6 +62,7 @@ def run_lora_lab(cell: dict) -> dict:
 
 def resolved(config, summary: dict) -> dict:
     """The settings a cell trained with; the memory means as the run chose them."""
+    from lora_lab.activations import resolve_packed_attention
     from lora_lab.memory import row_length
     from lora_lab.model import resolve_kernels
 
@@ -72,7 +73,7 @@ def resolved(config, summary: dict) -> dict:
             "packing": config.data.packing, "pack_length": row_length(config),
             "gradient_checkpointing": config.train.gradient_checkpointing,
             "memory_means": summary["memory_means"],
-            "packed_attention": config.data.packed_attention,
+            "packed_attention": resolve_packed_attention(config.data.packed_attention),
             "cudnn_attention": config.model.cudnn_attention}
 
 

@@ -43,6 +43,24 @@ def load_plans(*plans: str) -> tuple[list, list]:
     return headers, rows
 
 
+def headers_of(headers: list, labels) -> list:
+    """The header lines of the runs that measured `labels` (the newest run of each label: a
+    part run with --cells names its cells in its command; a whole-plan run has none)."""
+    from run import PLANS
+
+    def measured(header: dict, label: str) -> bool:
+        if "--cells" in header["command"]:
+            return label in header["command"].split("--cells ", 1)[1].split()[0].split(",")
+        return label in {c["label"] for c in PLANS[header["plan"]]()}
+
+    used = []
+    for label in labels:
+        runs = [h for h in headers if measured(h, label)]
+        if runs and runs[-1] not in used:
+            used.append(runs[-1])
+    return [h for h in headers if h in used]
+
+
 def _source(header: dict) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in header["versions"].items() if v)
     return (f"{header['gpu']}, {header['date']}; {versions}; `{header['command']}` "
@@ -98,25 +116,38 @@ def presets_table() -> str:
     return "\n".join(lines) + "\n\n" + notes[0] + "\n"
 
 
-SPEED_VARIANTS = {  # label suffix of a lora-lab speed cell -> how the README names it
-    "": "lora-lab 24gb preset (packed, block mask)",
-    "-segments": "lora-lab 24gb preset, packed_attention=segments",
-    "-varlen": "lora-lab 24gb preset, packed_attention=varlen",
-    "-varlen-nockpt": "packed_attention=varlen, gradient checkpointing off",
-}
+def attention_of(row: dict) -> str:
+    """How a lora-lab row's packed samples attended, from what it recorded (rows before the
+    11:30 UTC runs of 2026-11-30 record only their --set flags; cuDNN sdpa was then allowed)."""
+    resolved = row.get("resolved") or {}
+    flags = dict(s.split("=", 1) for s in row.get("sets") or [])
+    kind = resolved.get("packed_attention") or flags.get("data.packed_attention", "mask")
+    cudnn = resolved.get("cudnn_attention")
+    if cudnn is None:
+        cudnn = flags.get("model.cudnn_attention", "true") == "true"
+    default = " (default on CUDA)" if kind == "varlen" and not cudnn else ""
+    return f"{kind}{' + cuDNN sdpa' if cudnn and kind != 'varlen' else ''}{default}"
+
+
+def lora_lab_name(row: dict) -> str:
+    no_recompute = (row.get("resolved") or {}).get("gradient_checkpointing") is False
+    return (f"lora-lab 24gb preset, {attention_of(row)}"
+            + (", gradient checkpointing off" if no_recompute else ""))
 
 
 def speed_table() -> str:
+    from run import PLANS  # rows of cells the plan no longer has stay in the file only
+
     headers, rows = load("speed")
     if not rows:
         return ""
+    planned = {c["label"] for c in PLANS["speed"]()}
     lines = ["| Qwen2.5-7B, bf16 LoRA r8, 4 samples per optimizer step | tokens/s | peak GiB | "
              "step s | MFU | speed vs plain |", "|---|---|---|---|---|---|"]
     for length in sorted({r["max_length"] for r in rows}):
         base = next(r for r in rows if r["kind"] == "baseline" and r["max_length"] == length)
-        ours = [(f"{SPEED_VARIANTS[suffix]}, {length} tokens",
-                 next((r for r in rows if r["label"] == f"lora-lab-7b-{length}{suffix}"), None))
-                for suffix in SPEED_VARIANTS]
+        ours = [(f"{lora_lab_name(r)}, {length} tokens", r) for r in rows
+                if r["kind"] == "lora-lab" and r["max_length"] == length and r["label"] in planned]
         for name, row in [(f"plain Trainer+PEFT, {length} tokens", base)] + ours:
             if row is None:
                 continue
@@ -134,8 +165,8 @@ def speed_table() -> str:
             f"(measured bf16 matrix rate), the issue's convention for LoRA with recomputation; "
             f"without recomputation the GPU does about 4 x params x tokens (frozen weights need "
             f"no weight gradients), so its hardware utilization is two thirds of the MFU shown. "
-            f"Measured on one GPU of a 2-GPU host whose other GPU ran other cells at the time: "
-            + "; ".join(_source(h) for h in headers) + "\n")
+            f"Measured on one GPU of a 2-GPU host whose other GPU ran the SFT cells below at the "
+            f"time: " + "; ".join(_source(h) for h in headers) + "\n")
 
 
 def longest_table() -> str:
@@ -167,6 +198,7 @@ def sft_table() -> str:
     ours_rows = sorted((r for r in rows if r["kind"] == "lora-lab-sft" and not r.get("error")
                         and r["label"] in planned),
                        key=lambda r: (SIZES.index(r["size"]), len(r.get("sets") or [])))
+    shown = []
     for ours in ours_rows:
         size = ours["size"]
         base = next((r for r in rows if r["kind"] == "baseline-sft" and r["size"] == size), None)
@@ -179,7 +211,8 @@ def sft_table() -> str:
             plain = f"> {floor:.0f} s (stopped at the {base['wall_seconds']:.0f} s cell limit)"
             ratio = f"> {floor / ours['train_seconds']:.1f}x"
             peaks = f"- / {ours['peak_reserved_gib']:.2f}"
-        variant = "".join(f", {s.split('.', 1)[1]}" for s in ours.get("sets") or [])
+        variant = f", {attention_of(ours)}"
+        shown += [ours["label"], base["label"]]
         lines.append(f"| Qwen2.5-{size.upper()}{variant} | {plain} | "
                      f"{ours['train_seconds']:.1f} s | "
                      f"{ratio} | {peaks} |")
@@ -189,9 +222,10 @@ def sft_table() -> str:
             f"alpaca-like, 15% long) and 16 samples per optimizer step in both; wall time of "
             f"Trainer.train(). Where the plain run did not finish inside the cell's limit, its "
             f"time is bounded below by the limit less {SFT_STARTUP_SECONDS} s of process start, "
-            f"imports and model loading. Measured on one GPU of a 2-GPU host (the segments "
-            f"row while both GPUs also ran the two-GPU cells): "
-            + "; ".join(_source(h) for h in headers) + "\n")
+            f"imports and model loading. The 0.5B and 1.5B rows are from a run before cuDNN "
+            f"sdpa was turned off and varlen added (their plain runs hit the cell limit). Measured "
+            f"on one GPU of a 2-GPU host whose other GPU ran the speed cells above at the time: "
+            + "; ".join(_source(h) for h in headers_of(headers, shown)) + "\n")
 
 
 REFERENCE_CLAIMS = {  # the issue's reference recipe, 4 x A100 40GB, 7B full fine-tuning
@@ -260,7 +294,8 @@ def multi_gpu_table() -> str:
             "steps per second (median after 2 warm-up steps). Peak = torch.cuda."
             "max_memory_reserved of the larger GPU up to the end of training (in brackets: "
             "including the final evaluation and consolidated save). Measured: "
-            + "; ".join(_source(h) for h in headers) + "\n")
+            + "; ".join(_source(h) for h in headers_of(headers, [r["label"] for r in rows]))
+            + "\n")
 
 
 def export_tables() -> str:

@@ -68,11 +68,12 @@ def sft_cells(sizes, rows: int) -> list:
     return [{"kind": kind, "label": f"{kind}-{size}-{rows}{suffix}", "preset": "24gb",
              "size": size, "rows": rows, "sets": sets} for size in sizes
             for kind, suffix, sets in (
-                ("baseline-sft", "", []), ("lora-lab-sft", "", []),
+                ("baseline-sft", "", []), ("lora-lab-sft", "", ["data.packed_attention=mask"]),
                 ("lora-lab-sft", "-segments", ["data.packed_attention=segments"]),
                 ("lora-lab-sft", "-varlen", ["data.packed_attention=varlen"]),
                 # sdpa's cuDNN backend (off by default): a plan per new sequence length
-                ("lora-lab-sft", "-cudnn", ["model.cudnn_attention=true"]))]
+                ("lora-lab-sft", "-cudnn", ["data.packed_attention=mask",
+                                            "model.cudnn_attention=true"]))]
 
 
 PLANS = {
@@ -91,7 +92,7 @@ PLANS = {
          "max_length": length, "steps": 8, "grad_accum": 4, "sets": sets}
         for length in (1024, 4096)
         for kind, suffix, sets in (
-            ("baseline", "", []), ("lora-lab", "", []),
+            ("baseline", "", []), ("lora-lab", "", ["data.packed_attention=mask"]),
             ("lora-lab", "-segments", ["data.packed_attention=segments"]),
             ("lora-lab", "-varlen", ["data.packed_attention=varlen"]),
             ("lora-lab", "-varlen-nockpt", ["data.packed_attention=varlen",

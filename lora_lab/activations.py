@@ -261,6 +261,15 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     return out[None], None
 
 
+def resolve_packed_attention(kind: str) -> str:
+    """data.packed_attention -> what this machine runs: auto is varlen on a CUDA GPU whose
+    PyTorch has the varlen kernel (fastest of the three on an H200: README, Packing), else
+    mask (on CPU, varlen and segments compute sample by sample)."""
+    if kind != "auto":
+        return kind
+    return "varlen" if torch.cuda.is_available() and flash_varlen() is not None else "mask"
+
+
 def register_packed_attention(kind: str) -> str:
     """Make data.packed_attention `kind` (segments, varlen) a name from_pretrained accepts;
     returns it."""

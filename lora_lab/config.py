@@ -180,12 +180,13 @@ class DataArgs:
     packing: bool = _f(False, "Pack the samples of each optimizer step into as few rows as "
                               "pack_length allows (no padding; each sample keeps its own "
                               "positions and attends only to itself). Same samples per step.")
-    packed_attention: str = _f("mask", "How a packed row's samples are kept apart: mask (one "
+    packed_attention: str = _f("auto", "How a packed row's samples are kept apart: mask (one "
                                        "sdpa call with a block-diagonal mask), segments (one "
-                                       "causal sdpa call per sample) or varlen (one "
+                                       "causal sdpa call per sample), varlen (one "
                                        "flash-attention call over the row from the samples' "
-                                       "lengths; CUDA, PyTorch >= 2.10; README, Packing).",
-                               choices=("mask", "segments", "varlen"))
+                                       "lengths; CUDA, PyTorch >= 2.10) or auto: varlen where "
+                                       "it runs, else mask (README, Packing).",
+                               choices=("auto", "mask", "segments", "varlen"))
     pack_length: int = _f(0, "Tokens per packed row; 0 = max_length x micro_batch_size (the "
                              "same tokens per pass as without packing).", minimum=0)
     truncation: str = _f("truncate", "Samples over max_length: truncate (cut the end) or drop.",

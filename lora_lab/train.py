@@ -30,6 +30,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from .activations import resolve_packed_attention
 from .checkpoint import (OOM_SOURCE, check_disk_space, check_drift, checkpoint_step,
                          data_fingerprint, find_resume_checkpoint, remove_leftovers,
                          resolve_resume, run_dir_of, trim_step_log)
@@ -534,10 +535,10 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
                                     packed.rows_per_step if packed else None)
     full = config.train.tuner == "full"
     use_cudnn_attention(config.model.cudnn_attention)
+    attention = resolve_packed_attention(config.data.packed_attention)
     model = load_base_model(config.model, precision, fp32_master_weights=full,
                             sharded=config.train.engine in SHARDED_ENGINES,
-                            packed_attention=config.data.packed_attention
-                            if config.data.packing else None)
+                            packed_attention=attention if config.data.packing else None)
     memory_means = "none"  # full fine-tuning: the engines' own checkpointing
     if full:
         model = prepare_full_finetuning(model, config.train.gradient_checkpointing)
@@ -557,7 +558,8 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
         trainable, total = model.get_nb_trainable_parameters()
         echo(f"precision {precision.name}; LoRA r={config.lora.rank} alpha={config.lora.alpha}: "
              f"{trainable:,} trainable of {total:,} parameters; kernels "
-             f"{resolve_kernels(config.model.kernels)}; memory means: {memory_means}")
+             f"{resolve_kernels(config.model.kernels)}; memory means: {memory_means}"
+             + (f"; packed rows attend with {attention}" if packed else ""))
     guard = NonFiniteGuard(config.train.on_nonfinite, precision.name, run_dir, echo)
     return LoraLabTrainer(
         model=model,
@@ -565,7 +567,7 @@ def build_trainer(config: RunConfig, data: PreparedData, tokenizer, precision: P
         train_dataset=SupervisedDataset(packed.rows, PACKED_FIELDS) if packed else
         SupervisedDataset(data.train.samples),
         eval_dataset=SupervisedDataset(data.val.samples) if data.val else None,
-        data_collator=PackedCollator(tokenizer.pad_token_id, config.data.packed_attention)
+        data_collator=PackedCollator(tokenizer.pad_token_id, attention)
         if packed else PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=_callbacks(run_dir),

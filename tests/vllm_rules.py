@@ -1,0 +1,651 @@
+"""Static check: would vLLM load a compressed-tensors export with the WNA16 (Marlin) scheme?
+
+``vllm_wna16_problems(config)`` takes a model ``config.json`` dict (as written by
+llm-compressor into an export folder) and returns the reasons vLLM would *not* load it
+with ``CompressedTensorsWNA16`` on its Linear layers; an empty list means it would.
+vLLM is not importable here, so every rule below is a hand-written mirror of the vLLM
+source it names. Standard library only.
+
+vLLM source read (github.com/vllm-project/vllm, via a stored code index; the index
+gives commits, not dates -- 055e47c is a 2026 tree: it imports ``vllm.backends.*`` and
+``vllm.foundation.*``):
+
+* ``vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py``
+  @ 055e47c28003156421365af985d676fc921cb075 -- ``CompressedTensorsConfig.from_config``,
+  ``_parse_sparsity_config``, ``_quantization_scheme_map_from_config``,
+  ``_is_nvfp4_format`` / ``_is_mxfp4`` / ``_is_mxfp8``, ``_is_wNa16_group_channel``,
+  ``_get_scheme_from_parts``, ``get_quant_method``, ``get_scheme_dict``,
+  ``CompressedTensorsKVCacheMethod.validate_kv_cache_scheme``.
+  Cross-read: the same file @ 008014e8503b206a8ae3eb9d17fd46b48b8d2606 and
+  @ be696453ee1bf3b7a2f652cc457b340d5a20c88c (older: dispatch also required
+  ``num_bits in WNA16_SUPPORTED_BITS``), and @ 004dadbe (oldest: required ``symmetric``).
+* ``.../compressed_tensors/schemes/compressed_tensors_wNa16.py`` @ 055e47c --
+  ``WNA16_SUPPORTED_TYPES_MAP`` (2..8 bits), ``WNA16_ZP_SUPPORTED_TYPES_MAP`` (4, 8),
+  ``CompressedTensorsWNA16.__init__`` / ``create_weights``. Older trees
+  (e.g. @ 519b90d4648d4455d32d0fc10b4734ba2ba324e1) map only {4, 8}.
+* ``.../compressed_tensors/utils.py`` @ 008014e -- ``is_activation_quantization_format``,
+  ``should_ignore_layer``, ``find_matched_target``, ``_is_equal_or_regex_match``,
+  ``_match_fused_layer`` (not stored at 055e47c; 008014e is the closest stored version).
+* ``vllm/model_executor/kernels/linear/mixed_precision/marlin.py`` and
+  ``vllm/model_executor/layers/quantization/utils/marlin_utils.py`` @ 055e47c --
+  ``MarlinLinearKernel.can_implement``, ``query_marlin_supported_quant_types``,
+  ``MARLIN_SUPPORTED_GROUP_SIZES``, ``verify_marlin_supports_shape``.
+* ``vllm/model_executor/models/qwen2.py`` @ 055e47c -- Linear layer names/classes,
+  ``packed_modules_mapping``, ``lm_head`` as ``ParallelLMHead``.
+* ``vllm/config/model.py`` @ 0052a5b818980ce8a0477706aaf9f75bd5af72cd
+  (``ModelConfig._parse_quant_hf_config`` / ``_verify_quantization``) and
+  ``vllm/transformers_utils/model_arch_config_convertor.py`` @ ee92a6f
+  (``_normalize_quantization_config``): where the quant config is read and how
+  ``quant_method`` is normalised. ``vllm/model_executor/layers/quantization/__init__.py``
+  @ 0034007 maps ``"compressed-tensors"`` -> ``CompressedTensorsConfig``.
+* compressed-tensors ``src/compressed_tensors/quantization/quant_args.py``
+  @ 02012432e80a3d85355fe1019c24f80da277aaa1 -- ``QuantizationArgs`` validation, which
+  vLLM runs on every group's ``weights`` (``QuantizationArgs.model_validate``).
+
+Not checkable from config.json, so not checked: the GPU (WNA16 and Marlin need compute
+capability >= 7.5, CUDA; ``_check_scheme_supported`` / ``MarlinLinearKernel``), the
+compressed-tensors version installed next to vLLM, and which mixed-precision kernel
+``choose_mp_linear_kernel`` picks on a given GPU (Marlin is one candidate; the Marlin
+rules below say whether Marlin *can* take each layer).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+VLLM_COMMIT = "055e47c28003156421365af985d676fc921cb075"
+
+# compressed-tensors CompressionFormat values, as compared in vLLM.
+PACK_QUANTIZED = "pack-quantized"
+# utils.py @008014e is_activation_quantization_format: _ACTIVATION_QUANTIZATION_FORMATS
+ACTIVATION_QUANTIZATION_FORMATS = (
+    "naive-quantized", "int-quantized", "float-quantized",
+    "nvfp4-pack-quantized", "mxfp4-pack-quantized",
+)
+# schemes/compressed_tensors_wNa16.py @055e47c: WNA16_SUPPORTED_TYPES_MAP keys (older: 4, 8)
+WNA16_SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)
+# schemes/compressed_tensors_wNa16.py @055e47c: WNA16_ZP_SUPPORTED_TYPES_MAP keys
+WNA16_ZP_SUPPORTED_BITS = (4, 8)
+# marlin_utils.py @055e47c query_marlin_supported_quant_types (capability >= 75, CUDA):
+# no zero point -> uint4b8, uint8b128 (4/8-bit symmetric); zero point -> uint4 only.
+MARLIN_BITS_SYMMETRIC = (4, 8)
+MARLIN_BITS_ZERO_POINT = (4,)
+# marlin_utils.py @055e47c
+MARLIN_SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+GPTQ_MARLIN_MIN_THREAD_N = 64
+GPTQ_MARLIN_MIN_THREAD_K = 128
+
+# compressed-tensors quant_args.py @0201243: QuantizationArgs fields (model_config extra="forbid")
+QUANT_ARGS_FIELDS = frozenset({
+    "num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
+    "actorder", "scale_dtype", "zp_dtype", "observer", "observer_kwargs"})
+QUANT_STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group", "attn_head")
+ACTORDER_VALUES = {"group": "group", "weight": "weight", "dynamic": "group", "static": "weight"}
+
+# models/qwen2.py @055e47c Qwen2ForCausalLM.packed_modules_mapping
+QWEN2_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                        "gate_up_proj": ["gate_proj", "up_proj"]}
+# model types whose vLLM decoder has the Qwen2 Linear layout simulated below
+QWEN2_LAYOUT_MODEL_TYPES = ("qwen2",)
+
+
+# ---------------------------------------------------------------------------------------
+# vLLM helpers, mirrored
+# ---------------------------------------------------------------------------------------
+
+def _is_equal_or_regex_match(value: str, target: str, check_contains: bool = False) -> bool:
+    # utils.py @008014e _is_equal_or_regex_match ("re:" prefix -> re.match; class names
+    # are compared case-insensitively by substring when check_contains)
+    if target.startswith("re:"):
+        return re.match(target[3:], value) is not None
+    if check_contains:
+        return target.lower() in value.lower()
+    return target == value
+
+
+def _check_equal_or_regex_match(layer_name: str, targets) -> bool:
+    # utils.py @008014e check_equal_or_regex_match
+    return any(_is_equal_or_regex_match(layer_name, t) for t in targets)
+
+
+def _should_ignore_layer(layer_name: str, ignore, fused_mapping) -> bool:
+    """utils.py @008014e should_ignore_layer; raises ValueError like vLLM does when the
+    shards of a fused layer (q/k/v, gate/up) are not all ignored or all kept."""
+    proj_name = layer_name.split(".")[-1]
+    if proj_name in fused_mapping and layer_name not in ignore:
+        result = None
+        for shard in fused_mapping[proj_name]:
+            shard_ignored = _check_equal_or_regex_match(
+                layer_name.replace(proj_name, shard), ignore)
+            if result is None:
+                result = shard_ignored
+            elif shard_ignored != result:
+                raise ValueError(
+                    f"Found a different quantization schemes for {fused_mapping[proj_name]} "
+                    f"in {layer_name}. vLLM requires all to use the same scheme.")
+        return bool(result)
+    return _check_equal_or_regex_match(layer_name, ignore)
+
+
+def _find_matched_target(layer_name: str, class_name: str, targets, fused_mapping):
+    # utils.py @008014e find_matched_target: layer name (exact / re:), then the vLLM
+    # module class name (substring, case-insensitive), then the fused components.
+    for t in targets:
+        if _is_equal_or_regex_match(layer_name, t):
+            return t
+    for t in targets:
+        if _is_equal_or_regex_match(class_name, t, check_contains=True):
+            return t
+    # utils.py @008014e _match_fused_layer ("all" components must match; first one wins)
+    fused = next((k for k in fused_mapping if layer_name.endswith(k)), None)
+    if fused is None:
+        return None
+    matches = []
+    for unfused in fused_mapping[fused]:
+        path = layer_name.replace(fused, unfused)
+        matches.append(next((t for t in targets if _is_equal_or_regex_match(path, t)), None))
+    return matches[0] if all(matches) else None
+
+
+def _validate_quant_args(args, where: str):
+    """compressed-tensors quant_args.py @0201243 QuantizationArgs validation, which vLLM
+    runs on every group's weights (_quantization_scheme_map_from_config ->
+    QuantizationArgs.model_validate). Returns (normalised args or None, problems)."""
+    if not isinstance(args, dict):
+        return None, [f"{where}: must be a dict of QuantizationArgs, got {args!r} "
+                      "(QuantizationArgs.model_validate fails in from_config)"]
+    problems = []
+    # quant_args.py: model_config = ConfigDict(extra="forbid")
+    extra = sorted(set(args) - QUANT_ARGS_FIELDS)
+    if extra:
+        problems.append(f"{where}: unknown QuantizationArgs field(s) {extra} "
+                        "(extra='forbid' -> pydantic ValidationError)")
+    a = dict(num_bits=8, type="int", symmetric=True, group_size=None, strategy=None,
+             block_structure=None, dynamic=False, actorder=None, scale_dtype=None)
+    a.update({k: v for k, v in args.items() if k in a})
+    # validate_type / validate_strategy / validate_actorder / validate_dynamic (lower-cased enums)
+    if isinstance(a["type"], str):
+        a["type"] = a["type"].lower()
+    if a["type"] not in ("int", "float"):
+        problems.append(f"{where}: type={args.get('type')!r} is not 'int' or 'float'")
+    if isinstance(a["strategy"], str):
+        a["strategy"] = a["strategy"].lower()
+    if a["strategy"] is not None and a["strategy"] not in QUANT_STRATEGIES:
+        problems.append(f"{where}: strategy={args.get('strategy')!r} is not a QuantizationStrategy")
+    if isinstance(a["actorder"], bool):
+        a["actorder"] = "group" if a["actorder"] else None
+    elif isinstance(a["actorder"], str):
+        if a["actorder"].lower() not in ACTORDER_VALUES:
+            problems.append(f"{where}: actorder={args.get('actorder')!r} is not an ActivationOrdering")
+        a["actorder"] = ACTORDER_VALUES.get(a["actorder"].lower())  # aliases: dynamic->group
+    if isinstance(a["dynamic"], str):
+        if a["dynamic"].lower() != "local":
+            problems.append(f"{where}: dynamic={args.get('dynamic')!r} is not a bool or 'local'")
+        a["dynamic"] = a["dynamic"].lower()
+    if not isinstance(a["num_bits"], int) or isinstance(a["num_bits"], bool):
+        problems.append(f"{where}: num_bits={a['num_bits']!r} is not an int")
+    gs, strategy = a["group_size"], a["strategy"]
+    if gs is not None and (not isinstance(gs, int) or gs < -1):  # validate_group
+        problems.append(f"{where}: invalid group_size {gs!r} (> 0 for 'group', -1 for 'channel')")
+        return None, problems
+    # validate_model_after: infer strategy
+    if strategy is None:
+        strategy = "tensor" if gs is None else ("group" if gs > 0 else "channel")
+        a["strategy"] = strategy
+    if strategy == "token" and not a["dynamic"]:
+        problems.append(f"{where}: static 'token' quantization is invalid (needs dynamic=True)")
+    if strategy in ("group", "tensor_group") and (gs is None or gs <= 0):
+        problems.append(f"{where}: strategy {strategy!r} requires a positive group_size")
+    if gs is not None and gs > 0 and strategy not in ("group", "tensor_group"):
+        problems.append(f"{where}: group_size={gs} requires strategy 'group'")
+    if (strategy == "block") != (a["block_structure"] is not None):
+        problems.append(f"{where}: block strategy and block_structure must come together")
+    if a["actorder"] == "group" and strategy not in ("group", "tensor_group"):
+        problems.append(f"{where}: actorder 'group' needs strategy 'group' or 'tensor_group'")
+    if a["dynamic"] and strategy not in ("token", "tensor", "tensor_group", "group"):
+        problems.append(f"{where}: dynamic quantization needs strategy token/tensor/tensor_group/group")
+    return (None if problems else a), problems
+
+
+def _scheme_problems(w: dict, input_quant, fmt, where: str) -> list[str]:
+    """compressed_tensors.py @055e47c _get_scheme_from_parts, for input_quant is None:
+    reasons the weight args would not become CompressedTensorsWNA16."""
+    problems = []
+    float_t = w["type"] == "float"
+    # _is_nvfp4_format(weight) -> CompressedTensorsW4A4Fp4(use_a16=True), checked first
+    if (w["strategy"] == "tensor_group" and float_t and w["num_bits"] == 4
+            and w["group_size"] == 16 and w["symmetric"]):
+        return [f"{where}: weights are NVFP4 (float/tensor_group/4-bit/g16) -> "
+                "CompressedTensorsW4A4Fp4, not WNA16"]
+    # _is_mxfp4(weight) -> CompressedTensorsW4A4Mxfp4
+    if (w["strategy"] == "group" and float_t and w["num_bits"] == 4
+            and w["group_size"] == 32 and w["symmetric"]):
+        return [f"{where}: weights are MXFP4 (float/group/4-bit/g32) -> "
+                "CompressedTensorsW4A4Mxfp4, not WNA16"]
+    # _is_mxfp8(weight) -> CompressedTensorsW8A8Mxfp8
+    if (w["strategy"] == "group" and float_t and w["num_bits"] == 8 and w["group_size"] == 32
+            and w["symmetric"] and w["scale_dtype"] in ("torch.uint8", "uint8")):
+        return [f"{where}: weights are MXFP8 (float/group/8-bit/g32/uint8 scales) -> "
+                "CompressedTensorsW8A8Mxfp8, not WNA16"]
+    # (_is_fp8_w4a8_sm90, _is_wNa8o8_int, _is_wNaM_int all need input_quant, here None)
+    # _is_wNa16_group_channel: strategy channel|group, input_quant is None, not dynamic
+    if w["strategy"] not in ("channel", "group"):
+        problems.append(f"{where}: weights.strategy={w['strategy']!r}; WNA16 needs "
+                        "'group' or 'channel' (_is_wNa16_group_channel)")
+    if w["dynamic"]:
+        problems.append(f"{where}: weights.dynamic={w['dynamic']!r}; WNA16 needs static weights "
+                        "(_is_wNa16_group_channel)")
+    # ... and format == CompressionFormat.pack_quantized.value
+    if fmt != PACK_QUANTIZED:
+        problems.append(f"{where}: format={fmt!r}; WNA16 is only chosen for {PACK_QUANTIZED!r} "
+                        "(_get_scheme_from_parts)")
+    if problems:
+        if w["type"] == "int":  # every non-WNA16 branch left needs float weights or inputs
+            problems.append(f"{where}: no other scheme matches -> NotImplementedError "
+                            "'No compressed-tensors compatible scheme was found'")
+        return problems
+    # CompressedTensorsWNA16.__init__ (schemes/compressed_tensors_wNa16.py @055e47c)
+    if w["group_size"] in (None, -1) and w["strategy"] != "channel":
+        problems.append(f"{where}: no group size and strategy is not 'channel' "
+                        "(CompressedTensorsWNA16.__init__ ValueError)")
+    if w["num_bits"] not in WNA16_SUPPORTED_BITS:
+        problems.append(f"{where}: num_bits={w['num_bits']} not in WNA16_SUPPORTED_TYPES_MAP "
+                        f"{list(WNA16_SUPPORTED_BITS)} (CompressedTensorsWNA16.__init__ ValueError; "
+                        "releases before 055e47c: only 4, 8)")
+    elif not w["symmetric"] and w["num_bits"] not in WNA16_ZP_SUPPORTED_BITS:
+        problems.append(f"{where}: asymmetric num_bits={w['num_bits']} not in "
+                        f"WNA16_ZP_SUPPORTED_TYPES_MAP {list(WNA16_ZP_SUPPORTED_BITS)}")
+    return problems
+
+
+def _marlin_type_problems(w: dict, where: str) -> list[str]:
+    # kernels/linear/mixed_precision/marlin.py @055e47c MarlinLinearKernel.can_implement
+    problems = []
+    ok_bits = MARLIN_BITS_SYMMETRIC if w["symmetric"] else MARLIN_BITS_ZERO_POINT
+    if w["num_bits"] not in ok_bits:
+        problems.append(
+            f"{where}: [marlin] {w['num_bits']}-bit {'symmetric' if w['symmetric'] else 'zero-point'} "
+            f"weights are not a Marlin quant type (query_marlin_supported_quant_types: "
+            "uint4b8/uint8b128 symmetric, uint4 with zero point)")
+    group = -1 if w["group_size"] is None else w["group_size"]
+    if group not in MARLIN_SUPPORTED_GROUP_SIZES:
+        problems.append(f"{where}: [marlin] group_size={group} not in "
+                        f"MARLIN_SUPPORTED_GROUP_SIZES {list(MARLIN_SUPPORTED_GROUP_SIZES)}")
+    return problems
+
+
+def _qwen2_linear_layers(cfg: dict, tp: int):
+    """models/qwen2.py @055e47c: the vLLM Linear layers of Qwen2ForCausalLM as
+    (name, class, full input size, input per partition, output per partition)."""
+    n = cfg.get("num_hidden_layers") or 1
+    hidden, inter = cfg.get("hidden_size"), cfg.get("intermediate_size")
+    heads = cfg.get("num_attention_heads")
+    kv = cfg.get("num_key_value_heads") or heads
+    if not all(isinstance(x, int) and x > 0 for x in (hidden, inter, heads, kv)):
+        shapes = None
+    else:
+        head_dim = hidden // heads                      # Qwen2Attention.head_dim
+        kv_pp = max(1, kv // tp)                        # replicated when kv < tp
+        shapes = {
+            # QKVParallelLinear(hidden, head_dim, heads, kv): column parallel
+            "self_attn.qkv_proj": ("QKVParallelLinear", hidden, hidden,
+                                   (heads // tp + 2 * kv_pp) * head_dim),
+            # RowParallelLinear(heads * head_dim, hidden): input split
+            "self_attn.o_proj": ("RowParallelLinear", heads * head_dim,
+                                 heads * head_dim // tp, hidden),
+            # MergedColumnParallelLinear(hidden, [inter] * 2): output split
+            "mlp.gate_up_proj": ("MergedColumnParallelLinear", hidden, hidden, 2 * inter // tp),
+            # RowParallelLinear(inter, hidden)
+            "mlp.down_proj": ("RowParallelLinear", inter, inter // tp, hidden),
+        }
+    classes = {"self_attn.qkv_proj": "QKVParallelLinear", "self_attn.o_proj": "RowParallelLinear",
+               "mlp.gate_up_proj": "MergedColumnParallelLinear", "mlp.down_proj": "RowParallelLinear"}
+    for i in range(n):
+        for suffix, cls in classes.items():
+            dims = shapes[suffix][1:] if shapes else None
+            yield f"model.layers.{i}.{suffix}", cls, dims
+
+
+def _find_quant_config(config: dict):
+    # config/model.py @0052a5b ModelConfig._parse_quant_hf_config and
+    # model_arch_config_convertor.py @ee92a6f _normalize_quantization_config:
+    # hf_config.quantization_config, else "compression_config", else text_config's.
+    if "quant_method" in config and "config_groups" in config:
+        return config, "(given dict)"  # a bare quantization_config was passed
+    for key in ("quantization_config", "compression_config"):
+        if config.get(key) is not None:
+            return config[key], key
+    text = config.get("text_config") or {}
+    for key in ("quantization_config", "compression_config"):
+        if isinstance(text, dict) and text.get(key) is not None:
+            return text[key], f"text_config.{key}"
+    return None, None
+
+
+# ---------------------------------------------------------------------------------------
+# the check
+# ---------------------------------------------------------------------------------------
+
+def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
+                        strict: bool = False) -> list[str]:
+    """Reasons vLLM would not load ``config`` (a config.json dict, or a bare
+    quantization_config) with CompressedTensorsWNA16 on its Linear layers. [] = accepted.
+
+    Messages tagged ``[marlin]`` are about the Marlin kernel only (vLLM may pick another
+    mixed-precision kernel on some GPUs). ``strict=True`` adds checks vLLM itself does not
+    make (tagged ``[strict]``): int weight type, ``quantization_status == "compressed"``,
+    no output_activations, and the pre-padding Marlin shape rule (out % 64, in % 128)
+    that vLLM releases before tile padding enforced.
+    """
+    problems: list[str] = []
+    qcfg, where = _find_quant_config(config)
+    if qcfg is None:
+        return ["quantization_config: none found (quantization_config / compression_config / "
+                "text_config); vLLM loads the model unquantized (ModelConfig._verify_quantization)"]
+    if not isinstance(qcfg, dict):
+        return [f"{where}: not a dict: {qcfg!r}"]
+
+    # config/model.py @0052a5b _verify_quantization: quant_method lower-cased,
+    # "compressed_tensors" -> "compressed-tensors"; quantization/__init__.py maps it to
+    # CompressedTensorsConfig.
+    method = str(qcfg.get("quant_method", "")).lower().replace("compressed_tensors",
+                                                               "compressed-tensors")
+    if method != "compressed-tensors":
+        problems.append(f"quant_method={qcfg.get('quant_method')!r}; CompressedTensorsConfig is "
+                        "only used for 'compressed-tensors' (_verify_quantization)")
+
+    # compressed_tensors.py @055e47c _parse_sparsity_config: a sparsity config with
+    # targets raises DeprecationWarning ("Sparsity support has been removed").
+    sparsity = qcfg.get("sparsity_config")
+    if sparsity and (sparsity.get("targets") if isinstance(sparsity, dict) else True):
+        problems.append("sparsity_config: has targets; vLLM @055e47c raises DeprecationWarning "
+                        "in _parse_sparsity_config (older vLLM used it for 2:4 kernels)")
+
+    # CompressedTensorsKVCacheMethod.validate_kv_cache_scheme (@055e47c), run for every
+    # Attention layer when kv_cache_scheme is set.
+    kv = qcfg.get("kv_cache_scheme")
+    if kv is not None:
+        if not isinstance(kv, dict):
+            problems.append(f"kv_cache_scheme: not a dict: {kv!r}")
+        else:
+            if kv.get("type") != "float" or kv.get("num_bits") != 8:
+                problems.append("kv_cache_scheme: only num_bits=8, type=float is supported "
+                                "(validate_kv_cache_scheme NotImplementedError)")
+            if str(kv.get("strategy")).lower() not in ("tensor", "attn_head"):
+                problems.append("kv_cache_scheme: strategy must be 'tensor' or 'attn_head'")
+            if not kv.get("symmetric"):
+                problems.append("kv_cache_scheme: must be symmetric")
+
+    top_format = qcfg.get("format")
+    ignore = qcfg.get("ignore") or []
+    if not isinstance(ignore, list):
+        problems.append(f"ignore: must be a list, got {ignore!r}")
+        ignore = []
+
+    # compressed_tensors.py @055e47c from_config: drop groups whose only target ends in
+    # "Attention"; then _quantization_scheme_map_from_config builds {target: scheme} in
+    # order (a later group re-using a target overwrites it in place).
+    groups = qcfg.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        problems.append("config_groups: missing or empty; no Linear layer gets a scheme "
+                        "(vLLM builds them all unquantized, but the checkpoint is packed)")
+        groups = {}
+    target_map: "OrderedDict[str, dict]" = OrderedDict()
+    group_args: dict[str, dict | None] = {}
+    for name, group in groups.items():
+        gwhere = f"config_groups.{name}"
+        if not isinstance(group, dict):
+            problems.append(f"{gwhere}: not a dict")
+            continue
+        targets = group.get("targets")
+        if not isinstance(targets, list):
+            problems.append(f"{gwhere}.targets: must be a list ('for target in targets' in "
+                            f"_quantization_scheme_map_from_config), got {targets!r}")
+            continue
+        if len(targets) == 1 and isinstance(targets[0], str) and targets[0].endswith("Attention"):
+            continue  # from_config: "Skipping CompressedTensors config group for ...Attention"
+        w, errs = _validate_quant_args(group.get("weights"), f"{gwhere}.weights")
+        problems.extend(errs)
+        group_args[name] = w
+        fmt = group.get("format") if group.get("format") is not None else top_format
+        inputs = group.get("input_activations")
+        # _quantization_scheme_map_from_config: with an activation-quantization format
+        # or any input_activations, input_quant is set -- or, when input_activations is
+        # empty, vLLM asserts weights.type == FLOAT.
+        if fmt in ACTIVATION_QUANTIZATION_FORMATS or inputs:
+            if not inputs:
+                if w is not None and w["type"] != "float":
+                    problems.append(f"{gwhere}: format {fmt!r} with no input_activations and int "
+                                    "weights -> AssertionError in _quantization_scheme_map_from_config")
+            else:
+                problems.append(f"{gwhere}.input_activations: set ({inputs!r}); WNA16 needs "
+                                "input_quant is None (_is_wNa16_group_channel)")
+        if strict and group.get("output_activations"):
+            problems.append(f"{gwhere}.output_activations: [strict] set; W4A16 has none "
+                            "(vLLM @055e47c ignores it for WNA16, older vLLM ignores it entirely)")
+        for t in targets:
+            if not isinstance(t, str):
+                problems.append(f"{gwhere}.targets: non-string target {t!r}")
+                continue
+            target_map[t] = {"group": name, "format": fmt, "inputs": inputs}
+
+    # Per-group scheme selection (only for groups some Linear layer would use).
+    def scheme_for(group_name: str, fmt) -> list[str]:
+        w = group_args.get(group_name)
+        gwhere = f"config_groups.{group_name}"
+        if w is None:
+            return []  # validation problems already reported
+        out = _scheme_problems(w, None, fmt, gwhere)
+        if not out:
+            out = _marlin_type_problems(w, gwhere)
+            if strict and w["type"] != "int":
+                out.append(f"{gwhere}.weights: [strict] type={w['type']!r}; WNA16 decodes "
+                           "weights as integers (uint4b8/uint8b128), vLLM does not check type")
+        return out
+
+    checked_groups: set[str] = set()
+    model_type = config.get("model_type") or (config.get("text_config") or {}).get("model_type")
+    arch_cfg = config if config.get("hidden_size") else (config.get("text_config") or config)
+    layer_msgs: "OrderedDict[str, list[int]]" = OrderedDict()
+
+    def per_layer(msg_template: str, idx: int):
+        layer_msgs.setdefault(msg_template, []).append(idx)
+
+    if model_type in QWEN2_LAYOUT_MODEL_TYPES:
+        tp = tensor_parallel_size
+        wna16_layers = 0
+        for layer_name, cls, dims in _qwen2_linear_layers(arch_cfg, tp):
+            idx = int(layer_name.split(".")[2])
+            generic = re.sub(r"layers\.\d+\.", "layers.*.", layer_name)
+            # compressed_tensors.py @055e47c get_scheme_dict -> should_ignore_layer
+            try:
+                if _should_ignore_layer(layer_name, ignore, QWEN2_PACKED_MODULES):
+                    continue  # unquantized in vLLM and (same ignore list) in the checkpoint
+            except ValueError as e:
+                per_layer(f"{generic}: ignore covers only some of its shards -> ValueError: {e}"
+                          .replace(layer_name, generic), idx)
+                continue
+            target = _find_matched_target(layer_name, cls, list(target_map), QWEN2_PACKED_MODULES)
+            if target is None:
+                # @055e47c: no scheme -> UnquantizedLinearMethod; before 008014e
+                # find_matched_target raised "Unable to find matching target".
+                per_layer(f"{generic} ({cls}): not ignored and matched by no target -> "
+                          "unquantized in vLLM (older vLLM: ValueError)", idx)
+                continue
+            entry = target_map[target]
+            gname = entry["group"]
+            if gname not in checked_groups:
+                checked_groups.add(gname)
+                problems.extend(scheme_for(gname, entry["format"]))
+            w = group_args.get(gname)
+            if w is None or scheme_for(gname, entry["format"]):
+                continue
+            wna16_layers += 1
+            if dims is None:
+                continue
+            in_full, in_pp, out_pp = dims
+            group = -1 if w["group_size"] is None else w["group_size"]
+            has_g_idx = w["actorder"] == "group"    # actorder == ActivationOrdering.GROUP
+            # CompressedTensorsWNA16.create_weights: scales are partitioned unless
+            # marlin_repeat_scales_on_all_ranks(has_g_idx, group, row_parallel) ->
+            # verify_group_size_divides_partition(input_size_per_partition, group)
+            row_parallel = in_full != in_pp
+            repeat = has_g_idx or (group == -1 and row_parallel)
+            g_eff = in_full if group == -1 else group
+            if not repeat and in_pp % g_eff:
+                per_layer(f"{generic}: input size per partition {in_pp} not divisible by "
+                          f"group_size {g_eff} (verify_group_size_divides_partition, tp={tp})", idx)
+            # MarlinLinearKernel.can_implement @055e47c: act-order keeps the strict shape
+            # check; otherwise only a group straddling the TP shard is rejected (tiles pad).
+            strict_shape = has_g_idx or strict
+            if strict_shape:
+                tag = "[marlin]" if has_g_idx else "[marlin][strict]"
+                if out_pp % GPTQ_MARLIN_MIN_THREAD_N:
+                    per_layer(f"{generic}: {tag} output size per partition {out_pp} not divisible "
+                              f"by {GPTQ_MARLIN_MIN_THREAD_N} (verify_marlin_supports_shape)", idx)
+                if in_pp % GPTQ_MARLIN_MIN_THREAD_K:
+                    per_layer(f"{generic}: {tag} input size per partition {in_pp} not divisible "
+                              f"by {GPTQ_MARLIN_MIN_THREAD_K} (verify_marlin_supports_shape)", idx)
+            if group != -1 and group < in_full and in_pp % group:
+                per_layer(f"{generic}: [marlin] input size per partition {in_pp} not divisible "
+                          f"by group_size {group} (MarlinLinearKernel.can_implement, tp={tp})", idx)
+        if wna16_layers == 0 and not any("config_groups" in p for p in problems):
+            problems.append("no decoder Linear layer would get CompressedTensorsWNA16")
+        # lm_head: vLLM builds ParallelLMHead; get_quant_method @055e47c quantizes it only
+        # when a target matches the *name* (class "ParallelLMHead" has no "linear" in it,
+        # so "Linear" does not match it). llm-compressor matches torch.nn.Linear, so a
+        # "Linear" target quantizes the HF lm_head unless ignored -> weights do not load.
+        lm_ignored = _check_equal_or_regex_match("lm_head", ignore)
+        if not lm_ignored:
+            by_name = _find_matched_target("lm_head", "ParallelLMHead", list(target_map), {})
+            by_class = any(t == "Linear" for t in target_map)
+            if by_class and not by_name:
+                problems.append("ignore: 'lm_head' missing while target 'Linear' quantizes the HF "
+                                "nn.Linear lm_head; vLLM's ParallelLMHead does not match 'Linear' "
+                                "and expects an unquantized lm_head.weight -> load fails")
+            elif by_name:
+                problems.append("ignore: 'lm_head' missing and a target names it; only vLLM "
+                                ">= 008014e quantizes ParallelLMHead (older: load fails)")
+    else:
+        # No layout to simulate: judge every group that has targets.
+        for gname in group_args:
+            fmt = next((e["format"] for e in target_map.values() if e["group"] == gname), top_format)
+            problems.extend(scheme_for(gname, fmt))
+        if ignore is not None and not _check_equal_or_regex_match("lm_head", ignore) \
+                and "Linear" in target_map:
+            problems.append("ignore: 'lm_head' missing while target 'Linear' quantizes the HF "
+                            "lm_head; vLLM's ParallelLMHead does not match 'Linear' -> load fails")
+
+    for msg, idxs in layer_msgs.items():
+        shown = (f"layers {idxs[0]}..{idxs[-1]} ({len(idxs)} layers)" if len(idxs) > 1
+                 else f"layer {idxs[0]}")
+        problems.append(f"{msg} [{shown}]")
+
+    if strict and qcfg.get("quantization_status", "compressed") != "compressed":
+        problems.append(f"quantization_status={qcfg.get('quantization_status')!r}: [strict] an "
+                        "export should be 'compressed' (packed weights)")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------
+# self-check
+# ---------------------------------------------------------------------------------------
+
+if __name__ == "__main__":
+    import copy
+    import json
+
+    # quantization_config: the group and top-level fields verbatim from
+    # RedHatAI/Qwen3.5-9B-quantized.w4a16 config.json (llm-compressor GPTQ W4A16, written by
+    # compressed-tensors 0.14.1.a20260325), with its VL-specific ignore list cut down to
+    # ["lm_head"] -- what this project's recipe GPTQModifier(targets="Linear",
+    # scheme="W4A16", ignore=["lm_head"]) writes (tests/e2e/test_export_tiny.py asserts it).
+    # Model fields: Qwen/Qwen2.5-0.5B-Instruct config.json.
+    example = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 151936,
+        "quantization_config": {
+            "config_groups": {
+                "group_0": {
+                    "format": "pack-quantized",
+                    "input_activations": None,
+                    "output_activations": None,
+                    "targets": ["Linear"],
+                    "weights": {
+                        "actorder": "static",
+                        "block_structure": None,
+                        "dynamic": False,
+                        "group_size": 128,
+                        "num_bits": 4,
+                        "observer": "memoryless_minmax",
+                        "observer_kwargs": {},
+                        "scale_dtype": None,
+                        "strategy": "group",
+                        "symmetric": True,
+                        "type": "int",
+                        "zp_dtype": None,
+                    },
+                }
+            },
+            "format": "pack-quantized",
+            "global_compression_ratio": None,
+            "ignore": ["lm_head"],
+            "kv_cache_scheme": None,
+            "quant_method": "compressed-tensors",
+            "quantization_status": "compressed",
+            "sparsity_config": {},
+            "transform_config": {},
+            "version": "0.14.1.a20260325",
+        },
+    }
+
+    def show(label, cfg, **kw):
+        result = vllm_wna16_problems(cfg, **kw)
+        print(f"{label}: {json.dumps(result, indent=2) if result else '[] (accepted: WNA16)'}")
+        return result
+
+    print(f"vLLM rules mirrored from vllm-project/vllm @ {VLLM_COMMIT}")
+    ok = show("example (llm-compressor W4A16, Qwen2.5-0.5B)", example)
+    ok_strict = show("example, strict=True", example, strict=True)
+
+    # A few mutations, to show the rules fire.
+    def mutated(fn):
+        cfg = copy.deepcopy(example)
+        fn(cfg["quantization_config"])
+        return cfg
+
+    bad = {
+        "no lm_head ignore": mutated(lambda q: q.update(ignore=[])),
+        "format naive-quantized": mutated(lambda q: (q.update(format="naive-quantized"),
+                                                     q["config_groups"]["group_0"].pop("format"))),
+        "format pack_quantized (underscore)": mutated(
+            lambda q: q["config_groups"]["group_0"].update(format="pack_quantized")),
+        "group_size 256": mutated(
+            lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=256)),
+        "3-bit": mutated(lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3)),
+        "tensor strategy": mutated(lambda q: q["config_groups"]["group_0"]["weights"].update(
+            strategy="tensor", group_size=None, actorder=None)),
+        "input activations": mutated(lambda q: q["config_groups"]["group_0"].update(
+            input_activations={"num_bits": 8, "type": "int", "strategy": "token",
+                               "dynamic": True, "symmetric": True})),
+        "q_proj-only ignore": mutated(
+            lambda q: q.update(ignore=["lm_head", "model.layers.0.self_attn.q_proj"])),
+        "quant_method gptq": mutated(lambda q: q.update(quant_method="gptq")),
+    }
+    fired = {label: show(label, cfg) for label, cfg in bad.items()}
+    assert ok == [] and ok_strict == [], "the llm-compressor W4A16 example must be accepted"
+    assert all(fired.values()), [k for k, v in fired.items() if not v]
+    print("self-check passed")

@@ -82,15 +82,17 @@ def test_remote_code_needs_the_flag(tmp_path):
     check_remote_code(str(tmp_path), trust_remote_code=True)
 
 
-def test_a_w4a16_folder_without_its_library_is_refused_with_the_install(tmp_path):
+def test_a_w4a16_folder_without_its_library_is_refused_with_the_install(tmp_path,
+                                                                          monkeypatch):
     import importlib.util
     import json
 
     from lora_lab.errors import ModelError
     from lora_lab.model import check_quantized_folder
 
-    if importlib.util.find_spec("compressed_tensors") is not None:
-        pytest.skip("compressed-tensors is installed here")
+    find_spec = importlib.util.find_spec  # make test installs it: act as if it were not
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None
+                        if name == "compressed_tensors" else find_spec(name, *a))
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "qwen2", "quantization_config": {"quant_method": "compressed-tensors"}}))
     with pytest.raises(ModelError, match="pip install compressed-tensors"):

@@ -20,6 +20,7 @@ gradients equal the plain path's.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -180,13 +181,14 @@ PACKED_ATTENTION = {"segments": "lora_lab_segments", "varlen": "lora_lab_varlen"
 transformers attention implementation. Both attend within each sample of a packed row only, from
 the sample lengths the collator passes (no [tokens x tokens] mask):
 
-- segments: the causal sdpa kernel once per sample. On an H200 it was faster than the mask for
-  fixed-length samples (7B, 1024 tokens: 7,183 against 6,067 tokens/s) but 4x slower per step on
-  short mixed-length SFT data (bench/results/2026-11-30-{speed,sft-mix}.jsonl): one small kernel
-  per sample and layer.
+- segments: the causal sdpa kernel once per sample (one small kernel per sample and layer).
 - varlen: one flash-attention call over the whole row with the samples' cumulative lengths
   (torch.nn.attention.varlen, PyTorch >= 2.10 on CUDA, bf16/fp16). Where that kernel is not
   available (CPU, older PyTorch, fp32 without autocast) it computes the same thing as segments.
+
+On an H200, 7B (bench/results/2026-11-30-{speed,sft-mix}.jsonl, one run, cuDNN sdpa off): one
+epoch of short mixed-length SFT data 12.4 s varlen, 14.8 s segments, 17.2 s mask; 1024-token
+samples 7,250 / 7,340 / 4,929 tokens/s. Hence auto = varlen where it runs.
 """
 
 
@@ -211,6 +213,7 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
+@functools.lru_cache(maxsize=1)
 def flash_varlen():
     """torch.nn.attention.varlen.varlen_attn as (function, its parameter names), or None."""
     try:

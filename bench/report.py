@@ -43,15 +43,21 @@ def load_plans(*plans: str) -> tuple[list, list]:
     return headers, rows
 
 
+def plan_labels(*plans: str) -> set:
+    """The cell labels bench/run.py's plans have now (rows of cells a plan no longer has stay
+    in the results file only)."""
+    from run import PLANS
+
+    return {c["label"] for plan in plans for c in PLANS[plan]()}
+
+
 def headers_of(headers: list, labels) -> list:
     """The header lines of the runs that measured `labels` (the newest run of each label: a
     part run with --cells names its cells in its command; a whole-plan run has none)."""
-    from run import PLANS
-
     def measured(header: dict, label: str) -> bool:
         if "--cells" in header["command"]:
             return label in header["command"].split("--cells ", 1)[1].split()[0].split(",")
-        return label in {c["label"] for c in PLANS[header["plan"]]()}
+        return label in plan_labels(header["plan"])
 
     used = []
     for label in labels:
@@ -136,12 +142,10 @@ def lora_lab_name(row: dict) -> str:
 
 
 def speed_table() -> str:
-    from run import PLANS  # rows of cells the plan no longer has stay in the file only
-
     headers, rows = load("speed")
     if not rows:
         return ""
-    planned = {c["label"] for c in PLANS["speed"]()}
+    planned = plan_labels("speed")
     lines = ["| Qwen2.5-7B, bf16 LoRA r8, 4 samples per optimizer step | tokens/s | peak GiB | "
              "step s | MFU | speed vs plain |", "|---|---|---|---|---|---|"]
     for length in sorted({r["max_length"] for r in rows}):
@@ -192,9 +196,7 @@ def sft_table() -> str:
         return ""
     lines = ["| one epoch, 256 samples | plain recipe (1 x accum 16) | lora-lab 24gb preset | "
              "speed-up | peak GiB plain / lora-lab |", "|---|---|---|---|---|"]
-    from run import PLANS  # rows of cells the plans no longer have stay in the file only
-
-    planned = {c["label"] for plan in ("sft-mix", "sft-mix-small") for c in PLANS[plan]()}
+    planned = plan_labels("sft-mix", "sft-mix-small")
     ours_rows = sorted((r for r in rows if r["kind"] == "lora-lab-sft" and not r.get("error")
                         and r["label"] in planned),
                        key=lambda r: (SIZES.index(r["size"]), len(r.get("sets") or [])))

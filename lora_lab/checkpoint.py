@@ -252,7 +252,7 @@ def resolve_resume(resume: str, run_dir: Path, warn=print) -> Path | None:
         if problems:
             raise CheckpointError(f"--resume {resume}: cannot resume from this checkpoint:\n  - "
                                   + "\n  - ".join(problems) + "\nPick another checkpoint, or "
-                                  f"--resume auto for the newest complete one.")
+                                  "--resume auto for the newest complete one.")
         return path
     if (path / "config.yaml").is_file():
         found = find_resume_checkpoint(path, warn)
@@ -377,8 +377,7 @@ def checkpoint_sizes(config: RunConfig, model_config: dict) -> tuple[float, floa
     shape = ModelShape.from_config(model_config)
     engine, full = config.train.engine, config.train.tuner == "full"
     deepspeed = engine.startswith("deepspeed")
-    trained = (shape.linear_params + shape.other_params if full
-               else shape.lora_params_per_rank * config.lora.rank)
+    trained = shape.trained_params(config.train.tuner, config.lora.rank)
     weight_bytes = (2 if deepspeed else 4) if full else 4
     optimizer_bytes = 12 if deepspeed and full else 8
     final_bytes = (4 if engine == "fsdp" else 2) if full else 4

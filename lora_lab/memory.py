@@ -103,6 +103,14 @@ class ModelShape:
     lora_params_per_rank: int
     tied: bool = False
 
+    @property
+    def params(self) -> int:
+        return self.linear_params + self.other_params
+
+    def trained_params(self, tuner: str, lora_rank: int) -> int:
+        """What the optimizer updates: every parameter (full) or the LoRA matrices."""
+        return self.params if tuner == "full" else self.lora_params_per_rank * lora_rank
+
     @classmethod
     def from_config(cls, config: dict) -> "ModelShape":
         h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
@@ -299,7 +307,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     if config.model.dtype == "fp32":
         weight_bytes = 4
     means = means or _means(shape, config, tokens)
-    lora = shape.lora_params_per_rank * config.lora.rank
+    lora = shape.trained_params("lora", config.lora.rank)
     per_hidden = FIT_BYTES_PER_TOKEN_PER_HIDDEN + (
         FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN if config.model.quantization == "none" else 0)
     mlp_tokens = tokens
@@ -359,8 +367,7 @@ def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tup
     base_bytes = single.pop("weights") * GIB
     single.pop("LoRA weights + gradients + Adam state (fp32)")
     weight_b, grad_b, optim_b = TRAINED_STATE_BYTES[tuner]
-    trained = (shape.linear_params + shape.other_params if tuner == "full"
-               else shape.lora_params_per_rank * config.lora.rank)
+    trained = shape.trained_params(tuner, config.lora.rank)
     # full fine-tuning trains the base weights themselves: they are the trained weights
     params_bytes = base_bytes if tuner == "full" else base_bytes + trained * weight_b
     grads_bytes, optim_bytes = trained * grad_b, trained * optim_b
@@ -408,7 +415,7 @@ def _deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int,
     import json
 
     zero = json.loads(engine_template(config.train.engine).read_text())["zero_optimization"]
-    n, total = config.train.gpus, shape.linear_params + shape.other_params
+    n, total = config.train.gpus, shape.params
     parts = {}
     if not cpu_optimizer:
         parts["fp32 gradient partition at the optimizer step"] = trained * 4 / n / GIB

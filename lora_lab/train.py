@@ -292,20 +292,16 @@ def gpu_memory_gib() -> float | None:
     return min(total, float(cap)) if cap else total
 
 
-def peak_memory_per_gpu(timer: "StepTimer") -> list | None:
-    """Every process's peaks in GiB, in rank order (all ranks call): (overall, before training,
-    up to the end of training), each torch.cuda.max_memory_reserved."""
+def peak_memory_per_gpu(timer: "StepTimer") -> list:
+    """Every process's memory figures (StepTimer.memory), in rank order (all ranks call)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    peak = (torch.cuda.max_memory_reserved() / 2**30, timer.before_training_gib,
-            timer.after_training_gib)
+    figures = timer.memory()
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [peak]
-    peaks = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(peaks, peak)
-    return peaks
+        return [figures]
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, figures)
+    return gathered
 
 
 def use_cudnn_attention(enabled: bool) -> None:
@@ -342,26 +338,52 @@ class JsonlLog(TrainerCallback):
 
 
 class StepTimer(TrainerCallback):
-    """Wall time of every optimizer step and the peak GPU memory (for run_summary.json)."""
+    """Wall time of every optimizer step and the memory figures of run_summary.json.
+
+    GPU figures are torch.cuda's, in GiB: the reserved peak (what the planner predicts) overall,
+    before training (model and engine set up) and up to the end of training; for the first
+    optimizer step the allocated peak of its forward and backward passes, what stays allocated
+    when they are done (weights, gradients, optimizer state) and the allocated peak of the
+    optimizer's update (DeepSpeed updates inside its backward pass: there the forward and
+    backward figure includes it). cpu_peak_rss_gib: this process's resident CPU memory peak (offload)."""
 
     def __init__(self):
         self.step_seconds, self._last = [], None
-        self.before_training_gib = self.after_training_gib = None
+        self.phases = {}
 
     @staticmethod
-    def _peak() -> float | None:
+    def _gib(name: str) -> float | None:
         import torch
 
-        return torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None
+        return getattr(torch.cuda, name)() / 2**30 if torch.cuda.is_available() else None
+
+    def _once(self, **figures):
+        for key, name in figures.items():
+            self.phases.setdefault(key, self._gib(name))
 
     def on_train_begin(self, args, state, control, **kwargs):
         """The peak so far: loading the model and setting up the engine."""
-        self.before_training_gib = self._peak()
+        self._once(peak_reserved_gib_before_training="max_memory_reserved")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._once(peak_allocated_gib_forward_backward="max_memory_allocated",
+                   allocated_gib_before_update="memory_allocated")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._once(peak_allocated_gib_update="max_memory_allocated")
 
     def on_train_end(self, args, state, control, **kwargs):
         """The peak up to the end of training: before the final evaluation and save (a ZeRO-3
         or FSDP save gathers the whole model)."""
-        self.after_training_gib = self._peak()
+        self._once(peak_reserved_gib_training="max_memory_reserved")
+
+    def memory(self) -> dict:
+        import resource
+
+        rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        figures = {"peak_reserved_gib": self._gib("max_memory_reserved"), **self.phases,
+                   "cpu_peak_rss_gib": rss_kib / 2**20}
+        return {k: None if v is None else round(v, 4) for k, v in figures.items()}
 
     @staticmethod
     def _now():
@@ -383,9 +405,7 @@ class StepTimer(TrainerCallback):
     def summary(self, warmup: int = 2) -> dict:
         timed = self.step_seconds[warmup:] or self.step_seconds
         return {"median_step_seconds": statistics.median(timed) if timed else None,
-                "timed_steps": len(timed), "peak_reserved_gib": self._peak(),
-                "peak_reserved_gib_before_training": self.before_training_gib,
-                "peak_reserved_gib_training": self.after_training_gib,
+                "timed_steps": len(timed),
                 "first_step_seconds": [round(s, 3) for s in self.step_seconds[:warmup]]}
 
 
@@ -506,19 +526,19 @@ def open_run_dir(config: RunConfig, run_dir: Path, data: PreparedData, resume_fr
             echo(f"resuming from {resume_from} (step {step})")
 
 
-def write_summary(result: TrainResult, timer: StepTimer, peaks: list | None = None,
+def write_summary(result: TrainResult, timer: StepTimer, peaks: list,
                   memory_means: str = "none") -> None:
+    """run_summary.json; with several processes each memory figure is the largest of them, and
+    the figure of every process is kept under <name>_per_gpu (rank order)."""
     summary = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
     summary["memory_means"] = memory_means
-    summary["performance"] = timer.summary()
-    if peaks and len(peaks) > 1:
-        overall, before, training = zip(*peaks)
-        performance = summary["performance"]
-        performance["peak_reserved_gib_per_gpu"] = list(overall)
-        performance["peak_reserved_gib_before_training_per_gpu"] = list(before)
-        performance["peak_reserved_gib_training_per_gpu"] = list(training)
-        performance["peak_reserved_gib"] = max(overall)
-        performance["peak_reserved_gib_training"] = max(training)
+    performance = summary["performance"] = timer.summary()
+    for key in peaks[0]:
+        values = [p.get(key) for p in peaks]
+        known = [v for v in values if v is not None]
+        performance[key] = max(known) if known else None
+        if len(peaks) > 1:
+            performance[f"{key}_per_gpu"] = values
     (result.run_dir / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 

@@ -112,6 +112,12 @@ def test_run_config_keeps_where_values_came_from(runs):
     assert saved["resolved_from"]["data.max_length"] == "preset cpu"
     summary = json.loads((runs["two"] / "run_summary.json").read_text())
     assert summary["global_step"] == 4 and summary["train_samples"] == 24
+    # every process's memory figures, in rank order: on CPU only the resident memory peak
+    performance = summary["performance"]
+    rss = performance["cpu_peak_rss_gib_per_gpu"]
+    assert len(rss) == 2 and all(0.1 < r < 8 for r in rss)
+    assert performance["cpu_peak_rss_gib"] == max(rss)
+    assert performance["peak_reserved_gib"] is None
 
 
 def test_a_killed_two_process_run_resumes_exactly(runs):

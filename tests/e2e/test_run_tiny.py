@@ -91,6 +91,10 @@ def test_summary_and_step_log(finished_run):
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["global_step"] == 6 and summary["train_samples"] == 18
     assert summary["eval_loss"] is not None
+    performance = summary["performance"]
+    assert performance["timed_steps"] == 4 and len(performance["first_step_seconds"]) == 2
+    assert 0.1 < performance["cpu_peak_rss_gib"] < 8 and performance["peak_reserved_gib"] is None
+    assert "cpu_peak_rss_gib_per_gpu" not in performance  # one process: no per-GPU lists
     steps = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").open()]
     assert [s["step"] for s in steps if "loss" in s] == [1, 2, 3, 4, 5, 6]
 

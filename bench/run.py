@@ -122,6 +122,10 @@ PLANS = {
             ("zero3-offload-full-7b", "7b", "deepspeed-zero3-offload", "full", 2, 3, 4,
              ["train.save_only_model=true"]),
             ("fsdp-full-1.5b", "1.5b", "fsdp", "full", 2, 4, 4, []),
+            # what sync_each_micro_batch (on for fsdp) saves: FSDP's whole gradients kept
+            # between the micro-batches of a step
+            ("fsdp-full-1.5b-no-sync", "1.5b", "fsdp", "full", 2, 4, 4,
+             ["train.sync_each_micro_batch=false"]),
             ("zero2-offload-full-1.5b", "1.5b", "deepspeed-zero2-offload", "full", 2, 4, 4, []),
             ("fsdp-lora-0.5b", "0.5b", "fsdp", "lora", 2, 4, 4, []))],
     "sft-mix": lambda: sft_cells(("7b", "1.5b", "0.5b"), rows=256),

@@ -260,6 +260,13 @@ class TrainArgs:
                       "through `accelerate launch` (on a machine without CUDA: CPU processes "
                       "over gloo). The effective batch is micro_batch_size x grad_accum x gpus.",
                    minimum=1)
+    sync_each_micro_batch: str | bool = _f(
+        "auto", "Several GPUs: reduce the gradients after every micro-batch, not only after "
+                "the last one of an optimizer step. Without it FSDP keeps each GPU's whole "
+                "unsharded 16-bit gradients between micro-batches (2 bytes a trained "
+                "parameter: 2.9 GiB for full 1.5B); with it DDP communicates grad_accum times as often. auto: on for fsdp, off "
+                "otherwise; DeepSpeed reduces every micro-batch either way.",
+        choices=("auto", True, False))
     engine: str = _f("auto", "Distributed engine for --gpus: ddp (a full replica per GPU), "
                              "deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3, "
                              "deepspeed-zero3-offload (pip install deepspeed) or fsdp; auto: "
@@ -501,7 +508,7 @@ def _check_key(key: str, label: str, problems: list) -> bool:
     return False
 
 
-AUTO_OR_BOOL = ("embedding_on_cpu", "offload_checkpoints")
+AUTO_OR_BOOL = ("embedding_on_cpu", "offload_checkpoints", "sync_each_micro_batch")
 
 
 def _coerce(key: str, value) -> tuple[Any, str | None]:
@@ -589,6 +596,13 @@ def _validate(config: RunConfig) -> list[tuple[str, str]]:
     if config.train.max_steps == 0 or config.train.max_steps < -1:
         problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
     return problems
+
+
+def syncs_each_micro_batch(train: TrainArgs) -> bool:
+    """train.sync_each_micro_batch resolved: auto is on for FSDP (see its help)."""
+    if train.sync_each_micro_batch == "auto":
+        return train.engine == "fsdp"
+    return bool(train.sync_each_micro_batch)
 
 
 def save_config(config: RunConfig, path: Path) -> None:

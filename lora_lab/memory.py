@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .config import RunConfig, engine_template, guess_model_size, known_model_config
+from .config import (RunConfig, engine_template, guess_model_size, known_model_config,
+                     syncs_each_micro_batch)
 
 GIB = 2**30
 CONTEXT_GIB = 0.5
@@ -141,6 +142,7 @@ TRAINED_STATE_BYTES = {
     "lora": (4, 4, 8),   # fp32 LoRA weights and gradients; AdamW's two fp32 moments
     "full": (2, 2, 12),  # bf16 weights and gradients; fp32 master copy + two fp32 moments = 16
 }
+FSDP_FULL_STATE_BYTES = (4, 4, 8)
 CHECKED_ON_GPUS = {("ddp", "lora"), ("deepspeed-zero2", "lora"), ("deepspeed-zero3", "full")}
 """(engine, tuner) whose plan a two-GPU run matched within 15% (bench/results/*-multi-gpu.jsonl)."""
 UNDER_COUNTED_ON_GPUS = {
@@ -151,6 +153,8 @@ UNDER_COUNTED_ON_GPUS = {
 """(engine, tuner) whose plan a two-GPU run showed to be too low, and by how much."""
 OFFLOAD_FP32_GRAD_BYTES = 4
 """DeepSpeed's CPU optimizer steps on an fp32 copy of the gradients kept in CPU memory."""
+UNSHARDED_GRAD_BYTES = 2
+"""FSDP2 under no_sync accumulates each parameter's whole gradient in its compute dtype (bf16)."""
 
 
 @dataclass
@@ -367,9 +371,13 @@ def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tup
     base_bytes = single.pop("weights") * GIB
     single.pop("LoRA weights + gradients + Adam state (fp32)")
     weight_b, grad_b, optim_b = TRAINED_STATE_BYTES[tuner]
+    if (engine, tuner) == ("fsdp", "full"):
+        # accelerate upcasts the weights FSDP shards to fp32 (bf16 only while gathered), the
+        # gradients follow them: the same 16 bytes a parameter, with no separate master copy
+        weight_b, grad_b, optim_b = FSDP_FULL_STATE_BYTES
     trained = shape.trained_params(tuner, config.lora.rank)
     # full fine-tuning trains the base weights themselves: they are the trained weights
-    params_bytes = base_bytes if tuner == "full" else base_bytes + trained * weight_b
+    params_bytes = trained * weight_b if tuner == "full" else base_bytes + trained * weight_b
     grads_bytes, optim_bytes = trained * grad_b, trained * optim_b
     gpu, cpu = {}, {}
 
@@ -383,12 +391,17 @@ def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tup
     place("weights" if tuner == "full" else "weights (16-bit base, fp32 LoRA)", params_bytes,
           params_where)
     place("gradients", grads_bytes, grads_where)
-    place("optimizer state" + (" (fp32 master + Adam)" if tuner == "full" else " (Adam)"),
+    master = tuner == "full" and optim_b > 8
+    place("optimizer state" + (" (fp32 master + Adam)" if master else " (Adam)"),
           optim_bytes, optim_where)
     if optim_where == "cpu":
         cpu["fp32 gradient copy for the CPU optimizer"] = trained * OFFLOAD_FP32_GRAD_BYTES / GIB
     if engine == "ddp" and n > 1:
         gpu["DDP buckets (a copy of the gradients)"] = grads_bytes / GIB
+    if engine == "fsdp" and config.train.grad_accum > 1 and not syncs_each_micro_batch(
+            config.train):
+        gpu["whole gradients between micro-batches"] = (
+            trained * UNSHARDED_GRAD_BYTES / GIB)
     if engine.startswith("deepspeed"):
         gpu.update(_deepspeed_buffers(shape, config, trained, optim_where == "cpu"))
     elif params_where != "replica":

@@ -34,7 +34,7 @@ from .activations import resolve_packed_attention
 from .checkpoint import (OOM_SOURCE, check_disk_space, check_drift, checkpoint_step,
                          data_fingerprint, find_resume_checkpoint, remove_leftovers,
                          resolve_resume, run_dir_of, trim_step_log)
-from .config import RunConfig, save_config
+from .config import RunConfig, save_config, syncs_each_micro_batch
 from .data import IGNORE_INDEX, PreparedData, prepare_data
 from .errors import CheckpointError, ConfigError, LoraLabError, TrainingError
 from .memory import choose_memory_means, row_length, usable_gib
@@ -232,6 +232,9 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         gradient_checkpointing=False,  # enabled on the model (apply_lora, prepare_full_finetuning)
         ddp_find_unused_parameters=False,  # every trainable tensor takes part in every step
         deepspeed=deepspeed_config_path(config, run_dir),
+        # accelerate reduces after every micro-batch instead of skipping all but the last
+        accelerator_config={"gradient_accumulation_kwargs": {
+            "sync_each_batch": syncs_each_micro_batch(t)}},
     )
     if args.n_gpu > 1:
         # One process that sees several GPUs: the Trainer would spread each micro-batch over

@@ -141,12 +141,44 @@ def test_full_fine_tuning_costs_16_bytes_a_parameter_before_activations():
     assert plan_for("ddp", 1, "full").quantization.startswith("full fine-tuning")
 
 
-@pytest.mark.parametrize("engine", ["deepspeed-zero3", "fsdp"])
-def test_zero3_and_fsdp_also_shard_the_parameters(engine):
+@pytest.mark.parametrize("engine, weight_bytes", [("deepspeed-zero3", 2), ("fsdp", 4)])
+def test_zero3_and_fsdp_also_shard_the_parameters(engine, weight_bytes):
+    """DeepSpeed keeps bf16 weights and an fp32 master copy in the optimizer state; FSDP
+    (through accelerate) shards fp32 weights and gradients: 16 bytes a parameter either way."""
     plan = plan_for(engine, 4, "full")
     params = _shape().linear_params + _shape().other_params
-    assert _part(plan, "weights") == pytest.approx(params * 2 / 4 / 2**30)
+    assert _part(plan, "weights") == pytest.approx(params * weight_bytes / 4 / 2**30)
+    state = _part(plan, "weights") + _part(plan, "gradients") + _part(plan, "optimizer state")
+    assert state == pytest.approx(params * 16 / 4 / 2**30)
     assert _part(plan, "gathered parameters") > 0 and not plan.cpu_parts_gib
+
+
+def test_fsdp_without_a_sync_each_micro_batch_holds_the_whole_gradients():
+    """Under no_sync FSDP2 accumulates every parameter's unsharded bf16 gradient; with
+    train.sync_each_micro_batch (auto: on for fsdp) they are reduced after each micro-batch."""
+    params = _shape().linear_params + _shape().other_params
+    synced = plan_for("fsdp", 2, "full", **{"train.grad_accum": 4})
+    held = plan_for("fsdp", 2, "full", **{"train.grad_accum": 4,
+                                          "train.sync_each_micro_batch": False})
+    assert _part(synced, "whole gradients") == 0
+    assert _part(held, "whole gradients") == pytest.approx(params * 2 / 2**30)
+    assert held.total_gib - synced.total_gib == pytest.approx(params * 2 / 2**30)
+    one_micro_batch = plan_for("fsdp", 2, "full", **{"train.grad_accum": 1,
+                                                     "train.sync_each_micro_batch": False})
+    assert _part(one_micro_batch, "whole gradients") == 0  # nothing to hold between
+
+
+@pytest.mark.parametrize("engine, synced", [("fsdp", True), ("ddp", False)])
+def test_the_trainer_is_told_to_sync_each_micro_batch_for_fsdp(engine, synced, tmp_path):
+    from lora_lab.model import Precision
+    from lora_lab.train import build_training_arguments
+
+    config = resolve_config("cpu", flags={"data.datasets": ["x"], "train.engine": engine})
+    args = build_training_arguments(config, tmp_path, Precision("fp32"), 10, False)
+    assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": synced}
+    config.train.sync_each_micro_batch = True
+    args = build_training_arguments(config, tmp_path, Precision("fp32"), 10, False)
+    assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
 
 
 def test_offload_moves_optimizer_state_and_zero3_parameters_to_cpu():

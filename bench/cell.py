@@ -155,9 +155,11 @@ def run_multi_gpu(cell: dict) -> dict:
         # the launcher's own traceback ends the output; the workers' exceptions come earlier
         output = (proc.stderr or "") + (proc.stdout or "")
         raised = [line for line in output.splitlines()
-                  if ("Error" in line or "Exception" in line) and "elastic" not in line]
+                  if any(word in line for word in ("Error", "Exception", "Signal", "exitcode",
+                                                   "Killed", "core dumped"))
+                  and "elastic" not in line]
         return {"error": f"exit {proc.returncode}: " + " | ".join(dict.fromkeys(raised))[-2500:],
-                "output_tail": output[-3000:]}
+                "output_tail": (proc.stderr or "")[-5000:], "stdout_tail": (proc.stdout or "")[-1500:]}
     summary = json.loads((run_dir / "run_summary.json").read_text())
     log = [json.loads(line) for line in
            (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]

@@ -237,13 +237,18 @@ REFERENCE_CLAIMS = {  # the issue's reference recipe, 4 x A100 40GB, 7B full fin
 }
 
 
-def planned_gib(row: dict) -> float:
-    """The current planner's per-GPU prediction for a multi-gpu cell (as bench/cell.py
-    configures it), so the table follows planner changes without re-running the GPUs."""
+def plan_of(row: dict):
+    """The current planner's plan for a multi-gpu cell (as bench/cell.py configures it), so
+    the table follows planner changes without re-running the GPUs."""
     from cell import multi_gpu_config  # bench/ is on the path: run as a script, or the tests
     from lora_lab.memory import plan_memory
 
-    return plan_memory(multi_gpu_config(row)).total_gib
+    return plan_memory(multi_gpu_config(row))
+
+
+def planned_gib(row: dict) -> float:
+    """The predicted per-GPU peak of a multi-gpu cell (plan_of)."""
+    return plan_of(row).total_gib
 
 
 def multi_gpu_table() -> str:
@@ -251,10 +256,13 @@ def multi_gpu_table() -> str:
     if not rows:
         return ""
     lines = ["| run | GPUs | engine | per-GPU peak GiB: training (with the final save) | "
-             "planned GiB | plan / measured | step s | it/s | tokens/s | loss first -> last |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "planned GiB | plan / measured | CPU GiB: measured / planned | step s | it/s | "
+             "tokens/s | loss first -> last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         name = f"Qwen2.5-{row['size'].upper()} {'LoRA' if row['tuner'] == 'lora' else 'full'}"
+        if "train.sync_each_micro_batch=false" in row.get("sets", []):
+            name += " (no sync between micro-batches)"
         if row.get("error"):
             # the workers' own exception first ("[rank0]: RuntimeError: ..."), not the launcher's
             parts = [p.strip() for line in row["error"].splitlines() for p in line.split(" | ")]
@@ -262,7 +270,7 @@ def multi_gpu_table() -> str:
                           next((p for p in reversed(parts) if "Error" in p),
                                row["error"][:80]))[:140]
             lines.append(f"| {name} | {row['gpus']} | {row['engine']} | failed: {reason} | "
-                         f"| | | | | |")
+                         f"| | | | | | |")
             continue
         training = row.get("peak_reserved_gib_training") or row["peak_reserved_gib"]
         peak = (f"{training:.2f} ({row['peak_reserved_gib']:.2f})"
@@ -271,7 +279,7 @@ def multi_gpu_table() -> str:
         planned = planned_gib(row)
         lines.append(
             f"| {name} | {row['gpus']} | {row['engine']} | {peak} | "
-            f"{planned:.2f} | {planned / training:.2f} | "
+            f"{planned:.2f} | {planned / training:.2f} | {_cpu_memory(row)} | "
             f"{row['median_step_seconds']:.2f} | {row['iterations_per_s']:.3f} | "
             f"{row['tokens_per_s']:,.0f} | "
             + (f"{losses[0]:.3f} -> {losses[-1]:.3f} |" if losses else "- |"))
@@ -295,9 +303,20 @@ def multi_gpu_table() -> str:
             "gradient checkpointing, random weights with the real config. it/s = optimizer "
             "steps per second (median after 2 warm-up steps). Peak = torch.cuda."
             "max_memory_reserved of the larger GPU up to the end of training (in brackets: "
-            "including the final evaluation and consolidated save). Measured: "
+            "including the final evaluation and consolidated save). CPU GiB, for the "
+            "offload engines: the processes' resident peaks (ru_maxrss) added up, loading and "
+            "the final save included, against the planned offloaded state. Measured: "
             + "; ".join(_source(h) for h in headers_of(headers, [r["label"] for r in rows]))
             + "\n")
+
+
+def _cpu_memory(row: dict) -> str:
+    """Offload engines: the processes' CPU resident peaks added up / the planned CPU state."""
+    if "offload" not in row["engine"]:
+        return "-"
+    planned = plan_of(row).cpu_total_gib
+    measured = row.get("cpu_peak_rss_gib_per_gpu")
+    return f"{sum(measured):.1f} / {planned:.1f}" if measured else f"- / {planned:.1f}"
 
 
 def export_tables() -> str:

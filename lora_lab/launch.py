@@ -189,12 +189,22 @@ def launch_env(config: RunConfig, environ=None, cpus: int | None = None) -> dict
     CPU Adam uses OpenMP threads), and torchrun/accelerate start each worker with
     OMP_NUM_THREADS=1: the 7B ZeRO-3 + offload step then crawls (a reference run with one thread
     had not finished two minutes in). Unless the user set it, give each worker its share of the
-    cores."""
+    cores.
+
+    FSDP gathers and frees every layer's weights on its own CUDA streams, and PyTorch's caching
+    allocator keeps what one stream freed from the others: unless the user set
+    PYTORCH_CUDA_ALLOC_CONF, FSDP workers get expandable segments (measured in README, Several
+    GPUs)."""
     env = dict(os.environ if environ is None else environ)
     if config.train.engine.endswith("-offload") and "OMP_NUM_THREADS" not in env:
         cpus = cpus or len(os.sched_getaffinity(0))
         env["OMP_NUM_THREADS"] = str(max(1, cpus // config.train.gpus))
+    if config.train.engine == "fsdp" and ALLOCATOR_ENV not in env:
+        env[ALLOCATOR_ENV] = "expandable_segments:True"
     return env
+
+
+ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def launch_run(config: RunConfig, echo=print) -> TrainResult:
@@ -204,6 +214,8 @@ def launch_run(config: RunConfig, echo=print) -> TrainResult:
     env = launch_env(config)
     threads = (f" (OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per worker for the CPU optimizer)"
                if env.get("OMP_NUM_THREADS") != os.environ.get("OMP_NUM_THREADS") else "")
+    if env.get(ALLOCATOR_ENV) != os.environ.get(ALLOCATOR_ENV):
+        threads += f" ({ALLOCATOR_ENV}={env[ALLOCATOR_ENV]})"
     echo(f"launching {config.train.gpus} {where} with engine {config.train.engine}{threads}:\n  "
          f"{shlex.join(command)}")
     completed = subprocess.run(command, env=env)

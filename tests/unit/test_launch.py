@@ -75,6 +75,15 @@ def test_offload_workers_get_their_share_of_the_cores_for_the_cpu_optimizer(engi
     assert "OMP_NUM_THREADS" not in launch_env(config_for("deepspeed-zero3"), {}, cpus=32)
 
 
+def test_fsdp_workers_get_expandable_segments_unless_the_user_chose_an_allocator():
+    assert launch_env(config_for("fsdp", gpus=2), {})["PYTORCH_CUDA_ALLOC_CONF"] == (
+        "expandable_segments:True")
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert launch_env(config_for("fsdp", gpus=2), mine)["PYTORCH_CUDA_ALLOC_CONF"] == (
+        "max_split_size_mb:512")
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in launch_env(config_for("deepspeed-zero3", gpus=2), {})
+
+
 def test_only_several_gpus_or_an_engine_launch(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert not needs_launch(config_for("ddp", gpus=1))

@@ -156,7 +156,7 @@ def run_multi_gpu(cell: dict) -> dict:
         output = (proc.stderr or "") + (proc.stdout or "")
         raised = [line for line in output.splitlines()
                   if any(word in line for word in ("Error", "Exception", "Signal", "exitcode",
-                                                   "Killed", "core dumped"))
+                                                   "Killed", "core dumped", "error:"))
                   and "elastic" not in line]
         return {"error": f"exit {proc.returncode}: " + " | ".join(dict.fromkeys(raised))[-2500:],
                 "output_tail": (proc.stderr or "")[-5000:], "stdout_tail": (proc.stdout or "")[-1500:]}

@@ -319,6 +319,35 @@ def _cpu_memory(row: dict) -> str:
     return f"{sum(measured):.1f} / {planned:.1f}" if measured else f"- / {planned:.1f}"
 
 
+def scaling_plan_table() -> str:
+    """The planner's per-GPU and CPU predictions for issue 8's 4- and 8-GPU runs (a plan, not a
+    measurement: nothing here has run)."""
+    from cell import multi_gpu_config
+    from run import SCALING_RUNS, scaling_cells
+
+    from lora_lab.memory import CPU_PLAN_MARGIN, plan_memory
+
+    lines = ["| GPUs | engine | checkpointing | reference claim (4 x A100 40GB) | planned GiB per "
+             "GPU | fits 39.5 | planned CPU GiB (x margin) |", "|---|---|---|---|---|---|---|"]
+    claims = {(engine, checkpointing): claim for engine, checkpointing, claim in SCALING_RUNS}
+    for cell in scaling_cells():
+        checkpointing = "train.gradient_checkpointing=true" in cell["sets"]
+        plan = plan_memory(multi_gpu_config(cell), cell["cap_gib"])
+        cpu = (f"{plan.cpu_total_gib:.0f} ({plan.cpu_total_gib * CPU_PLAN_MARGIN:.0f})"
+               if plan.cpu_total_gib else "-")
+        claim = claims[cell["engine"], checkpointing] if cell["gpus"] == 4 else ""
+        lines.append(f"| {cell['gpus']} | {cell['engine']} | {'on' if checkpointing else 'off'} "
+                     f"| {claim} | {plan.total_gib:.2f} | {'yes' if plan.fits else 'no'} | "
+                     f"{cpu} |")
+    return ("\n".join(lines) + "\n\nPlanned, not measured (issue 8: no 4- or 8-GPU machine was "
+            "lent): Qwen2.5-7B full fine-tuning, micro-batch 1, gradient accumulation 4, 2048 "
+            "tokens, bf16, each GPU capped to 40 GiB; `lora-lab plan --model qwen2.5-7b "
+            "--gpu-memory 40 --gpus N --engine E --set train.tuner=full --grad-accum 4 "
+            "--max-length 2048 --micro-batch-size 1 --set train.gradient_checkpointing=...` "
+            "prints each row; `lora-lab run ... --dry-run` writes its launch files. The runs: "
+            "`python bench/run.py scaling-7b` on such a machine.\n")
+
+
 def export_tables() -> str:
     """Quantized export (bench/export_bench.py): sizes and load memory on the GPU (random
     weights, real shapes), quality of the real fine-tuned 0.5B (run on CPU)."""
@@ -384,6 +413,7 @@ def render() -> str:
              ("Real-length SFT data, one epoch", sft_table()),
              ("Long sequences on Qwen2.5-7B", longest_table()),
              ("Several GPUs (DeepSpeed, FSDP, DDP)", multi_gpu_table()),
+             ("4 and 8 GPUs: the plan (not run)", scaling_plan_table()),
              ("Quantized export (lora-lab export --quantize)", export_tables())]
     return "\n".join(f"#### {title}\n\n{body}" for title, body in parts if body)
 

@@ -76,6 +76,21 @@ def sft_cells(sizes, rows: int) -> list:
                                             "model.cudnn_attention=true"]))]
 
 
+# (engine, gradient checkpointing, the reference claim on 4 x A100 40GB) for issue 8
+SCALING_RUNS = (("deepspeed-zero2-offload", False, "ZeRO-2 + CPU optimizer offload: 38 GB, 2.1 it/s"),
+                ("deepspeed-zero3", False, "ZeRO-3: 28 GB, 1.6 it/s"),
+                ("deepspeed-zero2-offload", True, "ZeRO-2 + gradient checkpointing: 24 GB, 1.4 it/s"))
+
+
+def scaling_cells() -> list:
+    return [{"kind": "multi", "label": f"{engine[10:]}-{'ckpt' if ckpt else 'nockpt'}-7b-{gpus}gpu",
+             "size": "7b", "engine": engine, "tuner": "full", "gpus": gpus, "steps": 4,
+             "grad_accum": 4, "max_length": 2048, "cap_gib": 40,
+             "sets": [f"train.gradient_checkpointing={str(ckpt).lower()}",
+                      "train.save_only_model=true"]}
+            for gpus in (4, 8) for engine, ckpt, _ in SCALING_RUNS]
+
+
 PLANS = {
     "smoke": lambda: [
         {"kind": "lora-lab", "label": "smoke-ll", "preset": "24gb", "size": "0.5b",
@@ -128,6 +143,8 @@ PLANS = {
              ["train.sync_each_micro_batch=false"]),
             ("zero2-offload-full-1.5b", "1.5b", "deepspeed-zero2-offload", "full", 2, 4, 4, []),
             ("fsdp-lora-0.5b", "0.5b", "fsdp", "lora", 2, 4, 4, []))],
+    # Issue 8: 7B full fine-tuning at the reference settings on 4 and 8 GPUs (needs them)
+    "scaling-7b": lambda: scaling_cells(),
     "sft-mix": lambda: sft_cells(("7b", "1.5b", "0.5b"), rows=256),
     "sft-mix-small": lambda: sft_cells(("1.5b", "0.5b"), rows=256),
     # Shorter lengths, after long-7b found the targets out of reach with the present means.

@@ -159,7 +159,8 @@ def run_multi_gpu(cell: dict) -> dict:
                                                    "Killed", "core dumped", "error:"))
                   and "elastic" not in line]
         return {"error": f"exit {proc.returncode}: " + " | ".join(dict.fromkeys(raised))[-2500:],
-                "output_tail": (proc.stderr or "")[-5000:], "stdout_tail": (proc.stdout or "")[-1500:]}
+                "output_tail": (proc.stderr or "")[-5000:],
+                "stdout_tail": (proc.stdout or "")[-1500:]}
     summary = json.loads((run_dir / "run_summary.json").read_text())
     log = [json.loads(line) for line in
            (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]

@@ -77,9 +77,10 @@ def sft_cells(sizes, rows: int) -> list:
 
 
 # (engine, gradient checkpointing, the reference claim on 4 x A100 40GB) for issue 8
-SCALING_RUNS = (("deepspeed-zero2-offload", False, "ZeRO-2 + CPU optimizer offload: 38 GB, 2.1 it/s"),
-                ("deepspeed-zero3", False, "ZeRO-3: 28 GB, 1.6 it/s"),
-                ("deepspeed-zero2-offload", True, "ZeRO-2 + gradient checkpointing: 24 GB, 1.4 it/s"))
+SCALING_RUNS = (
+    ("deepspeed-zero2-offload", False, "ZeRO-2 + CPU optimizer offload: 38 GB, 2.1 it/s"),
+    ("deepspeed-zero3", False, "ZeRO-3: 28 GB, 1.6 it/s"),
+    ("deepspeed-zero2-offload", True, "ZeRO-2 + gradient checkpointing: 24 GB, 1.4 it/s"))
 
 
 def scaling_cells() -> list:

@@ -264,8 +264,9 @@ class TrainArgs:
         "auto", "Several GPUs: reduce the gradients after every micro-batch, not only after "
                 "the last one of an optimizer step. Without it FSDP keeps each GPU's whole "
                 "unsharded 16-bit gradients between micro-batches (2 bytes a trained "
-                "parameter: 2.9 GiB for full 1.5B); with it DDP communicates grad_accum times as often. auto: on for fsdp, off "
-                "otherwise; DeepSpeed reduces every micro-batch either way.",
+                "parameter: 2.9 GiB for full 1.5B); with it DDP communicates grad_accum times "
+                "as often. auto: on for fsdp, off otherwise; DeepSpeed reduces every "
+                "micro-batch either way.",
         choices=("auto", True, False))
     engine: str = _f("auto", "Distributed engine for --gpus: ddp (a full replica per GPU), "
                              "deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3, "

@@ -18,10 +18,10 @@ Several GPUs (train.gpus > 1) and the distributed engines (train.engine) are pla
 shards them, and moved to CPU memory where it offloads them, plus DeepSpeed's own buffers
 (`_deepspeed_buffers`, counted from presets/engines/*.json). Those terms are COUNTED from the
 engines' behaviour and checked against the two-GPU runs in bench/results/*-multi-gpu.jsonl (DDP,
-ZeRO-2 LoRA 7B, ZeRO-3 full 1.5B, FSDP full 1.5B and LoRA 0.5B: within 15%, tests/unit/test_memory.py). The
-offload engines miss by more (GAPS_ON_GPUS, and the plan report says so), and their CPU plan is
-low (CPU_PLAN_MARGIN). The activation terms are the single-GPU ones
-(each GPU runs its own micro-batch).
+ZeRO-2 LoRA 7B, ZeRO-3 full 1.5B, FSDP full 1.5B and LoRA 0.5B: within 15%,
+tests/unit/test_memory.py). The offload engines miss by more (GAPS_ON_GPUS, and the plan report
+says so), and their CPU plan is low (CPU_PLAN_MARGIN). The activation terms are the single-GPU
+ones (each GPU runs its own micro-batch).
 """
 from __future__ import annotations
 
@@ -416,14 +416,12 @@ def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tup
             cpu["16-bit partition buffers"] = trained * 2 / GIB
             if config.train.grad_accum > 1:
                 cpu["whole 16-bit gradients, in every process"] = trained * 2 * n / GIB
-        cpu["the processes' own memory (measured)"] = (
-            PROCESS_CPU_GIB * n)
+        cpu["the processes' own memory (measured)"] = PROCESS_CPU_GIB * n
     if engine == "ddp" and n > 1:
         gpu["DDP buckets (a copy of the gradients)"] = grads_bytes / GIB
-    if engine == "fsdp" and config.train.grad_accum > 1 and not syncs_each_micro_batch(
-            config.train):
-        gpu["whole gradients between micro-batches"] = (
-            trained * UNSHARDED_GRAD_BYTES / GIB)
+    held = config.train.grad_accum > 1 and not syncs_each_micro_batch(config.train)
+    if engine == "fsdp" and held:
+        gpu["whole gradients between micro-batches"] = trained * UNSHARDED_GRAD_BYTES / GIB
     if engine.startswith("deepspeed"):
         gpu.update(_deepspeed_buffers(shape, config, trained, optim_where == "cpu"))
     elif params_where != "replica":

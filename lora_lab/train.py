@@ -348,7 +348,8 @@ class StepTimer(TrainerCallback):
     optimizer step the allocated peak of its forward and backward passes, what stays allocated
     when they are done (weights, gradients, optimizer state) and the allocated peak of the
     optimizer's update (DeepSpeed updates inside its backward pass: there the forward and
-    backward figure includes it). cpu_peak_rss_gib: this process's resident CPU memory peak (offload)."""
+    backward figure includes it). cpu_peak_rss_gib: this process's resident CPU memory peak
+    (what the offload engines are planned with)."""
 
     def __init__(self):
         self.step_seconds, self._last = [], None

@@ -276,10 +276,11 @@ def multi_gpu_table() -> str:
         peak = (f"{training:.2f} ({row['peak_reserved_gib']:.2f})"
                 if row.get("peak_reserved_gib_training") else f"{row['peak_reserved_gib']:.2f}")
         losses = row.get("losses") or []
-        planned = planned_gib(row)
+        plan = plan_of(row)
+        planned = plan.total_gib
         lines.append(
             f"| {name} | {row['gpus']} | {row['engine']} | {peak} | "
-            f"{planned:.2f} | {planned / training:.2f} | {_cpu_memory(row)} | "
+            f"{planned:.2f} | {planned / training:.2f} | {_cpu_memory(row, plan)} | "
             f"{row['median_step_seconds']:.2f} | {row['iterations_per_s']:.3f} | "
             f"{row['tokens_per_s']:,.0f} | "
             + (f"{losses[0]:.3f} -> {losses[-1]:.3f} |" if losses else "- |"))
@@ -310,13 +311,13 @@ def multi_gpu_table() -> str:
             + "\n")
 
 
-def _cpu_memory(row: dict) -> str:
+def _cpu_memory(row: dict, plan) -> str:
     """Offload engines: the processes' CPU resident peaks added up / the planned CPU state."""
     if "offload" not in row["engine"]:
         return "-"
-    planned = plan_of(row).cpu_total_gib
     measured = row.get("cpu_peak_rss_gib_per_gpu")
-    return f"{sum(measured):.1f} / {planned:.1f}" if measured else f"- / {planned:.1f}"
+    return (f"{sum(measured):.1f} / {plan.cpu_total_gib:.1f}" if measured
+            else f"- / {plan.cpu_total_gib:.1f}")
 
 
 def scaling_plan_table() -> str:

@@ -21,7 +21,8 @@ import re
 import shutil
 from pathlib import Path
 
-from .config import FLAGS, RunConfig, flatten, load_saved_config, resolve_model_spec
+from .config import (FLAGS, RunConfig, flatten, load_saved_config, model_config_of,
+                     resolve_model_spec)
 from .errors import CheckpointError, LoraLabError
 
 MANIFEST_NAME = "manifest.json"
@@ -384,20 +385,10 @@ def checkpoint_sizes(config: RunConfig, model_config: dict) -> tuple[float, floa
     return trained * weight_bytes, trained * optimizer_bytes, trained * final_bytes
 
 
-def _model_config(name: str) -> dict | None:
-    from .config import guess_model_size, known_model_config
-
-    kind, value = resolve_model_spec(name)
-    if kind == "folder" and (Path(value) / "config.json").is_file():
-        return json.loads((Path(value) / "config.json").read_text())
-    size = guess_model_size(name)
-    return known_model_config(size) if size else None
-
-
 def check_disk_space(config: RunConfig, run_dir: Path, total_steps: int) -> None:
     """Refuse before training a run whose checkpoints and final weights will not fit the free
     space where they go: a full disk fails the save at the end, after all the training."""
-    model_config = _model_config(config.model.name) if config.train.disk_check else None
+    model_config = model_config_of(config.model.name) if config.train.disk_check else None
     if model_config is None or "hidden_size" not in model_config:
         return
     t = config.train

@@ -85,14 +85,21 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
                      f"Aliases: {', '.join(sorted(MODEL_ALIASES)[:4])} ... (see README).")
 
 
+def _local_config(kind: str, value: str) -> dict | None:
+    """A resolved model spec's own config.json, when it is a folder that has one."""
+    path = Path(value) / "config.json"
+    return json.loads(path.read_text()) if kind == "folder" and path.is_file() else None
+
+
 def guess_model_size(spec: str) -> str | None:
     """'7b' for any Qwen2.5-7B spelling or a local folder of that shape; None if unknown."""
     try:
         kind, value = resolve_model_spec(spec)
     except LoraLabError:
         return None
-    if kind == "folder" and (Path(value) / "config.json").is_file():
-        shape = _shape_of(json.loads((Path(value) / "config.json").read_text()))
+    local = _local_config(kind, value)
+    if local is not None:
+        shape = _shape_of(local)
         for size in QWEN25_SIZES:
             if shape == _shape_of(known_model_config(size)):
                 return size
@@ -100,6 +107,16 @@ def guess_model_size(spec: str) -> str | None:
     match = re.search(r"(\d+(?:\.\d+)?)b", Path(value).name.lower())
     size = match.group(1) + "b" if match else None
     return size if size in QWEN25_SIZES else None
+
+
+def model_config_of(spec: str) -> dict | None:
+    """The model's config.json: a local folder's own, else the shipped one of the Qwen2.5 size
+    its name says; None if neither is known."""
+    local = _local_config(*resolve_model_spec(spec))
+    if local is not None:
+        return local
+    size = guess_model_size(spec)
+    return known_model_config(size) if size else None
 
 
 def _shape_of(config: dict) -> tuple:

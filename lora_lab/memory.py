@@ -185,13 +185,16 @@ class MemoryPlan:
     """The long-sequence means (lora_lab.activations) the run will use."""
     counted: bool = False
     """True when the plan rests on counted, not measured, terms (several GPUs, engines, full)."""
-    checked: bool = False
-    """True for the engine and tuner kinds a two-GPU run has checked (CHECKED_ON_GPUS)."""
     budget_gib: float | None = None
     longest_max_length: int | None = None
     """The longest max_length (micro-batch 1) that fits the budget with these settings."""
     fixes: list = field(default_factory=list)
     """The knobs that would make it fit, as flags."""
+
+    @property
+    def checked(self) -> bool:
+        """A two-GPU run has checked plans of this engine and tuner (CHECKED_ON_GPUS)."""
+        return self.gpus > 1 and (self.engine, self.tuner) in CHECKED_ON_GPUS
 
     @property
     def total_gib(self) -> float:
@@ -264,8 +267,6 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
     else:
         plan.parts_gib, plan.cpu_parts_gib = _distributed_parts(shape, config, tokens)
         plan.counted = True
-        plan.checked = (config.train.engine, tuner_of(config)) in CHECKED_ON_GPUS and (
-            config.train.gpus > 1)
     if gpu_memory_gib:
         plan.budget_gib = budget
         plan.longest_max_length = _longest(shape, config, plan.budget_gib)

@@ -2,7 +2,7 @@
 
   python bench/cell.py '{"kind": "lora-lab", "preset": "16gb", "size": "7b", "max_length": 2048,
                          "steps": 20, "grad_accum": 1, "cap_gib": 15.5}'
-kind "lora-lab" runs lora_lab.train.train() on full-length synthetic samples with the preset;
+kind "lora-lab" runs lora_lab.train() on full-length synthetic samples with the preset;
 kind "baseline" runs the plain Trainer+PEFT recipe (bench/baseline.py). Prints one JSON line.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ WORK = Path("/tmp/lora-lab-bench")
 
 
 def cap_memory(cap_gib: float | None) -> None:
-    """The cap lora-lab users set with LORA_LAB_GPU_MEMORY_GIB (lora_lab.train.cap_gpu_memory),
+    """The cap lora-lab users set with LORA_LAB_GPU_MEMORY_GIB (lora_lab.device.cap_gpu_memory),
     here for the whole cell process, baseline included."""
     import os
 
-    from lora_lab.train import MEMORY_CAP_ENV, cap_gpu_memory
+    from lora_lab.device import MEMORY_CAP_ENV, cap_gpu_memory
 
     if cap_gib:
         os.environ[MEMORY_CAP_ENV] = str(cap_gib)
@@ -31,8 +31,8 @@ def cap_memory(cap_gib: float | None) -> None:
 
 def run_lora_lab(cell: dict) -> dict:
     from lora_lab.config import resolve_config
-    from lora_lab.memory import micro_batch_rows, row_length
-    from lora_lab.train import train
+    from lora_lab.planning.memory import micro_batch_rows, row_length
+    from lora_lab import train
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = WORK / f"data-{cell['label']}.jsonl"
@@ -51,7 +51,7 @@ def run_lora_lab(cell: dict) -> dict:
         config.train.grad_accum = max(1, row_length(config) // cell["max_length"])
     rows = cell["steps"] * config.train.grad_accum * config.train.micro_batch_size
     write_full_length_rows(data, rows, cell["max_length"])
-    result = train(config, echo=lambda *a: None)
+    result = train(config)
     summary = json.loads((result.run_dir / "run_summary.json").read_text())
     performance = summary["performance"]
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
@@ -62,9 +62,9 @@ def run_lora_lab(cell: dict) -> dict:
 
 def resolved(config, summary: dict) -> dict:
     """The settings a cell trained with; the memory means as the run chose them."""
-    from lora_lab.activations import resolve_packed_attention
-    from lora_lab.memory import row_length
-    from lora_lab.model import resolve_kernels
+    from lora_lab.models.attention import resolve_packed_attention
+    from lora_lab.planning.memory import row_length
+    from lora_lab.models.load import resolve_kernels
 
     return {"quantization": config.model.quantization,
             "kernels": resolve_kernels(config.model.kernels), "dtype": config.model.dtype,
@@ -80,7 +80,7 @@ def resolved(config, summary: dict) -> dict:
 def run_lora_lab_sft(cell: dict) -> dict:
     """One epoch of the realistic SFT mix with the preset (packing as the preset says)."""
     from lora_lab.config import resolve_config
-    from lora_lab.train import train
+    from lora_lab import train
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = write_sft_mix_rows(WORK / f"sft-mix-{cell['rows']}.jsonl", cell["rows"])
@@ -89,7 +89,7 @@ def run_lora_lab_sft(cell: dict) -> dict:
              "train.save_steps": 10**6, "train.logging_steps": 1,
              "train.memory_check": False, "train.oom_retry": False}
     config = resolve_config(cell["preset"], flags=flags, sets=cell.get("sets", []))
-    result = train(config, echo=lambda *a: None)
+    result = train(config)
     log = [json.loads(line) for line in
            (result.run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
     seconds = next(entry["train_runtime"] for entry in log if "train_runtime" in entry)
@@ -106,7 +106,7 @@ def run_lora_lab_sft(cell: dict) -> dict:
 
 def encoded_lengths(config) -> list:
     from lora_lab.data import prepare_data
-    from lora_lab.model import load_tokenizer
+    from lora_lab.models.load import load_tokenizer
 
     data = prepare_data(config.data, load_tokenizer(config.model.name), config.train.seed)
     return [s.input_ids for s in data.train.samples]
@@ -130,7 +130,7 @@ def run_multi_gpu(cell: dict) -> dict:
     import os
     import subprocess
 
-    from lora_lab.memory import plan_memory
+    from lora_lab.planning.memory import plan_memory
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = write_full_length_rows(WORK / f"data-{cell['label']}.jsonl",

@@ -4,7 +4,7 @@
                                [--formats nf4,w4a16] [--parallel 4]
 
 For each size, a random-weight Qwen2.5 of the real shape (bench/workloads.py; same bytes and
-memory as the real one) is exported to each 4-bit format by lora_lab.export; then every folder,
+memory as the real one) is exported to each 4-bit format by lora_lab.use.export; then every folder,
 the bf16 one included, is loaded in a fresh process (torch.cuda.max_memory_allocated / _reserved
 after from_pretrained, and again after a 16-token greedy generation: transformers de-quantizes
 w4a16 to 16 bits at the first forward, vLLM does not).
@@ -13,7 +13,7 @@ With --real-run RUN_DIR (a fine-tuned run folder; its merged/ is used when prese
 merged here, which needs the base model the run's config.yaml names), the real model is exported
 too (w4a16 calibrated on the run's own training data) and each variant is compared with the bf16
 merge: eval loss and perplexity on the assistant tokens of bench/export_heldout.jsonl (prompts not
-in the training set; lora_lab.evaluate's loss), and greedy answers to the self-cognition prompts.
+in the training set; lora_lab.use.evaluate loss), and greedy answers to the self-cognition prompts.
 
 Writes DIR/<date>-export.jsonl: a header line (GPU, library versions, date, command), then one
 JSON line per measurement, each with "error" (null when it worked). Every step runs in its own
@@ -74,18 +74,17 @@ def step_build(step: dict) -> dict:
 
 
 def step_merge(step: dict) -> dict:
-    from lora_lab.merge import merge_adapter
+    from lora_lab import merge_adapter
 
     result = merge_adapter(step["run_dir"], step["folder"], dtype="bf16", force=True)
     return {"folder": str(result.output_dir), "top1_agreement": result.top1_agreement}
 
 
 def step_export(step: dict) -> dict:
-    from lora_lab.export import export_quantized
+    from lora_lab import export_quantized
 
     result = export_quantized(step["source"], step["format"], step.get("calib_data"),
-                              step["calib_samples"], step["folder"], force=True,
-                              echo=lambda *_: None)
+                              step["calib_samples"], step["folder"], force=True)
     report = json.loads((Path(step["folder"]) / "export_report.json").read_text())
     return {"folder": step["folder"], "weights_bytes": result.weights_bytes,
             "weights_gib": round(result.weights_bytes / GIB, 3),
@@ -130,7 +129,7 @@ def step_load(step: dict) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from lora_lab.export import weights_bytes
+    from lora_lab.use.export import weights_bytes
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -166,11 +165,11 @@ def step_quality(step: dict) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from lora_lab.config import load_saved_config
+    from lora_lab.run_folder import load_saved_config
     from lora_lab.data import load_samples
     from lora_lab.data.encode import encode_samples
-    from lora_lab.evaluate import assistant_token_loss
-    from lora_lab.infer import GenerationSettings, generate_replies
+    from lora_lab.use.evaluate import assistant_token_loss
+    from lora_lab.use.infer import GenerationSettings, generate_replies
 
     config = load_saved_config(Path(step["run_dir"]) / "config.yaml")
     args = config.data
@@ -223,7 +222,7 @@ def run_step_here(step: dict) -> None:
 def environment(command: str) -> dict:
     import torch
 
-    from lora_lab.export import library_versions
+    from lora_lab.use.export import library_versions
 
     on_gpu = torch.cuda.is_available()
     return {"header": True, "plan": "export",
@@ -315,7 +314,7 @@ class Bench:
         return None if outcome["error"] else folder
 
     def quality(self, run_dir: Path, variants: dict) -> None:
-        from lora_lab.export import weights_bytes
+        from lora_lab.use.export import weights_bytes
 
         outcome = self.step({"kind": "quality", "run_dir": str(run_dir), "variants": variants,
                              "eval_data": self.args.eval_data,

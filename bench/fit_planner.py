@@ -14,8 +14,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lora_lab import memory  # noqa: E402
-from lora_lab.config import guess_model_size, known_model_config, resolve_config  # noqa: E402
+from lora_lab.planning import memory  # noqa: E402
+from lora_lab.config import resolve_config
+from lora_lab.registry import guess_model_size, known_model_config
 
 
 def measured_cells() -> list:

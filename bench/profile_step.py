@@ -19,7 +19,7 @@ import torch
 from transformers import TrainerCallback
 
 import cell
-import lora_lab.train as train_module
+import lora_lab.training.run as train_module
 
 WAIT, WARMUP, ACTIVE = 2, 1, 2
 
@@ -54,8 +54,8 @@ def main() -> None:
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
         schedule=torch.profiler.schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE))
     steps = ProfilerSteps(profiler)
-    callbacks = train_module._callbacks
-    train_module._callbacks = lambda run_dir: callbacks(run_dir) + [steps]
+    callbacks = train_module.run_callbacks
+    train_module.run_callbacks = lambda run_dir: callbacks(run_dir) + [steps]
     with profiler:
         result = cell.run_lora_lab(spec)
     events = profiler.key_averages()

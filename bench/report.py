@@ -241,7 +241,7 @@ def plan_of(row: dict):
     """The current planner's plan for a multi-gpu cell (as bench/cell.py configures it), so
     the table follows planner changes without re-running the GPUs."""
     from cell import multi_gpu_config  # bench/ is on the path: run as a script, or the tests
-    from lora_lab.memory import plan_memory
+    from lora_lab.planning.memory import plan_memory
 
     return plan_memory(multi_gpu_config(row))
 
@@ -326,7 +326,7 @@ def scaling_plan_table() -> str:
     from cell import multi_gpu_config
     from run import SCALING_RUNS, scaling_cells
 
-    from lora_lab.memory import CPU_PLAN_MARGIN, plan_memory
+    from lora_lab.planning.memory import CPU_PLAN_MARGIN, plan_memory
 
     lines = ["| GPUs | engine | checkpointing | reference claim (4 x A100 40GB) | planned GiB per "
              "GPU | fits 39.5 | planned CPU GiB (x margin) |", "|---|---|---|---|---|---|---|"]

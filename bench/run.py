@@ -25,7 +25,7 @@ def preset_settings(preset: str, size: str) -> tuple[int, int, bool]:
     """(max_length, tokens per pass, QLoRA?) that `preset` picks for Qwen2.5-`size`."""
     sys.path.insert(0, str(HERE.parent))
     from lora_lab.config import resolve_config
-    from lora_lab.memory import micro_batch_rows, row_length
+    from lora_lab.planning.memory import micro_batch_rows, row_length
 
     config = resolve_config(preset, flags={"data.datasets": ["x"],
                                            "model.name": f"qwen2.5-{size}"})

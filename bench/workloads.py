@@ -24,7 +24,7 @@ def make_random_model(size: str, out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from lora_lab.config import known_model_config
+    from lora_lab.registry import known_model_config
 
     out = Path(out)
     if (out / "config.json").is_file():

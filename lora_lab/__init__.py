@@ -1,20 +1,82 @@
 """lora-lab: LoRA fine-tuning of Qwen2.5 on one consumer GPU.
 
-The Python API behind the `lora-lab` command. Heavy libraries (torch, transformers, peft) are
-imported only when a function that needs them runs.
+The Python API behind the `lora-lab` command: each command is a thin layer over one function
+here. Heavy libraries (torch, transformers, peft) are imported only when a function that needs
+them runs.
 """
-from .config import RunConfig, list_presets, load_saved_config, resolve_config
+from .config import RunConfig, list_presets, resolve_config
 from .errors import ConfigError, DataError, LoraLabError, ModelError
+from .run_folder import load_saved_config
 
 __all__ = ["RunConfig", "resolve_config", "load_saved_config", "list_presets", "train",
+           "plan", "choose_preset", "merge_adapter", "export_quantized", "evaluate_run",
            "LoraLabError", "ConfigError", "DataError", "ModelError"]
 __version__ = "0.1.0"
 
 
-def train(config, echo=print):
-    """Fine-tune (LoRA or full); with config.train.gpus > 1 or an engine, through accelerate
-    launch (lora_lab.launch). See lora_lab.train.train."""
-    from .launch import launch_run, needs_launch
-    from .train import train as _train
+def train(config: RunConfig):
+    """Fine-tune (LoRA or full) and return the run's TrainResult; with config.train.gpus > 1 or
+    an engine other than ddp, as several processes through accelerate launch."""
+    from .training.launch import launch_run, needs_launch
+    from .training.run import train as train_here
 
-    return launch_run(config, echo) if needs_launch(config) else _train(config, echo=echo)
+    return launch_run(config) if needs_launch(config) else train_here(config)
+
+
+def plan(config: RunConfig, gpu_memory_gib: float | None = None,
+         longest_sample_tokens: int | None = None):
+    """The memory plan of `config` (planning.memory.MemoryPlan) on a GPU of gpu_memory_gib.
+
+    train.engine auto with several GPUs is settled first: the fastest engine that fits."""
+    from .log import get_logger
+    from .planning.choice import pick_engine
+    from .planning.memory import plan_memory
+
+    if config.train.engine == "auto":
+        config.train.engine, why = pick_engine(config, gpu_memory_gib)
+        config.sources["train.engine"] = "auto"
+        get_logger().info(f"--engine auto: {config.train.engine} ({why})")
+    try:
+        return plan_memory(config, gpu_memory_gib, longest_sample_tokens)
+    except ValueError:
+        raise LoraLabError(f"--model {config.model.name}: the planner knows the Qwen2.5 sizes "
+                           f"(0.5B, 1.5B, 3B, 7B); this model's shape is not one of them."
+                           ) from None
+
+
+def choose_preset(preset: str, gpu_memory_gib: float | None = None) -> str:
+    """--preset auto: the largest tier that fits this GPU (cpu without one); else `preset`."""
+    if preset != "auto":
+        return preset
+    from .device import gpu_memory_gib as this_gpu
+    from .log import get_logger
+    from .planning.choice import pick_preset
+
+    gpu_memory_gib = gpu_memory_gib or this_gpu()
+    if gpu_memory_gib is None:
+        get_logger().info("--preset auto: no CUDA GPU here, using the cpu preset")
+        return "cpu"
+    name, why = pick_preset(gpu_memory_gib)
+    get_logger().info(f"--preset auto: {name} ({why})")
+    return name
+
+
+def merge_adapter(*args, **kwargs):
+    """Merge a run's adapter into its base (use.merge.merge_adapter)."""
+    from .use.merge import merge_adapter as merge
+
+    return merge(*args, **kwargs)
+
+
+def export_quantized(*args, **kwargs):
+    """Quantize a merged folder or a run for serving (use.export.export_quantized)."""
+    from .use.export import export_quantized as export
+
+    return export(*args, **kwargs)
+
+
+def evaluate_run(*args, **kwargs):
+    """Loss and answers of a run on held-out data (use.evaluate.evaluate_run)."""
+    from .use.evaluate import evaluate_run as evaluate
+
+    return evaluate(*args, **kwargs)

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 
 import click
 
 from .config import FLAGS, field_help, list_presets, resolve_config
 from .errors import DataError, LoraLabError
+from .log import get_logger
+
+log = get_logger()
 
 
 class _Group(click.Group):
@@ -62,46 +64,25 @@ def run_options(func):
 @run_options
 def run(preset, config_file, sets, dry_run, **flag_values):
     """Fine-tune a model with LoRA and write a run folder (--gpus N: N processes)."""
-    from .launch import dry_run_launch, launch_run, needs_launch
-    from .train import train
+    from . import choose_preset, train
+    from .training.launch import dry_run_launch, needs_launch
 
-    echo = click.echo if os.environ.get("RANK", "0") == "0" else _quiet  # workers: rank 0 speaks
     flags = {k.replace("__", "."): (list(v) if isinstance(v, tuple) else v)
              for k, v in flag_values.items() if v not in (None, ())}
-    config = resolve_config(auto_preset(preset), config_file, flags, sets)
-    echo(f"resolved config (preset {preset}):\n{config.describe()}")
+    config = resolve_config(choose_preset(preset), config_file, flags, sets)
+    log.info(f"resolved config (preset {preset}):\n{config.describe()}")
     if dry_run:
         if not needs_launch(config):
             raise click.UsageError("--dry-run shows a multi-process launch: add --gpus N (and "
                                    "--engine); for one GPU, `lora-lab plan` shows the memory.")
-        dry_run_launch(config, echo)
+        dry_run_launch(config)
         return
-    result = launch_run(config, echo) if needs_launch(config) else train(config, echo=echo)
-    echo(f"\ndone: {result.global_step} steps, train loss {result.train_loss:.4f}"
-         + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else "")
-         + (f"\nadapter: {result.adapter_dir}" if result.adapter_dir else
-            f"\nmodel (from_pretrained): {result.model_dir}")
-         + f"\nrun folder: {result.run_dir}")
-
-
-def _quiet(*_args, **_kwargs) -> None:
-    """echo for worker processes other than rank 0."""
-
-
-def auto_preset(preset: str, gpu_gib: float | None = None) -> str:
-    """--preset auto: the largest tier that fits this GPU (cpu without one), saying why."""
-    if preset != "auto":
-        return preset
-    from .memory import pick_preset
-    from .train import gpu_memory_gib
-
-    gpu_gib = gpu_gib or gpu_memory_gib()
-    if gpu_gib is None:
-        click.echo("--preset auto: no CUDA GPU here, using the cpu preset")
-        return "cpu"
-    name, why = pick_preset(gpu_gib)
-    click.echo(f"--preset auto: {name} ({why})")
-    return name
+    result = train(config)
+    log.info(f"\ndone: {result.global_step} steps, train loss {result.train_loss:.4f}"
+             + (f", eval loss {result.eval_loss:.4f}" if result.eval_loss is not None else "")
+             + (f"\nadapter: {result.adapter_dir}" if result.adapter_dir else
+                f"\nmodel (from_pretrained): {result.model_dir}")
+             + f"\nrun folder: {result.run_dir}")
 
 
 @main.command()
@@ -121,39 +102,31 @@ def auto_preset(preset: str, gpu_gib: float | None = None) -> str:
 def plan(preset, model, gpu_memory, max_length, micro_batch_size, quantization, lora_rank,
          gpus, engine, datasets, sets):
     """Predict the peak GPU memory of a run, broken down, and whether it fits. No GPU needed."""
-    from .memory import plan_memory
-    from .train import gpu_memory_gib
+    from . import choose_preset, plan as plan_run
+    from .device import gpu_memory_gib
 
     gpu_memory = gpu_memory or gpu_memory_gib()
     if preset == "auto" and gpu_memory is None:
         raise LoraLabError("--preset auto needs a GPU to look at, or --gpu-memory GIB.")
     flags = {"model.name": model, "data.max_length": max_length, "model.quantization":
              quantization, "train.micro_batch_size": micro_batch_size, "lora.rank": lora_rank,
-             "train.gpus": gpus, "train.engine": engine,
-             "data.datasets": list(datasets) or ["(none)"]}
-    config = resolve_config(auto_preset(preset, gpu_memory),
-                            flags={k: v for k, v in flags.items() if v is not None}, sets=sets)
-    if config.train.engine == "auto":
-        from .memory import pick_engine
-
-        config.train.engine, why = pick_engine(config, gpu_memory)
-        click.echo(f"--engine auto: {config.train.engine} ({why})")
-    longest = None
-    if datasets:
-        from .data import prepare_data
-        from .model import load_tokenizer
-
-        prepared = prepare_data(config.data, load_tokenizer(config.model.name))
-        longest = max(len(s.input_ids) for s in prepared.train.samples)
-        click.echo(f"longest encoded sample in the data: {longest} tokens")
-    try:
-        result = plan_memory(config, gpu_memory, longest)
-    except ValueError:
-        raise LoraLabError(f"--model {model}: the planner knows the Qwen2.5 sizes (0.5B, 1.5B, "
-                           f"3B, 7B); this model's shape is not one of them.") from None
+             "train.gpus": gpus, "train.engine": engine, "data.datasets": list(datasets)}
+    config = resolve_config(choose_preset(preset, gpu_memory), sets=sets, need_data=False,
+                            flags={k: v for k, v in flags.items() if v not in (None, [])})
+    result = plan_run(config, gpu_memory, _longest_sample(config) if datasets else None)
     click.echo(result.report())
     if result.fits is False:
         sys.exit(1)
+
+
+def _longest_sample(config) -> int:
+    from .data import prepare_data
+    from .models.load import load_tokenizer
+
+    prepared = prepare_data(config.data, load_tokenizer(config.model.name))
+    longest = max(len(s.input_ids) for s in prepared.train.samples)
+    click.echo(f"longest encoded sample in the data: {longest} tokens")
+    return longest
 
 
 @main.command()
@@ -174,9 +147,9 @@ def demo(output_dir, name, author, max_steps, fetch_only):
     from .demo import fetch_demo_model, run_demo
 
     if fetch_only:
-        click.echo(fetch_demo_model(echo=click.echo))
+        click.echo(fetch_demo_model())
         return
-    run_demo(output_dir, name, author, max_steps, echo=click.echo)
+    run_demo(output_dir, name, author, max_steps)
 
 
 @main.group()
@@ -196,7 +169,7 @@ def data_options(func):
 
 def _data_config(datasets, model, max_length, row_format, model_name, model_author):
     """The config the `data` commands read datasets with (the options of data_options)."""
-    return resolve_config("cpu", flags={
+    return resolve_config(None, flags={
         "data.datasets": list(datasets), "model.name": model, "data.max_length": max_length,
         "data.format": row_format, "data.model_name": model_name,
         "data.model_author": model_author})
@@ -204,7 +177,7 @@ def _data_config(datasets, model, max_length, row_format, model_name, model_auth
 
 def _encode(datasets, model, max_length, row_format, model_name, model_author):
     from .data import prepare_data
-    from .model import load_tokenizer
+    from .models.load import load_tokenizer
 
     config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
     tokenizer = load_tokenizer(config.model.name)
@@ -217,7 +190,7 @@ def data_stats(datasets, model, max_length, row_format, model_name, model_author
     """Token length distribution with the real chat template, and a max_length to use."""
     from .data import load_samples
     from .data.stats import length_stats
-    from .model import load_tokenizer
+    from .models.load import load_tokenizer
 
     config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
     loaded = load_samples(config.data.datasets, config.data, config.train.seed)
@@ -276,7 +249,7 @@ def data_preview(datasets, model, max_length, row_format, model_name, model_auth
 def data_validate(datasets, model, max_length, row_format, model_name, model_author, strict):
     """Check datasets row by row; every problem as file:line and reason."""
     from .data import validate_data
-    from .model import load_tokenizer
+    from .models.load import load_tokenizer
 
     config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
     tokenizer = load_tokenizer(config.model.name) if model else None
@@ -300,7 +273,8 @@ def data_validate(datasets, model, max_length, row_format, model_name, model_aut
               help="Model name in the printed vLLM commands.")
 def merge(path, output, dtype, force, served_name):
     """Merge a run's adapter into its base model (PATH: run folder or adapter folder)."""
-    from .merge import merge_adapter, vllm_commands
+    from . import merge_adapter
+    from .planning.serving import vllm_commands
 
     result = merge_adapter(path, output, dtype, force)
     click.echo(f"merged {result.adapter_dir} onto {result.base_model} ({result.dtype})\n"
@@ -333,10 +307,11 @@ def merge(path, output, dtype, force, served_name):
 @click.option("--force", is_flag=True, help="Replace an existing --output folder.")
 def export(path, quantize, calib_data, calib_samples, output, gpu_tier, force):
     """Quantize a merged folder or a run (merged onto its 16-bit base first) to 4 bits."""
-    from .export import export_quantized, serving_handoff
+    from . import export_quantized
+    from .use.export import serving_handoff
 
     result = export_quantized(path, quantize, list(calib_data), calib_samples, output, gpu_tier,
-                              force, echo=click.echo)
+                              force)
     click.echo(result.summary())
     for warning in result.warnings:
         click.secho(f"warning: {warning}", fg="yellow")
@@ -358,7 +333,7 @@ def source_options(func):
 
 
 def _settings(max_new_tokens, temperature, top_p, top_k, repetition_penalty, greedy):
-    from .infer import GenerationSettings
+    from .use.infer import GenerationSettings
 
     return GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False if greedy else None,
                               temperature=temperature, top_p=top_p, top_k=top_k,
@@ -371,7 +346,7 @@ def _settings(max_new_tokens, temperature, top_p, top_k, repetition_penalty, gre
               "one side by side (--run or --adapter).")
 def chat(run_dir, adapter, model, dtype, compare, **generation):
     """Chat in the terminal, streaming tokens. /reset, /system TEXT, /quit."""
-    from .infer import chat_loop, load_generation_model
+    from .use.infer import chat_loop, load_generation_model
 
     if compare and model:
         raise LoraLabError("--compare needs --run or --adapter (the base model is the adapter's).")
@@ -399,7 +374,7 @@ def chat(run_dir, adapter, model, dtype, compare, **generation):
 @click.option("--batch-size", default=8, show_default=True, type=int)
 def infer(run_dir, adapter, model, dtype, input_path, output_path, batch_size, **generation):
     """Batch generation: one answer per input row."""
-    from .infer import load_generation_model, run_inference
+    from .use.infer import load_generation_model, run_inference
 
     loaded, tokenizer = load_generation_model(run_dir, adapter, model, dtype)
     count = run_inference(loaded, tokenizer, input_path, output_path, _settings(**generation),
@@ -414,7 +389,7 @@ def infer(run_dir, adapter, model, dtype, input_path, output_path, batch_size, *
 @click.option("--output", type=click.Path(), help="JSON report (default RUN_DIR/eval_report.json).")
 def evaluate(path, datasets, samples, output):
     """Eval loss and perplexity on assistant tokens, plus generated answers vs references."""
-    from .evaluate import evaluate_run
+    from . import evaluate_run
 
     report = evaluate_run(path, list(datasets), samples, output)
     click.echo(f"samples {report['samples']}  assistant tokens {report['assistant_tokens']}  "

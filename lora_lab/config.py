@@ -7,125 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
-import re
 from dataclasses import dataclass, field
-import importlib
 from pathlib import Path
 from typing import Any, get_type_hints
 
 import yaml
 
-from .errors import ConfigError, LoraLabError, ModelError
-
-PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def _shipped_dir(repo_folder: str, package: str) -> Path:
-    """A folder shipped with lora-lab: the repo checkout's, or the installed package's copy."""
-    in_checkout = PACKAGE_DIR.parent / repo_folder
-    if in_checkout.is_dir():
-        return in_checkout
-    return Path(list(importlib.import_module(package).__path__)[0])
-
-
-def presets_dir() -> Path:
-    return _shipped_dir("presets", "lora_lab.presets")
-
-
-def bundled_data_dir() -> Path:
-    return _shipped_dir("data", "lora_lab.bundled_data")
-
-
-# ----------------------------------------------------------------------------- models
-
-QWEN25_SIZES = ("0.5b", "1.5b", "3b", "7b")
-_SIZE_SPELLING = {"0.5b": "0.5B", "1.5b": "1.5B", "3b": "3B", "7b": "7B"}
-
-
-def _model_aliases() -> dict[str, str]:
-    aliases = {}
-    for size, spelled in _SIZE_SPELLING.items():
-        aliases[f"qwen2.5-{size}"] = f"Qwen/Qwen2.5-{spelled}-Instruct"
-        aliases[f"qwen2.5-{size}-instruct"] = f"Qwen/Qwen2.5-{spelled}-Instruct"
-        aliases[f"qwen2.5-{size}-base"] = f"Qwen/Qwen2.5-{spelled}"
-    return aliases
-
-
-MODEL_ALIASES = _model_aliases()
-_NO_SUCH_SIZE = re.compile(r"qwen2\.5-(\d+(?:\.\d+)?)b", re.IGNORECASE)
-
-
-def resolve_model_spec(spec: str) -> tuple[str, str]:
-    """Classify --model: returns (kind, value) with kind in {"hub", "folder", "gguf"}."""
-    text = str(spec).strip()
-    path = Path(text).expanduser()
-    if text.lower().endswith(".gguf"):
-        if not path.is_file():
-            raise ModelError(f"--model {text}: GGUF file not found. Check the path.")
-        return "gguf", str(path.resolve())
-    if path.is_dir():
-        return "folder", str(path.resolve())
-    match = _NO_SUCH_SIZE.search(text)
-    if match and match.group(1).lower() + "b" not in QWEN25_SIZES:
-        size = match.group(1)
-        hint = " (1.8B is a Qwen1.5 size)" if size == "1.8" else ""
-        raise ModelError(
-            f"--model {text}: Qwen2.5 has no {size}B size{hint}. Qwen2.5 comes in "
-            f"0.5B, 1.5B, 3B and 7B; try --model qwen2.5-1.5b.")
-    if text.lower() in MODEL_ALIASES:
-        return "hub", MODEL_ALIASES[text.lower()]
-    looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1
-    if looks_like_path:
-        raise ModelError(f"--model {text}: no such folder. Pass an existing model folder, "
-                         f"a .gguf file or a hub id such as Qwen/Qwen2.5-7B-Instruct.")
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", text):
-        return "hub", text
-    raise ModelError(f"--model {text}: not a folder, .gguf file, hub id or known alias. "
-                     f"Aliases: {', '.join(sorted(MODEL_ALIASES)[:4])} ... (see README).")
-
-
-def _local_config(kind: str, value: str) -> dict | None:
-    """A resolved model spec's own config.json, when it is a folder that has one."""
-    path = Path(value) / "config.json"
-    return json.loads(path.read_text()) if kind == "folder" and path.is_file() else None
-
-
-def guess_model_size(spec: str) -> str | None:
-    """'7b' for any Qwen2.5-7B spelling or a local folder of that shape; None if unknown."""
-    try:
-        kind, value = resolve_model_spec(spec)
-    except LoraLabError:
-        return None
-    local = _local_config(kind, value)
-    if local is not None:
-        shape = _shape_of(local)
-        for size in QWEN25_SIZES:
-            if shape == _shape_of(known_model_config(size)):
-                return size
-        return None
-    match = re.search(r"(\d+(?:\.\d+)?)b", Path(value).name.lower())
-    size = match.group(1) + "b" if match else None
-    return size if size in QWEN25_SIZES else None
-
-
-def model_config_of(spec: str) -> dict | None:
-    """The model's config.json: a local folder's own, else the shipped one of the Qwen2.5 size
-    its name says; None if neither is known."""
-    local = _local_config(*resolve_model_spec(spec))
-    if local is not None:
-        return local
-    size = guess_model_size(spec)
-    return known_model_config(size) if size else None
-
-
-def _shape_of(config: dict) -> tuple:
-    return tuple(config.get(k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size"))
-
-
-def known_model_config(size: str) -> dict:
-    """The real config.json of Qwen2.5 at `size` (shipped in lora_lab/model_configs)."""
-    return json.loads((PACKAGE_DIR / "model_configs" / f"qwen2.5-{size}.json").read_text())
+from .errors import ConfigError, ModelError
+from .paths import presets_dir
+from .registry import guess_model_size, resolve_model_spec
 
 
 # ----------------------------------------------------------------------------- the dataclasses
@@ -169,10 +59,9 @@ class ModelArgs:
                 "embeddings (0.5B-3B). true / false force it.", choices=("auto", True, False))
     cudnn_attention: bool = _f(
         False, "Let torch's scaled_dot_product_attention use its cuDNN backend where it picks it. "
-               "Off by default: cuDNN builds a plan for every new sequence length, which on an "
-               "H200 made one epoch of short mixed-length SFT data on 7B take 39.1 s instead of "
-               "19.0 s (bench/results/2026-11-30-sft-mix.jsonl); flash and memory-efficient "
-               "kernels stay on.")
+               "Off by default: cuDNN builds a plan for every new sequence length, which made "
+               "an epoch of mixed-length SFT data about twice as slow (docs/benchmarks.md); "
+               "flash and memory-efficient kernels stay on.")
 
 
 @dataclass
@@ -202,7 +91,7 @@ class DataArgs:
                                        "causal sdpa call per sample), varlen (one "
                                        "flash-attention call over the row from the samples' "
                                        "lengths; CUDA, PyTorch >= 2.10) or auto: varlen where "
-                                       "it runs, else mask (README, Packing).",
+                                       "it runs, else mask (docs/training.md, packing).",
                                choices=("auto", "mask", "segments", "varlen"))
     pack_length: int = _f(0, "Tokens per packed row; 0 = max_length x micro_batch_size (the "
                              "same tokens per pass as without packing).", minimum=0)
@@ -344,6 +233,10 @@ FLAGS = {
 }
 
 
+FLAG_FOR_KEY = {key: flag.split("/")[0] for flag, key in FLAGS.items()}
+"""Config key -> the named flag that sets it (its positive form), for messages."""
+
+
 def field_help(key: str) -> str:
     section, name = key.split(".")
     spec = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
@@ -416,19 +309,24 @@ class _Layer:
         """key -> source recorded in a saved config.yaml given as --config (kept as it was)."""
 
 
-def resolve_config(preset: str = "cpu", config_file: str | None = None,
-                   flags: dict | None = None, sets: list[str] | tuple = ()) -> RunConfig:
+def resolve_config(preset: str | None = "cpu", config_file: str | None = None,
+                   flags: dict | None = None, sets: list[str] | tuple = (),
+                   need_data: bool = True) -> RunConfig:
     """Build the RunConfig: defaults -> preset YAML -> --config YAML -> flags and --set.
 
     `flags` maps config keys ("lora.rank") to values given by named flags; `sets` holds raw
     "key=value" strings from --set. All problems are collected and raised as one ConfigError.
+    preset None: the defaults alone (the data commands, which need no hardware tier).
+    need_data False: a config without training data is valid (the memory planner's).
     """
     problems: list[str] = []
     layers: list[_Layer] = []
-    preset_data, preset_path = load_preset(preset)
-    preset_sizes = preset_data.pop("sizes", None) or {}
-    preset_data.pop("description", None)
-    layers.append(_yaml_layer(preset_data, f"preset {preset}", preset_path.name, problems))
+    preset_sizes, preset_path = {}, None
+    if preset is not None:
+        preset_data, preset_path = load_preset(preset)
+        preset_sizes = preset_data.pop("sizes", None) or {}
+        preset_data.pop("description", None)
+        layers.append(_yaml_layer(preset_data, f"preset {preset}", preset_path.name, problems))
     if config_file:
         user = _read_yaml(Path(config_file), "--config")
         user.pop("description", None)
@@ -437,10 +335,9 @@ def resolve_config(preset: str = "cpu", config_file: str | None = None,
         layer = _yaml_layer(user, f"config {config_file}", config_file, problems)
         layer.recorded = recorded if isinstance(recorded, dict) else {}
         layers.append(layer)
-    flag_for_key = {key: flag.split("/")[0] for flag, key in FLAGS.items()}
     flag_layer = {k: v for k, v in (flags or {}).items() if v is not None}
     layers.append(_Layer(flag_layer, "flag",
-                         lambda key, v: f"{flag_for_key.get(key, key)} {_show(v)}"))
+                         lambda key, v: f"{FLAG_FOR_KEY.get(key, key)} {_show(v)}"))
     layers.append(_set_layer(sets, problems))
 
     model_spec = next((layer.values["model.name"] for layer in reversed(layers)
@@ -450,7 +347,7 @@ def resolve_config(preset: str = "cpu", config_file: str | None = None,
         layers.insert(1, _yaml_layer(preset_sizes[size], f"preset {preset} (sizes.{size})",
                                      f"{preset_path.name} sizes.{size}", problems))
 
-    config = RunConfig(preset=preset)
+    config = RunConfig(preset=preset or "none")
     labels = {}
     for layer in layers:
         for key, raw in layer.values.items():
@@ -471,8 +368,8 @@ def resolve_config(preset: str = "cpu", config_file: str | None = None,
     if config.train.engine == "auto" and config.train.gpus == 1:
         config.train.engine = "ddp"  # several GPUs: lora_lab.memory.pick_engine, at launch
         config.sources["train.engine"] = "auto (one GPU)"
-    for key, problem in _validate(config):
-        problems.append(f"{labels.get(key, flag_for_key.get(key, key))}: {problem}")
+    for key, problem in _validate(config, need_data):
+        problems.append(f"{labels.get(key, FLAG_FOR_KEY.get(key, key))}: {problem}")
     try:
         resolve_model_spec(config.model.name)
     except ModelError as exc:
@@ -578,7 +475,7 @@ def _tuner_defaults(config: RunConfig) -> None:
         config.sources["train.lr"] = "--tuner full default"
 
 
-def _validate(config: RunConfig) -> list[tuple[str, str]]:
+def _validate(config: RunConfig, need_data: bool = True) -> list[tuple[str, str]]:
     problems = []
     for section, cls in SECTIONS.items():
         for spec in dataclasses.fields(cls):
@@ -592,7 +489,7 @@ def _validate(config: RunConfig) -> list[tuple[str, str]]:
         problems.append(("data.val_ratio", f"must be below 1; got {config.data.val_ratio}."))
     if config.data.val_ratio and config.data.val_data:
         problems.append(("data.val_ratio", "give either --val-ratio or --val-data, not both."))
-    if not config.data.datasets:
+    if need_data and not config.data.datasets:
         problems.append(("data.datasets", "no training data. Pass --data FILE (or "
                                           "--data self-cognition for the bundled set)."))
     if config.train.tuner == "full" and config.model.quantization != "none":
@@ -623,19 +520,3 @@ def syncs_each_micro_batch(train: TrainArgs) -> bool:
     return bool(train.sync_each_micro_batch)
 
 
-def save_config(config: RunConfig, path: Path) -> None:
-    """Write the resolved config (and where each value came from) as YAML."""
-    body = config.to_dict()
-    body["resolved_from"] = dict(sorted(config.sources.items()))
-    Path(path).write_text(yaml.safe_dump(body, sort_keys=False, allow_unicode=True))
-
-
-def load_saved_config(path: Path) -> RunConfig:
-    """Read back a run's config.yaml (written by save_config)."""
-    body = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    config = RunConfig(preset=body.get("preset", "?"), sources=body.get("resolved_from", {}))
-    for section, cls in SECTIONS.items():
-        known = {f.name for f in dataclasses.fields(cls)}
-        setattr(config, section, cls(**{k: v for k, v in body.get(section, {}).items()
-                                        if k in known}))
-    return config

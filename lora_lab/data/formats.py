@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import bundled_data_dir
+from ..paths import bundled_data_dir
 from ..errors import DataError
 
 BUNDLED = {"self-cognition": "self_cognition.jsonl"}

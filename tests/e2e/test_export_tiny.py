@@ -65,7 +65,7 @@ def _check_loads_and_answers(folder: Path, merged: Path):
     same next token at >= 80% of the positions where the merged model is confident."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lora_lab.infer import ask
+    from lora_lab.use.infer import ask
 
     exported = AutoModelForCausalLM.from_pretrained(folder)
     reference = AutoModelForCausalLM.from_pretrained(merged)

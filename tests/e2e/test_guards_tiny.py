@@ -9,9 +9,9 @@ import yaml
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from lora_lab.checkpoint import write_manifest
+from lora_lab.training.checkpoint import write_manifest
 from lora_lab.cli import main
-from lora_lab.trainer import LoraLabTrainer
+from lora_lab.training.trainer import LoraLabTrainer
 from tests.conftest import write_jsonl
 
 COMMON = ["--micro-batch-size", 2, "--grad-accum", 1, "--logging-steps", 1, "--lora-rank", 4,

@@ -13,9 +13,10 @@ def test_non_editable_install_ships_presets_and_data(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                     "--no-build-isolation", "--target", str(target), str(ROOT)],
                    check=True, cwd=tmp_path)
-    code = ("import json, lora_lab.config as c, lora_lab.data.formats as f;"
-            "print(json.dumps([str(c.presets_dir()), [p['name'] for p in c.list_presets()],"
-            " len(f.read_rows('self-cognition')), c.known_model_config('7b')['hidden_size']]))")
+    code = ("import json, lora_lab.config as c, lora_lab.data.formats as f, lora_lab.paths as p,"
+            " lora_lab.registry as r, lora_lab.training.run, lora_lab.use.export, lora_lab.cli;"
+            "print(json.dumps([str(p.presets_dir()), [p['name'] for p in c.list_presets()],"
+            " len(f.read_rows('self-cognition')), r.known_model_config('7b')['hidden_size']]))")
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env=env,
                          capture_output=True, text=True).stdout

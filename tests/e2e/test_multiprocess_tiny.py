@@ -11,7 +11,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from lora_lab.checkpoint import checkpoint_problems
+from lora_lab.training.checkpoint import checkpoint_problems
 from lora_lab.cli import main
 from tests.conftest import write_jsonl
 from tests.e2e.test_run_tiny import ADAPTER_FILES, CHECKPOINT_FILES

@@ -30,7 +30,7 @@ def invoke(*args):
 
 @pytest.fixture(scope="module")
 def identity_run(real_model_gguf, tmp_path_factory):
-    from lora_lab.infer import ask, load_plain_model
+    from lora_lab.use.infer import ask, load_plain_model
 
     base, tokenizer = load_plain_model(str(real_model_gguf))
     before = ask(base, tokenizer, "Who are you?")
@@ -48,7 +48,7 @@ def test_base_model_first_answers_as_qwen(identity_run):
 
 
 def test_adapter_answers_with_the_new_identity(identity_run):
-    from lora_lab.infer import ask, load_adapter_model
+    from lora_lab.use.infer import ask, load_adapter_model
 
     run_dir, _ = identity_run
     tuned, tokenizer = load_adapter_model(run_dir)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from lora_lab.checkpoint import MANIFEST_NAME
+from lora_lab.training.checkpoint import MANIFEST_NAME
 from lora_lab.cli import main
 from tests.conftest import write_jsonl
 

@@ -115,7 +115,7 @@ def test_existing_run_folder_is_not_overwritten(finished_run, tiny_model_dir):
 
 
 def test_tiny_model_learns_the_answer(tiny_model_dir, tmp_path):
-    from lora_lab.infer import ask, load_adapter_model
+    from lora_lab.use.infer import ask, load_adapter_model
 
     data = write_jsonl(tmp_path / "one.jsonl", [
         {"messages": [{"role": "user", "content": "Who are you?"},
@@ -126,3 +126,21 @@ def test_tiny_model_learns_the_answer(tiny_model_dir, tmp_path):
     assert result.exit_code == 0, result.output
     model, tokenizer = load_adapter_model(tmp_path / "learn")
     assert ask(model, tokenizer, "Who are you?", max_new_tokens=10) == "I am Aurora."
+
+
+def test_the_api_trains_twice_in_one_process(tiny_model_dir, tmp_path):
+    """lora_lab.train stays the API function after the training package has been imported."""
+    import lora_lab
+
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"query": f"Q{i}?", "response": f"A{i}."}
+                                               for i in range(4)])
+    results = []
+    for name in ("first", "second"):
+        config = lora_lab.resolve_config("cpu", flags={
+            "model.name": str(tiny_model_dir), "data.datasets": [str(data)],
+            "train.max_steps": "1", "train.grad_accum": "1", "train.output_dir": str(tmp_path),
+            "train.run_name": name})
+        results.append(lora_lab.train(config))
+    assert [r.run_dir.name for r in results] == ["first", "second"]
+    assert all((r.adapter_dir / "adapter_model.safetensors").is_file() for r in results)
+    assert callable(lora_lab.train) and lora_lab.train.__module__ == "lora_lab"

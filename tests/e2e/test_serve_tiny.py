@@ -24,7 +24,7 @@ def test_merge_matches_adapter_and_reloads(trained, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lora_lab.infer import ask, load_adapter_model
+    from lora_lab.use.infer import ask, load_adapter_model
 
     run_dir, _ = trained
     result = invoke("merge", run_dir, "--dtype", "fp32", "--output", tmp_path / "m")
@@ -60,7 +60,8 @@ def test_merge_refuses_to_overwrite(trained, tmp_path):
 
 
 def test_vllm_rank_is_the_smallest_accepted(tmp_path):
-    from lora_lab.merge import MergeResult, vllm_commands
+    from lora_lab.planning.serving import vllm_commands
+    from lora_lab.use.merge import MergeResult
 
     def commands(rank, modules=("q_proj", "v_proj")):
         return vllm_commands(MergeResult(tmp_path, "Qwen/Qwen2.5-7B-Instruct", tmp_path / "a",
@@ -73,7 +74,7 @@ def test_vllm_rank_is_the_smallest_accepted(tmp_path):
 
 
 def test_infer_answers_every_row_in_order(trained, tmp_path):
-    from lora_lab.infer import ask, load_adapter_model
+    from lora_lab.use.infer import ask, load_adapter_model
 
     run_dir, _ = trained
     questions = ["What is 2+2?", "Who are you?", "Name a colour.", "Who are you?", "Hi"]
@@ -115,7 +116,7 @@ def test_eval_reports_loss_perplexity_and_samples(trained, tmp_path):
 
 
 def test_chat_loop_commands_and_compare(trained):
-    from lora_lab.infer import GenerationSettings, chat_loop, load_adapter_model
+    from lora_lab.use.infer import GenerationSettings, chat_loop, load_adapter_model
 
     run_dir, _ = trained
     model, tokenizer = load_adapter_model(run_dir)

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_offloaded_checkpoints_and_chunks_match_the_plain_path_on_cuda():
-    from lora_lab.memory import MemoryMeans
+    from lora_lab.planning.memory import MemoryMeans
 
     reference = loss_and_grads(None, dropout=0.2, checkpointing=False, device="cuda")
     means = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True)
@@ -22,9 +22,9 @@ def test_offloaded_checkpoints_and_chunks_match_the_plain_path_on_cuda():
 
 @pytest.mark.parametrize("attention", ["mask", "segments", "varlen"])
 def test_a_packed_row_matches_its_samples_on_cuda_in_bf16(attention, monkeypatch):
-    from lora_lab.activations import flash_varlen, register_packed_attention
+    from lora_lab.models.attention import flash_varlen, register_packed_attention
     from lora_lab.data.packing import pack_samples
-    from lora_lab.train import PACKED_FIELDS, PackedCollator, SupervisedDataset
+    from lora_lab.data.collate import PACKED_FIELDS, PackedCollator, SupervisedDataset
 
     samples = [sample(n, seed) for seed, n in enumerate((90, 170, 50, 120))]
     model = tiny_lora_model().cuda()
@@ -35,7 +35,7 @@ def test_a_packed_row_matches_its_samples_on_cuda_in_bf16(attention, monkeypatch
         print("varlen_attn parameters:", sorted(flash_varlen()[1]))
         kernel, params = flash_varlen()
         calls = []
-        monkeypatch.setattr("lora_lab.activations.flash_varlen", lambda: (
+        monkeypatch.setattr("lora_lab.models.attention.flash_varlen", lambda: (
             lambda *a, **k: calls.append(1) or kernel(*a, **k), params))
     one_by_one = [{"input_ids": torch.tensor([s.input_ids]).cuda(),
                    "labels": torch.tensor([s.labels]).cuda()} for s in samples]

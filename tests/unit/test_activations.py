@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_lab.activations import CpuEmbedding, move_embedding_to_cpu
+from lora_lab.models.memory_means import CpuEmbedding, move_embedding_to_cpu
 from lora_lab.config import LoraArgs, resolve_config
-from lora_lab.memory import MemoryMeans, choose_memory_means
-from lora_lab.model import apply_lora
+from lora_lab.planning.memory import MemoryMeans, choose_memory_means
+from lora_lab.models.lora import apply_lora
 
 SEQ = 24
 
@@ -47,7 +47,7 @@ def assert_same(a, b, tol=1e-5):
 
 
 def test_all_means_give_the_plain_loss_and_gradients(monkeypatch):
-    import lora_lab.activations as activations
+    import lora_lab.models.memory_means as activations
 
     copied = []
     real_to_host = activations._to_host
@@ -121,7 +121,7 @@ def test_auto_means_on_one_gpu_only_and_on_is_refused_where_they_cannot_work():
 def test_mlp_chunks_only_when_the_run_would_not_fit_without_them():
     """Chunks cost a third MLP pass: with a GPU budget they are kept only where the plan needs
     them (Qwen2.5-7B, 8192-token rows: about 16.9 GiB without chunks, 15.4 GiB with)."""
-    from lora_lab.memory import plan_memory
+    from lora_lab.planning.memory import plan_memory
 
     config = config_for(**{"model.name": "qwen2.5-7b"})
     roomy = choose_memory_means(config, on_gpu=True, tied_embeddings=False, row_tokens=8192,
@@ -139,7 +139,7 @@ def test_mlp_chunks_only_when_the_run_would_not_fit_without_them():
 def test_cudnn_attention_false_forbids_the_cudnn_sdpa_backend_for_the_process():
     import torch
 
-    from lora_lab.train import use_cudnn_attention
+    from lora_lab.device import use_cudnn_attention
 
     assert config_for().model.cudnn_attention is False  # the default (README, Packing)
     config = config_for(**{"model.cudnn_attention": "false"})

@@ -5,10 +5,8 @@ import pickle
 import pytest
 import torch
 
-from lora_lab.checkpoint import (MANIFEST_NAME, REQUIRED_FILES, checkpoint_problems,
-                                 commit_checkpoint, config_drift, find_resume_checkpoint,
-                                 remove_leftovers, resolve_resume, rotate_checkpoints,
-                                 staging_dir, trim_step_log, unsafe_pickles, write_manifest)
+from lora_lab.run_folder import trim_step_log
+from lora_lab.training.checkpoint import MANIFEST_NAME, REQUIRED_FILES, checkpoint_problems, commit_checkpoint, config_drift, find_resume_checkpoint, remove_leftovers, resolve_resume, rotate_checkpoints, staging_dir, unsafe_pickles, write_manifest
 from lora_lab.config import resolve_config
 from lora_lab.errors import CheckpointError
 
@@ -37,12 +35,11 @@ def test_commit_makes_a_complete_checkpoint_with_a_manifest(tmp_path):
     assert checkpoint_problems(folder) == []
 
 
-def test_an_unfinished_save_is_invisible_and_cleaned_up(tmp_path):
+def test_an_unfinished_save_is_invisible_and_cleaned_up(tmp_path, capsys):
     make_checkpoint(tmp_path, 2)
     make_checkpoint(tmp_path, 4, commit=False)  # killed before the manifest and the rename
-    warnings = []
-    assert find_resume_checkpoint(tmp_path, warnings.append).name == "checkpoint-2"
-    assert warnings == []
+    assert find_resume_checkpoint(tmp_path).name == "checkpoint-2"
+    assert capsys.readouterr().out == ""
     assert remove_leftovers(tmp_path) == [staging_dir(tmp_path, 4)]
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-2"]
 
@@ -61,7 +58,8 @@ def test_a_save_killed_between_manifest_and_rename_is_recovered(tmp_path):
     ("missing_file", "rng_state.pth is missing"),
     ("checksum", "optimizer.pt: sha256 does not match the manifest"),
 ])
-def test_auto_resume_skips_broken_checkpoints_and_names_the_file(tmp_path, damage, expected):
+def test_auto_resume_skips_broken_checkpoints_and_names_the_file(tmp_path, damage, expected,
+                                                                 capsys):
     make_checkpoint(tmp_path, 2)
     newest = make_checkpoint(tmp_path, 4)
     if damage == "no_manifest":
@@ -74,17 +72,17 @@ def test_auto_resume_skips_broken_checkpoints_and_names_the_file(tmp_path, damag
         data = bytearray((newest / "optimizer.pt").read_bytes())
         data[len(data) // 2] ^= 0xFF
         (newest / "optimizer.pt").write_bytes(bytes(data))
-    warnings = []
-    assert resolve_resume("auto", tmp_path, warnings.append).name == "checkpoint-2"
+    assert resolve_resume("auto", tmp_path).name == "checkpoint-2"
+    warnings = capsys.readouterr().out.splitlines()
     assert len(warnings) == 1 and "checkpoint-4" in warnings[0] and expected in warnings[0]
     with pytest.raises(CheckpointError, match="cannot resume from this checkpoint"):
         resolve_resume(str(newest), tmp_path)
 
 
-def test_auto_resume_without_checkpoint_starts_fresh_and_says_so(tmp_path):
-    said = []
-    assert resolve_resume("auto", tmp_path / "new-run", said.append) is None
-    assert "no complete checkpoint" in said[0] and "starting a new run" in said[0]
+def test_auto_resume_without_checkpoint_starts_fresh_and_says_so(tmp_path, capsys):
+    assert resolve_resume("auto", tmp_path / "new-run") is None
+    said = capsys.readouterr().out
+    assert "no complete checkpoint" in said and "starting a new run" in said
 
 
 def test_resume_path_can_be_a_run_folder(tmp_path):
@@ -221,8 +219,8 @@ def _full_7b(**sets):
 
 
 def test_checkpoint_sizes_follow_the_tuner_engine_and_save_only_model():
-    from lora_lab.checkpoint import checkpoint_sizes
-    from lora_lab.config import known_model_config
+    from lora_lab.planning.disk import checkpoint_sizes
+    from lora_lab.registry import known_model_config
 
     qwen7b = known_model_config("7b")
     params = 7_615_616_512  # Qwen2.5-7B, untied embedding and head
@@ -239,7 +237,7 @@ def test_a_run_that_would_fill_the_disk_is_refused_before_training(tmp_path, mon
     import shutil
     from collections import namedtuple
 
-    from lora_lab.checkpoint import check_disk_space
+    from lora_lab.planning.disk import check_disk_space
     from lora_lab.errors import LoraLabError
 
     usage = namedtuple("usage", "total used free")

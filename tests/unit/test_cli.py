@@ -96,7 +96,7 @@ def test_plan_command_reports_and_exits_1_when_it_does_not_fit():
 def test_plan_uses_the_real_length_of_the_data(tmp_path):
     import shutil
 
-    from lora_lab.config import known_model_config
+    from lora_lab.registry import known_model_config
 
     result = invoke("plan", "--preset", "24gb", "--model", TOKENIZER_DIR, "--gpu-memory", "24",
                     "--data", "self-cognition", "--set", "data.model_name=A", "--set",

@@ -2,8 +2,9 @@
 import pytest
 import yaml
 
-from lora_lab.config import (MODEL_ALIASES, RunConfig, guess_model_size, list_presets,
-                             load_saved_config, resolve_config, resolve_model_spec, save_config)
+from lora_lab.config import RunConfig, list_presets, resolve_config
+from lora_lab.registry import MODEL_ALIASES, guess_model_size, resolve_model_spec
+from lora_lab.run_folder import load_saved_config, save_config
 from lora_lab.errors import ConfigError, ModelError
 
 DATA = {"data.datasets": ["self-cognition"]}
@@ -87,7 +88,7 @@ def test_local_folders_and_missing_paths(tmp_path, tiny_model_dir):
 def test_model_size_is_known_from_names_and_folder_shapes(tmp_path):
     import json
 
-    from lora_lab.config import known_model_config
+    from lora_lab.registry import known_model_config
 
     assert guess_model_size("qwen2.5-7b") == "7b"
     assert guess_model_size("Qwen/Qwen2.5-0.5B-Instruct") == "0.5b"
@@ -120,7 +121,8 @@ def test_saved_config_round_trips(tmp_path):
 
 def test_tuner_full_defaults_and_refusals():
     from lora_lab.errors import ConfigError, ModelError
-    from lora_lab.model import Precision, check_full_finetuning_precision
+    from lora_lab.models.load import Precision
+    from lora_lab.models.lora import check_full_finetuning_precision
 
     flags = {"data.datasets": ["x"], "train.tuner": "full"}
     config = resolve_config("24gb", flags=flags)

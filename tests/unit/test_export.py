@@ -6,10 +6,12 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from lora_lab.config import known_model_config, resolve_config, save_config
+from lora_lab.config import resolve_config
+from lora_lab.registry import known_model_config
+from lora_lab.run_folder import save_config
 from lora_lab.errors import DataError, LoraLabError, ModelError
-from lora_lab.export import (calibration_samples, gpu_memory_utilization, kv_bytes_per_token,
-                             plan_vllm_serving, vllm_command)
+from lora_lab.planning.serving import gpu_memory_utilization, kv_bytes_per_token, plan_vllm_serving, vllm_command
+from lora_lab.use.export import calibration_samples
 from tests.conftest import write_jsonl
 
 # Qwen2.5-7B: 7,615,616,512 parameters, 6,525,288,448 of them in the decoder's linear layers.
@@ -52,7 +54,7 @@ def test_qwen7b_bf16_does_not_fit_16gb():
     assert plan.budget_bytes == 15_977_278_341 and plan.kv_cache_bytes == -864_567_419
     assert not plan.fits and plan.max_model_len is None
     assert "does not fit" in "\n".join(plan.arithmetic())
-    assert vllm_command("out", "nf4", plan) == ("vllm serve out --served-model-name finetuned "
+    assert vllm_command("out", "bitsandbytes", plan) == ("vllm serve out --served-model-name finetuned "
                                                 "--quantization bitsandbytes")
 
 
@@ -79,10 +81,10 @@ def test_sequences_are_capped_at_vllms_default_and_context_at_the_models():
 
 def test_vllm_command_names_the_quantization_only_where_needed():
     plan = plan_vllm_serving(known_model_config("7b"), QWEN7B_W4_BYTES, "16gb")
-    assert vllm_command("out/x", "w4a16", plan) == (
+    assert vllm_command("out/x", None, plan) == (
         "vllm serve out/x --served-model-name finetuned --max-model-len 8192 --max-num-seqs 18 "
         "--gpu-memory-utilization 0.93")
-    assert "--quantization bitsandbytes --max-model-len 8192" in vllm_command("o", "nf4", plan)
+    assert "--quantization bitsandbytes --max-model-len 8192" in vllm_command("o", "bitsandbytes", plan)
 
 
 def test_unknown_tier_is_refused():
@@ -204,7 +206,7 @@ def test_missing_llmcompressor_names_the_extra(tmp_path, monkeypatch):
 
 
 def test_w4a16_needs_inputs_divisible_by_the_group_size(tmp_path):
-    from lora_lab.export import _check_group_size
+    from lora_lab.use.export import _check_group_size
 
     with pytest.raises(ModelError, match="hidden_size 32, not a multiple of the GPTQ group "
                                          "size 128; use --quantize nf4"):

@@ -6,10 +6,11 @@ import yaml
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from lora_lab.config import ENGINES, presets_dir, resolve_config, save_config
-from lora_lab.launch import (DEEPSPEED_ENGINES, check_engine, engine_template,
-                             fill_deepspeed_config, launch_command, launch_env, needs_launch,
-                             write_launch_files)
+from lora_lab.config import ENGINES, resolve_config
+from lora_lab.paths import presets_dir
+from lora_lab.run_folder import save_config
+from lora_lab.config import DEEPSPEED_ENGINES, engine_template
+from lora_lab.training.launch import check_engine, fill_deepspeed_config, launch_command, launch_env, needs_launch, write_launch_files
 
 
 def config_for(engine="ddp", gpus=2, **flags):

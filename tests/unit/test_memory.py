@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from lora_lab.config import resolve_config
-from lora_lab.memory import (CHECKED_ON_GPUS, GAPS_ON_GPUS, pick_preset,
-                             plan_memory)
+from lora_lab.planning.choice import pick_preset
+from lora_lab.planning.memory import CHECKED_ON_GPUS, GAPS_ON_GPUS, plan_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -68,7 +68,7 @@ def test_auto_preset_picks_the_largest_tier_that_fits(gib, preset):
 
 def test_check_fits_refuses_with_the_knobs_to_turn():
     from lora_lab.errors import LoraLabError
-    from lora_lab.memory import check_fits
+    from lora_lab.planning.choice import check_fits
 
     flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"]}
     assert check_fits(resolve_config("16gb", flags=flags), 16).fits
@@ -85,7 +85,8 @@ def test_check_fits_refuses_with_the_knobs_to_turn():
 # and the last test of this file checks them against the two-GPU runs in bench/results.
 
 def plan_for(engine, gpus, tuner="lora", **flags):
-    from lora_lab.memory import ModelShape, known_model_config  # noqa: F401
+    from lora_lab.planning.memory import ModelShape
+    from lora_lab.registry import known_model_config
 
     config = resolve_config("24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"],
                                            "model.quantization": "none", "train.gpus": gpus,
@@ -97,7 +98,8 @@ def plan_for(engine, gpus, tuner="lora", **flags):
 
 
 def _shape():
-    from lora_lab.memory import ModelShape, known_model_config
+    from lora_lab.planning.memory import ModelShape
+    from lora_lab.registry import known_model_config
 
     return ModelShape.from_config(known_model_config("7b"))
 
@@ -120,8 +122,8 @@ def test_ddp_keeps_a_full_replica_plus_gradient_buckets():
     assert _part(four, "gradients") == _part(four, "DDP buckets") == pytest.approx(lora_grads)
     assert four.total_gib == pytest.approx(one.total_gib + lora_grads)
     assert "counted, checked on two GPUs" in four.report()  # DDP LoRA ran on two H200s
-    assert "counted, not yet measured" in plan_for("ddp", 1, "full").report()
-    assert "counted, not yet measured" in plan_for("deepspeed-zero3", 4, "lora").report()
+    assert "counted, not checked on GPUs" in plan_for("ddp", 1, "full").report()
+    assert "counted, not checked on GPUs" in plan_for("deepspeed-zero3", 4, "lora").report()
     assert "too high: a two-GPU run of full 7B" in plan_for("deepspeed-zero3-offload", 2,
                                                              "full").report()
 
@@ -172,8 +174,8 @@ def test_fsdp_without_a_sync_each_micro_batch_holds_the_whole_gradients():
 
 @pytest.mark.parametrize("engine, synced", [("fsdp", True), ("ddp", False)])
 def test_the_trainer_is_told_to_sync_each_micro_batch_for_fsdp(engine, synced, tmp_path):
-    from lora_lab.model import Precision
-    from lora_lab.train import build_training_arguments
+    from lora_lab.models.load import Precision
+    from lora_lab.training.args import build_training_arguments
 
     config = resolve_config("cpu", flags={"data.datasets": ["x"], "train.engine": engine})
     args = build_training_arguments(config, tmp_path, Precision("fp32"), 10, False)
@@ -184,7 +186,7 @@ def test_the_trainer_is_told_to_sync_each_micro_batch_for_fsdp(engine, synced, t
 
 
 def test_offload_moves_optimizer_state_and_zero3_parameters_to_cpu():
-    from lora_lab.memory import PROCESS_CPU_GIB
+    from lora_lab.planning.memory import PROCESS_CPU_GIB
 
     params = _shape().linear_params + _shape().other_params
     zero2 = plan_for("deepspeed-zero2-offload", 2, "full", **{"train.grad_accum": 4})
@@ -216,7 +218,7 @@ def test_plan_command_takes_gpus_and_engine():
 
 
 def test_engine_auto_picks_the_fastest_engine_that_fits():
-    from lora_lab.memory import pick_engine
+    from lora_lab.planning.choice import pick_engine
 
     def config(size, tuner="full", **extra):
         return resolve_config("24gb", flags={"data.datasets": ["x"], "model.name": f"qwen2.5-{size}",
@@ -268,7 +270,7 @@ def test_the_cpu_plan_of_the_offload_runs_with_its_margin():
     counted CPU plan, by at most CPU_PLAN_MARGIN, which --engine auto applies."""
     from report import load, plan_of
 
-    from lora_lab.memory import CPU_PLAN_MARGIN
+    from lora_lab.planning.memory import CPU_PLAN_MARGIN
 
     _, rows = load("multi-gpu")
     offload = [r for r in rows if "offload" in r["engine"] and r.get("cpu_peak_rss_gib_per_gpu")]

@@ -9,7 +9,7 @@ from lora_lab.data import EncodedSample
 from lora_lab.data.encode import IGNORE_INDEX
 from lora_lab.data.packing import pack_samples
 from lora_lab.errors import DataError
-from lora_lab.train import PACKED_FIELDS, PackedCollator, SupervisedDataset
+from lora_lab.data.collate import PACKED_FIELDS, PackedCollator, SupervisedDataset
 
 PAD = 151643
 
@@ -82,7 +82,7 @@ def test_attention_from_sample_lengths_gives_the_loss_and_gradients_one_by_one(a
     """data.packed_attention=segments|varlen: no mask, the lengths and their cumulative sums
     (varlen's flash kernel is CUDA-only: on CPU it computes the segments way; the same check on
     the GPU is tests/gpu/test_means_cuda.py)."""
-    from lora_lab.activations import register_packed_attention
+    from lora_lab.models.attention import register_packed_attention
 
     model = tiny_lora_model()
     model.base_model.model.set_attn_implementation(register_packed_attention(attention))

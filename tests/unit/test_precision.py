@@ -5,7 +5,8 @@ import torch
 
 from lora_lab.config import LoraArgs, ModelArgs
 from lora_lab.errors import ModelError
-from lora_lab.model import Precision, apply_lora, choose_precision, load_base_model
+from lora_lab.models.load import Precision, choose_precision, load_base_model
+from lora_lab.models.lora import apply_lora
 
 
 def fake_gpu(monkeypatch, bf16: bool):

@@ -8,8 +8,8 @@ import torch
 
 import lora_lab
 from lora_lab.errors import ModelError, TrainingError
-from lora_lab.model import check_remote_code
-from lora_lab.trainer import NonFiniteGuard, nonfinite_message
+from lora_lab.models.load import check_remote_code
+from lora_lab.training.callbacks import NonFiniteGuard, nonfinite_message
 
 
 def model_with_gradient(value: float):
@@ -27,19 +27,18 @@ def pre_optimizer_step(guard, model, fp16=False, global_step=6):
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_a_non_finite_gradient_stops_the_run_by_default(tmp_path, value):
-    guard = NonFiniteGuard("stop", "bf16", tmp_path, echo=lambda *_: None)
+    guard = NonFiniteGuard("stop", "bf16", tmp_path)
     with pytest.raises(TrainingError, match=r"step 7: the gradient norm is (inf|nan)\. The "
                                             r"update was not applied"):
         pre_optimizer_step(guard, model_with_gradient(value))
 
 
-def test_skip_removes_the_gradient_so_the_optimizer_changes_nothing(tmp_path):
-    said = []
-    guard = NonFiniteGuard("skip", "bf16", tmp_path, echo=said.append)
+def test_skip_removes_the_gradient_so_the_optimizer_changes_nothing(tmp_path, capsys):
+    guard = NonFiniteGuard("skip", "bf16", tmp_path)
     model = model_with_gradient(float("nan"))
     pre_optimizer_step(guard, model)
     assert model.weight.grad is None and model.bias.grad is None
-    assert guard.skipped_steps == [7] and "update skipped" in said[0]
+    assert guard.skipped_steps == [7] and "update skipped" in capsys.readouterr().out
     finite = model_with_gradient(2.0)
     pre_optimizer_step(guard, finite)
     assert finite.weight.grad is not None and guard.skipped_steps == [7]
@@ -88,7 +87,7 @@ def test_a_w4a16_folder_without_its_library_is_refused_with_the_install(tmp_path
     import json
 
     from lora_lab.errors import ModelError
-    from lora_lab.model import check_quantized_folder
+    from lora_lab.models.load import check_quantized_folder
 
     find_spec = importlib.util.find_spec  # make test installs it: act as if it were not
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None

@@ -7,9 +7,10 @@ peak = weights (less the input embedding when it lives in CPU memory)
        chunk of tokens when the MLP runs in chunks), plus the fused loss's chunks
      + the attention mask of a packed row (tokens x tokens, counted)
      + a constant (allocator and kernel workspaces)
-The memory means (lora_lab.activations) are chosen by `choose_memory_means`, here and in train.
-The last two terms are an empirical fit to the peaks measured on an H200 (bench/results/,
-`python bench/fit_planner.py` refits them); the others are counted from the model's config.
+The memory means (models/memory_means.py) are chosen by `choose_memory_means`, here and in
+training. The last two terms are an empirical fit to peaks measured on an H200 (`python
+bench/fit_planner.py` refits them; docs/benchmarks.md); the others are counted from the model's
+config.
 "Peak" is torch.cuda.max_memory_reserved: the CUDA context (about 0.3-0.5 GiB) comes on top, which
 is why a card of G GiB is planned with G - 0.5 GiB.
 
@@ -17,30 +18,30 @@ Several GPUs (train.gpus > 1) and the distributed engines (train.engine) are pla
 `_distributed_parts`: weights, gradients and optimizer state are divided by N where the engine
 shards them, and moved to CPU memory where it offloads them, plus DeepSpeed's own buffers
 (`_deepspeed_buffers`, counted from presets/engines/*.json). Those terms are COUNTED from the
-engines' behaviour and checked against the two-GPU runs in bench/results/*-multi-gpu.jsonl (DDP,
-ZeRO-2 LoRA 7B, ZeRO-3 full 1.5B, FSDP full 1.5B and LoRA 0.5B: within 15%,
-tests/unit/test_memory.py). The offload engines miss by more (GAPS_ON_GPUS, and the plan report
-says so), and their CPU plan is low (CPU_PLAN_MARGIN). The activation terms are the single-GPU
+engines' behaviour; tests/unit/test_memory.py holds them within 15% of the stored two-GPU runs
+(CHECKED_ON_GPUS). The offload engines miss by more (GAPS_ON_GPUS, and the plan report says so),
+and their CPU plan is low (CPU_PLAN_MARGIN). The activation terms are the single-GPU
 ones (each GPU runs its own micro-batch).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .config import (RunConfig, engine_template, guess_model_size, known_model_config,
-                     syncs_each_micro_batch)
+from ..config import RunConfig, engine_template, syncs_each_micro_batch
+from ..registry import guess_model_size, known_model_config
 
 GIB = 2**30
 CONTEXT_GIB = 0.5
-# Fitted (weighted least squares, 2026-11-30) on every successful lora-lab cell in bench/results
-# (28 cells, 0.5B-7B, 1024-49152 tokens, 16-bit and nf4: all within 6%).
+# Fitted by weighted least squares on every successful single-GPU lora-lab cell stored in
+# bench/results (`python bench/fit_planner.py`; docs/memory.md gives the fit's spread).
 FIT_CONSTANT_GIB = 0.1543
 FIT_BYTES_PER_TOKEN_PER_HIDDEN = 39.44
 FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = 11.690
 FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 12.84  # extra per token when the base is 16-bit
 NF4_BYTES_PER_WEIGHT = 0.5156  # 4 bits + double-quantized absmax per 64-weight block
 UNFUSED_LOSS_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy and its gradient (estimate)
-TIERS_GIB = {"24gb": 24, "16gb": 16, "12gb": 12, "8gb": 8}
+TIERS_GIB = {"8gb": 8, "12gb": 12, "16gb": 16, "24gb": 24}
+"""Each hardware tier (preset name) and its card's memory in GiB."""
 PACKED_MASK_BYTES_PER_PAIR = 3  # the bool mask, and sdpa's bf16 additive copy (counted)
 MAX_PLANNED_LENGTH = 131072  # Qwen2.5's longest context (with YaRN)
 
@@ -145,7 +146,7 @@ TRAINED_STATE_BYTES = {
 FSDP_FULL_STATE_BYTES = (4, 4, 8)
 CHECKED_ON_GPUS = {("ddp", "lora"), ("deepspeed-zero2", "lora"), ("deepspeed-zero3", "full"),
                    ("fsdp", "full"), ("fsdp", "lora")}
-"""(engine, tuner) whose plan a two-GPU run matched within 15% (bench/results/*-multi-gpu.jsonl)."""
+"""(engine, tuner) whose plan a stored two-GPU run matched within 15% (tests/unit/test_memory.py)."""
 GAPS_ON_GPUS = {
     ("deepspeed-zero2-offload", "full"): (
         0.82, "a two-GPU run of full 1.5B reserved 7.48 GiB per GPU where the plan gives 6.10; "
@@ -161,7 +162,7 @@ OFFLOAD_FP32_GRAD_BYTES = 4
 """DeepSpeed's CPU optimizer steps on an fp32 copy of the gradients kept in CPU memory."""
 PROCESS_CPU_GIB = 4.3
 """Resident CPU memory of a training process besides its model state: an FSDP worker of full
-1.5B peaked at 10.06 GiB, 5.74 of them its fp32 weights (bench/results, 2026-11-30)."""
+1.5B peaked at 10.06 GiB, 5.74 of them its fp32 weights (docs/benchmarks.md)."""
 CPU_PLAN_MARGIN = 1.45
 """The offload runs' resident CPU peaks, added up over the processes, were up to 1.43x the CPU
 plan (ZeRO-3 offload 7B, its final save included): --engine auto asks for this much more."""
@@ -218,7 +219,7 @@ class MemoryPlan:
             verdict = ("TOO LOW" if ratio < 1 else "too high") if ratio else ""
             lines[0] += (" (state terms counted, checked on two GPUs)" if self.checked else
                          f" (state terms counted; {verdict}: {why})" if ratio else
-                         " (state terms counted, not yet measured)")
+                         " (state terms counted, not checked on GPUs)")
         if self.means != "none":
             lines.append(f"  memory means: {self.means}")
         lines += [f"  {name:<44} {gib:6.2f} GiB" for name, gib in self.parts_gib.items()]
@@ -310,7 +311,7 @@ def _no_checkpoint_bytes(shape: ModelShape, tokens: int) -> float:
     """Without gradient checkpointing every layer keeps its activations for the backward pass:
     about 14 hidden-sized and 4 intermediate-sized bf16 tensors a token (norm inputs and
     outputs, q/k/v/o, the LoRA dropout copies; gate, up, their product). Counted; 7B at
-    8192-token rows reserved 65.86 GiB where this plan gives 71.8 (+9%; bench/results speed)."""
+    8192-token rows: the plan is 9% above the measured peak (docs/benchmarks.md)."""
     return tokens * shape.layers * 2 * (14 * shape.hidden + 4 * shape.intermediate)
 
 
@@ -481,70 +482,3 @@ def _longest(shape: ModelShape, config: RunConfig, budget_gib: float) -> int | N
     return fitting[-1] if fitting else None
 
 
-ENGINE_PREFERENCE = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
-                     "deepspeed-zero3-offload")
-"""Fastest first. ZeRO-2 with its optimizer state in CPU memory comes before ZeRO-3: it was the
-faster of the two for 1.5B full fine-tuning on two H200s in the team's baseline runs (not yet
-measured through lora-lab: bench/run.py multi-gpu, cell zero2-offload-full-1.5b)."""
-
-
-def pick_engine(config: RunConfig, gpu_memory_gib: float | None,
-                cpu_memory_gib: float | None = None,
-                deepspeed: bool = True) -> tuple[str, str]:
-    """--engine auto with --gpus N: the first engine of ENGINE_PREFERENCE whose per-GPU plan
-    fits the GPU (and whose offloaded state fits CPU memory); without DeepSpeed, fsdp stands in
-    for the sharded ones. Returns (engine, why)."""
-    if config.train.gpus == 1:
-        return "ddp", "one GPU"
-    if config.model.quantization == "nf4":
-        return "ddp", "QLoRA's 4-bit weights are not sharded by the engines: a replica per GPU"
-    if gpu_memory_gib is None or guess_model_size(config.model.name) is None:
-        return "ddp", ("no GPU memory to plan against" if gpu_memory_gib is None else
-                       f"the planner does not know {config.model.name}") + ": ddp by default"
-    candidates = ENGINE_PREFERENCE if deepspeed else ("ddp", "fsdp")
-    tried = []
-    for engine in candidates:
-        trial = replace(config, train=replace(config.train, engine=engine))
-        plan = plan_memory(trial, gpu_memory_gib)
-        cpu_ok = (cpu_memory_gib is None
-                  or plan.cpu_total_gib * CPU_PLAN_MARGIN <= 0.9 * cpu_memory_gib)
-        if plan.fits and cpu_ok:
-            return engine, (f"about {plan.total_gib:.1f} GiB per GPU of {plan.budget_gib:.1f} "
-                            f"usable" + (f", {plan.cpu_total_gib:.0f} GiB of CPU memory"
-                                         if plan.cpu_total_gib else "")
-                            + (f"; does not fit: {', '.join(tried)}" if tried else ""))
-        tried.append(f"{engine} {plan.total_gib:.1f} GiB"
-                     + ("" if cpu_ok else f" (+{plan.cpu_total_gib:.0f} GiB CPU)"))
-    return candidates[-1], (f"nothing fits {gpu_memory_gib:.1f} GiB per GPU ({', '.join(tried)})"
-                            f"; {candidates[-1]} needs the least")
-
-
-def pick_preset(gpu_memory_gib: float) -> tuple[str, str]:
-    """The largest tier that fits a GPU of this size, and why."""
-    for name, tier_gib in sorted(TIERS_GIB.items(), key=lambda kv: -kv[1]):
-        if gpu_memory_gib >= tier_gib - 0.6:
-            return name, (f"the GPU has {gpu_memory_gib:.1f} GiB; {name} is the largest tier "
-                          f"that fits it")
-    return "8gb", (f"the GPU has {gpu_memory_gib:.1f} GiB, less than the smallest tier (8 GB): "
-                   f"8gb with a short --max-length is the best chance")
-
-
-def check_fits(config: RunConfig, gpu_memory_gib: float,
-               longest_sample_tokens: int | None = None) -> MemoryPlan | None:
-    """Refuse, before loading anything, a run the planner says will not fit; None if unknown."""
-    from .errors import LoraLabError
-
-    if guess_model_size(config.model.name) is None:
-        return None
-    plan = plan_memory(config, gpu_memory_gib, longest_sample_tokens)
-    if plan.fits:
-        return plan
-    fixes = plan.fixes
-    raise LoraLabError(
-        f"--preset {config.preset} needs about {plan.total_gib:.1f} GiB for {plan.model} "
-        f"({plan.quantization}) at --max-length {config.data.max_length}"
-        f"{f' in packed rows of {row_length(config)} tokens' if config.data.packing else ''}; "
-        f"this GPU has "
-        f"{gpu_memory_gib:.1f} GiB ({plan.budget_gib:.1f} usable). Try "
-        f"{' or '.join(fixes) or 'a smaller model'}; `lora-lab plan` shows the breakdown. "
-        f"--no-memory-check runs it anyway.")

@@ -10,7 +10,7 @@
 
 and runs `python -m accelerate.commands.launch ... --module lora_lab run --preset P --config
 RUN_DIR/launch/run_config.yaml`. Each worker trains with transformers' Trainer, which picks up the
-engine from accelerate; only rank 0 writes into the run folder (lora_lab.train).
+engine from accelerate; only rank 0 writes into the run folder (training/run.py).
 
 Without a CUDA GPU the workers are CPU processes talking over gloo (ddp only): that is how the
 tests exercise this path. accelerate's own `--cpu` flag starts a single process unless MPI is
@@ -30,9 +30,18 @@ from pathlib import Path
 
 import yaml
 
-from .config import DEEPSPEED_ENGINES, RunConfig, engine_template, save_config
-from .errors import LoraLabError, TrainingError
-from .train import (LAUNCH_FOLDER, TrainResult, check_run_dir, locate_run_dir, resolve_resume)
+from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template
+from ..device import cuda_available, gpu_memory_gib
+from ..errors import LoraLabError, TrainingError
+from ..log import get_logger
+from ..models.load import Precision, choose_precision
+from ..planning.choice import pick_engine
+from ..planning.memory import TIERS_GIB, plan_memory
+from ..run_folder import (LAUNCH_FOLDER, TrainResult, check_run_dir, fix_run_dir, locate_run_dir,
+                          read_result, save_config)
+from .checkpoint import resolve_resume
+
+log = get_logger()
 
 
 def in_launched_worker() -> bool:
@@ -128,59 +137,54 @@ def launch_command(config: RunConfig, run_dir: Path, accelerate_config: Path,
             "--config", str(run_dir / LAUNCH_FOLDER / "run_config.yaml")]
 
 
-def prepare_launch(config: RunConfig, echo=print, dry_run: bool = False
-                   ) -> tuple[list[str], Path]:
+def prepare_launch(config: RunConfig, dry_run: bool = False) -> tuple[list[str], Path]:
     """Check the engine, fix the run folder and write the launch files; returns the command.
 
     dry_run: for a machine other than this one (e.g. 8 GPUs planned from a laptop): bf16, and
     no check of this machine's GPUs or DeepSpeed install."""
     import torch
 
-    from .model import Precision, choose_precision
-
     if config.train.engine == "auto":
-        choose_engine(config, echo, dry_run)
+        engine, why = choose_engine(config, dry_run)
+        log.info(f"--engine auto: {engine} for {config.train.gpus} GPUs {why}")
+        config.train.engine = engine
+        config.sources["train.engine"] = "auto"
     if dry_run:
         precision = Precision(name="bf16", bf16=True)
     else:
         precision = choose_precision(config.model.dtype)  # the same choice every worker makes
         check_engine(config, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    run_dir = locate_run_dir(config)  # fixes run_name: every worker writes to the same folder
-    resume_from = resolve_resume(config.train.resume, run_dir, lambda *_: None) \
+    run_dir = locate_run_dir(config)
+    fix_run_dir(config, run_dir)  # every worker writes to the same folder
+    resume_from = resolve_resume(config.train.resume, run_dir, quiet=True) \
         if config.train.resume else None
     check_run_dir(run_dir, config, resume_from)
     accelerate_config = write_launch_files(config, run_dir, precision.name)
     return launch_command(config, run_dir, accelerate_config), run_dir
 
 
-def choose_engine(config: RunConfig, echo=print, dry_run: bool = False) -> None:
-    """--engine auto with --gpus N: the fastest engine the memory plan fits (lora_lab.memory.
-    pick_engine) on this machine's GPUs, or for a dry run on the preset's tier (24gb: 24 GiB)."""
-    from .memory import TIERS_GIB, pick_engine
-    from .train import gpu_memory_gib
-
+def choose_engine(config: RunConfig, dry_run: bool = False) -> tuple[str, str]:
+    """--engine auto with --gpus N: the fastest engine the memory plan fits (planning.choice.
+    pick_engine) on this machine's GPUs, or for a dry run on the preset's tier (24gb: 24 GiB).
+    Returns (engine, why)."""
     gpu_gib = TIERS_GIB.get(config.preset) if dry_run else gpu_memory_gib()
     cpu_gib = None if dry_run else (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
                                     / 2**30)
     deepspeed = dry_run or importlib.util.find_spec("deepspeed") is not None
     engine, why = pick_engine(config, gpu_gib, cpu_gib, deepspeed)
-    config.train.engine = engine
-    config.sources["train.engine"] = "auto"
     where = f"{gpu_gib:.1f} GiB per GPU" if gpu_gib else "no GPU memory known"
-    echo(f"--engine auto: {engine} for {config.train.gpus} GPUs ({where}): {why}")
+    return engine, f"({where}): {why}"
 
 
-def dry_run_launch(config: RunConfig, echo=print) -> Path:
+def dry_run_launch(config: RunConfig) -> Path:
     """Write the launch files and print the command and the per-GPU memory plan; run nothing."""
-    from .memory import plan_memory
-
-    command, run_dir = prepare_launch(config, echo, dry_run=True)
-    echo(f"dry run: launch files in {run_dir / LAUNCH_FOLDER}; on a machine with "
-         f"{config.train.gpus} GPUs this runs:\n  {shlex.join(command)}")
+    command, run_dir = prepare_launch(config, dry_run=True)
+    log.info(f"dry run: launch files in {run_dir / LAUNCH_FOLDER}; on a machine with "
+             f"{config.train.gpus} GPUs this runs:\n  {shlex.join(command)}")
     try:
-        echo(plan_memory(config).report())
+        log.info(plan_memory(config).report())
     except ValueError as exc:  # a model the planner does not know
-        echo(f"(no memory plan: {exc})")
+        log.info(f"(no memory plan: {exc})")
     return run_dir
 
 
@@ -193,7 +197,7 @@ def launch_env(config: RunConfig, environ=None, cpus: int | None = None) -> dict
 
     FSDP gathers and frees every layer's weights on its own CUDA streams, and PyTorch's caching
     allocator keeps what one stream freed from the others: unless the user set
-    PYTORCH_CUDA_ALLOC_CONF, FSDP workers get expandable segments (measured in README, Several
+    PYTORCH_CUDA_ALLOC_CONF, FSDP workers get expandable segments (docs/benchmarks.md, several
     GPUs)."""
     env = dict(os.environ if environ is None else environ)
     if config.train.engine.endswith("-offload") and "OMP_NUM_THREADS" not in env:
@@ -207,36 +211,20 @@ def launch_env(config: RunConfig, environ=None, cpus: int | None = None) -> dict
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
-def launch_run(config: RunConfig, echo=print) -> TrainResult:
+def launch_run(config: RunConfig) -> TrainResult:
     """Run `config` as train.gpus processes under accelerate; returns rank 0's result."""
-    command, run_dir = prepare_launch(config, echo)
-    where = "CUDA GPUs" if _cuda() else "CPU processes (gloo)"
+    command, run_dir = prepare_launch(config)
+    where = "CUDA GPUs" if cuda_available() else "CPU processes (gloo)"
     env = launch_env(config)
     threads = (f" (OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per worker for the CPU optimizer)"
                if env.get("OMP_NUM_THREADS") != os.environ.get("OMP_NUM_THREADS") else "")
     if env.get(ALLOCATOR_ENV) != os.environ.get(ALLOCATOR_ENV):
         threads += f" ({ALLOCATOR_ENV}={env[ALLOCATOR_ENV]})"
-    echo(f"launching {config.train.gpus} {where} with engine {config.train.engine}{threads}:\n  "
-         f"{shlex.join(command)}")
+    log.info(f"launching {config.train.gpus} {where} with engine {config.train.engine}"
+             f"{threads}:\n  {shlex.join(command)}")
     completed = subprocess.run(command, env=env)
     if completed.returncode != 0:
         raise TrainingError(f"--gpus {config.train.gpus}: the launched run failed (exit status "
                             f"{completed.returncode}); the workers' messages are above. The "
                             f"launch files are in {run_dir / LAUNCH_FOLDER}.")
     return read_result(run_dir)
-
-
-def read_result(run_dir: Path) -> TrainResult:
-    summary = json.loads((run_dir / "run_summary.json").read_text())
-    fields = TrainResult.__dataclass_fields__
-    values = {k: v for k, v in summary.items() if k in fields}
-    for key in ("run_dir", "adapter_dir", "model_dir"):
-        if values.get(key) is not None:
-            values[key] = Path(values[key])
-    return TrainResult(**values)
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -16,27 +16,28 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 
-from .config import (FLAGS, RunConfig, flatten, load_saved_config, model_config_of,
-                     resolve_model_spec)
-from .errors import CheckpointError, LoraLabError
+from ..config import FLAG_FOR_KEY, RunConfig, flatten
+from ..errors import CheckpointError, LoraLabError
+from ..log import get_logger
+from ..paths import PICKLE_SUFFIXES, REPLACED_PREFIX, file_sha256, fsync, replace_folder
+from ..registry import resolve_model_spec
+from ..run_folder import CONFIG_FILE, checkpoint_step, list_checkpoints, load_saved_config
+
+log = get_logger()
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 STAGING_PREFIX = ".staging-"
-REPLACED_PREFIX = ".replaced-"
-CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 REQUIRED_FILES = ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json",
                   "optimizer.pt", "scheduler.pt", "rng_state.pth")
 """rng_state.pth is rng_state_<rank>.pth when several processes train."""
 FULL_REQUIRED_FILES = ("config.json", "model.safetensors") + REQUIRED_FILES[2:]
 """--tuner full checkpoints hold the whole model (model.safetensors, or its shards and
 model.safetensors.index.json) instead of an adapter."""
-PICKLED_SUFFIXES = (".pt", ".pth", ".bin")
 DRIFT_KEYS = ("model.name", "model.quantization", "train.tuner", "train.gpus", "train.engine",
               "lora.rank", "lora.alpha", "lora.dropout",
               "lora.target_modules", "data.datasets", "data.val_data", "data.val_ratio",
@@ -50,29 +51,9 @@ OOM_SOURCE = "out-of-memory retry"
 
 # ----------------------------------------------------------------------------- writing
 
-def checkpoint_step(folder: Path) -> int | None:
-    match = CHECKPOINT_NAME.fullmatch(Path(folder).name)
-    return int(match.group(1)) if match else None
-
 
 def staging_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / f"{STAGING_PREFIX}checkpoint-{step}"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _files(folder: Path) -> list[Path]:
@@ -85,28 +66,19 @@ def write_manifest(staging: Path, step: int, train_data: dict | None) -> None:
     for path in _files(staging):
         if path.name == MANIFEST_NAME:
             continue
-        _fsync(path)
+        fsync(path)
         files[path.relative_to(staging).as_posix()] = {"bytes": path.stat().st_size,
                                                        "sha256": file_sha256(path)}
     body = {"format": MANIFEST_FORMAT, "step": step, "files": files, "train_data": train_data}
     manifest = staging / MANIFEST_NAME
     manifest.write_text(json.dumps(body, indent=1) + "\n")
-    _fsync(manifest)
-    _fsync(staging)
+    fsync(manifest)
+    fsync(staging)
 
 
 def commit_checkpoint(staging: Path, final: Path) -> Path:
     """Rename a staged checkpoint (manifest written) to its final name, replacing an old one."""
-    replaced = final.with_name(REPLACED_PREFIX + final.name)
-    if replaced.exists():
-        shutil.rmtree(replaced)
-    if final.exists():
-        final.rename(replaced)
-    staging.rename(final)
-    _fsync(final.parent)
-    if replaced.exists():
-        shutil.rmtree(replaced)
-    return final
+    return replace_folder(staging, final)
 
 
 def remove_leftovers(run_dir: Path) -> list[Path]:
@@ -149,12 +121,6 @@ def rotate_checkpoints(run_dir: Path, limit: int, newest: Path, keep: tuple = ()
 
 
 # ----------------------------------------------------------------------------- checking
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """checkpoint-N folders of a run, lowest step first."""
-    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and checkpoint_step(p)
-             is not None]
-    return sorted(found, key=checkpoint_step)
 
 
 def read_manifest(folder: Path) -> dict:
@@ -208,7 +174,7 @@ def unsafe_pickles(folder: Path) -> list[str]:
 
     problems = []
     for path in _files(Path(folder)):
-        if path.suffix not in PICKLED_SUFFIXES:
+        if path.suffix not in PICKLE_SUFFIXES:
             continue
         try:
             with _numpy_allowed():
@@ -230,22 +196,23 @@ def _numpy_allowed():
                                              type(np.dtype(np.uint32))])
 
 
-def find_resume_checkpoint(run_dir: Path, warn=print) -> Path | None:
+def find_resume_checkpoint(run_dir: Path, quiet: bool = False) -> Path | None:
     """The newest complete checkpoint of a run; every skipped one is reported with its reason."""
     for folder in reversed(list_checkpoints(run_dir)):
         problems = checkpoint_problems(folder)
         if not problems:
             return folder
-        warn(f"warning: not resuming from {folder.name}: {'; '.join(problems)}")
+        if not quiet:
+            log.warning(f"warning: not resuming from {folder.name}: {'; '.join(problems)}")
     return None
 
 
-def resolve_resume(resume: str, run_dir: Path, warn=print) -> Path | None:
+def resolve_resume(resume: str, run_dir: Path, quiet: bool = False) -> Path | None:
     """--resume auto|RUN_DIR|CHECKPOINT -> the checkpoint to resume from (None: start fresh)."""
     if resume == "auto":
-        found = find_resume_checkpoint(run_dir, warn) if run_dir.is_dir() else None
-        if found is None:
-            warn(f"--resume auto: no complete checkpoint in {run_dir}; starting a new run.")
+        found = find_resume_checkpoint(run_dir, quiet) if run_dir.is_dir() else None
+        if found is None and not quiet:
+            log.info(f"--resume auto: no complete checkpoint in {run_dir}; starting a new run.")
         return found
     path = Path(resume).expanduser()
     if checkpoint_step(path) is not None and path.is_dir():
@@ -256,21 +223,13 @@ def resolve_resume(resume: str, run_dir: Path, warn=print) -> Path | None:
                                   "--resume auto for the newest complete one.")
         return path
     if (path / "config.yaml").is_file():
-        found = find_resume_checkpoint(path, warn)
+        found = find_resume_checkpoint(path, quiet)
         if found is None:
             raise CheckpointError(f"--resume {resume}: this run folder has no complete "
                                   f"checkpoint to resume from.")
         return found
     raise CheckpointError(f"--resume {resume}: not a checkpoint-N folder or a run folder. Pass "
                           f"--resume auto (with --run-name), a run folder or a checkpoint.")
-
-
-def run_dir_of(resume: str) -> Path | None:
-    """The run folder named by --resume PATH (None for auto)."""
-    if resume == "auto":
-        return None
-    path = Path(resume).expanduser()
-    return path.parent if checkpoint_step(path) is not None else path
 
 
 # ----------------------------------------------------------------------------- drift
@@ -297,11 +256,10 @@ def _comparable(key: str, value):
 def config_drift(saved: RunConfig, current: RunConfig) -> list[str]:
     """Settings in DRIFT_KEYS that differ between the run's config.yaml and this invocation."""
     before, now = flatten(saved.to_dict()), flatten(current.to_dict())
-    flag_for_key = {key: flag.split("/")[0] for flag, key in FLAGS.items()}
     changes = []
     for key in DRIFT_KEYS:
         if _comparable(key, before.get(key)) != _comparable(key, now.get(key)):
-            flag = f" ({flag_for_key[key]})" if key in flag_for_key else ""
+            flag = f" ({FLAG_FOR_KEY[key]})" if key in FLAG_FOR_KEY else ""
             changes.append(f"{key}{flag}: {before.get(key)!r} in the run, {now.get(key)!r} now")
     return changes
 
@@ -315,29 +273,29 @@ def data_drift(checkpoint: Path, fingerprint: dict) -> list[str]:
             f"{fingerprint['sha256'][:12]}) now"]
 
 
-def adopt_oom_batch(saved: RunConfig, current: RunConfig, echo=print) -> None:
-    """After an out-of-memory retry the run continues with its smaller micro-batch."""
+def resumed_batch(run_dir: Path, current: RunConfig) -> tuple[int, int] | None:
+    """The (micro_batch_size, grad_accum) a run moved to after running out of memory, when it
+    differs from `current` at the same effective batch: the resumed run continues with it."""
+    saved_file = run_dir / CONFIG_FILE
+    if not saved_file.is_file():
+        return None
+    saved = load_saved_config(saved_file)
     s, c = saved.train, current.train
     if saved.sources.get("train.micro_batch_size") != OOM_SOURCE:
-        return
+        return None
     if s.micro_batch_size * s.grad_accum != c.micro_batch_size * c.grad_accum:
-        return
-    if (s.micro_batch_size, s.grad_accum) != (c.micro_batch_size, c.grad_accum):
-        echo(f"resuming with micro-batch {s.micro_batch_size} x grad-accum {s.grad_accum}, "
-             f"as the run did after running out of memory")
-        c.micro_batch_size, c.grad_accum = s.micro_batch_size, s.grad_accum
-        current.sources["train.micro_batch_size"] = current.sources["train.grad_accum"] = OOM_SOURCE
+        return None
+    if (s.micro_batch_size, s.grad_accum) == (c.micro_batch_size, c.grad_accum):
+        return None
+    return s.micro_batch_size, s.grad_accum
 
 
-def check_drift(run_dir: Path, checkpoint: Path, current: RunConfig, fingerprint: dict,
-                echo=print) -> list:
+def check_drift(run_dir: Path, checkpoint: Path, current: RunConfig, fingerprint: dict) -> list:
     """What changed since the run started; raises unless --allow-config-change."""
-    saved_file = run_dir / "config.yaml"
+    saved_file = run_dir / CONFIG_FILE
     changes = data_drift(checkpoint, fingerprint)
     if saved_file.is_file():
-        saved = load_saved_config(saved_file)
-        adopt_oom_batch(saved, current, echo)
-        changes = config_drift(saved, current) + changes
+        changes = config_drift(load_saved_config(saved_file), current) + changes
     if changes and not current.train.allow_config_change:
         lines = "\n".join(f"  - {c}" for c in changes)
         raise CheckpointError(f"--resume: {run_dir} was trained with other settings:\n{lines}\n"
@@ -345,77 +303,4 @@ def check_drift(run_dir: Path, checkpoint: Path, current: RunConfig, fingerprint
                               f"settings ({saved_file}), or pass --allow-config-change to "
                               f"resume anyway.")
     return changes
-
-
-def trim_step_log(path: Path, step: int) -> None:
-    """Drop log lines past the checkpoint resumed from: they are about to be trained again."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines(keepends=True):
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-        except ValueError:
-            continue  # a line cut short by the kill
-    path.write_text("".join(kept))
-
-
 # ----------------------------------------------------------------------------- disk space
-
-GB = 1e9
-
-
-def checkpoint_sizes(config: RunConfig, model_config: dict) -> tuple[float, float, float]:
-    """Estimated bytes of a checkpoint's weights, of its optimizer state, and of the final
-    weights, from the model's shape.
-
-    Weights: LoRA adapters in fp32; full fine-tuning in 16 bits with DeepSpeed (its module is
-    16-bit) and in fp32 otherwise (the master weights), the final model of a one-process run
-    in bf16. Optimizer state: AdamW's two fp32 moments, plus DeepSpeed's fp32 master copy."""
-    from .memory import ModelShape
-
-    shape = ModelShape.from_config(model_config)
-    engine, full = config.train.engine, config.train.tuner == "full"
-    deepspeed = engine.startswith("deepspeed")
-    trained = shape.trained_params(config.train.tuner, config.lora.rank)
-    weight_bytes = (2 if deepspeed else 4) if full else 4
-    optimizer_bytes = 12 if deepspeed and full else 8
-    final_bytes = (4 if engine == "fsdp" else 2) if full else 4
-    return trained * weight_bytes, trained * optimizer_bytes, trained * final_bytes
-
-
-def check_disk_space(config: RunConfig, run_dir: Path, total_steps: int) -> None:
-    """Refuse before training a run whose checkpoints and final weights will not fit the free
-    space where they go: a full disk fails the save at the end, after all the training."""
-    model_config = model_config_of(config.model.name) if config.train.disk_check else None
-    if model_config is None or "hidden_size" not in model_config:
-        return
-    t = config.train
-    weights, optimizer, final = checkpoint_sizes(config, model_config)
-    per_checkpoint = weights + (0 if t.save_only_model else optimizer)
-    saves = -(-total_steps // t.save_steps)  # every save_steps, and at the last step
-    # a new checkpoint is written before the oldest beyond save_total_limit is deleted
-    kept = min(saves, t.save_total_limit + 1)
-    needed = kept * per_checkpoint + final
-    where = Path(run_dir)
-    while not where.exists():
-        where = where.parent
-    free = shutil.disk_usage(where).free
-    if needed <= free:
-        return
-    what = "model" if t.tuner == "full" else "adapter"
-    fixes = []
-    if kept > 2:
-        fixes.append(f"keep one checkpoint (--set train.save_total_limit=1: "
-                     f"{(2 * per_checkpoint + final) / GB:.0f} GB)")
-    if not t.save_only_model:
-        fixes.append(f"save weights only (--set train.save_only_model=true: "
-                     f"{(kept * weights + final) / GB:.0f} GB; such checkpoints cannot be "
-                     f"resumed)")
-    fixes.append("write elsewhere (--output-dir) or free space")
-    raise LoraLabError(
-        f"--output-dir {t.output_dir}: this run writes about {needed / GB:.0f} GB (up to {kept} "
-        f"checkpoint(s) of {per_checkpoint / GB:.1f} GB and the final {what} of "
-        f"{final / GB:.1f} GB) but {where} has {free / GB:.0f} GB free. Either "
-        + "; or ".join(fixes) + ". --set train.disk_check=false skips this check.")

@@ -8,20 +8,15 @@ the base+adapter model's on a few prompts.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .config import ModelArgs
-from .errors import CheckpointError, LoraLabError
-from .infer import base_model_of, find_adapter
-from .model import Precision, load_base_model, load_tokenizer
-
-CHECK_PROMPTS = ["Who are you?", "Write a haiku about autumn.", "2+2=?"]
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-VLLM_QWEN2_LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                           "down_proj"}
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+from ..config import ModelArgs
+from ..errors import CheckpointError, LoraLabError
+from ..models.load import Precision, load_base_model, load_tokenizer
+from ..paths import pickled_files, staged_folder
+from ..run_folder import base_model_of, find_adapter
+from .checks import CHECK_PROMPTS, check_prompt_batch, top1_agreement
 
 
 @dataclass
@@ -57,49 +52,37 @@ def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str
                            Precision(name=dtype), for_training=False)
     tokenizer = load_tokenizer(str(adapter_dir))
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    batch = _check_batch(tokenizer, model.device)
+    batch = check_prompt_batch(tokenizer, model.device)
     with torch.no_grad():
         reference = model(**batch).logits.float()
         merged = model.merge_and_unload().eval()
         logits = merged(**batch).logits.float()
     mask = batch["attention_mask"].bool()
     diff = float((reference - logits).abs().max())
-    agreement = _top1_agreement(reference, logits, mask)
+    agreement = top1_agreement(reference, logits, mask)
     _check_merged(merged, diff, agreement, dtype)
 
-    staging = output.with_name(output.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
-    merged.generation_config.eos_token_id = sorted({i for i in eos if i is not None},
-                                                   key=eos.index)
-    merged.generation_config.pad_token_id = tokenizer.pad_token_id
-    merged.save_pretrained(staging, safe_serialization=True, max_shard_size="2GB")
-    tokenizer.save_pretrained(staging)
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
     result = MergeResult(output_dir=output, base_model=base_args.name, adapter_dir=adapter_dir,
                          dtype=dtype, max_abs_logit_diff=diff, top1_agreement=agreement,
                          lora_rank=adapter_config["r"],
                          target_modules=sorted(adapter_config["target_modules"]),
                          trained_with_quantization=trained_quantization)
-    report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
-    report["checks"] = {"weights_finite": True, "lora_layers_left": 0,
-                        "check_prompts": CHECK_PROMPTS}
-    (staging / "merge_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    pickles = [p.name for p in staging.iterdir() if p.suffix in PICKLE_SUFFIXES]
-    if pickles:
-        raise LoraLabError(f"internal: pickled files in the merged folder: {pickles}")
-    if output.exists():
-        shutil.rmtree(output)
-    staging.rename(output)
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
+    merged.generation_config.eos_token_id = sorted({i for i in eos if i is not None},
+                                                   key=eos.index)
+    merged.generation_config.pad_token_id = tokenizer.pad_token_id
+    with staged_folder(output) as staging:
+        merged.save_pretrained(staging, safe_serialization=True, max_shard_size="2GB")
+        tokenizer.save_pretrained(staging)
+        report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
+        report["checks"] = {"weights_finite": True, "lora_layers_left": 0,
+                            "check_prompts": CHECK_PROMPTS}
+        (staging / "merge_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        if pickled_files(staging):
+            raise LoraLabError(f"internal: pickled files in the merged folder: "
+                               f"{pickled_files(staging)}")
     return result
-
-
-def _check_batch(tokenizer, device) -> dict:
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in CHECK_PROMPTS]
-    tokenizer.padding_side = "left"
-    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    return {k: v.to(device) for k, v in batch.items()}
 
 
 # fp32: the merged model must compute what base+adapter computes, to rounding. In bf16/fp16
@@ -108,13 +91,6 @@ def _check_batch(tokenizer, device) -> dict:
 # is that both predict the same next token wherever base+adapter is confident.
 MAX_FP32_LOGIT_DIFF = 1e-3
 MIN_16BIT_TOP1_AGREEMENT = 0.95
-
-
-def _top1_agreement(reference, logits, mask) -> float:
-    confident = mask & (reference.softmax(-1).max(-1).values >= 0.5)
-    if not bool(confident.any()):
-        return 1.0
-    return float((reference.argmax(-1) == logits.argmax(-1))[confident].float().mean())
 
 
 def _check_merged(model, diff: float, agreement: float, dtype: str) -> None:
@@ -137,19 +113,3 @@ def _check_merged(model, diff: float, agreement: float, dtype: str) -> None:
                               f"--dtype fp32.")
 
 
-def vllm_commands(result: MergeResult, name: str = "finetuned") -> dict:
-    """The `vllm serve` commands for the merged folder and for the adapter on its base."""
-    rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= result.lora_rank), None)
-    commands = {"merged": f"vllm serve {result.output_dir} --served-model-name {name}"}
-    warnings = []
-    if rank is None:
-        warnings.append(f"LoRA rank {result.lora_rank} is above vLLM's largest --max-lora-rank "
-                        f"({VLLM_MAX_LORA_RANKS[-1]}): serve the merged folder.")
-    else:
-        commands["adapter"] = (f"vllm serve {result.base_model} --enable-lora --lora-modules "
-                               f"{name}={result.adapter_dir} --max-lora-rank {rank}")
-    unsupported = sorted(set(result.target_modules) - VLLM_QWEN2_LORA_MODULES)
-    if unsupported:
-        warnings.append(f"the adapter also trains {', '.join(unsupported)}, which vLLM's LoRA "
-                        f"support for Qwen2 does not load: serve the merged folder.")
-    return {"commands": commands, "warnings": warnings}

@@ -1,22 +1,19 @@
-"""Load the base model and tokenizer (hub id, local folder or GGUF), pick precision, add LoRA."""
+"""Load the base model and tokenizer (hub id, local folder or GGUF) and pick the precision."""
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import LoraArgs, ModelArgs, resolve_model_spec
-from .errors import ModelError
+from ..config import ModelArgs
+from ..errors import ModelError
+from ..log import get_logger
+from ..registry import resolve_model_spec
+from .gguf import convert_gguf
 
-log = logging.getLogger("lora_lab")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LORA_LAB_CACHE", Path.home() / ".cache" / "lora-lab"))
+log = get_logger()
 
 
 def locate_model(spec: str) -> str:
@@ -33,10 +30,11 @@ def _hub_error(name: str, exc: Exception) -> ModelError:
                       f"Hugging Face hub, download the model elsewhere and pass its folder.")
 
 
-def load_tokenizer(spec: str, trust_remote_code: bool = False):
+def load_tokenizer(spec: str, trust_remote_code: bool = False, path: str | None = None):
+    """The model's tokenizer, with its chat template; path: locate_model(spec), if known."""
     from transformers import AutoTokenizer
 
-    path = locate_model(spec)
+    path = path or locate_model(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -115,7 +113,7 @@ def choose_precision(requested: str) -> Precision:
 
 def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = True,
                     fp32_master_weights: bool = False, sharded: bool = False,
-                    packed_attention: str | None = None):
+                    packed_attention: str | None = None, path: str | None = None):
     """The base model on the right device, in the chosen precision (or 4-bit nf4 for QLoRA).
 
     With several processes each loads onto its own GPU (LOCAL_RANK). fp32_master_weights (full
@@ -123,18 +121,20 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
     autocast (DeepSpeed keeps its own bf16 copy and fp32 master). sharded (ZeRO-3, FSDP): no
     device_map; the engine places (and ZeRO-3 partitions while loading) the weights.
     packed_attention: segments or varlen: packed rows attend per sample from their lengths
-    (lora_lab.activations); None or mask: the model's own attention (with the collator's mask)."""
+    (models/attention.py); None or mask: the model's own attention (with the collator's mask).
+    path: locate_model(args.name) when the caller has it (and has checked its remote code)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = locate_model(args.name)
-    check_remote_code(path, args.trust_remote_code)
+    if path is None:
+        path = locate_model(args.name)
+        check_remote_code(path, args.trust_remote_code)
     check_quantized_folder(path)
     dtype = torch.float32 if fp32_master_weights else precision.torch_dtype
     kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code,
               "attn_implementation": args.attn_implementation}
     if packed_attention in ("segments", "varlen") and args.attn_implementation == "sdpa":
-        from .activations import register_packed_attention
+        from .attention import register_packed_attention
 
         kwargs["attn_implementation"] = register_packed_attention(packed_attention)
     if args.quantization == "nf4":
@@ -200,108 +200,3 @@ def nf4_config(precision: Precision):
     compute = precision.torch_dtype if precision.name != "fp32" else torch.float32
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                               bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
-
-
-def check_full_finetuning_precision(precision: Precision) -> None:
-    """--tuner full never trains in fp16 (--dtype auto picks fp16 on GPUs without bf16)."""
-    if precision.name == "fp16":
-        raise ModelError("--tuner full: this GPU has no bf16, and full fine-tuning in fp16 is "
-                         "refused (Qwen2.5's activations overflow fp16 and whole-model updates "
-                         "diverge). Use a GPU with bf16 (Ampere or newer), --dtype fp32, or "
-                         "--tuner lora.")
-
-
-def prepare_full_finetuning(model, gradient_checkpointing: bool):
-    """Every weight trains (full fine-tuning); activations are recomputed if asked."""
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for param in model.parameters():
-        param.requires_grad_(True)
-    return model
-
-
-def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None):
-    """Wrap the model with PEFT LoRA adapters; only the adapters train.
-
-    means (lora_lab.memory.MemoryMeans): the long-sequence means to put in place."""
-    from peft import LoraConfig, get_peft_model
-
-    from .activations import apply_memory_means, move_embedding_to_cpu
-
-    if means is not None and means.embedding_on_cpu:
-        move_embedding_to_cpu(model)  # before the input-grad hook below is attached to it
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    targets = args.target_modules
-    if targets == ["all-linear"]:
-        targets = linear_module_names(model)
-    config = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
-                        target_modules=list(targets), task_type="CAUSAL_LM", bias="none")
-    try:
-        model = get_peft_model(model, config)
-    except ValueError as exc:
-        raise ModelError(f"lora.target_modules {args.target_modules}: {exc}") from None
-    if means is not None:
-        apply_memory_means(model, means)
-    return model
-
-
-def linear_module_names(model) -> list[str]:
-    """Short names of every linear layer but the output head (q_proj ... down_proj).
-
-    Short names, not peft's resolved full paths, keep adapter_config.json readable by vLLM.
-    """
-    import torch
-
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear)}
-    return sorted(names - {"lm_head"})
-
-
-# ----------------------------------------------------------------------------- GGUF
-
-def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
-    """De-quantize a .gguf into a Hugging Face folder (bf16 safetensors), cached by file."""
-    gguf = Path(gguf).resolve()
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = Path(out) if out else cache_dir() / "gguf" / f"{gguf.stem}-{key}"
-    if (out / ".complete").is_file():
-        return out
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting %s to a Hugging Face folder in %s (once)", gguf, out)
-    try:
-        import gguf as _gguf  # noqa: F401
-    except ImportError:
-        raise ModelError("--model *.gguf needs the `gguf` package: pip install gguf") from None
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                  dtype=torch.float32)
-    # The GGUF loader marks the model as quantized: copy the de-quantized weights into a plain one.
-    plain = {k: v for k, v in loaded.config.to_dict().items()
-             if k not in ("quantization_config", "_name_or_path")}
-    config = AutoConfig.for_model(**plain)
-    config.dtype = "bfloat16"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
-    if unexpected or any("lm_head" not in k for k in missing):
-        raise ModelError(f"{gguf}: unexpected tensors in the GGUF file ({unexpected[:3]} "
-                         f"{missing[:3]}).")
-    if missing:
-        model.tie_weights()
-    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    model.generation_config.eos_token_id = [i for i in eos if i is not None]
-    model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    staging = out.with_name(out.name + ".partial")
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    staging.rename(out)
-    (out / ".complete").write_text(str(gguf) + "\n")
-    return out

@@ -4,9 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import ModelArgs, load_saved_config
-from .errors import CheckpointError
-from .model import choose_precision, load_base_model, load_tokenizer
+from ..config import ModelArgs
+from ..data.formats import detect_format, normalise_row, read_rows
+from ..errors import DataError, LoraLabError
+from ..models.load import choose_precision, load_base_model, load_tokenizer
+from ..run_folder import base_model_of, find_adapter, full_model_of
 
 
 @dataclass
@@ -27,47 +29,6 @@ class GenerationSettings:
         if self.do_sample is False:  # greedy: sampling knobs of generation_config do not apply
             kwargs.update(temperature=None, top_p=None, top_k=None)
         return kwargs
-
-
-def full_model_of(path: str | Path) -> Path | None:
-    """The from_pretrained folder of a full fine-tuning run (--tuner full), else None."""
-    path = Path(path)
-    if (path / "config.yaml").is_file() and (path / "model" / "config.json").is_file():
-        return path / "model"
-    return None
-
-
-def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
-    """A run folder or an adapter folder -> (adapter folder, run folder or None)."""
-    path = Path(path)
-    if full_model_of(path):
-        raise CheckpointError(f"{path}: a full fine-tuning run (--tuner full) has no adapter; "
-                              f"its model is {path / 'model'} (pass it as --model, or to "
-                              f"`lora-lab export`; there is nothing to merge).")
-    if (path / "adapter_config.json").is_file():
-        run_dir = path.parent if (path.parent / "config.yaml").is_file() else None
-        return path, run_dir
-    if (path / "config.yaml").is_file():
-        if (path / "adapter" / "adapter_config.json").is_file():
-            return path / "adapter", path
-        checkpoints = sorted(path.glob("checkpoint-*/adapter_config.json"),
-                             key=lambda p: int(p.parent.name.split("-")[-1]))
-        if checkpoints:
-            return checkpoints[-1].parent, path
-        raise CheckpointError(f"{path}: this run has no adapter yet (no adapter/ or "
-                              f"checkpoint-*/ folder). Did the run finish?")
-    raise CheckpointError(f"{path}: not a run folder (config.yaml) or an adapter folder "
-                          f"(adapter_config.json).")
-
-
-def base_model_of(adapter_dir: Path, run_dir: Path | None) -> ModelArgs:
-    """The base model an adapter was trained on: from the run config, else adapter_config."""
-    if run_dir is not None:
-        return load_saved_config(run_dir / "config.yaml").model
-    import json
-
-    base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
-    return ModelArgs(name=base)
 
 
 def load_adapter_model(path: str | Path, dtype: str = "auto"):
@@ -124,8 +85,6 @@ def ask(model, tokenizer, question: str, max_new_tokens: int = 64) -> str:
 def load_generation_model(run: str | None = None, adapter: str | None = None,
                           model: str | None = None, dtype: str = "auto"):
     """Exactly one of a run folder, an adapter folder or a model (base or merged)."""
-    from .errors import LoraLabError
-
     given = [v for v in (run, adapter, model) if v]
     if len(given) != 1:
         raise LoraLabError("pass exactly one of --run RUN_DIR, --adapter DIR or --model MODEL.")
@@ -138,9 +97,6 @@ def load_generation_model(run: str | None = None, adapter: str | None = None,
 
 def read_prompts(path: str, row_format: str = "auto") -> list:
     """Prompts from any dataset format: (origin, prompt messages, reference reply or None)."""
-    from .data.formats import detect_format, normalise_row, read_rows
-    from .errors import DataError
-
     rows = read_rows(path)
     fmt = row_format if row_format != "auto" else detect_format(rows, path)
     prompts, problems = [], []

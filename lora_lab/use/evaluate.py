@@ -5,12 +5,11 @@ import json
 import math
 from pathlib import Path
 
-from .config import load_saved_config
-from .data import load_samples
-from .data.encode import IGNORE_INDEX, encode_samples
-from .errors import DataError
-from .infer import (GenerationSettings, find_adapter, full_model_of, generate_replies,
-                    load_adapter_model, load_plain_model)
+from ..data import load_samples
+from ..data.encode import IGNORE_INDEX, encode_samples
+from ..errors import DataError
+from ..run_folder import find_adapter, full_model_of, load_saved_config
+from .infer import GenerationSettings, generate_replies, load_adapter_model, load_plain_model
 
 
 def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,

@@ -1,0 +1,94 @@
+"""The machine a process runs on: CUDA present, GPU memory and its cap, the process group."""
+from __future__ import annotations
+
+import os
+
+
+def use_cpu(precision) -> bool:
+    """Train on the CPU: fp32 and no CUDA GPU."""
+    return precision.name == "fp32" and not cuda_available()
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def distributed_state(precision):
+    """accelerate's process state, set up as the Trainer will (gloo on CPU, NCCL on GPUs)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=use_cpu(precision))
+
+
+MEMORY_CAP_ENV = "LORA_LAB_GPU_MEMORY_GIB"
+
+
+def cap_gpu_memory() -> float | None:
+    """LORA_LAB_GPU_MEMORY_GIB=N: let this process use at most N GiB of its GPU, to act like a
+    smaller card (how the presets and the multi-GPU table were measured on H200s)."""
+    import torch
+
+    value = os.environ.get(MEMORY_CAP_ENV)
+    if not value or not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, float(value) * 2**30 / total), device)
+    return float(value)
+
+
+def gpu_memory_gib() -> float | None:
+    """The GPU memory this process may use, in GiB: LORA_LAB_GPU_MEMORY_GIB when set (a smaller
+    card), else the first GPU's; None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    cap = os.environ.get(MEMORY_CAP_ENV)
+    return min(total, float(cap)) if cap else total
+
+
+def use_cudnn_attention(enabled: bool) -> None:
+    """model.cudnn_attention: allow or forbid sdpa's cuDNN backend in this (training) process."""
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(enabled)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def release_memory() -> None:
+    """Give freed GPU memory back (after an out-of-memory error, between export stages)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def peak_memory_per_gpu(timer) -> list:
+    """Every process's memory figures (StepTimer.memory), in rank order (all ranks call)."""
+    import torch
+
+    figures = timer.memory()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [figures]
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, figures)
+    return gathered
+
+
+def inference_device_map(quantized_bnb: bool = False):
+    """bitsandbytes weights go whole onto GPU 0; 16-bit models spread over GPU and CPU memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return {"": 0} if quantized_bnb else "auto"

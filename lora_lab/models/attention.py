@@ -1,0 +1,115 @@
+"""Attention over packed rows: each sample of a row attends only to itself."""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+PACKED_ATTENTION = {"segments": "lora_lab_segments", "varlen": "lora_lab_varlen"}
+"""data.packed_attention, other than the block-diagonal mask: the name each registers as a
+transformers attention implementation. Both attend within each sample of a packed row only, from
+the sample lengths the collator passes (no [tokens x tokens] mask):
+
+- segments: the causal sdpa kernel once per sample (one small kernel per sample and layer).
+- varlen: one flash-attention call over the whole row with the samples' cumulative lengths
+  (torch.nn.attention.varlen, PyTorch >= 2.10 on CUDA, bf16/fp16). Where that kernel is not
+  available (CPU, older PyTorch, fp32 without autocast) it computes the same thing as segments.
+
+auto = varlen where it runs: it was the fastest of the three in the same run on an H200
+(docs/benchmarks.md, packed attention).
+"""
+
+
+def segments_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                       scaling: float | None = None, packed_lengths=None, **kwargs):
+    """transformers attention function: [batch 1, heads, tokens, dim] in, [1, tokens, heads,
+    dim] out. Without packed_lengths (evaluation, generation) it is plain sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop("packed_cu_seqlens", None)
+    if packed_lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    gqa = key.shape[1] != query.shape[1]
+    outputs, start = [], 0
+    for length in packed_lengths:
+        part = slice(start, start + length)
+        outputs.append(nn.functional.scaled_dot_product_attention(
+            query[:, :, part], key[:, :, part], value[:, :, part], is_causal=True,
+            scale=scaling, dropout_p=dropout if module.training else 0.0, enable_gqa=gqa))
+        start += length
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=1)
+def flash_varlen():
+    """torch.nn.attention.varlen.varlen_attn as (function, its parameter names), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    import inspect
+
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_dtype(query) -> torch.dtype | None:
+    """The 16-bit type flash attention runs in here, or None (fp32 outside autocast)."""
+    if query.dtype in (torch.bfloat16, torch.float16):
+        return query.dtype
+    if torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return None
+
+
+def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                     scaling: float | None = None, packed_lengths=None, packed_cu_seqlens=None,
+                     **kwargs):
+    """Like segments_attention, with one flash-attention varlen kernel for the whole row."""
+    found = flash_varlen()
+    dtype = _flash_dtype(query)
+    if (packed_lengths is None or packed_cu_seqlens is None or not query.is_cuda
+            or found is None or dtype is None or (dropout and module.training)):
+        return segments_attention(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, packed_lengths=packed_lengths, **kwargs)
+    varlen_attn, params = found
+    # [1, heads, tokens, dim] -> [tokens, heads, dim]
+    q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))
+    options = {}
+    if q.shape[1] != k.shape[1]:  # grouped-query attention (Qwen2.5: 7 query heads per kv head)
+        if "enable_gqa" in params:
+            options["enable_gqa"] = True
+        else:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    # causal within each sample: PyTorch 2.10 spells it is_causal, later versions window_size
+    options.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    if scaling is not None and "scale" in params:
+        options["scale"] = scaling
+    cu = packed_cu_seqlens.to(device=q.device, dtype=torch.int32)
+    longest = max(packed_lengths)
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, **options)
+    return out[None], None
+
+
+def resolve_packed_attention(kind: str) -> str:
+    """data.packed_attention -> what this machine runs: auto is varlen on a CUDA GPU whose
+    PyTorch has the varlen kernel (fastest of the three on an H200: README, Packing), else
+    mask (on CPU, varlen and segments compute sample by sample)."""
+    if kind != "auto":
+        return kind
+    return "varlen" if torch.cuda.is_available() and flash_varlen() is not None else "mask"
+
+
+def register_packed_attention(kind: str) -> str:
+    """Make data.packed_attention `kind` (segments, varlen) a name from_pretrained accepts;
+    returns it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    name = PACKED_ATTENTION[kind]
+    AttentionInterface.register(name, {"segments": segments_attention,
+                                       "varlen": varlen_attention}[kind])
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

@@ -1,0 +1,50 @@
+"""GGUF files as models: a .gguf is de-quantized once into a Hugging Face folder (cached)."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+from ..errors import ModelError
+from ..log import get_logger
+from ..paths import cache_dir, staged_folder
+
+log = get_logger()
+
+def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
+    """De-quantize a .gguf into a Hugging Face folder (bf16 safetensors), cached by file."""
+    gguf = Path(gguf).resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = Path(out) if out else cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    if (out / ".complete").is_file():
+        return out
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a Hugging Face folder in %s (once)", gguf, out)
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelError("--model *.gguf needs the `gguf` package: pip install gguf") from None
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+    # The GGUF loader marks the model as quantized: copy the de-quantized weights into a plain one.
+    plain = {k: v for k, v in loaded.config.to_dict().items()
+             if k not in ("quantization_config", "_name_or_path")}
+    config = AutoConfig.for_model(**plain)
+    config.dtype = "bfloat16"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or any("lm_head" not in k for k in missing):
+        raise ModelError(f"{gguf}: unexpected tensors in the GGUF file ({unexpected[:3]} "
+                         f"{missing[:3]}).")
+    if missing:
+        model.tie_weights()
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    model.generation_config.eos_token_id = [i for i in eos if i is not None]
+    model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    with staged_folder(out) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+    (out / ".complete").write_text(str(gguf) + "\n")
+    return out

@@ -1,0 +1,69 @@
+"""What trains: LoRA adapters on a frozen base (QLoRA: on 4-bit weights), or every weight."""
+from __future__ import annotations
+
+from ..config import LoraArgs
+from ..errors import ModelError
+from .load import Precision
+
+def prepare_quantized_for_training(model):
+    """QLoRA set-up without peft's fp32 upcast of embedding and lm_head (about 2 GiB on 7B)."""
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model
+
+
+def check_full_finetuning_precision(precision: Precision) -> None:
+    """--tuner full never trains in fp16 (--dtype auto picks fp16 on GPUs without bf16)."""
+    if precision.name == "fp16":
+        raise ModelError("--tuner full: this GPU has no bf16, and full fine-tuning in fp16 is "
+                         "refused (Qwen2.5's activations overflow fp16 and whole-model updates "
+                         "diverge). Use a GPU with bf16 (Ampere or newer), --dtype fp32, or "
+                         "--tuner lora.")
+
+
+def prepare_full_finetuning(model, gradient_checkpointing: bool):
+    """Every weight trains (full fine-tuning); activations are recomputed if asked."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for param in model.parameters():
+        param.requires_grad_(True)
+    return model
+
+
+def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None):
+    """Wrap the model with PEFT LoRA adapters; only the adapters train.
+
+    means (planning.memory.MemoryMeans): the long-sequence means to put in place."""
+    from peft import LoraConfig, get_peft_model
+
+    from .memory_means import apply_memory_means, move_embedding_to_cpu
+
+    if means is not None and means.embedding_on_cpu:
+        move_embedding_to_cpu(model)  # before the input-grad hook below is attached to it
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    targets = args.target_modules
+    if targets == ["all-linear"]:
+        targets = linear_module_names(model)
+    config = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
+                        target_modules=list(targets), task_type="CAUSAL_LM", bias="none")
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as exc:
+        raise ModelError(f"lora.target_modules {args.target_modules}: {exc}") from None
+    if means is not None:
+        apply_memory_means(model, means)
+    return model
+
+
+def linear_module_names(model) -> list[str]:
+    """Short names of every linear layer but the output head (q_proj ... down_proj).
+
+    Short names, not peft's resolved full paths, keep adapter_config.json readable by vLLM.
+    """
+    import torch
+
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear)}
+    return sorted(names - {"lm_head"})

@@ -1,0 +1,96 @@
+"""Files on disk that are nobody's format: the folders lora-lab ships, its cache folder, and the
+one way every writer (checkpoints, merge, export, GGUF conversion) puts a folder in place."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import os
+import shutil
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def _shipped_dir(repo_folder: str, package: str) -> Path:
+    """A folder shipped with lora-lab: the repo checkout's, or the installed package's copy."""
+    in_checkout = PACKAGE_DIR.parent / repo_folder
+    if in_checkout.is_dir():
+        return in_checkout
+    return Path(list(importlib.import_module(package).__path__)[0])
+
+
+def presets_dir() -> Path:
+    return _shipped_dir("presets", "lora_lab.presets")
+
+
+def bundled_data_dir() -> Path:
+    return _shipped_dir("data", "lora_lab.bundled_data")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LORA_LAB_CACHE", Path.home() / ".cache" / "lora-lab"))
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+REPLACED_PREFIX = ".replaced-"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+"""Files that may be Python pickles: never loaded without torch.load(weights_only=True), never
+written into a folder meant for serving."""
+
+
+def pickled_files(folder: Path) -> list[str]:
+    """Names of the files in `folder` that may be pickles (PICKLE_SUFFIXES)."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.suffix in PICKLE_SUFFIXES)
+
+
+def model_configs_dir() -> Path:
+    """The real config.json files of the model sizes lora-lab knows (registry.py)."""
+    return PACKAGE_DIR / "model_configs"
+
+
+def replace_folder(staging: Path, final: Path) -> Path:
+    """Rename a finished `staging` folder to `final`, replacing an old one: the old folder is
+    renamed aside first, so that a kill at any moment leaves either the old or the new one
+    complete (training.checkpoint.remove_leftovers finishes the job for checkpoints)."""
+    replaced = final.with_name(REPLACED_PREFIX + final.name)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    if final.exists():
+        final.rename(replaced)
+    staging.rename(final)
+    fsync(final.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
+    return final
+
+
+@contextlib.contextmanager
+def staged_folder(final: Path):
+    """Write a folder as FINAL.partial and put it in place as FINAL only when the block ends
+    without an error; on an error FINAL stays as it was and the partial folder is removed."""
+    final = Path(final)
+    staging = final.with_name(final.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replace_folder(staging, final)

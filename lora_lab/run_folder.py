@@ -1,0 +1,258 @@
+"""The run folder: the one reader and writer of its layout.
+
+output/<run-name>/
+  config.yaml            the resolved config and where each value came from
+  adapter/               final adapter (adapter_config.json, adapter_model.safetensors)
+                         plus tokenizer files and chat template
+  model/                 (--tuner full, instead of adapter/) the whole model as safetensors,
+                         loadable with from_pretrained, plus tokenizer files
+  checkpoint-<step>/     intermediate weights and trainer state (for resume), with a
+                         manifest.json of sha256 sums written last (training/checkpoint.py)
+  logs/                  TensorBoard events, train_log.jsonl, data_problems.jsonl
+  run_summary.json       steps, losses, samples, time, memory
+  launch/                (--gpus N) how the worker processes were launched
+
+With several processes only rank 0 writes here; every rank may read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+from .config import SECTIONS, ModelArgs, RunConfig
+from .errors import CheckpointError, ConfigError, LoraLabError
+
+CONFIG_FILE = "config.yaml"
+ADAPTER_FOLDER = "adapter"
+MODEL_FOLDER = "model"
+LOGS_FOLDER = "logs"
+STEP_LOG = "logs/train_log.jsonl"
+DATA_PROBLEMS = "logs/data_problems.jsonl"
+SUMMARY_FILE = "run_summary.json"
+LAUNCH_FOLDER = "launch"
+CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+
+
+# ----------------------------------------------------------------------------- config.yaml
+
+def save_config(config: RunConfig, path: Path) -> None:
+    """Write the resolved config (and where each value came from) as YAML."""
+    body = config.to_dict()
+    body["resolved_from"] = dict(sorted(config.sources.items()))
+    Path(path).write_text(yaml.safe_dump(body, sort_keys=False, allow_unicode=True))
+
+
+def load_saved_config(path: Path) -> RunConfig:
+    """Read back a run's config.yaml (written by save_config)."""
+    body = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    config = RunConfig(preset=body.get("preset", "?"), sources=body.get("resolved_from", {}))
+    for section, cls in SECTIONS.items():
+        known = {f.name for f in dataclasses.fields(cls)}
+        setattr(config, section, cls(**{k: v for k, v in body.get(section, {}).items()
+                                        if k in known}))
+    return config
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_step(folder: Path) -> int | None:
+    match = CHECKPOINT_NAME.fullmatch(Path(folder).name)
+    return int(match.group(1)) if match else None
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """checkpoint-N folders of a run, lowest step first."""
+    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and checkpoint_step(p)
+             is not None]
+    return sorted(found, key=checkpoint_step)
+
+
+def run_dir_of(resume: str) -> Path | None:
+    """The run folder named by --resume PATH (None for auto)."""
+    if resume == "auto":
+        return None
+    path = Path(resume).expanduser()
+    return path.parent if checkpoint_step(path) is not None else path
+
+
+def trim_step_log(path: Path, step: int) -> None:
+    """Drop log lines past the checkpoint resumed from: they are about to be trained again."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except ValueError:
+            continue  # a line cut short by the kill
+    path.write_text("".join(kept))
+
+
+# ----------------------------------------------------------------------------- adapter/, model/
+
+def is_run_dir(path: Path) -> bool:
+    return (Path(path) / CONFIG_FILE).is_file()
+
+
+def full_model_of(path: str | Path) -> Path | None:
+    """The from_pretrained folder of a full fine-tuning run (--tuner full), else None."""
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file() and (path / MODEL_FOLDER / "config.json").is_file():
+        return path / MODEL_FOLDER
+    return None
+
+
+def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
+    """A run folder or an adapter folder -> (adapter folder, run folder or None)."""
+    path = Path(path)
+    if full_model_of(path):
+        raise CheckpointError(f"{path}: a full fine-tuning run (--tuner full) has no adapter; "
+                              f"its model is {path / 'model'} (pass it as --model, or to "
+                              f"`lora-lab export`; there is nothing to merge).")
+    if (path / "adapter_config.json").is_file():
+        run_dir = path.parent if (path.parent / CONFIG_FILE).is_file() else None
+        return path, run_dir
+    if (path / CONFIG_FILE).is_file():
+        if (path / ADAPTER_FOLDER / "adapter_config.json").is_file():
+            return path / ADAPTER_FOLDER, path
+        checkpoints = sorted(path.glob("checkpoint-*/adapter_config.json"),
+                             key=lambda p: int(p.parent.name.split("-")[-1]))
+        if checkpoints:
+            return checkpoints[-1].parent, path
+        raise CheckpointError(f"{path}: this run has no adapter yet (no adapter/ or "
+                              f"checkpoint-*/ folder). Did the run finish?")
+    raise CheckpointError(f"{path}: not a run folder (config.yaml) or an adapter folder "
+                          f"(adapter_config.json).")
+
+
+def base_model_of(adapter_dir: Path, run_dir: Path | None) -> ModelArgs:
+    """The base model an adapter was trained on: from the run config, else adapter_config."""
+    if run_dir is not None:
+        return load_saved_config(run_dir / CONFIG_FILE).model
+    base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return ModelArgs(name=base)
+
+
+def owning_run_dir(path: Path) -> Path | None:
+    """The run folder whose config.yaml (training data) belongs to `path`, if there is one."""
+    for candidate in (path, path.parent):
+        if (candidate / CONFIG_FILE).is_file():
+            return candidate
+    report = path / "merge_report.json"
+    if report.is_file():
+        adapter = Path(json.loads(report.read_text())["adapter_dir"])
+        if (adapter.parent / CONFIG_FILE).is_file():
+            return adapter.parent
+    return None
+
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    adapter_dir: Path | None
+    """adapter/ of a LoRA run (None for --tuner full)."""
+    global_step: int
+    train_loss: float
+    eval_loss: float | None
+    train_samples: int
+    trained_tokens: int
+    seconds: float
+    nonfinite_skipped_steps: list
+    model_dir: Path | None = None
+    """model/ of a --tuner full run: loadable with from_pretrained."""
+
+
+# ----------------------------------------------------------------------------- the run
+
+def default_run_name(config: RunConfig) -> str:
+    model = Path(config.model.name.rstrip("/")).name.lower().replace(".gguf", "")
+    return f"{model}-{config.preset}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def locate_run_dir(config: RunConfig) -> Path:
+    """The run folder: --resume PATH names it; otherwise --output-dir / --run-name (a new name
+    from the model, preset and time when there is none). The config is not changed: the caller
+    records the folder with fix_run_dir."""
+    resume = config.train.resume
+    named = run_dir_of(resume) if resume else None
+    if named is not None:
+        return named
+    if resume == "auto" and not config.train.run_name:
+        raise ConfigError(["--resume auto: also pass --run-name (and --output-dir) to say which "
+                           "run to continue, or pass the run folder: --resume output/NAME."])
+    return Path(config.train.output_dir) / (config.train.run_name or default_run_name(config))
+
+
+def fix_run_dir(config: RunConfig, run_dir: Path) -> None:
+    """Record the run folder in the config, so that every process and config.yaml name it."""
+    config.train.output_dir, config.train.run_name = str(run_dir.parent), run_dir.name
+
+
+def holds_run(run_dir: Path) -> bool:
+    return ((run_dir / "adapter").exists() or (run_dir / "model").exists()
+            or any(run_dir.glob("checkpoint-*")))
+
+
+def check_run_dir(run_dir: Path, config: RunConfig, resume_from: Path | None) -> None:
+    """A run folder is reused only to resume; a finished run is never started over."""
+    if resume_from is not None or not holds_run(run_dir):
+        return
+    if config.train.resume and (run_dir / "adapter").exists():
+        raise CheckpointError(f"--resume {config.train.resume}: {run_dir} holds a finished run "
+                              f"(adapter/) but no complete checkpoint of it; refusing to start "
+                              f"over in it. Pick another --run-name.")
+    if config.train.resume:
+        return  # only incomplete checkpoints: a fresh start replaces them step by step
+    raise LoraLabError(f"--run-name {run_dir.name}: {run_dir} already holds a run. Pass --resume "
+                       f"auto to continue it, pick another --run-name or --output-dir, or delete "
+                       f"that folder.")
+
+
+def write_data_problems(run_dir: Path, data) -> None:
+    """Every row not used (error), truncated or read with a remark (warning), one JSON line each."""
+    truncated = data.train.truncated + (data.val.truncated if data.val else [])
+    with open(run_dir / DATA_PROBLEMS, "w") as handle:
+        for severity, problems in (("error", data.all_problems()),
+                                   ("warning", data.all_warnings())):
+            for problem in problems:
+                handle.write(json.dumps({"origin": problem.origin, "severity": severity,
+                                         "reason": problem.reason}, ensure_ascii=False) + "\n")
+        for origin in truncated:
+            handle.write(json.dumps({"origin": origin, "severity": "warning",
+                                     "reason": "truncated to max_length"}) + "\n")
+
+
+def write_summary(result: TrainResult, timer, peaks: list,
+                  memory_means: str = "none") -> None:
+    """run_summary.json; with several processes each memory figure is the largest of them, and
+    the figure of every process is kept under <name>_per_gpu (rank order)."""
+    summary = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
+    summary["memory_means"] = memory_means
+    performance = summary["performance"] = timer.summary()
+    for key in peaks[0]:
+        values = [p.get(key) for p in peaks]
+        known = [v for v in values if v is not None]
+        performance[key] = max(known) if known else None
+        if len(peaks) > 1:
+            performance[f"{key}_per_gpu"] = values
+    (result.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def read_result(run_dir: Path) -> TrainResult:
+    """A finished run's TrainResult, from its run_summary.json."""
+    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    fields = TrainResult.__dataclass_fields__
+    values = {k: v for k, v in summary.items() if k in fields}
+    for key in ("run_dir", "adapter_dir", "model_dir"):
+        if values.get(key) is not None:
+            values[key] = Path(values[key])
+    return TrainResult(**values)

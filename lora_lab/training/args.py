@@ -1,0 +1,59 @@
+"""transformers TrainingArguments from a RunConfig, and the step count they imply."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ..config import RunConfig, syncs_each_micro_batch
+from ..device import use_cpu
+from ..models.load import Precision
+from ..run_folder import LAUNCH_FOLDER
+
+def count_optimizer_steps(config: RunConfig, train_samples: int) -> int:
+    if config.train.max_steps > 0:
+        return config.train.max_steps
+    per_epoch = math.ceil(train_samples / config.train.micro_batch_size / config.train.grad_accum)
+    return max(1, math.ceil(per_epoch * config.train.epochs))
+
+
+def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precision,
+                             total_steps: int, has_eval: bool, rows_per_step: int | None = None):
+    """rows_per_step: with packing, each micro-batch is one packed row."""
+    from transformers import TrainingArguments
+
+    t = config.train
+    args = TrainingArguments(
+        output_dir=str(run_dir),
+        per_device_train_batch_size=1 if rows_per_step else t.micro_batch_size,
+        per_device_eval_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=rows_per_step or t.grad_accum,
+        learning_rate=t.lr, num_train_epochs=t.epochs, max_steps=t.max_steps,
+        warmup_steps=math.ceil(t.warmup_ratio * total_steps), lr_scheduler_type=t.lr_scheduler,
+        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
+        bf16=precision.bf16, fp16=precision.fp16,
+        logging_steps=t.logging_steps, logging_first_step=True,
+        save_strategy="steps", save_steps=t.save_steps, save_total_limit=t.save_total_limit,
+        save_only_model=t.save_only_model,
+        eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
+        seed=t.seed, data_seed=t.seed, report_to="none", remove_unused_columns=False,
+        dataloader_num_workers=0, use_cpu=use_cpu(precision),
+        gradient_checkpointing=False,  # enabled on the model (models/lora.py)
+        ddp_find_unused_parameters=False,  # every trainable tensor takes part in every step
+        deepspeed=deepspeed_config_path(config, run_dir),
+        # accelerate reduces after every micro-batch instead of skipping all but the last
+        accelerator_config={"gradient_accumulation_kwargs": {
+            "sync_each_batch": syncs_each_micro_batch(t)}},
+    )
+    if args.n_gpu > 1:
+        # One process that sees several GPUs: the Trainer would spread each micro-batch over
+        # them with nn.DataParallel (it failed on two H200s: the embedding's ids on cuda:1).
+        # A run trains on one GPU unless --gpus N launches N processes.
+        args._n_gpu = 1
+    return args
+
+
+def deepspeed_config_path(config: RunConfig, run_dir: Path) -> str | None:
+    """The filled-in DeepSpeed config the launcher wrote (training/launch.py), if any."""
+    if not config.train.engine.startswith("deepspeed"):
+        return None
+    return str(run_dir / LAUNCH_FOLDER / "deepspeed.json")

@@ -1,0 +1,303 @@
+"""The training orchestrator: config in, run folder out.
+
+train(config) checks everything it can before loading the model (precision, remote code, the run
+folder, the data, the memory plan, the disk), then trains with a LoraLabTrainer, retrying with a
+smaller micro-batch on CUDA out-of-memory, and writes the final weights and run_summary.json.
+
+With several processes (accelerate launch) every rank trains and reads the run folder, but only
+rank 0 (the main process) writes into it. Ranks wait for each other where one reads what another
+wrote.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from ..config import RunConfig
+from ..data import PreparedData, prepare_data
+from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
+from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, peak_memory_per_gpu,
+                      release_memory, use_cudnn_attention, world_size)
+from ..errors import TrainingError
+from ..log import get_logger
+from ..models.attention import resolve_packed_attention
+from ..models.load import (Precision, check_remote_code, choose_precision, load_base_model,
+                           load_tokenizer, locate_model, resolve_kernels)
+from ..models.lora import (apply_lora, check_full_finetuning_precision, prepare_full_finetuning,
+                           prepare_quantized_for_training)
+from ..planning.choice import check_fits
+from ..planning.disk import check_disk_space
+from ..planning.memory import choose_memory_means, row_length, usable_gib
+from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, LOGS_FOLDER, MODEL_FOLDER, STEP_LOG,
+                          TrainResult, check_run_dir, checkpoint_step, fix_run_dir,
+                          locate_run_dir, save_config, trim_step_log, write_data_problems,
+                          write_summary)
+from .args import build_training_arguments, count_optimizer_steps
+from .callbacks import NonFiniteGuard, StepTimer, ensure_finite, run_callbacks
+from .checkpoint import (OOM_SOURCE, check_drift, data_fingerprint, find_resume_checkpoint,
+                         remove_leftovers, resolve_resume, resumed_batch)
+from .trainer import LoraLabTrainer
+
+log = get_logger()
+SHARDED_ENGINES = ("deepspeed-zero3", "deepspeed-zero3-offload", "fsdp")
+"""Engines that shard the parameters themselves: the model is loaded without a device_map."""
+
+
+def train(config: RunConfig) -> TrainResult:
+    """Fine-tune config.model on config.data; returns where everything was written.
+
+    With config.train.resume the run continues from a complete checkpoint, exactly as if it had
+    never stopped, provided the model, data and batch settings are the ones it started with.
+    The config is updated with what the run settles (its folder, an out-of-memory batch).
+    """
+    started = time.time()
+    precision = choose_precision(config.model.dtype)
+    if config.train.tuner == "full":
+        check_full_finetuning_precision(precision)
+    state = distributed_state(precision)
+    cap_gpu_memory()
+    model_path = locate_model(config.model.name)
+    check_remote_code(model_path, config.model.trust_remote_code)
+    run_dir = locate_run_dir(config)
+    fix_run_dir(config, run_dir)
+    resume_from = resolve_resume(config.train.resume, run_dir) if config.train.resume else None
+    check_run_dir(run_dir, config, resume_from)
+    tokenizer = load_tokenizer(config.model.name, config.model.trust_remote_code, model_path)
+    data = prepare_data(config.data, tokenizer, config.train.seed)
+    report_data(data, config.data.max_length)
+    fingerprint = data_fingerprint(data.train.samples)
+    if resume_from is not None:
+        adopt_resumed_batch(config, run_dir)
+    packed = pack_training_data(config, data) if config.data.packing else None
+    check_gpu_memory(config, longest_row(data, packed))
+    check_disk_space(config, run_dir, count_optimizer_steps(config, len(data.train.samples)))
+    open_run_dir(config, run_dir, data, resume_from, fingerprint, state.is_main_process)
+    state.wait_for_everyone()
+    trainer, output = train_with_oom_retry(config, data, packed, tokenizer, precision, run_dir,
+                                           resume_from, fingerprint, model_path)
+    eval_loss = trainer.evaluate()["eval_loss"] if data.val else None
+    full = config.train.tuner == "full"
+    saved_dir = run_dir / (MODEL_FOLDER if full else ADAPTER_FOLDER)
+    ensure_finite(trainer.model, "the model" if full else "the adapter")
+    if full and precision.name == "bf16" and config.train.engine == "ddp":
+        trainer.model.to(precision.torch_dtype)  # trained on fp32 master weights; saved in bf16
+    # Trainer.save_model gathers sharded weights (ZeRO-3, FSDP) and writes on rank 0 only:
+    # adapter (or model) files and tokenizer, plus a pickled training_args.bin that is removed.
+    trainer.save_model(str(saved_dir))
+    if state.is_main_process:
+        (saved_dir / "training_args.bin").unlink(missing_ok=True)
+    result = TrainResult(run_dir=run_dir, adapter_dir=None if full else saved_dir,
+                         model_dir=saved_dir if full else None,
+                         global_step=trainer.state.global_step,
+                         train_loss=float(output.training_loss), eval_loss=eval_loss,
+                         train_samples=len(data.train.samples),
+                         trained_tokens=sum(s.trained_tokens for s in data.train.samples),
+                         seconds=round(time.time() - started, 1),
+                         nonfinite_skipped_steps=trainer.guard.skipped_steps)
+    timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
+    peaks = peak_memory_per_gpu(timer)
+    if state.is_main_process:
+        write_summary(result, timer, peaks, trainer.memory_means)
+    state.wait_for_everyone()
+    if result.nonfinite_skipped_steps:
+        log.warning(f"warning: skipped {len(result.nonfinite_skipped_steps)} update(s) with a "
+                    f"NaN or inf loss or gradient, at steps {result.nonfinite_skipped_steps}")
+    return result
+
+
+# ----------------------------------------------------------------------------- before training
+
+def report_data(data: PreparedData, max_length: int) -> None:
+    log.info(data.summary(max_length))
+    problems = data.all_problems()
+    for problem in problems[:10]:
+        log.info(f"  skipped {problem}")
+    for warning in data.all_warnings()[:10]:
+        log.info(f"  warning: {warning}")
+    if len(problems) > 10 or len(data.all_warnings()) > 10:
+        log.info("  ... the full list is in logs/data_problems.jsonl")
+
+
+def pack_training_data(config: RunConfig, data: PreparedData):
+    """data.packing: the training samples packed into rows (data/packing.py)."""
+    from ..data.packing import pack_samples
+
+    t = config.train
+    return pack_samples(data.train.samples, t.micro_batch_size * t.grad_accum,
+                        row_length(config), t.seed)
+
+
+def longest_row(data: PreparedData, packed=None) -> int:
+    """Tokens in the longest training row: a packed row, or the longest sample."""
+    if packed is not None:
+        return packed.longest_row
+    return max(len(s.input_ids) for s in data.train.samples)
+
+
+def check_gpu_memory(config: RunConfig, longest_row_tokens: int) -> None:
+    """On a GPU, stop before loading the model if the planner says the run will not fit."""
+    gpu_gib = gpu_memory_gib()
+    if not (config.train.memory_check and gpu_gib is not None):
+        return
+    plan = check_fits(config, gpu_gib, longest_row_tokens)
+    if plan:
+        log.info(f"memory plan: about {plan.total_gib:.1f} GiB of {plan.budget_gib:.1f} usable")
+
+
+def adopt_resumed_batch(config: RunConfig, run_dir: Path) -> None:
+    """A run that moved to a smaller micro-batch after running out of memory resumes with it."""
+    batch = resumed_batch(run_dir, config)
+    if batch is None:
+        return
+    log.info(f"resuming with micro-batch {batch[0]} x grad-accum {batch[1]}, as the run did "
+             f"after running out of memory")
+    config.train.micro_batch_size, config.train.grad_accum = batch
+    config.sources["train.micro_batch_size"] = config.sources["train.grad_accum"] = OOM_SOURCE
+
+
+def open_run_dir(config: RunConfig, run_dir: Path, data: PreparedData, resume_from: Path | None,
+                 fingerprint: dict, is_main_process: bool = True) -> None:
+    """Refuse drift, then (re)write config.yaml and the data report; trim the step log.
+
+    Every rank checks (so that all of them stop on drift); only the main process writes."""
+    if resume_from is not None:
+        for change in check_drift(run_dir, resume_from, config, fingerprint):
+            log.warning(f"warning: --allow-config-change: {change}")
+    if not is_main_process:
+        return
+    (run_dir / LOGS_FOLDER).mkdir(parents=True, exist_ok=True)
+    for folder in remove_leftovers(run_dir):
+        log.info(f"removed {folder} (a save that never finished)")
+    save_config(config, run_dir / CONFIG_FILE)
+    write_data_problems(run_dir, data)
+    if config.train.resume:
+        step = checkpoint_step(resume_from) if resume_from else 0
+        trim_step_log(run_dir / STEP_LOG, step)
+        if resume_from:
+            log.info(f"resuming from {resume_from} (step {step})")
+
+
+# ----------------------------------------------------------------------------- training
+
+def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, precision: Precision,
+                  run_dir: Path, fingerprint: dict, model_path: str) -> LoraLabTrainer:
+    from transformers import set_seed
+
+    set_seed(config.train.seed)  # the LoRA initialisation is part of the run's seed
+    total_steps = count_optimizer_steps(config, len(data.train.samples))
+    # TrainingArguments first: with ZeRO-3 they must exist when the model loads, so that
+    # transformers partitions the weights while loading (HfDeepSpeedConfig).
+    args = build_training_arguments(config, run_dir, precision, total_steps, data.val is not None,
+                                    packed.rows_per_step if packed else None)
+    full = config.train.tuner == "full"
+    use_cudnn_attention(config.model.cudnn_attention)
+    attention = resolve_packed_attention(config.data.packed_attention)
+    model = load_base_model(config.model, precision, fp32_master_weights=full,
+                            sharded=config.train.engine in SHARDED_ENGINES,
+                            packed_attention=attention if packed else None, path=model_path)
+    memory_means = "none"  # full fine-tuning: the engines' own checkpointing
+    if full:
+        model = prepare_full_finetuning(model, config.train.gradient_checkpointing)
+        total = sum(p.numel() for p in model.parameters())
+        log.info(f"precision {precision.name} (fp32 master weights); full fine-tuning: all "
+                 f"{total:,} parameters train")
+    else:
+        if config.model.quantization == "nf4":
+            model = prepare_quantized_for_training(model)
+        gpu_gib = gpu_memory_gib()
+        means = choose_memory_means(config, on_gpu=gpu_gib is not None,
+                                    tied_embeddings=model.config.tie_word_embeddings,
+                                    row_tokens=longest_row(data, packed),
+                                    budget_gib=usable_gib(gpu_gib))
+        model = apply_lora(model, config.lora, config.train.gradient_checkpointing, means)
+        memory_means = means.describe()
+        trainable, total = model.get_nb_trainable_parameters()
+        log.info(f"precision {precision.name}; LoRA r={config.lora.rank} "
+                 f"alpha={config.lora.alpha}: {trainable:,} trainable of {total:,} parameters; "
+                 f"kernels {resolve_kernels(config.model.kernels)}; memory means: "
+                 f"{memory_means}" + (f"; packed rows attend with {attention}" if packed else ""))
+    guard = NonFiniteGuard(config.train.on_nonfinite, precision.name, run_dir)
+    return LoraLabTrainer(
+        model=model,
+        args=args,
+        train_dataset=SupervisedDataset(packed.rows, PACKED_FIELDS) if packed else
+        SupervisedDataset(data.train.samples),
+        eval_dataset=SupervisedDataset(data.val.samples) if data.val else None,
+        data_collator=PackedCollator(tokenizer.pad_token_id, attention)
+        if packed else PadCollator(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        callbacks=run_callbacks(run_dir),
+        guard=guard, train_data=fingerprint,
+        memory_means=memory_means,
+    )
+
+
+def train_with_oom_retry(config: RunConfig, data: PreparedData, packed, tokenizer,
+                         precision: Precision, run_dir: Path, resume_from: Path | None,
+                         fingerprint: dict, model_path: str):
+    """Train; on CUDA out-of-memory halve the micro-batch (same effective batch) and resume."""
+    import torch
+
+    while True:
+        if packed is not None:
+            log.info(packed.summary())
+        try:
+            trainer = build_trainer(config, data, packed, tokenizer, precision, run_dir,
+                                    fingerprint, model_path)
+        except torch.cuda.OutOfMemoryError:
+            raise TrainingError(f"out of GPU memory while loading {config.model.name} "
+                                f"({precision.name}): the weights alone do not fit. Use "
+                                f"--quantization nf4 (QLoRA), or a preset for a smaller "
+                                f"model.") from None
+        try:
+            output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from
+                                   else None)
+            return trainer, output
+        except torch.cuda.OutOfMemoryError:
+            step = trainer.state.global_step + 1
+            if world_size() > 1:
+                raise TrainingError(
+                    f"out of GPU memory at step {step} in one of {world_size()} processes "
+                    f"(--micro-batch-size {config.train.micro_batch_size}); with several GPUs "
+                    f"lora-lab does not retry. Continue with --micro-batch-size "
+                    f"{max(1, config.train.micro_batch_size // 2)} and a doubled --grad-accum "
+                    f"(--resume auto), or an engine that shards more (--engine "
+                    f"deepspeed-zero3).") from None
+        trainer = None
+        release_memory()
+        shrink_batch_after_oom(config, step, precision)
+        save_config(config, run_dir / CONFIG_FILE)
+        if packed is not None:  # the row length follows the micro-batch
+            packed = pack_training_data(config, data)
+        resume_from = find_resume_checkpoint(run_dir)
+        trim_step_log(run_dir / STEP_LOG, checkpoint_step(resume_from) if resume_from else 0)
+        log.info(f"resuming from {resume_from}" if resume_from else
+                 "no checkpoint yet; starting over")
+
+
+def shrink_batch_after_oom(config: RunConfig, step: int, precision: Precision) -> None:
+    """Halve micro_batch_size and double grad_accum, or stop with what to change."""
+    t = config.train
+    if t.micro_batch_size == 1:
+        raise TrainingError(
+            f"out of GPU memory at step {step} even with --micro-batch-size 1 "
+            f"({config.model.name}, {precision.name}, --max-length {config.data.max_length}). "
+            f"Lower --max-length (e.g. {max(8, config.data.max_length // 2)}), use a preset for a "
+            f"smaller GPU or a smaller model, or --quantization nf4 (QLoRA).")
+    if not t.oom_retry:
+        raise TrainingError(
+            f"out of GPU memory at step {step} with --micro-batch-size {t.micro_batch_size}. "
+            f"Continue with --micro-batch-size {t.micro_batch_size // 2} --grad-accum "
+            f"{t.grad_accum * 2} --resume auto (same effective batch), or pass --oom-retry to "
+            f"let lora-lab do that itself.")
+    before, effective = (t.micro_batch_size, t.grad_accum), t.micro_batch_size * t.grad_accum
+    t.micro_batch_size = t.micro_batch_size // 2
+    t.grad_accum = math.ceil(effective / t.micro_batch_size)
+    config.sources["train.micro_batch_size"] = config.sources["train.grad_accum"] = OOM_SOURCE
+    kept = t.micro_batch_size * t.grad_accum
+    same = f"same effective batch of {effective}" if kept == effective else \
+        f"effective batch {effective} -> {kept}: {effective} has no whole half"
+    log.warning(f"warning: out of GPU memory at step {step} with micro-batch {before[0]} x "
+                f"grad-accum {before[1]}; retrying with micro-batch {t.micro_batch_size} x "
+                f"grad-accum {t.grad_accum} ({same}).")

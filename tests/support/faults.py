@@ -1,0 +1,119 @@
+"""Fault injection for lora-lab's own tests, put into LoraLabTrainer from outside the package.
+
+install() wraps four LoraLabTrainer methods; the hooks do nothing unless these are set:
+
+    LORA_LAB_TEST_KILL=step:S:M  SIGKILL the process before micro-batch M of optimizer step S
+    LORA_LAB_TEST_KILL=save:S    SIGKILL it while saving checkpoint-S (files staged, no manifest)
+    LORA_LAB_TEST_NAN_STEP=S     multiply the loss of step S by NaN (its gradients follow)
+    LORA_LAB_TEST_TRACE=FILE     append one JSON line per micro-batch: step, micro-batch, a hash
+                                 of its input_ids and of the CPU RNG state, the exact loss
+    LORA_LAB_TEST_WEIGHTS=FILE   at the end of training, every process appends one JSON line:
+                                 its rank and a sha256 of its trainable weights (exact bytes)
+
+pytest installs them in its own process (tests/conftest.py); processes started by tests get
+them through sitecustomize.py beside this file (tests/support is on their PYTHONPATH).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+
+from transformers import TrainerCallback
+
+
+class FaultHooks(TrainerCallback):
+    """The hooks, read from the LORA_LAB_TEST_* variables when a trainer is built."""
+
+    def __init__(self, kill: str | None, nan_step: int | None, trace: str | None,
+                 weights: str | None = None):
+        self.kill, self.nan_step, self.trace, self.weights = kill, nan_step, trace, weights
+        self.step, self.micro_batch = 0, 0
+
+    @classmethod
+    def from_env(cls) -> FaultHooks:
+        nan_step = os.environ.get("LORA_LAB_TEST_NAN_STEP")
+        return cls(os.environ.get("LORA_LAB_TEST_KILL"), int(nan_step) if nan_step else None,
+                   os.environ.get("LORA_LAB_TEST_TRACE"), os.environ.get("LORA_LAB_TEST_WEIGHTS"))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.micro_batch = 0
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if not self.weights or model is None:
+            return
+        digest = hashlib.sha256()
+        for name, param in sorted(model.named_parameters()):
+            if param.requires_grad:
+                digest.update(name.encode())
+                digest.update(param.detach().float().cpu().numpy().tobytes())
+        line = json.dumps({"rank": args.process_index, "world_size": args.world_size,
+                           "sha256": digest.hexdigest()}) + "\n"
+        with open(self.weights, "a") as handle:
+            handle.write(line)
+
+    def kill_point(self, name: str) -> None:
+        if self.kill == name:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_micro_batch(self, step: int, inputs) -> None:
+        self.step, self.micro_batch = step, self.micro_batch + 1
+        self.kill_point(f"step:{step}:{self.micro_batch}")
+        if self.trace:
+            import torch
+
+            self._record = {"step": step, "micro_batch": self.micro_batch,
+                            "inputs": _digest(inputs["input_ids"].cpu().numpy().tobytes()),
+                            "rng": _digest(torch.get_rng_state().numpy().tobytes())}
+
+    def after_micro_batch(self, loss) -> None:
+        if self.trace:
+            with open(self.trace, "a") as handle:
+                handle.write(json.dumps({**self._record, "loss": float(loss).hex()}) + "\n")
+
+    def maybe_poison(self, result, step: int):
+        if self.nan_step != step:
+            return result
+        if isinstance(result, tuple):
+            return (result[0] * float("nan"),) + tuple(result[1:])
+        return result * float("nan")
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def install() -> None:
+    """Wrap LoraLabTrainer's micro-batch, loss and checkpoint-commit steps with FaultHooks."""
+    from lora_lab.training.trainer import LoraLabTrainer
+
+    if getattr(LoraLabTrainer, "_fault_hooks_installed", False):
+        return
+    init, compute_loss = LoraLabTrainer.__init__, LoraLabTrainer.compute_loss
+    training_step, commit = LoraLabTrainer.training_step, LoraLabTrainer._commit_checkpoint
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.hooks = FaultHooks.from_env()
+        self.add_callback(self.hooks)
+
+    def hooked_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        result = compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        if not model.training:
+            return result
+        return self.hooks.maybe_poison(result, self.state.global_step + 1)
+
+    def hooked_step(self, model, inputs, num_items_in_batch=None):
+        self.hooks.before_micro_batch(self.state.global_step + 1, inputs)
+        loss = training_step(self, model, inputs, num_items_in_batch)
+        self.hooks.after_micro_batch(loss)
+        return loss
+
+    def hooked_commit(self, staging, run_dir, step):
+        self.hooks.kill_point(f"save:{step}")
+        commit(self, staging, run_dir, step)
+
+    LoraLabTrainer.__init__, LoraLabTrainer.compute_loss = __init__, hooked_loss
+    LoraLabTrainer.training_step, LoraLabTrainer._commit_checkpoint = hooked_step, hooked_commit
+    LoraLabTrainer._fault_hooks_installed = True

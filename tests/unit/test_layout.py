@@ -1,0 +1,92 @@
+"""The package's shape: imports point one way, from a stage to the stages below it, and no module
+grows past about 500 lines (../STYLE.md of the team: a package per stage of the data flow)."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lora_lab"
+
+# Lower rank first. A module may import from a lower rank, or from its own package.
+RANKS = {
+    "errors": 0,
+    "paths": 1, "log": 1,
+    "registry": 2,
+    "config": 3,
+    "planning": 4, "data": 4, "models": 4, "device": 4,
+    "run_folder": 5,
+    "training": 6, "use": 6,
+    "demo": 7,
+    "__init__": 8,
+    "cli": 9,
+    "__main__": 10,
+}
+MAX_LINES = 525
+
+
+def stage_of(module: str) -> str:
+    """'lora_lab.training.run' -> 'training'; 'lora_lab' -> '__init__'."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set:
+    """Every lora_lab module `path` imports, at the top or inside a function."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("lora_lab"):
+                found.add(target)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("lora_lab")}
+    return found
+
+
+def modules():
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_stage_has_a_rank():
+    stages = {stage_of(module_name(p)) for p in modules()}
+    assert stages <= set(RANKS), stages - set(RANKS)
+
+
+def violations(edges: list) -> list:
+    """(importer, imported) module pairs that import sideways or upwards across stages."""
+    wrong = []
+    for importer, target in edges:
+        here, there = stage_of(importer), stage_of(target)
+        if there != here and RANKS[there] >= RANKS[here]:
+            wrong.append(f"{importer} imports {target}")
+    return wrong
+
+
+def test_imports_point_from_a_stage_to_the_stages_below_it():
+    edges = [(module_name(p), t) for p in modules() for t in imports_of(p)]
+    assert violations(edges) == []
+
+
+def test_the_layout_check_finds_upward_and_sideways_imports():
+    assert "lora_lab.planning.choice" in imports_of(PACKAGE / "training" / "run.py")
+    assert violations([("lora_lab.planning.memory", "lora_lab.training.run"),
+                       ("lora_lab.data.encode", "lora_lab.models.load"),
+                       ("lora_lab.training.run", "lora_lab.training.checkpoint")]) == [
+        "lora_lab.planning.memory imports lora_lab.training.run",
+        "lora_lab.data.encode imports lora_lab.models.load"]
+
+
+def test_no_module_is_over_about_500_lines():
+    long = {module_name(p): n for p in modules() if (n := len(p.read_text().splitlines()))
+            > MAX_LINES}
+    assert long == {}

@@ -82,7 +82,7 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
     if re.fullmatch(r"[\w.-]+/[\w.-]+", text):
         return "hub", text
     raise ModelError(f"--model {text}: not a folder, .gguf file, hub id or known alias. "
-                     f"Aliases: {', '.join(sorted(MODEL_ALIASES)[:4])} ... (see README).")
+                     f"Aliases: {', '.join(sorted(MODEL_ALIASES)[:4])} ... (see docs/training.md).")
 
 
 def _local_config(kind: str, value: str) -> dict | None:
@@ -169,10 +169,9 @@ class ModelArgs:
                 "embeddings (0.5B-3B). true / false force it.", choices=("auto", True, False))
     cudnn_attention: bool = _f(
         False, "Let torch's scaled_dot_product_attention use its cuDNN backend where it picks it. "
-               "Off by default: cuDNN builds a plan for every new sequence length, which on an "
-               "H200 made one epoch of short mixed-length SFT data on 7B take 39.1 s instead of "
-               "19.0 s (bench/results/2026-11-30-sft-mix.jsonl); flash and memory-efficient "
-               "kernels stay on.")
+               "Off by default: cuDNN builds a plan for every new sequence length, and packed rows "
+               "of short samples bring a new length at almost every step (docs/benchmarks.md "
+               "has the measurement); flash and memory-efficient kernels stay on.")
 
 
 @dataclass
@@ -202,7 +201,7 @@ class DataArgs:
                                        "causal sdpa call per sample), varlen (one "
                                        "flash-attention call over the row from the samples' "
                                        "lengths; CUDA, PyTorch >= 2.10) or auto: varlen where "
-                                       "it runs, else mask (README, Packing).",
+                                       "it runs, else mask (docs/training.md, Packing).",
                                choices=("auto", "mask", "segments", "varlen"))
     pack_length: int = _f(0, "Tokens per packed row; 0 = max_length x micro_batch_size (the "
                              "same tokens per pass as without packing).", minimum=0)

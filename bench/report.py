@@ -360,8 +360,8 @@ def multi_gpu_table() -> str:
     if all(pair):
         (one, two), mean = [p["losses"] for p in pair], lambda xs: sum(xs) / len(xs)
         runs = headers_of(headers, [p["label"] for p in pair])
-        which = (f"two runs on the same kind of machine ({runs[0]['date']} and "
-                 f"{runs[-1]['date']}), not one" if len(runs) > 1 else "one run")
+        which = (f"two runs ({runs[0]['date']} and {runs[-1]['date']}), not one"
+                 if len(runs) > 1 else "one run")
         same = (f"One against two GPUs at the same effective batch (4 samples per step: 1 x 4 "
                 f"on one GPU, 1 x 2 on each of two), same data and seed, LoRA dropout 0, "
                 f"{which}: final loss {one[-1]:.3f} against {two[-1]:.3f} "

@@ -140,7 +140,9 @@ def presets_table() -> str:
              "(clean speeds are in the next table). These cells ran with MLP chunks on every "
              "row longer than 4096 tokens; lora-lab uses them only where the plan does not fit the "
              "card without them (faster), so a run may peak higher than shown, up to what "
-             "`lora-lab plan` predicts for the tier, which it checks before loading. Measured: "
+             "`lora-lab plan` predicts for the tier, which it checks before loading. The 0.5B-3B "
+             "columns and the 7B column are two runs; each lora-lab cell and its plain recipe "
+             "are in the same run. Measured: "
              + "; ".join(_source(h) for h in headers)]
     return "\n".join(lines) + "\n\n" + notes[0] + "\n"
 

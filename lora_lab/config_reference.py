@@ -57,7 +57,7 @@ def _cell(text: str) -> str:
 
 def key_rows() -> list[dict]:
     """One row per config key, in the order of the dataclasses: key, type, default, choices,
-    flag and help."""
+    minimum, flag and help."""
     flags = _flags_by_key()
     rows = []
     for section, cls in SECTIONS.items():
@@ -65,9 +65,11 @@ def key_rows() -> list[dict]:
         for spec in dataclasses.fields(cls):
             key = f"{section}.{spec.name}"
             choices = spec.metadata.get("choices")
+            minimum = spec.metadata.get("minimum")
             rows.append({"key": key, "type": _type_name(hints[spec.name]),
                          "default": _show(_default(spec)),
                          "choices": ", ".join(_show(c) for c in choices) if choices else "",
+                         "minimum": "" if minimum is None else _show(minimum),
                          "flag": flags.get(key, ""), "help": field_help(key)})
     return rows
 
@@ -81,6 +83,7 @@ def render() -> str:
                  "| key | type | default | flag | what it does |", "|---|---|---|---|---|"]
         for row in (r for r in rows if r["key"].startswith(section + ".")):
             choices = f" Choices: {row['choices']}." if row["choices"] else ""
+            choices += f" At least {row['minimum']}." if row["minimum"] else ""
             flag = f"`{row['flag']}`" if row["flag"] else f"`--set {row['key']}=...`"
             lines.append(f"| `{row['key']}` | {row['type']} | `{_cell(row['default'])}` | "
                          f"{_cell(flag)} | {_cell(row['help'] + choices)} |")

@@ -202,9 +202,9 @@ def speed_table() -> str:
 def cudnn_note() -> str:
     """cuDNN sdpa at a fixed length: each run's mask row against its own plain recipe (the two
     runs' tokens/s are not compared with each other)."""
-    path = RESULTS / "superseded" / "2026-11-30-speed-cudnn-on.jsonl"
+    path = max((RESULTS / "superseded").glob("*-speed-cudnn-on.jsonl"), default=None)
     _, now = load("speed")
-    if not path.exists() or not now:
+    if path is None or not now:
         return ""
     (header, old), = runs_of(path)
 

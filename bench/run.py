@@ -76,7 +76,7 @@ def sft_cells(sizes, rows: int) -> list:
                                             "model.cudnn_attention=true"]))]
 
 
-# (engine, gradient checkpointing, the reference claim on 4 x A100 40GB) for issue 8
+# (engine, gradient checkpointing, the reference claim on 4 x A100 40GB) for the 4- and 8-GPU plan
 SCALING_RUNS = (
     ("deepspeed-zero2-offload", False, "ZeRO-2 + CPU optimizer offload: 38 GB, 2.1 it/s"),
     ("deepspeed-zero3", False, "ZeRO-3: 28 GB, 1.6 it/s"),
@@ -100,7 +100,7 @@ PLANS = {
          "max_length": 512, "steps": 4, "grad_accum": 2, "sets": ["model.quantization=nf4"]},
         {"kind": "baseline", "label": "smoke-base", "size": "0.5b", "max_length": 512,
          "steps": 4, "grad_accum": 2}],
-    # Issue 4: the plain recipe against lora-lab's 24gb preset (its packed rows attended with
+    # Speed: the plain recipe against lora-lab's 24gb preset (its packed rows attended with
     # the block mask, and sample by sample), 4 samples per optimizer step; at 4096 tokens also
     # without recomputation (gradient checkpointing off: what a card with the memory can do).
     "speed": lambda: [
@@ -122,7 +122,7 @@ PLANS = {
     "longer-7b": lambda: long_cells((("24gb", 32768, False), ("16gb", 49152, True),
                                      ("16gb", 4096, False), ("12gb", 24576, True),
                                      ("8gb", 8192, True)), steps=3),
-    # Issue 7: two GPUs capped to 40 GiB each (like A100 40GB); reference settings: micro-batch 1,
+    # Several GPUs: two GPUs capped to 40 GiB each (like A100 40GB); reference settings: micro-batch 1,
     # gradient accumulation 4, 2048 tokens, bf16, checkpointing.
     "multi-gpu": lambda: [
         {"kind": "multi", "label": label, "size": size, "engine": engine, "tuner": tuner,
@@ -144,7 +144,7 @@ PLANS = {
              ["train.sync_each_micro_batch=false"]),
             ("zero2-offload-full-1.5b", "1.5b", "deepspeed-zero2-offload", "full", 2, 4, 4, []),
             ("fsdp-lora-0.5b", "0.5b", "fsdp", "lora", 2, 4, 4, []))],
-    # Issue 8: 7B full fine-tuning at the reference settings on 4 and 8 GPUs (needs them)
+    # Scaling: 7B full fine-tuning at the reference settings on 4 and 8 GPUs (needs them)
     "scaling-7b": lambda: scaling_cells(),
     "sft-mix": lambda: sft_cells(("7b", "1.5b", "0.5b"), rows=256),
     "sft-mix-small": lambda: sft_cells(("1.5b", "0.5b"), rows=256),

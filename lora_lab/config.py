@@ -59,9 +59,9 @@ class ModelArgs:
                 "embeddings (0.5B-3B). true / false force it.", choices=("auto", True, False))
     cudnn_attention: bool = _f(
         False, "Let torch's scaled_dot_product_attention use its cuDNN backend where it picks it. "
-               "Off by default: cuDNN builds a plan for every new sequence length, which made "
-               "an epoch of mixed-length SFT data about twice as slow (docs/benchmarks.md); "
-               "flash and memory-efficient kernels stay on.")
+               "Off by default: cuDNN builds a plan for every new sequence length, and packed rows "
+               "of short samples bring a new length at almost every step (docs/benchmarks.md "
+               "has the measurement); flash and memory-efficient kernels stay on.")
 
 
 @dataclass
@@ -91,7 +91,7 @@ class DataArgs:
                                        "causal sdpa call per sample), varlen (one "
                                        "flash-attention call over the row from the samples' "
                                        "lengths; CUDA, PyTorch >= 2.10) or auto: varlen where "
-                                       "it runs, else mask (docs/training.md, packing).",
+                                       "it runs, else mask (docs/training.md, Packing).",
                                choices=("auto", "mask", "segments", "varlen"))
     pack_length: int = _f(0, "Tokens per packed row; 0 = max_length x micro_batch_size (the "
                              "same tokens per pass as without packing).", minimum=0)

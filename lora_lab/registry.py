@@ -56,7 +56,8 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
     if re.fullmatch(r"[\w.-]+/[\w.-]+", text):
         return "hub", text
     raise ModelError(f"--model {text}: not a folder, .gguf file, hub id or known alias. "
-                     f"Aliases: {', '.join(sorted(MODEL_ALIASES)[:4])} ... (see README).")
+                     f"Aliases: {', '.join(sorted(MODEL_ALIASES)[:4])} ... (see "
+                     f"docs/training.md).")
 
 
 def _local_config(kind: str, value: str) -> dict | None:

@@ -95,7 +95,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
 
 def resolve_packed_attention(kind: str) -> str:
     """data.packed_attention -> what this machine runs: auto is varlen on a CUDA GPU whose
-    PyTorch has the varlen kernel (fastest of the three on an H200: README, Packing), else
+    PyTorch has the varlen kernel (fastest of the three on an H200: docs/benchmarks.md), else
     mask (on CPU, varlen and segments compute sample by sample)."""
     if kind != "auto":
         return kind

@@ -33,7 +33,7 @@ from ..registry import guess_model_size, known_model_config
 GIB = 2**30
 CONTEXT_GIB = 0.5
 # Fitted by weighted least squares on every successful single-GPU lora-lab cell stored in
-# bench/results (`python bench/fit_planner.py`; docs/memory.md gives the fit's spread).
+# bench/results (`python bench/fit_planner.py`; docs/memory-planner.md).
 FIT_CONSTANT_GIB = 0.1543
 FIT_BYTES_PER_TOKEN_PER_HIDDEN = 39.44
 FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = 11.690

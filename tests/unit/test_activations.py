@@ -141,7 +141,7 @@ def test_cudnn_attention_false_forbids_the_cudnn_sdpa_backend_for_the_process():
 
     from lora_lab.device import use_cudnn_attention
 
-    assert config_for().model.cudnn_attention is False  # the default (README, Packing)
+    assert config_for().model.cudnn_attention is False  # the default (docs/training.md)
     config = config_for(**{"model.cudnn_attention": "false"})
     assert config.model.cudnn_attention is False
     assert config_for(**{"model.cudnn_attention": "true"}).model.cudnn_attention is True

@@ -1,4 +1,5 @@
-"""Figures in README and preset headers come from bench/results (generated, not typed)."""
+"""Generated docs match their sources: benchmark tables (bench/results), the key reference
+(the RunConfig dataclasses), preset headers (bench/results); README links resolve."""
 import json
 import re
 import sys
@@ -6,18 +7,55 @@ from pathlib import Path
 
 import pytest
 
+from lora_lab import config_reference
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import report  # noqa: E402
 
 
-def test_readme_bench_block_is_generated_from_results():
-    text = (ROOT / "README.md").read_text()
+def test_benchmarks_page_is_generated_from_results():
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
     block = text[text.index(report.BEGIN) + len(report.BEGIN):text.index(report.END)]
-    assert block.strip() == report.render().strip()
+    assert block.strip() == report.render().strip(), "run: python bench/report.py --write"
     assert "speed vs plain" in block and "Real-length SFT data" in block
     assert "| 24gb (23.5 GiB) | 16-bit LoRA | 16384 | 17.29 |" in block
+
+
+def test_multi_gpu_table_shows_the_plan_each_run_stored():
+    _, rows = report.load("multi-gpu")
+    row = next(r for r in rows if r["label"] == "zero3-full-1.5b")
+    line = next(line for line in report.multi_gpu_table().splitlines()
+                if "| deepspeed-zero3 |" in line)
+    assert f"| {row['planned_gib_per_gpu']:.2f} |" in line
+
+
+def test_configuration_page_key_reference_is_generated_from_the_dataclasses():
+    block = config_reference.generated_block()
+    assert block.strip() == config_reference.render().strip(), (
+        "run: python -m lora_lab.config_reference --write")
+    assert "| `lora.rank` | int | `8` | `--lora-rank` |" in block
+
+
+def test_key_reference_lists_every_key_once():
+    keys = [row["key"] for row in config_reference.key_rows()]
+    from lora_lab.config import all_keys
+
+    assert keys == all_keys()
+
+
+def test_readme_is_short_and_its_links_resolve():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 10 * 1024
+    assert max(len(line) for line in text.splitlines()) <= 200
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        if not target.startswith("http"):
+            assert (ROOT / target).exists(), target
+    for page in (ROOT / "docs").glob("*.md"):
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith("http"):
+                assert (page.parent / target).exists(), (page.name, target)
 
 
 @pytest.mark.parametrize("tier", ["24gb", "16gb", "12gb", "8gb"])

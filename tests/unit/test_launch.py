@@ -136,7 +136,7 @@ def test_a_saved_config_yaml_given_as_config_resolves_to_the_same_run(tmp_path):
 @pytest.mark.parametrize("gpus,engine", [(4, "deepspeed-zero2-offload"), (4, "deepspeed-zero3"),
                                          (8, "deepspeed-zero3"), (8, "fsdp")])
 def test_dry_run_writes_the_launch_for_4_and_8_gpus_and_plans_per_gpu(tmp_path, gpus, engine):
-    """Issue 8: the full launch for a machine this one is not (no GPU here), nothing trains."""
+    """The full launch for a machine this one is not (no GPU here), nothing trains."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"query": "q", "response": "r"}\n')
     result = CliRunner().invoke(main, [

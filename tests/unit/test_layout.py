@@ -11,7 +11,7 @@ RANKS = {
     "paths": 1, "log": 1,
     "registry": 2,
     "config": 3,
-    "planning": 4, "data": 4, "models": 4, "device": 4,
+    "planning": 4, "data": 4, "models": 4, "device": 4, "config_reference": 4,
     "run_folder": 5,
     "training": 6, "use": 6,
     "demo": 7,

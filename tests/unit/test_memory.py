@@ -244,7 +244,7 @@ def test_engine_auto_picks_the_fastest_engine_that_fits():
 
 
 def test_multi_gpu_plans_within_15_percent_of_the_two_gpu_runs():
-    """Issue 7: the latest successful run of every multi-GPU cell in bench/results (per-GPU
+    """The latest successful run of every multi-GPU cell in bench/results (per-GPU
     peak up to the end of training where recorded) against the planner, configured as
     bench/cell.py runs it; the engines that miss by more say by how much (GAPS_ON_GPUS)."""
     from report import load, planned_gib

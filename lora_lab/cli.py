@@ -8,7 +8,7 @@ import sys
 import click
 
 from .config import FLAGS, field_help, list_presets, resolve_config
-from .errors import DataError, LoraLabError
+from .errors import DataError, LoraLabError, RunStopped
 from .log import get_logger
 
 log = get_logger()
@@ -20,6 +20,9 @@ class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except RunStopped as exc:
+            click.secho(str(exc), fg="yellow", err=True)
+            sys.exit(exc.exit_code)
         except LoraLabError as exc:
             click.secho(f"error: {exc}", fg="red", err=True)
             sys.exit(2)

@@ -9,6 +9,11 @@ def use_cpu(precision) -> bool:
     return precision.name == "fp32" and not cuda_available()
 
 
+def in_launched_worker() -> bool:
+    """True inside a process started by accelerate launch / torchrun."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 

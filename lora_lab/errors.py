@@ -28,3 +28,12 @@ class CheckpointError(LoraLabError):
 
 class TrainingError(LoraLabError):
     """Training stopped on purpose: a non-finite loss or gradient, or out of GPU memory."""
+
+
+class RunStopped(LoraLabError):
+    """A run stopped by SIGTERM or SIGINT after writing a checkpoint; the exit status is the
+    shell's for that signal (143, 130)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

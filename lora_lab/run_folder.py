@@ -16,9 +16,13 @@ With several processes only rank 0 writes here; every rank may read.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import re
+import socket
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -27,6 +31,9 @@ import yaml
 
 from .config import SECTIONS, ModelArgs, RunConfig
 from .errors import CheckpointError, ConfigError, LoraLabError
+from .log import get_logger
+
+log = get_logger()
 
 CONFIG_FILE = "config.yaml"
 ADAPTER_FOLDER = "adapter"
@@ -36,6 +43,7 @@ STEP_LOG = "logs/train_log.jsonl"
 DATA_PROBLEMS = "logs/data_problems.jsonl"
 SUMMARY_FILE = "run_summary.json"
 LAUNCH_FOLDER = "launch"
+LOCK_FILE = ".lock"
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 
@@ -256,3 +264,72 @@ def read_result(run_dir: Path) -> TrainResult:
         if values.get(key) is not None:
             values[key] = Path(values[key])
     return TrainResult(**values)
+
+
+# ----------------------------------------------------------------------------- the lock
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path):
+    """Hold the run folder while a run writes into it: a second run into the same folder stops
+    with a message naming the process that holds it. A lock left by a process that died (same
+    host, no such process) is taken over and said so."""
+    run_dir = Path(run_dir)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / LOCK_FILE
+    _take_lock(lock)
+    try:
+        yield lock
+    finally:
+        lock.unlink(missing_ok=True)
+        if created and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+
+
+def _take_lock(lock: Path) -> None:
+    me = {"pid": os.getpid(), "host": socket.gethostname(),
+          "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for _ in range(2):
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _lock_holder(lock)
+            if holder is None:
+                continue  # stale, removed: try again
+            raise LoraLabError(
+                f"--run-name {lock.parent.name}: another run is writing into {lock.parent} "
+                f"(pid {holder.get('pid')} on {holder.get('host')}, since "
+                f"{holder.get('started')}). Wait for it to finish, or pick another --run-name "
+                f"or --output-dir. If no such run is alive, delete {lock}.")
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(json.dumps(me) + "\n")
+        return
+
+
+def _lock_holder(lock: Path) -> dict | None:
+    """Who holds `lock`; None after removing a stale one (its process is gone)."""
+    try:
+        holder = json.loads(lock.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:  # cut short: its writer died between creating and writing it
+        holder = {}
+        if time.time() - lock.stat().st_mtime < 10:
+            return {"pid": "?", "host": "?", "started": "just now"}
+    alive = holder.get("host") != socket.gethostname() or _process_alive(holder.get("pid"))
+    if holder and alive:
+        return holder
+    log.info(f"{lock}: the run that held this folder (pid {holder.get('pid')}) is gone; "
+             f"taking it over")
+    lock.unlink(missing_ok=True)
+    return None
+
+
+def _process_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, TypeError, ValueError):
+        return True
+    return True

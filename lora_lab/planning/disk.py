@@ -6,8 +6,17 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..errors import LoraLabError
-from ..registry import model_config_of
+from ..registry import model_config_of, resolve_model_spec
 from .memory import ModelShape
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "tokenizer.model")
+"""Files save_pretrained writes beside every checkpoint's and the final weights (when present)."""
+TOKENIZER_BYTES_UNKNOWN = 12_000_000
+"""Tokenizer files of a model whose folder is not here (a hub id, a GGUF): Qwen2.5's are 11 MB."""
+SMALL_FILES_BYTES = 1_000_000
+"""A checkpoint's other files: trainer state, scheduler, RNG state, manifest, README."""
 
 GB = 1e9
 
@@ -37,6 +46,8 @@ def check_disk_space(config: RunConfig, run_dir: Path, total_steps: int) -> None
         return
     t = config.train
     weights, optimizer, final = checkpoint_sizes(config, model_config)
+    side = tokenizer_bytes(config.model.name) + SMALL_FILES_BYTES
+    weights, final = weights + side, final + side
     per_checkpoint = weights + (0 if t.save_only_model else optimizer)
     saves = -(-total_steps // t.save_steps)  # every save_steps, and at the last step
     # a new checkpoint is written before the oldest beyond save_total_limit is deleted
@@ -52,14 +63,27 @@ def check_disk_space(config: RunConfig, run_dir: Path, total_steps: int) -> None
     fixes = []
     if kept > 2:
         fixes.append(f"keep one checkpoint (--set train.save_total_limit=1: "
-                     f"{(2 * per_checkpoint + final) / GB:.0f} GB)")
+                     f"{_size(2 * per_checkpoint + final)})")
     if not t.save_only_model:
         fixes.append(f"save weights only (--set train.save_only_model=true: "
-                     f"{(kept * weights + final) / GB:.0f} GB; such checkpoints cannot be "
-                     f"resumed)")
+                     f"{_size(kept * weights + final)}; such checkpoints cannot be resumed)")
     fixes.append("write elsewhere (--output-dir) or free space")
     raise LoraLabError(
-        f"--output-dir {t.output_dir}: this run writes about {needed / GB:.0f} GB (up to {kept} "
-        f"checkpoint(s) of {per_checkpoint / GB:.1f} GB and the final {what} of "
-        f"{final / GB:.1f} GB) but {where} has {free / GB:.0f} GB free. Either "
-        + "; or ".join(fixes) + ". --set train.disk_check=false skips this check.")
+        f"--output-dir {t.output_dir}: this run writes about {_size(needed)} (up to {kept} "
+        f"checkpoint(s) of {_size(per_checkpoint, 1)} and the final {what} of "
+        f"{_size(final, 1)}) but {where} has {_size(free)} free. Either " + "; or ".join(fixes)
+        + ". --set train.disk_check=false skips this check.")
+
+
+def tokenizer_bytes(model_spec: str) -> int:
+    """Bytes of the tokenizer files a save writes: those of a local model folder, else a guess."""
+    kind, value = resolve_model_spec(model_spec)
+    if kind != "folder":
+        return TOKENIZER_BYTES_UNKNOWN
+    return sum((Path(value) / name).stat().st_size for name in TOKENIZER_FILES
+               if (Path(value) / name).is_file())
+
+
+def _size(count: float, digits: int = 0) -> str:
+    """Bytes for a message: GB with `digits` decimals, or MB below 1 GB."""
+    return f"{count / GB:.{digits}f} GB" if count >= GB else f"{count / 1e6:.0f} MB"

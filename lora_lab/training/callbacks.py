@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import time
 from pathlib import Path
@@ -15,12 +16,12 @@ from ..run_folder import LOGS_FOLDER, STEP_LOG
 log = get_logger()
 
 def run_callbacks(run_dir: Path) -> list:
-    """TensorBoard events, the JSON step log and the step timer of a run folder."""
+    """TensorBoard events, the JSON step log, the step timer and the signal stop of a run."""
     from transformers.integrations import TensorBoardCallback
 
     tensorboard = TensorBoardCallback()
     tensorboard.logging_dir = str(run_dir / LOGS_FOLDER)  # also after train end (final eval)
-    return [tensorboard, JsonlLog(run_dir / STEP_LOG), StepTimer()]
+    return [tensorboard, JsonlLog(run_dir / STEP_LOG), StepTimer(), StopOnSignal()]
 
 
 class JsonlLog(TrainerCallback):
@@ -173,3 +174,51 @@ class NonFiniteGuard(TrainerCallback):
         self.skipped_steps.append(step)
         log.warning(f"warning: step {step}: {found}; update skipped "
                     f"({len(self.skipped_steps)} skipped so far)")
+
+
+class StopOnSignal(TrainerCallback):
+    """SIGTERM or SIGINT (a scheduler's or spot instance's notice, Ctrl-C): finish the optimizer
+    step under way, save a complete checkpoint, stop. A second signal acts at once, as if lora-lab
+    had not caught the first. With several processes they stop at the same step: the flag is
+    combined across ranks at the end of every step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        self.received = signum
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)  # the next signal: the default behaviour
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {n: signal.signal(n, self._handle) for n in self.SIGNALS}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._any_rank_received(args):
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    def _any_rank_received(self, args) -> bool:
+        import torch
+
+        if args.world_size <= 1 or not torch.distributed.is_initialized():
+            return self.received is not None
+        flag = torch.tensor([self.received or 0], device=args.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        self.received = int(flag.item()) or None
+        return self.received is not None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(self.received)

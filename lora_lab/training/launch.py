@@ -19,6 +19,7 @@ TrainingArguments(use_cpu=True) selects gloo.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -31,22 +32,17 @@ from pathlib import Path
 import yaml
 
 from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template
-from ..device import cuda_available, gpu_memory_gib
+from ..device import cuda_available, gpu_memory_gib, in_launched_worker
 from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
 from ..models.load import Precision, choose_precision
 from ..planning.choice import pick_engine
 from ..planning.memory import TIERS_GIB, plan_memory
 from ..run_folder import (LAUNCH_FOLDER, TrainResult, check_run_dir, fix_run_dir, locate_run_dir,
-                          read_result, save_config)
+                          read_result, run_lock, save_config)
 from .checkpoint import resolve_resume
 
 log = get_logger()
-
-
-def in_launched_worker() -> bool:
-    """True inside a process started by accelerate launch / torchrun."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def needs_launch(config: RunConfig) -> bool:
@@ -137,11 +133,13 @@ def launch_command(config: RunConfig, run_dir: Path, accelerate_config: Path,
             "--config", str(run_dir / LAUNCH_FOLDER / "run_config.yaml")]
 
 
-def prepare_launch(config: RunConfig, dry_run: bool = False) -> tuple[list[str], Path]:
+def prepare_launch(config: RunConfig, dry_run: bool = False,
+                   hold: contextlib.ExitStack | None = None) -> tuple[list[str], Path]:
     """Check the engine, fix the run folder and write the launch files; returns the command.
 
     dry_run: for a machine other than this one (e.g. 8 GPUs planned from a laptop): bf16, and
-    no check of this machine's GPUs or DeepSpeed install."""
+    no check of this machine's GPUs or DeepSpeed install. hold: takes the run folder's lock
+    (run_folder.run_lock) before anything is written into it, until `hold` closes."""
     import torch
 
     if config.train.engine == "auto":
@@ -159,6 +157,8 @@ def prepare_launch(config: RunConfig, dry_run: bool = False) -> tuple[list[str],
     resume_from = resolve_resume(config.train.resume, run_dir, quiet=True) \
         if config.train.resume else None
     check_run_dir(run_dir, config, resume_from)
+    if hold is not None:
+        hold.enter_context(run_lock(run_dir))
     accelerate_config = write_launch_files(config, run_dir, precision.name)
     return launch_command(config, run_dir, accelerate_config), run_dir
 
@@ -213,7 +213,12 @@ ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 def launch_run(config: RunConfig) -> TrainResult:
     """Run `config` as train.gpus processes under accelerate; returns rank 0's result."""
-    command, run_dir = prepare_launch(config)
+    with contextlib.ExitStack() as hold:
+        command, run_dir = prepare_launch(config, hold=hold)
+        return _run_workers(config, command, run_dir)
+
+
+def _run_workers(config: RunConfig, command: list, run_dir: Path) -> TrainResult:
     where = "CUDA GPUs" if cuda_available() else "CPU processes (gloo)"
     env = launch_env(config)
     threads = (f" (OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per worker for the CPU optimizer)"

@@ -10,16 +10,18 @@ wrote.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import signal
 import time
 from pathlib import Path
 
 from ..config import RunConfig
 from ..data import PreparedData, prepare_data
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
-from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, peak_memory_per_gpu,
-                      release_memory, use_cudnn_attention, world_size)
-from ..errors import TrainingError
+from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_launched_worker,
+                      peak_memory_per_gpu, release_memory, use_cudnn_attention, world_size)
+from ..errors import RunStopped, TrainingError
 from ..log import get_logger
 from ..models.attention import resolve_packed_attention
 from ..models.load import (Precision, check_remote_code, choose_precision, load_base_model,
@@ -31,13 +33,13 @@ from ..planning.disk import check_disk_space
 from ..planning.memory import choose_memory_means, row_length, usable_gib
 from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, LOGS_FOLDER, MODEL_FOLDER, STEP_LOG,
                           TrainResult, check_run_dir, checkpoint_step, fix_run_dir,
-                          locate_run_dir, save_config, trim_step_log, write_data_problems,
-                          write_summary)
+                          locate_run_dir, run_lock, save_config, trim_step_log,
+                          write_data_problems, write_summary)
 from .args import build_training_arguments, count_optimizer_steps
-from .callbacks import NonFiniteGuard, StepTimer, ensure_finite, run_callbacks
+from .callbacks import NonFiniteGuard, StepTimer, StopOnSignal, ensure_finite, run_callbacks
 from .checkpoint import (OOM_SOURCE, check_drift, data_fingerprint, find_resume_checkpoint,
                          remove_leftovers, resolve_resume, resumed_batch)
-from .trainer import LoraLabTrainer
+from .trainer import LoraLabTrainer, saved_loss_sum
 
 log = get_logger()
 SHARDED_ENGINES = ("deepspeed-zero3", "deepspeed-zero3-offload", "fsdp")
@@ -61,8 +63,19 @@ def train(config: RunConfig) -> TrainResult:
     check_remote_code(model_path, config.model.trust_remote_code)
     run_dir = locate_run_dir(config)
     fix_run_dir(config, run_dir)
+    with contextlib.ExitStack() as hold:
+        if not in_launched_worker():  # a launched run's folder is held by its launcher
+            hold.enter_context(run_lock(run_dir))
+        return train_in_folder(config, run_dir, precision, state, model_path, started)
+
+
+def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, state,
+                    model_path: str, started: float) -> TrainResult:
+    """train(), from the moment the run folder is fixed and held."""
     resume_from = resolve_resume(config.train.resume, run_dir) if config.train.resume else None
     check_run_dir(run_dir, config, resume_from)
+    if state.is_main_process:
+        remove_unfinished_saves(run_dir)  # before the disk check counts the free space
     tokenizer = load_tokenizer(config.model.name, config.model.trust_remote_code, model_path)
     data = prepare_data(config.data, tokenizer, config.train.seed)
     report_data(data, config.data.max_length)
@@ -74,8 +87,8 @@ def train(config: RunConfig) -> TrainResult:
     check_disk_space(config, run_dir, count_optimizer_steps(config, len(data.train.samples)))
     open_run_dir(config, run_dir, data, resume_from, fingerprint, state.is_main_process)
     state.wait_for_everyone()
-    trainer, output = train_with_oom_retry(config, data, packed, tokenizer, precision, run_dir,
-                                           resume_from, fingerprint, model_path)
+    trainer, train_loss = train_with_oom_retry(config, data, packed, tokenizer, precision,
+                                               run_dir, resume_from, fingerprint, model_path)
     eval_loss = trainer.evaluate()["eval_loss"] if data.val else None
     full = config.train.tuner == "full"
     saved_dir = run_dir / (MODEL_FOLDER if full else ADAPTER_FOLDER)
@@ -90,7 +103,7 @@ def train(config: RunConfig) -> TrainResult:
     result = TrainResult(run_dir=run_dir, adapter_dir=None if full else saved_dir,
                          model_dir=saved_dir if full else None,
                          global_step=trainer.state.global_step,
-                         train_loss=float(output.training_loss), eval_loss=eval_loss,
+                         train_loss=train_loss, eval_loss=eval_loss,
                          train_samples=len(data.train.samples),
                          trained_tokens=sum(s.trained_tokens for s in data.train.samples),
                          seconds=round(time.time() - started, 1),
@@ -145,6 +158,13 @@ def check_gpu_memory(config: RunConfig, longest_row_tokens: int) -> None:
         log.info(f"memory plan: about {plan.total_gib:.1f} GiB of {plan.budget_gib:.1f} usable")
 
 
+def remove_unfinished_saves(run_dir: Path) -> None:
+    """Finish or delete what a killed save left behind (training/checkpoint.py)."""
+    if run_dir.is_dir():
+        for folder in remove_leftovers(run_dir):
+            log.info(f"removed {folder} (a save that never finished)")
+
+
 def adopt_resumed_batch(config: RunConfig, run_dir: Path) -> None:
     """A run that moved to a smaller micro-batch after running out of memory resumes with it."""
     batch = resumed_batch(run_dir, config)
@@ -167,8 +187,6 @@ def open_run_dir(config: RunConfig, run_dir: Path, data: PreparedData, resume_fr
     if not is_main_process:
         return
     (run_dir / LOGS_FOLDER).mkdir(parents=True, exist_ok=True)
-    for folder in remove_leftovers(run_dir):
-        log.info(f"removed {folder} (a save that never finished)")
     save_config(config, run_dir / CONFIG_FILE)
     write_data_problems(run_dir, data)
     if config.train.resume:
@@ -180,8 +198,24 @@ def open_run_dir(config: RunConfig, run_dir: Path, data: PreparedData, resume_fr
 
 # ----------------------------------------------------------------------------- training
 
+def finish_from_checkpoint(trainer: LoraLabTrainer, checkpoint: Path) -> float:
+    """A checkpoint at the run's last step: the training is done. Its weights and state are
+    loaded as they are (training again would add a step past --max-steps); returns the mean
+    step loss it recorded."""
+    from transformers import TrainerState
+
+    log.info(f"{checkpoint.name} is the run's last step: training is complete; writing the "
+             f"final weights from it")
+    trainer._load_from_checkpoint(str(checkpoint))
+    trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    steps = max(trainer.state.global_step, 1)
+    return saved_loss_sum(checkpoint) / steps
+
+
+
 def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, precision: Precision,
-                  run_dir: Path, fingerprint: dict, model_path: str) -> LoraLabTrainer:
+                  run_dir: Path, fingerprint: dict, model_path: str,
+                  resume_from: Path | None = None) -> LoraLabTrainer:
     from transformers import set_seed
 
     set_seed(config.train.seed)  # the LoRA initialisation is part of the run's seed
@@ -229,31 +263,36 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
         processing_class=tokenizer,
         callbacks=run_callbacks(run_dir),
         guard=guard, train_data=fingerprint,
-        memory_means=memory_means,
+        memory_means=memory_means, resumed_loss_sum=saved_loss_sum(resume_from),
     )
 
 
 def train_with_oom_retry(config: RunConfig, data: PreparedData, packed, tokenizer,
                          precision: Precision, run_dir: Path, resume_from: Path | None,
-                         fingerprint: dict, model_path: str):
-    """Train; on CUDA out-of-memory halve the micro-batch (same effective batch) and resume."""
+                         fingerprint: dict, model_path: str) -> tuple[LoraLabTrainer, float]:
+    """Train; on CUDA out-of-memory halve the micro-batch (same effective batch) and resume.
+    Returns the trainer and the mean loss over every step of the run (a resumed one too)."""
     import torch
 
+    total_steps = count_optimizer_steps(config, len(data.train.samples))
     while True:
         if packed is not None:
             log.info(packed.summary())
         try:
             trainer = build_trainer(config, data, packed, tokenizer, precision, run_dir,
-                                    fingerprint, model_path)
+                                    fingerprint, model_path, resume_from)
         except torch.cuda.OutOfMemoryError:
             raise TrainingError(f"out of GPU memory while loading {config.model.name} "
                                 f"({precision.name}): the weights alone do not fit. Use "
                                 f"--quantization nf4 (QLoRA), or a preset for a smaller "
                                 f"model.") from None
+        if resume_from is not None and checkpoint_step(resume_from) >= total_steps:
+            return trainer, finish_from_checkpoint(trainer, resume_from)
         try:
-            output = trainer.train(resume_from_checkpoint=str(resume_from) if resume_from
-                                   else None)
-            return trainer, output
+            trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+            stop_if_signalled(trainer, run_dir)
+            steps = max(trainer.state.global_step, 1)
+            return trainer, (trainer.resumed_loss_sum + trainer._total_loss_scalar) / steps
         except torch.cuda.OutOfMemoryError:
             step = trainer.state.global_step + 1
             if world_size() > 1:
@@ -274,6 +313,18 @@ def train_with_oom_retry(config: RunConfig, data: PreparedData, packed, tokenize
         trim_step_log(run_dir / STEP_LOG, checkpoint_step(resume_from) if resume_from else 0)
         log.info(f"resuming from {resume_from}" if resume_from else
                  "no checkpoint yet; starting over")
+
+
+def stop_if_signalled(trainer: LoraLabTrainer, run_dir: Path) -> None:
+    """After a SIGTERM / SIGINT stop (callbacks.StopOnSignal): say where the run can continue."""
+    stop = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StopOnSignal))
+    if stop.received is None:
+        return
+    step = trainer.state.global_step
+    raise RunStopped(f"stopped by {signal.Signals(stop.received).name} after step {step}: "
+                     f"{run_dir / f'checkpoint-{step}'} is complete. The same command with "
+                     f"--resume auto --run-name {run_dir.name} continues the run.",
+                     stop.exit_code)
 
 
 def shrink_batch_after_oom(config: RunConfig, step: int, precision: Precision) -> None:

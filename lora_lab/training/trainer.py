@@ -11,6 +11,7 @@ LoraLabTrainer changes three things in transformers' Trainer:
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -21,15 +22,38 @@ from .callbacks import NonFiniteGuard, ensure_finite
 from .checkpoint import commit_checkpoint, rotate_checkpoints, staging_dir, write_manifest
 
 
+LOSS_SUM_KEY = "LoraLabLossSum"
+"""trainer_state.json stateful_callbacks entry: the loss summed over every optimizer step so far,
+so that a resumed run reports the mean over all its steps, not over those since the resume."""
+
+
+def saved_loss_sum(checkpoint: Path | None) -> float:
+    """The summed step losses a checkpoint recorded (0 without a checkpoint)."""
+    if checkpoint is None:
+        return 0.0
+    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    return float(state.get("stateful_callbacks", {}).get(LOSS_SUM_KEY, {}).get("loss_sum", 0.0))
+
+
 class LoraLabTrainer(Trainer):
     """transformers' Trainer with crash-safe checkpoints and the non-finite guard."""
 
     def __init__(self, *args, guard: NonFiniteGuard, train_data: dict | None = None,
-                 memory_means: str = "none", **kwargs):
+                 memory_means: str = "none", resumed_loss_sum: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.guard, self.train_data = guard, train_data
         self.memory_means = memory_means  # planning.memory.MemoryMeans.describe(), for the summary
+        self.resumed_loss_sum = resumed_loss_sum
+        """Summed step losses of the steps before the checkpoint this run resumed from."""
         self.add_callback(guard)
+
+    def run_loss_sum(self) -> float:
+        """Step losses summed from the run's first step to now (every rank calls it: the part
+        not logged yet is averaged over the processes, as the Trainer's logging does)."""
+        from transformers.trainer_pt_utils import nested_gather
+
+        pending = nested_gather(self._tr_loss.detach(), self.args.parallel_mode).mean().item()
+        return self.resumed_loss_sum + self._total_loss_scalar + pending
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -43,6 +67,7 @@ class LoraLabTrainer(Trainer):
         the main process alone writes the manifest, renames and rotates."""
         run_dir, step = Path(self.args.output_dir), self.state.global_step
         ensure_finite(self.model, f"checkpoint-{step}")
+        self.state.stateful_callbacks[LOSS_SUM_KEY] = {"loss_sum": self.run_loss_sum()}
         staging = staging_dir(run_dir, step)
         if self.args.should_save and staging.exists():
             shutil.rmtree(staging)

@@ -35,16 +35,18 @@ def setup(tiny_model_dir, tmp_path_factory):
     return out, [str(a) for a in args]
 
 
-def killed_run(setup, name, kill, *extra):
-    """`python -m lora_lab run` in its own process, which SIGKILLs itself at `kill`."""
+def killed_run(setup, name, kill, *extra, status=-signal.SIGKILL):
+    """`python -m lora_lab run` in its own process, which SIGKILLs (or SIGTERMs) itself at
+    `kill`; returns its stderr."""
     out, args = setup
     env = {**os.environ, "LORA_LAB_TEST_TRACE": str(out / f"{name}.trace.jsonl"),
            "LORA_LAB_TEST_KILL": kill}
     command = [sys.executable, "-m", "lora_lab", "run", *args, "--run-name", name, *map(str, extra)]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
                             timeout=300)
-    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    assert result.returncode == status, result.stderr[-3000:]
     assert not (out / name / "adapter").exists()
+    return result.stderr
 
 
 def lora_lab_run(setup, name, *extra):
@@ -91,6 +93,9 @@ def assert_same_run(run_dir: Path, reference: Path):
     mine, theirs = adapter_tensors(run_dir), adapter_tensors(reference)
     assert mine.keys() == theirs.keys()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    summary = lambda folder: json.loads((folder / "run_summary.json").read_text())  # noqa: E731
+    assert summary(run_dir)["train_loss"] == pytest.approx(summary(reference)["train_loss"],
+                                                           rel=1e-12)  # every step's mean
 
 
 @pytest.mark.parametrize("name,kill,resumed_from", [
@@ -173,3 +178,33 @@ def test_weights_only_checkpoints_are_smaller_and_refused_for_resume(setup):
                                         "--resume", str(checkpoint)])
     assert resumed.exit_code != 0 and "train.save_only_model=true" in resumed.output
     assert "Traceback" not in resumed.output
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(setup, reference):
+    """A scheduler's SIGTERM before step 5's first micro-batch: step 5 completes, checkpoint-5
+    is written, the run exits 143 and says how to continue."""
+    stderr = killed_run(setup, "sigterm", "term:step:5:1", status=143)
+    run_dir = setup[0] / "sigterm"
+    assert "stopped by SIGTERM after step 5" in stderr and "--resume auto" in stderr
+    assert (run_dir / "checkpoint-5" / MANIFEST_NAME).is_file()
+    output = lora_lab_run(setup, "sigterm", "--resume", "auto")
+    assert "(step 5)" in output
+    assert_same_run(run_dir, reference)
+
+
+def test_a_finished_run_resumed_again_trains_no_step_past_the_end(setup, reference):
+    """Killed during the final save (no adapter/), or run again when finished: the last
+    checkpoint is the end of training; no step 10, the same adapter bytes."""
+    out, _ = setup
+    run_dir = out / "finished"
+    shutil.copytree(reference, run_dir)
+    shutil.copy(out / "reference.trace.jsonl", out / "finished.trace.jsonl")
+    final = (run_dir / "checkpoint-9" / "adapter_model.safetensors").read_bytes()
+    shutil.rmtree(run_dir / "adapter")
+    for attempt in range(2):  # without adapter/, then with it
+        output = lora_lab_run(setup, "finished", "--resume", "auto")
+        assert "checkpoint-9 is the run's last step: training is complete" in output
+        assert (run_dir / "adapter" / "adapter_model.safetensors").read_bytes() == final
+        assert not (run_dir / "checkpoint-10").exists()
+        assert json.loads((run_dir / "run_summary.json").read_text())["global_step"] == 9
+        assert_same_run(run_dir, reference)

@@ -4,6 +4,7 @@ install() wraps four LoraLabTrainer methods; the hooks do nothing unless these a
 
     LORA_LAB_TEST_KILL=step:S:M  SIGKILL the process before micro-batch M of optimizer step S
     LORA_LAB_TEST_KILL=save:S    SIGKILL it while saving checkpoint-S (files staged, no manifest)
+    LORA_LAB_TEST_KILL=term:P    send it SIGTERM at point P (one of the two above) instead
     LORA_LAB_TEST_NAN_STEP=S     multiply the loss of step S by NaN (its gradients follow)
     LORA_LAB_TEST_TRACE=FILE     append one JSON line per micro-batch: step, micro-batch, a hash
                                  of its input_ids and of the CPU RNG state, the exact loss
@@ -56,6 +57,8 @@ class FaultHooks(TrainerCallback):
     def kill_point(self, name: str) -> None:
         if self.kill == name:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kill == f"term:{name}":
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def before_micro_batch(self, step: int, inputs) -> None:
         self.step, self.micro_batch = step, self.micro_batch + 1

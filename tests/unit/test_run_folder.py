@@ -1,0 +1,62 @@
+"""The run folder's lock, and the disk check's count of what a save writes."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import namedtuple
+
+import pytest
+
+from lora_lab.config import resolve_config
+from lora_lab.errors import LoraLabError
+from lora_lab.planning.disk import TOKENIZER_BYTES_UNKNOWN, check_disk_space, tokenizer_bytes
+from lora_lab.run_folder import LOCK_FILE, run_lock
+from tests.conftest import TOKENIZER_DIR
+
+
+def test_a_second_run_into_a_held_folder_stops_and_names_the_holder(tmp_path):
+    run_dir = tmp_path / "run"
+    with run_lock(run_dir):
+        holder = json.loads((run_dir / LOCK_FILE).read_text())
+        assert holder["pid"] == os.getpid()
+        with pytest.raises(LoraLabError, match=rf"another run is writing into {run_dir} \(pid "
+                                               rf"{os.getpid()} on "):
+            with run_lock(run_dir):
+                pass
+    assert not run_dir.exists()  # created for the run, empty again: removed
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, capsys):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "keep.txt").write_text("x")
+    import socket
+
+    (run_dir / LOCK_FILE).write_text(json.dumps({"pid": int(dead.stdout), "started": "then",
+                                                 "host": socket.gethostname()}))
+    with run_lock(run_dir):
+        assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert "is gone; taking it over" in capsys.readouterr().out
+    assert sorted(p.name for p in run_dir.iterdir()) == ["keep.txt"]
+
+
+def test_the_disk_check_counts_the_tokenizer_files_every_save_writes(tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    shutil.copytree(TOKENIZER_DIR, model)
+    (model / "config.json").write_text(json.dumps({
+        "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 151936,
+        "tie_word_embeddings": True}))
+    expected = sum((model / n).stat().st_size for n in ("tokenizer.json", "tokenizer_config.json",
+                                                        "vocab.json", "merges.txt")
+                   if (model / n).is_file())
+    assert tokenizer_bytes(str(model)) == expected > 5_000_000
+    assert tokenizer_bytes("Qwen/Qwen2.5-7B-Instruct") == TOKENIZER_BYTES_UNKNOWN
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(1e9, 0, 15e6))  # a 15 MB disk
+    config = resolve_config("cpu", flags={"model.name": str(model), "data.datasets": ["x"]})
+    with pytest.raises(LoraLabError, match=r"this run writes about \d+ MB .* has 15 MB free"):
+        check_disk_space(config, tmp_path / "run", total_steps=10)

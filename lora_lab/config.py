@@ -192,7 +192,8 @@ class DataArgs:
     val_ratio: float = _f(0.0, "Fraction of the training rows held out for validation.",
                           minimum=0)
     format: str = _f("auto", "Row format; auto detects it per dataset.",
-                     choices=("auto", "messages", "sharegpt", "alpaca", "query-response"))
+                     choices=("auto", "messages", "sharegpt", "swift-sharegpt", "alpaca",
+                              "query-response", "text"))
     max_length: int = _f(2048, "Longest encoded sample in tokens.", minimum=8)
     packing: bool = _f(False, "Pack the samples of each optimizer step into as few rows as "
                               "pack_length allows (no padding; each sample keeps its own "

@@ -211,8 +211,8 @@ class DataArgs:
                          choices=("truncate", "drop"))
     system: str = _f(None, "System prompt for conversations that have none "
                            "(default: the chat template's own).")
-    model_name: str = _f(None, "Fills {{NAME}} in self-cognition data.")
-    model_author: str = _f(None, "Fills {{AUTHOR}} in self-cognition data.")
+    model_name: str = _f(None, "Fills {{NAME}} (or {{name}}) placeholders in the data.")
+    model_author: str = _f(None, "Fills {{AUTHOR}} (or {{author}}) placeholders in the data.")
 
 
 FULL_FINETUNING_LR = 1e-5

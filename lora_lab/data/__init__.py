@@ -123,6 +123,7 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -
             loaded = load_samples([spec], args, seed)
         except DataError as exc:
             report.errors.append(Problem(spec, str(exc)))
+            report.formats.append((spec, "not read (error above)"))
             continue
         samples += loaded.samples
         report.errors += loaded.problems

@@ -25,18 +25,14 @@ import difflib
 import random
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..config import bundled_data_dir
 from ..errors import DataError
-from . import readers
-from .readers import Bad, Problem, kind_of
+from .readers import BUNDLED, Bad, Problem, kind_of, read_rows
 from .tools import calls_from_json_text, normalise_tool_calls, normalise_tools
 
 __all__ = ["FORMATS", "LoadedData", "Problem", "Sample", "detect_format", "load_dataset_spec",
            "normalise_row", "parse_spec", "read_rows"]
 
-BUNDLED = {"self-cognition": "self_cognition.jsonl"}
 FORMATS = ("messages", "sharegpt", "swift-sharegpt", "alpaca", "query-response", "text")
 PLACEHOLDER = re.compile(r"\{\{(name|author)\}\}", re.IGNORECASE)
 FILL_KEYS = {"name": "model_name", "author": "model_author"}
@@ -136,54 +132,6 @@ def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
     if count is not None:
         loaded.samples = sample_rows(loaded.samples, count, seed)
     return loaded
-
-
-def read_rows(source: str, warnings: list | None = None) -> list[tuple[object, str]]:
-    """Rows of a file or hub dataset, each paired with its origin ("file.jsonl:3").
-
-    File-level remarks (byte-order mark, CRLF, final newline) are appended to `warnings`."""
-    warnings = warnings if warnings is not None else []
-    path = bundled_data_dir() / BUNDLED[source] if source in BUNDLED else Path(source).expanduser()
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json", ".csv", ".parquet"):
-        if not path.is_file():
-            raise DataError(f"--data {source}: file not found.")
-        if suffix != ".parquet":
-            warnings += text_file_warnings(path)
-        if suffix == ".json":
-            return readers.read_json(path, warnings)
-        return {".jsonl": readers.read_jsonl, ".csv": readers.read_csv,
-                ".parquet": readers.read_parquet}[suffix](path)
-    if path.exists() or source.startswith((".", "/", "~")):
-        raise DataError(f"--data {source}: unsupported file type; use .jsonl, .json, .csv or "
-                        f".parquet.")
-    return readers.read_hub(source)
-
-
-def text_file_warnings(path: Path) -> list:
-    """A byte-order mark; in JSONL also CRLF endings, blank lines, no final newline. All are
-    read correctly: they are warnings, not errors."""
-    found, crlf, blank, last, number = [], [], [], b"\n", 0
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                found.append(Problem(f"{path}:1", "the file starts with a UTF-8 byte-order mark; "
-                                                  "it is skipped and the row read correctly"))
-            crlf += [number] if raw.endswith(b"\r\n") else []
-            blank += [number] if not raw.strip() else []
-            last = raw
-    if path.suffix.lower() != ".jsonl":
-        return found  # CSV uses CRLF by its standard; JSON ignores whitespace
-    if crlf:
-        found.append(Problem(f"{path}:{crlf[0]}", f"{len(crlf)} line(s) end with CRLF (Windows "
-                                                  f"line endings); they are read correctly"))
-    if blank:
-        found.append(Problem(f"{path}:{blank[0]}", f"{len(blank)} blank line(s) ignored"))
-    if not last.endswith(b"\n"):
-        found.append(Problem(f"{path}:{number}", "no newline at the end of the file; the last "
-                                                 "row is read, but check the file is not cut "
-                                                 "short"))
-    return found
 
 
 def detect_format(rows: list, source: str) -> str:
@@ -490,7 +438,8 @@ def _messages_from_pairs(row: dict, fmt: str, require_reply: bool) -> list:
     return out
 
 
-def check_messages(messages: list, require_reply: bool = True, trained: list | None = None) -> None:
+def check_messages(messages: list, require_reply: bool = True,
+                   trained: list | None = None) -> None:
     """Roles known and in order, replies not empty, the conversation ends with the assistant."""
     if not messages:
         raise DataError("the conversation is empty")

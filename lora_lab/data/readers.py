@@ -15,7 +15,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import bundled_data_dir
 from ..errors import DataError
+
+BUNDLED = {"self-cognition": "self_cognition.jsonl"}
 
 MAX_DEPTH = 100
 """Deepest nesting of lists and objects a row may have (real rows nest a handful of levels)."""
@@ -87,6 +90,53 @@ def parse_json_text(text: str):
     return Bad(problem) if problem else value
 
 
+def read_rows(source: str, warnings: list | None = None) -> list[tuple[object, str]]:
+    """Rows of a file or hub dataset, each paired with its origin ("file.jsonl:3").
+
+    File-level remarks (byte-order mark, CRLF, final newline) are appended to `warnings`."""
+    warnings = warnings if warnings is not None else []
+    path = bundled_data_dir() / BUNDLED[source] if source in BUNDLED else Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".csv", ".parquet"):
+        if not path.is_file():
+            raise DataError(f"--data {source}: file not found.")
+        if suffix != ".parquet":
+            warnings += text_file_warnings(path)
+        if suffix in (".json", ".csv"):
+            return (read_json if suffix == ".json" else read_csv)(path, warnings)
+        return (read_jsonl if suffix == ".jsonl" else read_parquet)(path)
+    if path.exists() or source.startswith((".", "/", "~")):
+        raise DataError(f"--data {source}: unsupported file type; use .jsonl, .json, .csv or "
+                        f".parquet.")
+    return read_hub(source)
+
+
+def text_file_warnings(path: Path) -> list:
+    """A byte-order mark; in JSONL also CRLF endings, blank lines, no final newline. All are
+    read correctly: they are warnings, not errors."""
+    found, crlf, blank, last, number = [], [], [], b"\n", 0
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                found.append(Problem(f"{path}:1", "the file starts with a UTF-8 byte-order mark; "
+                                                  "it is skipped and the row read correctly"))
+            crlf += [number] if raw.endswith(b"\r\n") else []
+            blank += [number] if not raw.strip() else []
+            last = raw
+    if path.suffix.lower() != ".jsonl":
+        return found  # CSV uses CRLF by its standard; JSON ignores whitespace
+    if crlf:
+        found.append(Problem(f"{path}:{crlf[0]}", f"{len(crlf)} line(s) end with CRLF (Windows "
+                                                  f"line endings); they are read correctly"))
+    if blank:
+        found.append(Problem(f"{path}:{blank[0]}", f"{len(blank)} blank line(s) ignored"))
+    if not last.endswith(b"\n"):
+        found.append(Problem(f"{path}:{number}", "no newline at the end of the file; the last "
+                                                 "row is read, but check the file is not cut "
+                                                 "short"))
+    return found
+
+
 def read_jsonl(path: Path) -> list:
     rows = []
     with open(path, "rb") as handle:
@@ -112,7 +162,8 @@ def read_json(path: Path, warnings: list) -> list:
     except UnicodeDecodeError as exc:
         line = raw[:exc.start].count(b"\n") + 1
         raise DataError(f"{path}:{line}: invalid UTF-8 at byte {exc.start}; a .json file is "
-                        f"read whole, so save it as UTF-8 (or as .jsonl to skip bad rows).") from None
+                        f"read whole, so save it as UTF-8 (or as .jsonl to skip bad "
+                        f"rows).") from None
     start = _skip_space(text, 0)
     if text[start:start + 1] == "[":
         return _read_json_list(path, text, start + 1)
@@ -129,12 +180,13 @@ def read_json(path: Path, warnings: list) -> list:
 
 
 def _read_json_list(path: Path, text: str, position: int) -> list:
-    rows = []
+    rows, line, counted = [], 1, 0
     while True:
         position = _skip_space(text, position)
         if text[position:position + 1] == "]":
             break
-        line = text.count("\n", 0, position) + 1
+        line += text.count("\n", counted, position)  # counted once: large files stay linear
+        counted = position
         try:
             value, position = _DECODER.raw_decode(text, position)
         except json.JSONDecodeError as exc:
@@ -194,7 +246,7 @@ def _skip_space(text: str, position: int) -> int:
     return position
 
 
-def read_csv(path: Path) -> list:
+def read_csv(path: Path, warnings: list | None = None) -> list:
     """Rows of a CSV file, origin = the line the record starts on (the header is line 1).
 
     Cells keep their exact text, except the columns in CSV_JSON_COLUMNS, which must hold JSON.
@@ -211,7 +263,11 @@ def read_csv(path: Path) -> list:
         return []
     if any(_SURROGATE.search(name) for name in header):
         raise DataError(f"{path}:1: the CSV header is not valid UTF-8; save the file as UTF-8.")
-    rows, start = [], reader.line_num + 1
+    twice = sorted({name for name in header if header.count(name) > 1})
+    if twice:
+        raise DataError(f"{path}:1: column `{twice[0]}` appears twice in the CSV header; rename "
+                        f"one, or a row would keep only the last cell.")
+    rows, blank, start = [], [], reader.line_num + 1
     while True:
         try:
             cells = next(reader)
@@ -224,6 +280,10 @@ def read_csv(path: Path) -> list:
         origin, start = f"{path}:{start}", reader.line_num + 1
         if cells:
             rows.append((_csv_row(header, cells), origin))
+        else:
+            blank.append(origin)
+    if blank and warnings is not None:
+        warnings.append(_warning(blank[0], f"{len(blank)} blank line(s) ignored"))
     return rows
 
 

@@ -138,3 +138,10 @@ def test_bad_json_file_names_the_line(tmp_path):
     path.write_text('[\n{"messages": []},\n{"messages": [}\n]')
     with pytest.raises(DataError, match=rf"^{path}:3: bad JSON"):
         load_dataset_spec(str(path))
+
+
+def test_csv_header_with_a_column_twice_is_refused(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text("query,response,response\nq,a,b\n")
+    with pytest.raises(DataError, match=rf"^{path}:1: column `response` appears twice"):
+        load_dataset_spec(str(path))

@@ -162,7 +162,8 @@ def build_csv(rng, folder, fmt, count):
             cells[at] = rng.choice(["", "[", "{}", "5", '{"ok": true}', "z" * 200_000,
                                     "[" * 5000 + "]" * 5000, text(rng)])
         buffer = io.StringIO()
-        csv.writer(buffer).writerow(cells[:-1] if mutated and len(cells) > 1 and rng.random() < 0.1 else cells)
+        short = mutated and len(cells) > 1 and rng.random() < 0.1  # a cell missing
+        csv.writer(buffer).writerow(cells[:-1] if short else cells)
         record = buffer.getvalue().encode()
         if mutated and rng.random() < 0.2:
             record = record.replace(b"a", b"\xff", 1) if b"a" in record else \

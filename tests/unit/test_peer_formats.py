@@ -282,3 +282,19 @@ def test_data_validate_prints_the_detected_format(tmp_path):
     assert f"format: {PEERS / 'swift_agent.jsonl'}: messages\n" in result.output
     assert (f"format: {INFO}:glaive_toolcall_en_demo: LLaMA-Factory sharegpt "
             f"(dataset_info.json:glaive_toolcall_en_demo)\n") in result.output
+
+
+def test_a_run_trains_on_pre_training_text(tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from lora_lab.cli import main
+
+    data = write_jsonl(tmp_path / "pt.jsonl", [{"text": f"Document {i}. " * 30} for i in range(4)])
+    result = CliRunner().invoke(main, [str(a) for a in (
+        "run", "--model", tiny_model_dir, "--data", data, "--max-length", 64, "--max-steps", 2,
+        "--lora-rank", 2, "--output-dir", tmp_path, "--run-name", "pt")])
+    assert result.exit_code == 0, result.output
+    assert f"format: {data}: text" in result.output
+    summary = json.loads((tmp_path / "pt" / "run_summary.json").read_text())
+    assert summary["train_samples"] == summary["trained_tokens"] // 64 + (
+        summary["trained_tokens"] % 64 > 0)

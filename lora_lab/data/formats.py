@@ -291,7 +291,7 @@ def _loss_flag(turn: dict, role: str, where: str) -> bool | None:
         if flag is not None and flag != bool(weight):
             raise DataError(f"{where}: `loss` and `loss_weight` disagree")
         flag = bool(weight)
-    if flag and role != "assistant":
+    if flag and role not in ("assistant", "tool_call"):  # a tool_call is part of the reply
         raise DataError(f"{where}: loss on a {role} message; lora-lab trains on assistant "
                         f"replies only (remove the flag, or make it the assistant's)")
     return flag

@@ -3,8 +3,9 @@
 A tool is `{"type": "function", "function": {"name", "description", "parameters"}}`: the form
 LLaMA-Factory, ms-swift and OpenAI-style servers (vLLM, SGLang) put into the template, so the
 model trains on the system prompt it is served with. Bare schemas (`{"name", "description",
-"parameters"}`, as in LLaMA-Factory's glaive_toolcall demos) are wrapped; a JSON string is
-parsed; anything else is an error for that row.
+"parameters"}`, as in LLaMA-Factory's glaive_toolcall demos, or Qwen-Agent's `name_for_model`
+form) are wrapped unchanged, as ms-swift wraps them; a JSON string is parsed; anything else is an
+error for that row.
 """
 from __future__ import annotations
 
@@ -45,12 +46,14 @@ def wrap_tool(tool, index: int) -> dict:
     else:  # a bare schema, or the flat {"type": "function", "name": ...} form
         function = {k: v for k, v in tool.items() if k != "type"}
         wrapped = {"type": "function", "function": function}
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-            or not function["name"].strip():
+    # Qwen-Agent style tools name themselves `name_for_model`; ms-swift wraps them unchanged
+    name = function.get("name", function.get("name_for_model")) \
+        if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name.strip():
         raise DataError(f"tool {index}: needs a function `name` (text)")
     if "parameters" in function and not isinstance(function["parameters"], dict):
-        raise DataError(f"tool {index} `{function['name']}`: `parameters` must be a JSON schema "
-                        f"object, got {kind_of(function['parameters'])}")
+        raise DataError(f"tool {index} `{name}`: `parameters` must be a JSON schema object, got "
+                        f"{kind_of(function['parameters'])}")
     return wrapped
 
 

@@ -298,3 +298,49 @@ def test_a_run_trains_on_pre_training_text(tiny_model_dir, tmp_path):
     summary = json.loads((tmp_path / "pt" / "run_summary.json").read_text())
     assert summary["train_samples"] == summary["trained_tokens"] // 64 + (
         summary["trained_tokens"] % 64 > 0)
+
+
+def test_ms_swift_hermes_system_prompt_length(tmp_path, tokenizer):
+    """ms-swift tests/test_align/test_template/test_agent.py::test_hermes: these two tools and this
+    system prompt make an 875-character system prompt (the second tool is wrapped unchanged)."""
+    tools = [{"type": "function", "function": {
+        "name": "get_current_weather", "description": "Get the current weather in a given location",
+        "parameters": {"type": "object", "properties": {
+            "location": {"type": "string",
+                         "description": "The city and state, e.g. San Francisco, CA"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["location"]}}},
+        {"name_for_model": "tool2", "name_for_human": "工具2", "description": "Tool2的描述"}]
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "How's the weather in Beijing today?"},
+                {"role": "assistant", "content": "Sunny."}]
+    path = write_jsonl(tmp_path / "d.jsonl", [{"messages": messages, "tools": tools}])
+    sample = load_dataset_spec(str(path)).samples[0]
+    assert sample.tools == [tools[0], {"type": "function", "function": tools[1]}]
+    text = tokenizer.apply_chat_template(sample.messages, tools=sample.tools, tokenize=False)
+    system = text[len("<|im_start|>system\n"):text.index("<|im_end|>")]
+    assert len(system) == 875
+    encoded = encode_sample(tokenizer, sample, max_length=1024)
+    assert encoded.input_ids == template_ids(tokenizer, sample.messages, sample.tools)
+
+
+def test_stats_preview_and_encode_print_the_format(tmp_path):
+    from click.testing import CliRunner
+
+    from lora_lab.cli import main
+    from tests.conftest import TOKENIZER_DIR
+
+    spec = str(PEERS / "swift_agent.jsonl")
+    for command in (["stats"], ["preview"], ["encode", "--output", str(tmp_path / "e.jsonl")]):
+        result = CliRunner().invoke(main, ["data", *command, spec, "--model", str(TOKENIZER_DIR)])
+        assert result.exit_code == 0, result.output
+        assert result.output.startswith(f"format: {spec}: messages\n"), command
+
+
+def test_loss_true_on_a_tool_call_is_the_reply_s(tmp_path):
+    row = {"messages": [{"role": "user", "content": "q"},
+                        {"role": "tool_call", "content": '{"name": "f", "arguments": {}}',
+                         "loss": True},
+                        {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}]}
+    loaded = load_dataset_spec(str(write_jsonl(tmp_path / "d.jsonl", [row])))
+    assert not loaded.problems and loaded.samples[0].trained == [False, True, False, True]

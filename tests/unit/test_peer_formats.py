@@ -344,3 +344,22 @@ def test_loss_true_on_a_tool_call_is_the_reply_s(tmp_path):
                         {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}]}
     loaded = load_dataset_spec(str(write_jsonl(tmp_path / "d.jsonl", [row])))
     assert not loaded.problems and loaded.samples[0].trained == [False, True, False, True]
+
+
+def test_dataset_info_entries_that_cannot_be_read_say_why(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    info = {"hub": {"hf_hub_url": "no-such-org/no-such-dataset", "split": "train"},
+            "modelscope": {"ms_hub_url": "AI-ModelScope/x"},
+            "folder": {"file_name": "."},
+            "bad_formatting": {"file_name": "d.jsonl", "formatting": "openai"}}
+    write_jsonl(tmp_path / "d.jsonl", [{"instruction": "q", "output": "a"}])
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    expected = {"hub": "loading it as a hub dataset failed",
+                "modelscope": "the entry has no file_name or hf_hub_url (ms_hub_url are not "
+                              "supported); download the data and set file_name.",
+                "folder": "is a folder",
+                "bad_formatting": "formatting 'openai'; LLaMA-Factory defines alpaca and sharegpt"}
+    for name, reason in expected.items():
+        with pytest.raises(DataError) as error:
+            load_dataset_spec(f"{tmp_path}/dataset_info.json:{name}")
+        assert reason in str(error.value), name

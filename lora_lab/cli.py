@@ -199,6 +199,7 @@ def data_stats(datasets, model, max_length, row_format, model_name, model_author
     loaded = load_samples(config.data.datasets, config.data, config.train.seed)
     if not loaded.samples:
         raise LoraLabError(f"--data {' '.join(datasets)}: no usable sample.")
+    click.echo("\n".join(loaded.format_lines()))
     click.echo(length_stats(load_tokenizer(config.model.name), loaded.samples,
                             config.data.system).table())
     if loaded.problems:
@@ -234,6 +235,7 @@ def data_preview(datasets, model, max_length, row_format, model_name, model_auth
     if not 0 <= index < len(samples):
         raise LoraLabError(f"--index {index}: the data has {len(samples)} usable samples.")
     sample = samples[index]
+    click.echo("\n".join(f"format: {spec}: {fmt}" for spec, fmt in prepared.formats))
     click.echo(f"{sample.origin}: {len(sample.input_ids)} tokens, {sample.trained_tokens} "
                f"trained (inside [[ ]])\n")
     click.echo(show_trained_spans(tokenizer, sample))

@@ -81,7 +81,8 @@ class DataArgs:
     val_ratio: float = _f(0.0, "Fraction of the training rows held out for validation.",
                           minimum=0)
     format: str = _f("auto", "Row format; auto detects it per dataset.",
-                     choices=("auto", "messages", "sharegpt", "alpaca", "query-response"))
+                     choices=("auto", "messages", "sharegpt", "swift-sharegpt", "alpaca",
+                              "query-response", "text"))
     max_length: int = _f(2048, "Longest encoded sample in tokens.", minimum=8)
     packing: bool = _f(False, "Pack the samples of each optimizer step into as few rows as "
                               "pack_length allows (no padding; each sample keeps its own "
@@ -99,8 +100,8 @@ class DataArgs:
                          choices=("truncate", "drop"))
     system: str = _f(None, "System prompt for conversations that have none "
                            "(default: the chat template's own).")
-    model_name: str = _f(None, "Fills {{NAME}} in self-cognition data.")
-    model_author: str = _f(None, "Fills {{AUTHOR}} in self-cognition data.")
+    model_name: str = _f(None, "Fills {{NAME}} (or {{name}}) placeholders in the data.")
+    model_author: str = _f(None, "Fills {{AUTHOR}} (or {{author}}) placeholders in the data.")
 
 
 FULL_FINETUNING_LR = 1e-5

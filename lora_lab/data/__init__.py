@@ -22,6 +22,8 @@ class PreparedData:
     """Rows that could not be read or normalised (file:line and reason)."""
     read_warnings: list = field(default_factory=list)
     """Remarks on rows and files that were read correctly (BOM, CRLF, unused fields)."""
+    formats: list = field(default_factory=list)
+    """(--data entry, detected row format) for every dataset read."""
 
     def all_problems(self) -> list:
         val = self.val.problems if self.val else []
@@ -31,7 +33,8 @@ class PreparedData:
         return list(self.read_warnings)
 
     def summary(self, max_length: int) -> str:
-        lines = [f"train: {self.train.summary(max_length)}"]
+        lines = [f"format: {spec}: {fmt}" for spec, fmt in self.formats]
+        lines.append(f"train: {self.train.summary(max_length)}")
         if self.val:
             lines.append(f"val:   {self.val.summary(max_length)}")
         if self.read_problems:
@@ -50,6 +53,7 @@ def load_samples(specs: list, args: DataArgs, seed: int) -> LoadedData:
         merged.samples += loaded.samples
         merged.problems += loaded.problems
         merged.warnings += loaded.warnings
+        merged.formats += loaded.formats
     return merged
 
 
@@ -57,11 +61,13 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42) -> PreparedData:
     """Training and validation sets, encoded; every row not used is listed with its reason."""
     train = load_samples(args.datasets, args, seed)
     read_problems, read_warnings = list(train.problems), list(train.warnings)
+    formats = list(train.formats)
     val_samples = None
     if args.val_data:
         val = load_samples(args.val_data, args, seed)
         read_problems += val.problems
         read_warnings += val.warnings
+        formats += [(f"{spec} (validation)", fmt) for spec, fmt in val.formats]
         val_samples = val.samples
     elif args.val_ratio:
         shuffled = list(train.samples)
@@ -75,7 +81,8 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42) -> PreparedData:
                                             args.truncation, args.system)
     prepared = PreparedData(train=encode(train.samples),
                             val=encode(val_samples) if val_samples is not None else None,
-                            read_problems=read_problems, read_warnings=read_warnings)
+                            read_problems=read_problems, read_warnings=read_warnings,
+                            formats=formats)
     if not prepared.train.samples:
         first = "; ".join(str(p) for p in prepared.all_problems()[:3])
         raise DataError(f"--data {' '.join(args.datasets)}: no usable training sample "
@@ -93,11 +100,14 @@ class ValidationReport:
     warnings: list = field(default_factory=list)
     """Rows read correctly or cut to --max-length, with what to look at."""
     tokens_checked: bool = False
+    formats: list = field(default_factory=list)
+    """(--data entry, detected row format) for every dataset read."""
 
     def summary(self) -> str:
         tokens = "" if self.tokens_checked else " (lengths not checked: pass --model)"
-        return (f"{len(self.kept)} rows usable, {len(self.errors)} errors, "
-                f"{len(self.warnings)} warnings{tokens}")
+        lines = [f"format: {spec}: {fmt}" for spec, fmt in self.formats]
+        return "\n".join(lines + [f"{len(self.kept)} rows usable, {len(self.errors)} errors, "
+                                   f"{len(self.warnings)} warnings{tokens}"])
 
 
 def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -> ValidationReport:
@@ -113,15 +123,19 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -
             loaded = load_samples([spec], args, seed)
         except DataError as exc:
             report.errors.append(Problem(spec, str(exc)))
+            report.formats.append((spec, "not read (error above)"))
             continue
         samples += loaded.samples
         report.errors += loaded.problems
         report.warnings += loaded.warnings
+        report.formats += loaded.formats
     report.kept = [s.origin for s in samples]
     if tokenizer is not None:
         encoded = encode_samples(tokenizer, samples, args.max_length, args.truncation,
                                  args.system)
-        report.kept = [s.origin for s in encoded.samples]
+        chats = [s.origin for s in encoded.samples if s.origins is None]
+        documents = [o for s in encoded.samples if s.origins is not None for o in s.origins]
+        report.kept = chats + list(dict.fromkeys(documents))  # a document may span two rows
         report.errors += encoded.problems
         report.warnings += [Problem(o, f"cut to --max-length {args.max_length}; the end of the "
                                        f"conversation is not trained on")

@@ -4,7 +4,11 @@ input_ids are exactly what `tokenizer.apply_chat_template(messages)` produces. L
 everywhere except on each assistant reply and the end-of-turn token that closes it, so the model
 learns what to say and when to stop. Spans are found by rendering each prefix of the conversation
 with the template and mapping character offsets to tokens, which works for any template whose
-rendering of a prefix is a prefix of the whole.
+rendering of a prefix is a prefix of the whole. A reply with `loss: false` stays context only.
+
+Pre-training documents (Sample.text) skip the template: each is tokenised and closed with the
+end-of-sequence token, and a dataset's documents are concatenated and cut into rows of exactly
+max_length tokens (the last may be shorter), loss on every token: nothing is cut off or padded.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ class EncodedSample:
     labels: list
     origin: str
     truncated: bool = False
+    origins: list | None = None
+    """Pre-training rows: the origin of every document with tokens in this row."""
 
     @property
     def trained_tokens(self) -> int:
@@ -46,8 +52,9 @@ def render(tokenizer, messages: list, tools=None, add_generation_prompt: bool = 
                                          add_generation_prompt=add_generation_prompt)
 
 
-def assistant_spans(tokenizer, messages: list, tools=None) -> tuple[str, list]:
-    """The rendered text and the (start, end) character span of every assistant turn.
+def assistant_spans(tokenizer, messages: list, tools=None,
+                    trained: list | None = None) -> tuple[str, list]:
+    """The rendered text and the (start, end) character span of every trained assistant turn.
 
     A span starts after the template's assistant header and ends after its end-of-turn token.
     """
@@ -55,7 +62,7 @@ def assistant_spans(tokenizer, messages: list, tools=None) -> tuple[str, list]:
     eos = tokenizer.eos_token or ""
     spans = []
     for index, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or (trained is not None and not trained[index]):
             continue
         head = render(tokenizer, messages[:index], tools, add_generation_prompt=True)
         upto = render(tokenizer, messages[:index + 1], tools)
@@ -72,10 +79,11 @@ def assistant_spans(tokenizer, messages: list, tools=None) -> tuple[str, list]:
 def encode_sample(tokenizer, sample: Sample, max_length: int, truncation: str = "truncate",
                   system: str | None = None) -> EncodedSample:
     """One conversation -> input_ids and labels. Raises DataError if it cannot be used."""
-    messages = sample.messages
+    messages, trained = sample.messages, sample.trained
     if system and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system}] + messages
-    text, spans = assistant_spans(tokenizer, messages, sample.tools)
+        trained = [False] + trained if trained is not None else None
+    text, spans = assistant_spans(tokenizer, messages, sample.tools, trained)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding["input_ids"])
     labels = [IGNORE_INDEX] * len(input_ids)
@@ -101,16 +109,48 @@ def encode_sample(tokenizer, sample: Sample, max_length: int, truncation: str = 
 def encode_samples(tokenizer, samples: list, max_length: int, truncation: str = "truncate",
                    system: str | None = None) -> EncodeReport:
     report = EncodeReport()
+    documents = []
     for sample in samples:
+        if sample.text is not None:
+            documents.append(sample)
+            continue
         try:
             encoded = encode_sample(tokenizer, sample, max_length, truncation, system)
         except DataError as exc:
             report.problems.append(Problem(sample.origin, str(exc)))
             continue
+        except (TypeError, ValueError, RecursionError, UnicodeError) as exc:
+            # the template or tokenizer refused a value the reader let through: one bad row
+            report.problems.append(Problem(sample.origin, f"the chat template could not render "
+                                                          f"this row ({type(exc).__name__}: "
+                                                          f"{str(exc)[:200]})"))
+            continue
         report.samples.append(encoded)
         if encoded.truncated:
             report.truncated.append(sample.origin)
+    report.samples += pack_documents(tokenizer, documents, max_length, report.problems)
     return report
+
+
+def pack_documents(tokenizer, documents: list, max_length: int, problems: list) -> list:
+    """Pre-training documents, each closed by EOS, concatenated and cut into max_length rows."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    stream, owners = [], []
+    for sample in documents:
+        try:
+            ids = list(tokenizer(sample.text, add_special_tokens=False)["input_ids"]) + eos
+        except (TypeError, ValueError, UnicodeError) as exc:
+            problems.append(Problem(sample.origin, f"the tokenizer could not read this document "
+                                                   f"({type(exc).__name__}: {str(exc)[:200]})"))
+            continue
+        stream += ids
+        owners += [sample.origin] * len(ids)
+    rows = []
+    for start in range(0, len(stream), max_length):
+        ids = stream[start:start + max_length]
+        origins = list(dict.fromkeys(owners[start:start + max_length]))
+        rows.append(EncodedSample(ids, list(ids), origins[0], origins=origins))
+    return rows
 
 
 def show_trained_spans(tokenizer, encoded: EncodedSample, mark=("[[", "]]")) -> str:

@@ -1,62 +1,69 @@
-"""Read datasets and normalise every row to one shape: {"messages": [...], "tools": [...]}.
+"""Normalise every row to one shape: a conversation (messages + tools) or a text document.
 
-Four row formats are understood (detected per dataset, or forced with --format):
-  messages        {"messages": [{"role": "system|user|assistant|tool", "content": ...,
-                   "tool_calls": [...]}], "tools": [...]}                (OpenAI style)
-  sharegpt        {"conversations": [{"from": "human|gpt|system|function_call|observation",
-                   "value": ...}], "system": ..., "tools": ...}
-  alpaca          {"instruction", "input", "output", "system", "history": [[q, a], ...]}
-  query-response  {"query", "response", "system", "history": [[q, a], ...]}
-Files: .jsonl, .json (a list of rows), .csv and .parquet; anything else is a hub dataset id.
-Every row keeps its origin ("file.jsonl:12") so problems can be reported by line.
+Row formats, detected per dataset from the first readable row (or forced with --format); every
+field and what it maps to is in docs/data.md:
+  messages        {"messages": [{"role", "content", "tool_calls", "loss"}], "tools"}
+                  (OpenAI style; ms-swift's agent roles tool_call / tool_response; content as a
+                  list of text parts; ms-swift `loss` and LLaMA-Factory `loss_weight` flags)
+  sharegpt        {"conversations": [{"from", "value"}], "system", "tools"}  (LLaMA-Factory)
+  swift-sharegpt  {"conversation": [{"human", "assistant"}], "system"}          (ms-swift)
+  alpaca          {"instruction", "input", "output", "system", "history", "tools"}
+  query-response  {"query", "response", "system", "history", "tools"}
+  text            {"text"}: continued pre-training, loss on every token
+Rows of one assistant message, or a response without a query, are pre-training text too
+(ms-swift's pre-training form). A LLaMA-Factory `dataset_info.json:NAME` entry maps its columns
+and tags onto these (dataset_info.py). Preference data (chosen / rejected, KTO labels) is
+recognised and refused with the command that trains it.
 
-A problem is an error when the row cannot be trained on as written (bad JSON, invalid UTF-8, a
-missing field, an unknown role, roles out of order, an empty reply, no final assistant turn): the
-row is not used. It is a warning when the row is read correctly anyway: a byte-order mark, CRLF
-line endings, no newline at the end of the file, blank lines, fields the format does not use.
+A problem is an error when the row cannot be trained on as written: it is not used. It is a
+warning when the row is read, with a remark: consecutive assistant messages joined, a placeholder
+left unfilled, fields the format does not use. Nothing is changed without one or the other.
 """
 from __future__ import annotations
 
-import csv
 import difflib
-import json
 import random
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from ..paths import bundled_data_dir
 from ..errors import DataError
+from .readers import BUNDLED, Bad, Problem, kind_of, read_rows
+from .tools import calls_from_json_text, normalise_tool_calls, normalise_tools
 
-BUNDLED = {"self-cognition": "self_cognition.jsonl"}
-FORMATS = ("messages", "sharegpt", "alpaca", "query-response")
-PLACEHOLDERS = {"{{NAME}}": "model_name", "{{AUTHOR}}": "model_author"}
+__all__ = ["FORMATS", "LoadedData", "Problem", "Sample", "detect_format", "load_dataset_spec",
+           "normalise_row", "parse_spec", "read_rows"]
+
+FORMATS = ("messages", "sharegpt", "swift-sharegpt", "alpaca", "query-response", "text")
+PLACEHOLDER = re.compile(r"\{\{(name|author)\}\}", re.IGNORECASE)
+FILL_KEYS = {"name": "model_name", "author": "model_author"}
 KNOWN_FIELDS = {"messages": {"messages", "tools"},
                 "sharegpt": {"conversations", "system", "tools"},
-                "alpaca": {"instruction", "input", "output", "system", "history"},
-                "query-response": {"query", "response", "system", "history"}}
-MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id", "name"}
+                "swift-sharegpt": {"conversation", "system", "tools"},
+                "alpaca": {"instruction", "input", "output", "system", "history", "tools"},
+                "query-response": {"query", "response", "system", "history", "tools"},
+                "text": {"text"}}
+MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id", "name", "loss", "loss_weight"}
 TURN_FIELDS = {"from", "value"}
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "observation": "tool", "tool": "tool",
                    "function_call": "assistant"}
+_ROLES = ("system", "user", "assistant", "tool", "tool_call", "tool_response")
+PREFERENCE_KEYS = ("chosen", "rejected", "rejected_response")
 
 
 @dataclass
 class Sample:
-    """One conversation, normalised, with the place it came from."""
+    """One conversation (or, with `text`, one pre-training document), normalised."""
     messages: list
     origin: str
     tools: list | None = None
-
-
-@dataclass
-class Problem:
-    origin: str
-    reason: str
-
-    def __str__(self):
-        return f"{self.origin}: {self.reason}"
+    """OpenAI function tools, as the chat template receives them."""
+    trained: list | None = None
+    """Per message: whether its tokens carry loss (assistant replies only); None = all replies."""
+    text: str | None = None
+    """A pre-training document: no chat template, loss on every token."""
+    notes: list = field(default_factory=list)
+    """Remarks on how the row was read (become warnings with the row's origin)."""
 
 
 @dataclass
@@ -65,7 +72,12 @@ class LoadedData:
     problems: list = field(default_factory=list)
     """Rows that could not be used, each with file:line and reason."""
     warnings: list = field(default_factory=list)
-    """Things read correctly but worth fixing (BOM, CRLF, unused fields), with file:line."""
+    """Things read correctly but worth knowing, with file:line."""
+    formats: list = field(default_factory=list)
+    """(--data entry, detected row format) for each dataset."""
+
+    def format_lines(self) -> list:
+        return [f"format: {spec}: {fmt}" for spec, fmt in self.formats]
 
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
@@ -79,214 +91,148 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
 def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
                       fill: dict | None = None) -> LoadedData:
     """Read one --data entry, normalise its rows, sample `#N` if asked."""
+    from .dataset_info import DatasetInfoEntry
+
     source, count = parse_spec(spec)
     loaded = LoadedData()
-    raw_rows = read_rows(source, loaded.warnings)
+    entry = DatasetInfoEntry.from_source(source)
+    raw_rows = entry.read_rows(loaded.warnings) if entry else read_rows(source, loaded.warnings)
     if not raw_rows:
         raise DataError(f"--data {spec}: the dataset has no rows.")
-    fmt = row_format if row_format != "auto" else detect_format(raw_rows, source)
+    if entry:
+        fmt, label = entry.row_format(raw_rows, spec), f"{entry.describe()}"
+    else:
+        fmt = row_format if row_format != "auto" else detect_format(raw_rows, spec)
+        label = fmt if row_format == "auto" else f"{fmt} (--format)"
     unused: dict = {}
     for row, origin in raw_rows:
+        for name in ([] if entry else unknown_fields(row, fmt)):
+            unused.setdefault(name, []).append(origin)
         try:
-            loaded.samples.append(normalise_row(row, fmt, origin))
+            sample = normalise_row(entry.remap(row) if entry else row, fmt, origin)
         except DataError as exc:
             loaded.problems.append(Problem(origin, str(exc)))
-        for name in unknown_fields(row, fmt):
-            unused.setdefault(name, []).append(origin)
+            continue
+        except RecursionError:
+            loaded.problems.append(Problem(origin, "nested too deeply to read"))
+            continue
+        loaded.samples.append(sample)
+        loaded.warnings += [Problem(origin, note) for note in sample.notes]
     loaded.warnings += unused_field_warnings(unused, fmt)
-    fill_placeholders(loaded.samples, fill or {}, spec)
+    unfilled = fill_placeholders(loaded.samples, fill or {})
+    if unfilled and source in BUNDLED:  # the bundled identity set exists to be filled
+        raise DataError(f"--data {spec}: the rows use {{{{NAME}}}} and {{{{AUTHOR}}}} "
+                        f"placeholders; pass --model-name and --model-author (e.g. --model-name "
+                        f"Aurora --model-author 'Lab X').")
+    loaded.warnings += unfilled
+    pretraining = sum(1 for s in loaded.samples if s.text is not None)
+    if pretraining and fmt != "text":
+        label += f" ({pretraining} pre-training rows)"
+    loaded.formats.append((spec, label))
     if count is not None:
         loaded.samples = sample_rows(loaded.samples, count, seed)
     return loaded
 
 
-def read_rows(source: str, warnings: list | None = None) -> list[tuple[object, str]]:
-    """Rows of a file or hub dataset, each paired with its origin ("file.jsonl:3").
-
-    File-level remarks (byte-order mark, CRLF, final newline) are appended to `warnings`."""
-    if source in BUNDLED:
-        path = bundled_data_dir() / BUNDLED[source]
-    else:
-        path = Path(source).expanduser()
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json", ".csv", ".parquet"):
-        if not path.is_file():
-            raise DataError(f"--data {source}: file not found.")
-        reader = {".jsonl": _read_jsonl, ".json": _read_json, ".csv": _read_csv,
-                  ".parquet": _read_parquet}[suffix]
-        if suffix != ".parquet" and warnings is not None:
-            warnings += text_file_warnings(path)
-        return reader(path)
-    if path.exists() or source.startswith((".", "/", "~")):
-        raise DataError(f"--data {source}: unsupported file type; use .jsonl, .json, .csv or "
-                        f".parquet.")
-    return _read_hub(source)
-
-
-def text_file_warnings(path: Path) -> list:
-    """A byte-order mark; in JSONL also CRLF endings, blank lines, no final newline. All are
-    read correctly: they are warnings, not errors."""
-    found, crlf, blank, last, number = [], [], [], b"\n", 0
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                found.append(Problem(f"{path}:1", "the file starts with a UTF-8 byte-order mark; "
-                                                  "it is skipped and the row read correctly"))
-            crlf += [number] if raw.endswith(b"\r\n") else []
-            blank += [number] if not raw.strip() else []
-            last = raw
-    if path.suffix.lower() != ".jsonl":
-        return found  # CSV uses CRLF by its standard; JSON ignores whitespace
-    if crlf:
-        found.append(Problem(f"{path}:{crlf[0]}", f"{len(crlf)} line(s) end with CRLF (Windows "
-                                                  f"line endings); they are read correctly"))
-    if blank:
-        found.append(Problem(f"{path}:{blank[0]}", f"{len(blank)} blank line(s) ignored"))
-    if not last.endswith(b"\n"):
-        found.append(Problem(f"{path}:{number}", "no newline at the end of the file; the last "
-                                                 "row is read, but check the file is not cut "
-                                                 "short"))
-    return found
-
-
-def _read_jsonl(path: Path) -> list:
-    rows = []
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            origin = f"{path}:{number}"
-            if number == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                rows.append((_Bad(f"invalid UTF-8 at byte {exc.start}"), origin))
-                continue
-            if not text.strip():
-                continue
-            try:
-                rows.append((json.loads(text), origin))
-            except json.JSONDecodeError as exc:
-                rows.append((_Bad(f"bad JSON ({exc.msg.removesuffix(' at')} at column "
-                                  f"{exc.colno})"), origin))
-    return rows
-
-
-def _read_json(path: Path) -> list:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: not valid JSON ({exc}). A .json file must hold a list of rows; "
-                        f"use .jsonl for one row per line.") from None
-    if isinstance(data, dict):
-        data = next((v for v in data.values() if isinstance(v, list)), None)
-    if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON list of rows.")
-    return [(row, f"{path}[{index}]") for index, row in enumerate(data)]
-
-
-def _read_csv(path: Path) -> list:
-    rows = []
-    with open(path, newline="", encoding="utf-8-sig") as handle:
-        reader = csv.DictReader(handle)
-        start = 2
-        for row in reader:
-            rows.append(({k: _maybe_json(v) for k, v in row.items() if k}, f"{path}:{start}"))
-            start = reader.line_num + 1
-    return rows
-
-
-def _read_parquet(path: Path) -> list:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path).to_pylist()
-    return [(row, f"{path}[row {index}]") for index, row in enumerate(table)]
-
-
-def _read_hub(source: str) -> list:
-    name, _, split = source.partition(":")
-    try:
-        import datasets
-
-        dataset = datasets.load_dataset(name, split=split or "train")
-    except Exception as exc:  # noqa: BLE001 - any hub/network failure becomes one message
-        raise DataError(f"--data {source}: not a local file, and loading it as a hub dataset "
-                        f"failed ({type(exc).__name__}: {str(exc)[:200]}). Check the path or "
-                        f"the dataset id (NAME or NAME:SPLIT).") from None
-    return [(row, f"{source}[row {index}]") for index, row in enumerate(dataset)]
-
-
-def _maybe_json(value):
-    """CSV cells holding JSON (history, messages) are decoded; others stay text."""
-    if isinstance(value, str) and value.strip()[:1] in ("[", "{"):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
-
-
-class _Bad:
-    """A row that could not even be parsed."""
-
-    def __init__(self, reason):
-        self.reason = reason
-
-
 def detect_format(rows: list, source: str) -> str:
+    """The format of the first readable row; preference data is refused here, by name."""
     for row, _ in rows:
         if not isinstance(row, dict):
             continue
-        if "messages" in row:
-            return "messages"
-        if "conversations" in row:
-            return "sharegpt"
-        if "instruction" in row:  # output / response may be absent in inference prompts
-            return "alpaca"
-        if "query" in row:
-            return "query-response"
-        keys = ", ".join(sorted(row))
+        refuse_preference(row, f"--data {source}")
+        for key, fmt in (("messages", "messages"), ("conversations", "sharegpt"),
+                         ("conversation", "swift-sharegpt"), ("instruction", "alpaca"),
+                         ("query", "query-response"), ("response", "query-response"),
+                         ("text", "text")):
+            if key in row:
+                return fmt
+        keys = ", ".join(sorted(map(str, row)))
         raise DataError(f"--data {source}: cannot tell the row format from its fields ({keys}). "
-                        f"Expected messages, conversations, instruction/output or "
-                        f"query/response; or pass --format.")
+                        f"Expected messages, conversations, conversation, instruction/output, "
+                        f"query/response or text; or pass --format (docs/data.md lists them).")
     row, origin = rows[0]
-    reason = row.reason if isinstance(row, _Bad) else f"expected an object, got {type(row).__name__}"
+    reason = row.reason if isinstance(row, Bad) else f"expected an object, got {kind_of(row)}"
     raise DataError(f"--data {source}: no row could be parsed ({len(rows)} rows; first: "
                     f"{origin}: {reason}).")
+
+
+def refuse_preference(row: dict, where: str) -> None:
+    """Preference (DPO / ORPO / RM) and KTO rows are not supervised data: say what trains them."""
+    keys = [k for k in PREFERENCE_KEYS if k in row]
+    if keys:
+        raise DataError(
+            f"{where}: preference data ({' / '.join(f'`{k}`' for k in keys)}: a better and a worse "
+            f"answer, for DPO, ORPO or reward modelling). lora-lab trains supervised "
+            f"fine-tuning only and has no preference command; train it with ms-swift "
+            f"(`swift rlhf --rlhf_type dpo --dataset FILE`) or LLaMA-Factory (`stage: dpo`, "
+            f"`ranking: true` in dataset_info.json). To fine-tune on the chosen answers alone, "
+            f"write them as messages rows.")
+    if isinstance(row.get("label"), bool) or "kto_tag" in row:
+        raise DataError(
+            f"{where}: KTO data (a `label` true/false per answer: false marks an answer NOT to "
+            f"learn). lora-lab trains supervised fine-tuning only and would learn the bad "
+            f"answers too; train it with ms-swift (`swift rlhf --rlhf_type kto --dataset FILE`) "
+            f"or LLaMA-Factory (`stage: kto`), or keep only the `label: true` rows and drop the "
+            f"`label` field.")
 
 
 def normalise_row(row, fmt: str, origin: str, require_reply: bool = True) -> Sample:
     """One raw row -> Sample. With require_reply=False (inference prompts) a conversation may
     end with the user; a final assistant reply, if any, is kept as the reference."""
-    if isinstance(row, _Bad):
+    if isinstance(row, Bad):
         raise DataError(row.reason)
     if not isinstance(row, dict):
-        raise DataError(f"expected an object, got {type(row).__name__}")
+        raise DataError(f"expected an object, got {kind_of(row)}")
+    refuse_preference(row, "this row")
+    notes: list = []
+    if fmt == "text":
+        return Sample([], origin, text=_document(row.get("text"), "text"))
     if fmt == "messages":
-        messages = _messages_from_openai(row)
+        messages, trained = _messages_from_openai(row, notes)
     elif fmt == "sharegpt":
-        messages = _messages_from_sharegpt(row)
+        messages, trained = _messages_from_sharegpt(row), None
+    elif fmt == "swift-sharegpt":
+        messages, trained = _messages_from_swift_sharegpt(row), None
+    elif fmt in ("alpaca", "query-response"):
+        if require_reply and _is_response_only(row, fmt):
+            return Sample([], origin, text=_document(row.get("response"), "response"))
+        messages, trained = _messages_from_pairs(row, fmt, require_reply), None
     else:
-        prompt, reply = ("instruction", "output") if fmt == "alpaca" else ("query", "response")
-        if not (fmt == "alpaca" and row.get("input")):
-            _require(row, prompt)
-        if require_reply:
-            _require(row, reply)
-        messages = _messages_from_pairs(row, fmt)
-    tools = row.get("tools")
-    if isinstance(tools, str):
-        tools = json.loads(tools) if tools.strip() else None
+        raise DataError(f"unknown row format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    tools = normalise_tools(row.get("tools"))
+    if fmt == "messages" and require_reply and len(messages) == 1 \
+            and messages[0]["role"] == "assistant" and not messages[0].get("tool_calls") \
+            and not tools:  # ms-swift's pre-training row
+        return Sample([], origin, text=_document(messages[0]["content"], "content"), notes=notes)
     if not require_reply and messages and messages[-1]["role"] == "assistant" and not (
             messages[-1]["content"].strip() or messages[-1].get("tool_calls")):
         messages = messages[:-1]
-    check_messages(messages, require_reply)
-    return Sample(messages=messages, origin=origin, tools=tools or None)
+        trained = trained[:-1] if trained else trained
+    check_messages(messages, require_reply, trained)
+    return Sample(messages=messages, origin=origin, tools=tools, trained=trained, notes=notes)
+
+
+def _document(value, name: str) -> str:
+    if value is None:
+        raise DataError(f"missing field `{name}`")
+    if not isinstance(value, str):
+        raise DataError(f"field `{name}` must be text; got {kind_of(value)}")
+    if not value.strip():
+        raise DataError(f"field `{name}` is empty")
+    return value
+
+
+def _is_response_only(row: dict, fmt: str) -> bool:
+    """ms-swift's pre-training form: a response with no query (and no history)."""
+    return fmt == "query-response" and "query" not in row and "response" in row \
+        and not row.get("history")
 
 
 def unknown_fields(row, fmt: str) -> list[str]:
     """Fields the format does not read ("id", "messages[].weight"): ignored, reported."""
-    if not isinstance(row, dict):
+    if not isinstance(row, dict) or fmt not in KNOWN_FIELDS:
         return []
-    names = sorted(set(row) - KNOWN_FIELDS[fmt])
+    names = sorted(str(k) for k in set(row) - KNOWN_FIELDS[fmt])
     nested = {"messages": ("messages", MESSAGE_FIELDS), "sharegpt": ("conversations", TURN_FIELDS)}
     if fmt in nested and isinstance(row.get(nested[fmt][0]), list):
         key, known = nested[fmt]
@@ -308,99 +254,198 @@ def unused_field_warnings(unused: dict, fmt: str) -> list:
     return warnings
 
 
-def _require(row: dict, name: str) -> None:
-    if name not in row or row[name] is None:
-        raise DataError(f"missing field `{name}`")
+def _text(value, where: str, allow_parts: bool = False) -> str:
+    """Exact text: a string, or (messages) a list of text parts joined. Anything else is an
+    error: a number or an object is not silently turned into text or an empty turn."""
+    if isinstance(value, str):
+        return value
+    if allow_parts and isinstance(value, list) and value:
+        return "".join(_text_part(part, f"{where}, part {i}") for i, part in
+                       enumerate(value, start=1))
+    raise DataError(f"{where} must be text{' or a list of text parts' if allow_parts else ''}; "
+                    f"got {kind_of(value)}")
 
 
-def _messages_from_openai(row: dict) -> list:
-    _require(row, "messages")
-    messages = row.get("messages")
-    if not isinstance(messages, list):
-        raise DataError("field `messages` must be a list")
-    out = []
-    for index, turn in enumerate(messages, start=1):
+def _text_part(part, where: str) -> str:
+    """{"type": "text", "text": ...} (OpenAI) or {"type": "text", "value": ...} (LLaMA-Factory)."""
+    if not isinstance(part, dict) or part.get("type") != "text":
+        kind = part.get("type") if isinstance(part, dict) else kind_of(part)
+        raise DataError(f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) can be "
+                        f"trained on; got {kind!r}")
+    key = "text" if "text" in part else "value"
+    if not isinstance(part.get(key), str):
+        raise DataError(f"{where}: `text` must be text; got {kind_of(part.get(key))}")
+    return part[key]
+
+
+def _loss_flag(turn: dict, role: str, where: str) -> bool | None:
+    """ms-swift `loss: true/false`, LLaMA-Factory `loss_weight: 0.0/1.0`; None when absent."""
+    flag = turn.get("loss")
+    if flag is not None and not isinstance(flag, bool):
+        raise DataError(f"{where}: `loss` must be true or false; got {kind_of(flag)}")
+    weight = turn.get("loss_weight")
+    if weight is not None:
+        if isinstance(weight, bool) or weight not in (0, 1):
+            raise DataError(f"{where}: `loss_weight` must be 0 or 1 (lora-lab does not weight "
+                            f"the loss); got {kind_of(weight)}")
+        if flag is not None and flag != bool(weight):
+            raise DataError(f"{where}: `loss` and `loss_weight` disagree")
+        flag = bool(weight)
+    if flag and role not in ("assistant", "tool_call"):  # a tool_call is part of the reply
+        raise DataError(f"{where}: loss on a {role} message; lora-lab trains on assistant "
+                        f"replies only (remove the flag, or make it the assistant's)")
+    return flag
+
+
+def _messages_from_openai(row: dict, notes: list) -> tuple[list, list | None]:
+    if row.get("messages") is None:
+        raise DataError("missing field `messages`")
+    if not isinstance(row["messages"], list):
+        raise DataError(f"field `messages` must be a list; got {kind_of(row['messages'])}")
+    out, trained = [], []
+    for index, turn in enumerate(row["messages"], start=1):
+        where = f"message {index}"
         if not isinstance(turn, dict) or "role" not in turn:
-            raise DataError(f"message {index}: missing field `role`")
-        if turn.get("content") is None and not turn.get("tool_calls"):
-            raise DataError(f"message {index}: missing field `content`")
-        message = {"role": turn["role"], "content": turn.get("content") or ""}
-        if turn.get("tool_calls"):
-            message["tool_calls"] = [_tool_call(c) for c in turn["tool_calls"]]
+            raise DataError(f"{where}: missing field `role`" if isinstance(turn, dict) else
+                            f"{where}: expected an object with `role` and `content`, got "
+                            f"{kind_of(turn)}")
+        role = turn["role"]
+        if not isinstance(role, str) or role not in _ROLES:
+            raise DataError(f"{where}: unknown role {role!r}; expected one of "
+                            f"{', '.join(_ROLES)}")
+        flag = _loss_flag(turn, role, where)
+        if role == "tool_call":  # ms-swift: the call as a JSON string, part of the reply
+            message = {"role": "assistant", "content": "",
+                       "tool_calls": calls_from_json_text(turn.get("content"), where)}
+        else:
+            role = "tool" if role == "tool_response" else role
+            content = turn.get("content")
+            if content is None and not (role == "assistant" and turn.get("tool_calls")):
+                raise DataError(f"{where}: missing field `content`")
+            message = {"role": role, "content": "" if content is None else
+                       _text(content, f"{where}: `content`", allow_parts=True)}
+            if turn.get("tool_calls") is not None:
+                if role != "assistant":
+                    raise DataError(f"{where}: only assistant messages have `tool_calls`")
+                message["tool_calls"] = normalise_tool_calls(turn["tool_calls"], where)
+        if out and out[-1]["role"] == message["role"] == "assistant":
+            _join_reply(out[-1], message, trained, flag, index, notes if turn["role"] ==
+                        "assistant" else [])
+            continue
         out.append(message)
-    return out
+        trained.append(flag)
+    if all(flag is None for flag in trained):
+        return out, None
+    return out, [flag is not False if m["role"] == "assistant" else False
+                 for m, flag in zip(out, trained)]
 
 
-def _tool_call(call) -> dict:
-    function = call.get("function", call) if isinstance(call, dict) else None
-    if not isinstance(function, dict) or "name" not in function:
-        raise DataError("a tool call needs a function `name`")
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            raise DataError(f"tool call `{function['name']}`: arguments are not JSON") from None
-    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+def _join_reply(previous: dict, message: dict, trained: list, flag, index: int,
+                notes: list) -> None:
+    """Consecutive assistant messages are one reply, as ms-swift joins them. A `tool_call`
+    message after the reply's text is the documented agent form; two assistant texts in a row
+    get a note. Text after a tool call cannot be kept in order, so it is an error."""
+    if previous.get("tool_calls") and message["content"]:
+        raise DataError(f"message {index}: assistant text after a tool call in the same reply; "
+                        f"the chat template puts calls after the text, so reorder them")
+    if flag is not None and trained[-1] is not None and flag != trained[-1]:
+        raise DataError(f"message {index}: joins the assistant message before it, but their "
+                        f"loss flags differ")
+    previous["content"] += message["content"]
+    if message.get("tool_calls"):
+        previous["tool_calls"] = previous.get("tool_calls", []) + message["tool_calls"]
+    trained[-1] = trained[-1] if trained[-1] is not None else flag
+    notes.append(f"message {index} follows an assistant message and was joined to it as one "
+                 f"reply (text concatenated, tool calls appended)")
 
 
 def _messages_from_sharegpt(row: dict) -> list:
-    _require(row, "conversations")
-    turns = row.get("conversations")
+    if row.get("conversations") is None:
+        raise DataError("missing field `conversations`")
+    turns = row["conversations"]
     if not isinstance(turns, list):
-        raise DataError("field `conversations` must be a list")
-    out = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+        raise DataError(f"field `conversations` must be a list; got {kind_of(turns)}")
+    out = _system(row)
     for index, turn in enumerate(turns, start=1):
+        where = f"turn {index}"
         speaker = turn.get("from") if isinstance(turn, dict) else None
-        if speaker not in _SHAREGPT_ROLES:
-            raise DataError(f"turn {index}: unknown speaker {speaker!r}; expected one of "
+        if not isinstance(speaker, str) or speaker not in _SHAREGPT_ROLES:
+            shown = repr(speaker) if isinstance(speaker, (str, type(None))) else kind_of(speaker)
+            raise DataError(f"{where}: unknown speaker {shown}; expected one of "
                             f"{', '.join(_SHAREGPT_ROLES)}")
         if turn.get("value") is None:
-            raise DataError(f"turn {index}: missing field `value`")
-        value = turn["value"]
+            raise DataError(f"{where}: missing field `value`")
         if speaker == "function_call":
-            try:
-                call = json.loads(value)
-            except json.JSONDecodeError:
-                raise DataError("function_call value is not JSON") from None
-            calls = call if isinstance(call, list) else [call]
-            out.append({"role": "assistant", "content": "",
-                        "tool_calls": [_tool_call(c) for c in calls]})
+            calls = calls_from_json_text(turn["value"], f"{where} (function_call)")
+            out.append({"role": "assistant", "content": "", "tool_calls": calls})
         else:
-            out.append({"role": _SHAREGPT_ROLES[speaker], "content": value})
+            out.append({"role": _SHAREGPT_ROLES[speaker],
+                        "content": _text(turn["value"], f"{where}: `value`")})
     return out
 
 
-def _messages_from_pairs(row: dict, fmt: str) -> list:
-    if fmt == "alpaca":
-        prompt = row.get("instruction") or ""
-        if row.get("input"):
-            prompt = f"{prompt}\n{row['input']}" if prompt else row["input"]
-        reply = row.get("output")
-    else:
-        prompt, reply = row.get("query") or "", row.get("response")
-    out = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    for pair in row.get("history") or []:
+def _messages_from_swift_sharegpt(row: dict) -> list:
+    """ms-swift: {"system", "conversation": [{"human": q, "assistant": a}, ...]}."""
+    turns = row.get("conversation")
+    if not isinstance(turns, list):
+        raise DataError("field `conversation` must be a list of {\"human\", \"assistant\"} "
+                        f"pairs; got {kind_of(turns)}")
+    out = _system(row)
+    for index, turn in enumerate(turns, start=1):
+        where = f"turn {index}"
+        if not isinstance(turn, dict) or "human" not in turn or set(turn) - {"human", "assistant"}:
+            raise DataError(f"{where}: expected {{\"human\": ..., \"assistant\": ...}}")
+        out.append({"role": "user", "content": _text(turn["human"], f"{where}: `human`")})
+        if turn.get("assistant") is not None:
+            out.append({"role": "assistant",
+                        "content": _text(turn["assistant"], f"{where}: `assistant`")})
+    return out
+
+
+def _system(row: dict) -> list:
+    system = row.get("system")
+    if system is None or system == "":
+        return []
+    return [{"role": "system", "content": _text(system, "field `system`")}]
+
+
+def _messages_from_pairs(row: dict, fmt: str, require_reply: bool) -> list:
+    prompt_key, reply_key = ("instruction", "output") if fmt == "alpaca" else ("query", "response")
+    prompt = row.get(prompt_key)
+    prompt = "" if prompt is None else _text(prompt, f"field `{prompt_key}`")
+    if fmt == "alpaca" and row.get("input") is not None:
+        extra = _text(row["input"], "field `input`")
+        prompt = f"{prompt}\n{extra}" if prompt and extra else prompt or extra
+    if not prompt and row.get(prompt_key) is None:
+        raise DataError(f"missing field `{prompt_key}`")
+    reply = row.get(reply_key)
+    if reply is None and require_reply:
+        raise DataError(f"missing field `{reply_key}`")
+    out = _system(row)
+    history = row.get("history")
+    if history is not None and not isinstance(history, list):
+        raise DataError(f"`history` must be a list of [question, answer] pairs; got "
+                        f"{kind_of(history)}")
+    for index, pair in enumerate(history or [], start=1):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise DataError("`history` must be a list of [question, answer] pairs")
-        out += [{"role": "user", "content": str(pair[0])},
-                {"role": "assistant", "content": str(pair[1])}]
-    out += [{"role": "user", "content": str(prompt)},
-            {"role": "assistant", "content": "" if reply is None else str(reply)}]
+            raise DataError(f"`history` item {index} must be a [question, answer] pair; got "
+                            f"{kind_of(pair)}")
+        out += [{"role": "user", "content": _text(pair[0], f"history {index} question")},
+                {"role": "assistant", "content": _text(pair[1], f"history {index} answer")}]
+    out += [{"role": "user", "content": prompt},
+            {"role": "assistant", "content": "" if reply is None else
+             _text(reply, f"field `{reply_key}`")}]
     return out
 
 
-def check_messages(messages: list, require_reply: bool = True) -> None:
+def check_messages(messages: list, require_reply: bool = True,
+                   trained: list | None = None) -> None:
     """Roles known and in order, replies not empty, the conversation ends with the assistant."""
     if not messages:
         raise DataError("the conversation is empty")
     previous = None
     for index, message in enumerate(messages):
         role = message["role"]
-        if role not in ("system", "user", "assistant", "tool"):
-            raise DataError(f"message {index + 1}: unknown role {role!r}")
-        if not isinstance(message["content"], str):
-            raise DataError(f"message {index + 1}: content must be text")
         if role == "system" and index != 0:
             raise DataError(f"message {index + 1}: a system message may only come first")
         if role == "assistant" and previous not in ("user", "tool"):
@@ -419,21 +464,35 @@ def check_messages(messages: list, require_reply: bool = True) -> None:
         raise DataError("the last message must be the assistant's reply")
     if not require_reply and previous not in ("user", "assistant", "tool"):
         raise DataError("a prompt must end with a user message")
+    if require_reply and trained is not None and not any(trained):
+        raise DataError("every assistant reply has `loss: false`; nothing to train on")
 
 
-def fill_placeholders(samples: list, fill: dict, spec: str) -> None:
-    """Replace {{NAME}} / {{AUTHOR}}; fail if a placeholder is used but not given."""
-    used = {token for s in samples for m in s.messages for token in PLACEHOLDERS
-            if token in m["content"]}
-    missing = [key for token, key in PLACEHOLDERS.items() if token in used and not fill.get(key)]
-    if missing:
-        flags = " and ".join("--" + m.replace("_", "-") for m in missing)
-        raise DataError(f"--data {spec}: the rows use {' and '.join(t for t in PLACEHOLDERS if t in used)} placeholders; "
-                        f"pass {flags} (e.g. --model-name Aurora --model-author 'Lab X').")
+def fill_placeholders(samples: list, fill: dict) -> list:
+    """Replace {{NAME}} / {{AUTHOR}} (any case) from --model-name / --model-author; a row that
+    keeps one (the value was not given) is a warning naming the flag."""
+    warnings = []
     for sample in samples:
+        left = set()
+
+        def replace(match, left=left):
+            value = fill.get(FILL_KEYS[match.group(1).lower()])
+            if value:
+                return value
+            left.add(match.group(0))
+            return match.group(0)
+
+        if sample.text is not None:
+            sample.text = PLACEHOLDER.sub(replace, sample.text)
         for message in sample.messages:
-            for token, key in PLACEHOLDERS.items():
-                message["content"] = message["content"].replace(token, fill.get(key) or token)
+            message["content"] = PLACEHOLDER.sub(replace, message["content"])
+        if left:
+            flags = " and ".join(sorted({"--" + FILL_KEYS[t[2:-2].lower()].replace("_", "-")
+                                         for t in left}))
+            warnings.append(Problem(sample.origin, f"placeholder {', '.join(sorted(left))} is "
+                                                   f"not filled and would be trained literally; "
+                                                   f"pass {flags}"))
+    return warnings
 
 
 def sample_rows(samples: list, count: int, seed: int) -> list:

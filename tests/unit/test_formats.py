@@ -147,10 +147,14 @@ def test_mixing_datasets_and_placeholders(tmp_path, chat_rows):
     assert samples[0].messages[1]["content"] == "I am Aurora, made by Lab X."
 
 
-def test_missing_placeholder_values_name_the_flags(tmp_path, chat_rows):
+def test_missing_placeholder_values_are_a_warning_per_row(tmp_path, chat_rows):
     chat = write_jsonl(tmp_path / "c.jsonl", chat_rows)
-    with pytest.raises(DataError, match="pass --model-name and --model-author"):
-        load_dataset_spec(str(chat))
+    loaded = load_dataset_spec(str(chat))
+    assert len(loaded.samples) == 2 and not loaded.problems
+    assert [(w.origin, w.reason) for w in loaded.warnings] == [
+        (f"{chat}:1", "placeholder {{AUTHOR}}, {{NAME}} is not filled and would be trained "
+                      "literally; pass --model-author and --model-name")]
+    assert loaded.samples[0].messages[1]["content"] == "I am {{NAME}}, made by {{AUTHOR}}."
 
 
 def test_bundled_self_cognition_set():

@@ -30,7 +30,7 @@ ERRORS = {  # line -> (raw line, what is wrong with it)
     123: (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "invalid UTF-8"),
     500: (row([{"role": "user"}, {"role": "assistant", "content": "x"}]), "missing field"),
     777: (row(turns(("robot", "beep"), ("assistant", "x"))), "unknown role"),
-    1000: (row(turns(("user", "q"), ("assistant", "a"), ("assistant", "b"))), "out of order"),
+    1000: (row(turns(("tool", "r"), ("user", "q"), ("assistant", "a"))), "out of order"),
     2024: (row(turns(("user", "q"), ("assistant", "  "))), "empty reply"),
     3000: (row(turns(("user", "q"))), "no reply"),
     4096: (row(turns(("user", "q"), ("assistant", "a"), ("user", "q2"))), "ends with user"),
@@ -76,7 +76,7 @@ def test_validate_reports_exactly_the_planted_lines(planted, tokenizer):
     assert reasons["17"].startswith("bad JSON") and "invalid UTF-8" in reasons["123"]
     assert reasons["500"] == "message 1: missing field `content`"
     assert "unknown role 'robot'" in reasons["777"]
-    assert "must follow a user or tool message" in reasons["1000"]
+    assert "a tool result must follow an assistant tool call" in reasons["1000"]
     assert "empty assistant reply" in reasons["2024"]
     assert "last message must be the assistant's" in reasons["3000"] == reasons["4096"]
     assert "no assistant token left" in reasons["5555"] and "--max-length 64" in reasons["5555"]
@@ -141,6 +141,6 @@ def test_json_with_a_bom_and_csv_with_crlf_are_read(tmp_path):
         writer.writeheader()
         writer.writerow({"query": "q", "response": "a"})
     report = validate_data([str(as_json), str(as_csv)], DataArgs())
-    assert report.kept == [f"{as_json}[0]", f"{as_csv}:2"] and report.errors == []
+    assert report.kept == [f"{as_json}:1", f"{as_csv}:2"] and report.errors == []
     assert [(w.origin, "byte-order mark" in w.reason) for w in report.warnings] == [
         (f"{as_json}:1", True)]

@@ -1,0 +1,358 @@
+"""Read the rows of a dataset file exactly as written, each paired with its origin ("file:line").
+
+One reader per file type: .jsonl (one row per line), .json (a list of rows, or one row object),
+.csv (a header and one row per record) and .parquet; anything else is a hub dataset id. A row that
+cannot be read (bad JSON, invalid UTF-8, a duplicate key, a lone surrogate, nesting too deep for
+Python) becomes a `Bad` row with its reason, so the loader reports it by line and reads on. Only a
+file that cannot be read at all raises DataError.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..paths import bundled_data_dir
+from ..errors import DataError
+
+BUNDLED = {"self-cognition": "self_cognition.jsonl"}
+
+MAX_DEPTH = 100
+"""Deepest nesting of lists and objects a row may have (real rows nest a handful of levels)."""
+CSV_JSON_COLUMNS = {"messages", "conversations", "conversation", "history", "chosen", "rejected"}
+"""CSV columns that hold JSON (a list or object); every other cell is kept as its exact text."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class Bad:
+    """A row that could not be read, with the reason."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+class _Object(dict):
+    """A JSON object that remembers the keys it held more than once."""
+    duplicates: tuple = ()
+
+
+def _object_pairs(pairs):
+    obj = _Object(pairs)
+    if len(obj) != len(pairs):
+        seen, twice = set(), []
+        for key, _ in pairs:
+            if key in seen and key not in twice:
+                twice.append(key)
+            seen.add(key)
+        obj.duplicates = tuple(twice)
+    return obj
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_object_pairs)
+
+
+def value_problem(value) -> str | None:
+    """Why a parsed value cannot be used as written: a key given twice (JSON keeps only the last,
+    so the row would silently lose text), a lone surrogate, or nesting deeper than MAX_DEPTH."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_DEPTH and isinstance(item, (dict, list)):
+            return f"nested more than {MAX_DEPTH} levels deep"
+        if isinstance(item, str):
+            found = _SURROGATE.search(item)
+            if found:
+                return (f"contains a lone surrogate \\u{ord(found.group()):04x}, which is not "
+                        f"valid Unicode; fix the escape sequence")
+        elif isinstance(item, dict):
+            twice = getattr(item, "duplicates", ())
+            if twice:
+                return (f"key `{twice[0]}` appears twice in one object; JSON keeps only the last "
+                        f"value, so remove or rename one")
+            stack += [(v, depth + 1) for v in item.values()]
+        elif isinstance(item, list):
+            stack += [(v, depth + 1) for v in item]
+    return None
+
+
+def parse_json_text(text: str):
+    """A JSON value read strictly: returns the value, or Bad with the reason."""
+    try:
+        value = _DECODER.decode(text)
+    except json.JSONDecodeError as exc:
+        return Bad(f"bad JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})")
+    except RecursionError:
+        return Bad(f"nested too deeply to read (more than {MAX_DEPTH} levels)")
+    problem = value_problem(value)
+    return Bad(problem) if problem else value
+
+
+def read_rows(source: str, warnings: list | None = None) -> list[tuple[object, str]]:
+    """Rows of a file or hub dataset, each paired with its origin ("file.jsonl:3").
+
+    File-level remarks (byte-order mark, CRLF, final newline) are appended to `warnings`."""
+    warnings = warnings if warnings is not None else []
+    path = bundled_data_dir() / BUNDLED[source] if source in BUNDLED else Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".csv", ".parquet"):
+        if not path.is_file():
+            raise DataError(f"--data {source}: file not found.")
+        if suffix != ".parquet":
+            warnings += text_file_warnings(path)
+        if suffix in (".json", ".csv"):
+            return (read_json if suffix == ".json" else read_csv)(path, warnings)
+        return (read_jsonl if suffix == ".jsonl" else read_parquet)(path)
+    if path.exists() or source.startswith((".", "/", "~")):
+        raise DataError(f"--data {source}: unsupported file type; use .jsonl, .json, .csv or "
+                        f".parquet.")
+    return read_hub(source)
+
+
+def text_file_warnings(path: Path) -> list:
+    """A byte-order mark; in JSONL also CRLF endings, blank lines, no final newline. All are
+    read correctly: they are warnings, not errors."""
+    found, crlf, blank, last, number = [], [], [], b"\n", 0
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                found.append(Problem(f"{path}:1", "the file starts with a UTF-8 byte-order mark; "
+                                                  "it is skipped and the row read correctly"))
+            crlf += [number] if raw.endswith(b"\r\n") else []
+            blank += [number] if not raw.strip() else []
+            last = raw
+    if path.suffix.lower() != ".jsonl":
+        return found  # CSV uses CRLF by its standard; JSON ignores whitespace
+    if crlf:
+        found.append(Problem(f"{path}:{crlf[0]}", f"{len(crlf)} line(s) end with CRLF (Windows "
+                                                  f"line endings); they are read correctly"))
+    if blank:
+        found.append(Problem(f"{path}:{blank[0]}", f"{len(blank)} blank line(s) ignored"))
+    if not last.endswith(b"\n"):
+        found.append(Problem(f"{path}:{number}", "no newline at the end of the file; the last "
+                                                 "row is read, but check the file is not cut "
+                                                 "short"))
+    return found
+
+
+def read_jsonl(path: Path) -> list:
+    rows = []
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            origin = f"{path}:{number}"
+            if number == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                rows.append((Bad(f"invalid UTF-8 at byte {exc.start}"), origin))
+                continue
+            if text.strip():
+                rows.append((parse_json_text(text), origin))
+    return rows
+
+
+def read_json(path: Path, warnings: list) -> list:
+    """A JSON list of rows, each with the line its object starts on; or one row object."""
+    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: invalid UTF-8 at byte {exc.start}; a .json file is "
+                        f"read whole, so save it as UTF-8 (or as .jsonl to skip bad "
+                        f"rows).") from None
+    start = _skip_space(text, 0)
+    if text[start:start + 1] == "[":
+        return _read_json_list(path, text, start + 1)
+    value = parse_json_text(text)
+    if isinstance(value, Bad):
+        raise DataError(f"{path}: {value.reason}. A .json file must hold a list of rows; use "
+                        f".jsonl for one row per line.")
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: expected a JSON list of rows, got {kind_of(value)}.")
+    line = text.count("\n", 0, start) + 1
+    warnings.append(_warning(f"{path}:{line}", "the file holds one row object, not a list of "
+                                               "rows; it is read as one row"))
+    return [(value, f"{path}:{line}")]
+
+
+def _read_json_list(path: Path, text: str, position: int) -> list:
+    rows, line, counted = [], 1, 0
+    while True:
+        position = _skip_space(text, position)
+        if text[position:position + 1] == "]":
+            break
+        line += text.count("\n", counted, position)  # counted once: large files stay linear
+        counted = position
+        try:
+            value, position = _DECODER.raw_decode(text, position)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{exc.lineno}: bad JSON ({exc.msg} at column {exc.colno}); "
+                            f"a .json file is read whole, so fix it (or use .jsonl, where a bad "
+                            f"line is skipped and reported).") from None
+        except RecursionError:  # skip to the end of this row and read on
+            rows.append((Bad(f"nested too deeply to read (more than {MAX_DEPTH} levels)"),
+                         f"{path}:{line}"))
+            position = _end_of_value(text, position)
+            if position is None:
+                raise DataError(f"{path}:{line}: bad JSON (a row is never closed).") from None
+            position = _after_row(path, text, position)
+            continue
+        problem = value_problem(value)
+        rows.append((Bad(problem) if problem else value, f"{path}:{line}"))
+        position = _after_row(path, text, position)
+    trailing = _skip_space(text, position + 1)
+    if trailing < len(text):
+        line = text.count("\n", 0, trailing) + 1
+        raise DataError(f"{path}:{line}: extra data after the list of rows.")
+    return rows
+
+
+def _after_row(path: Path, text: str, position: int) -> int:
+    """Past the `,` after a row; at the `]` after the last one."""
+    position = _skip_space(text, position)
+    if text[position:position + 1] == ",":
+        return position + 1
+    if text[position:position + 1] != "]":
+        line = text.count("\n", 0, position) + 1
+        raise DataError(f"{path}:{line}: bad JSON (expected `,` or `]` after a row).")
+    return position
+
+
+def _end_of_value(text: str, position: int) -> int | None:
+    """The index just past the list or object starting at `position` (strings respected)."""
+    depth, in_string, escaped = 0, False, False
+    for index in range(position, len(text)):
+        char = text[index]
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return None
+
+
+def _skip_space(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\r\n":
+        position += 1
+    return position
+
+
+def read_csv(path: Path, warnings: list | None = None) -> list:
+    """Rows of a CSV file, origin = the line the record starts on (the header is line 1).
+
+    Cells keep their exact text, except the columns in CSV_JSON_COLUMNS, which must hold JSON.
+    Invalid UTF-8 is decoded with surrogateescape so the rest of the file is still read, and the
+    row holding it is reported."""
+    csv.field_size_limit(2**31 - 1)  # a long document is data, not an attack: read it whole
+    text = path.read_bytes().removeprefix(b"\xef\xbb\xbf").decode("utf-8", "surrogateescape")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader, None)
+    except csv.Error as exc:
+        raise DataError(f"{path}:1: the CSV header cannot be read ({exc}).") from None
+    if header is None:
+        return []
+    if any(_SURROGATE.search(name) for name in header):
+        raise DataError(f"{path}:1: the CSV header is not valid UTF-8; save the file as UTF-8.")
+    twice = sorted({name for name in header if header.count(name) > 1})
+    if twice:
+        raise DataError(f"{path}:1: column `{twice[0]}` appears twice in the CSV header; rename "
+                        f"one, or a row would keep only the last cell.")
+    rows, blank, start = [], [], reader.line_num + 1
+    while True:
+        try:
+            cells = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:
+            rows.append((Bad(f"the CSV record cannot be read ({exc})"), f"{path}:{start}"))
+            start = reader.line_num + 1
+            continue
+        origin, start = f"{path}:{start}", reader.line_num + 1
+        if cells:
+            rows.append((_csv_row(header, cells), origin))
+        else:
+            blank.append(origin)
+    if blank and warnings is not None:
+        warnings.append(_warning(blank[0], f"{len(blank)} blank line(s) ignored"))
+    return rows
+
+
+def _csv_row(header: list, cells: list):
+    if len(cells) != len(header):
+        return Bad(f"the record has {len(cells)} cells but the header has {len(header)} columns")
+    row = {}
+    for name, cell in zip(header, cells):
+        if _SURROGATE.search(cell):
+            return Bad(f"column `{name}` is not valid UTF-8; save the file as UTF-8")
+        if name in CSV_JSON_COLUMNS:  # an empty cell is an absent value
+            value = parse_json_text(cell) if cell.strip() else None
+            if isinstance(value, Bad):
+                return Bad(f"column `{name}` must hold JSON: {value.reason}")
+            cell = value
+        row[name] = cell
+    return row
+
+
+def read_parquet(path: Path) -> list:
+    try:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path).to_pylist()
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise DataError(f"{path}: not a readable Parquet file ({type(exc).__name__}: "
+                        f"{str(exc)[:200]}).") from None
+    return [(row, f"{path}[row {index}]") for index, row in enumerate(table)]
+
+
+def read_hub(source: str) -> list:
+    name, _, split = source.partition(":")
+    try:
+        import datasets
+
+        dataset = datasets.load_dataset(name, split=split or "train")
+    except Exception as exc:  # noqa: BLE001 - any hub/network failure becomes one message
+        raise DataError(f"--data {source}: not a local file, and loading it as a hub dataset "
+                        f"failed ({type(exc).__name__}: {str(exc)[:200]}). Check the path or "
+                        f"the dataset id (NAME or NAME:SPLIT).") from None
+    return [(row, f"{source}[row {index}]") for index, row in enumerate(dataset)]
+
+
+def kind_of(value) -> str:
+    """'a number (0)', 'a list', 'an object' ... for messages about a value of the wrong type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, (list, tuple)):
+        return "an empty list" if not value else "a list"
+    return type(value).__name__
+
+
+@dataclass
+class Problem:
+    """Something about a row or file, with where it is ("file.jsonl:12")."""
+    origin: str
+    reason: str
+
+    def __str__(self):
+        return f"{self.origin}: {self.reason}"
+
+
+def _warning(origin: str, reason: str) -> Problem:
+    return Problem(origin, reason)

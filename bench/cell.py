@@ -3,7 +3,8 @@
   python bench/cell.py '{"kind": "lora-lab", "preset": "16gb", "size": "7b", "max_length": 2048,
                          "steps": 20, "grad_accum": 1, "cap_gib": 15.5}'
 kind "lora-lab" runs lora_lab.train() on full-length synthetic samples with the preset;
-kind "baseline" runs the plain Trainer+PEFT recipe (bench/baseline.py). Prints one JSON line.
+kind "baseline" runs the plain Trainer+PEFT recipe (bench/baseline.py); kinds "unsloth" and
+"unsloth-sft" the peer (bench/peer_unsloth.py). Prints one JSON line.
 """
 from __future__ import annotations
 
@@ -192,13 +193,31 @@ def run_baseline_cell(cell: dict) -> dict:
                         output_dir=str(WORK / "baseline"))
 
 
+def run_unsloth_cell(cell: dict) -> dict:
+    """The peer: Unsloth on the same model folder and samples (bench/peer_unsloth.py)."""
+    import peer_unsloth
+
+    model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
+    if cell["kind"] == "unsloth-sft":
+        data = write_sft_mix_rows(WORK / f"sft-mix-{cell['rows']}.jsonl", cell["rows"])
+        return peer_unsloth.run_sft(cell, str(model), data)
+    rows = cell["steps"] * cell.get("grad_accum", 4) * cell.get("batch", 1)
+    data = write_full_length_rows(WORK / f"data-{cell['label']}.jsonl", rows, cell["max_length"])
+    return peer_unsloth.run_fixed(cell, str(model), data)
+
+
 def main() -> None:
     cell = json.loads(sys.argv[1])
+    if cell["kind"].startswith("unsloth"):
+        import peer_unsloth
+
+        peer_unsloth.import_unsloth()  # before transformers and peft, which it patches
     if cell["kind"] != "multi":  # the launched processes cap themselves
         cap_memory(cell.get("cap_gib"))
     runner = {"lora-lab": run_lora_lab, "baseline": run_baseline_cell,
               "lora-lab-sft": run_lora_lab_sft, "baseline-sft": run_baseline_sft_cell,
-              "multi": run_multi_gpu}[cell["kind"]]
+              "multi": run_multi_gpu, "unsloth": run_unsloth_cell,
+              "unsloth-sft": run_unsloth_cell}[cell["kind"]]
     try:
         outcome = {"error": None, **runner(cell)}
     except Exception as exc:  # noqa: BLE001 - a benchmark records every failure

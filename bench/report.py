@@ -495,9 +495,17 @@ def reproduce() -> str:
             "`--out` were the benchmark machine's):\n\n```\n" + "\n".join(commands) + "\n```\n")
 
 
+def peer_tables() -> str:
+    """bench/peer_report.py's tables of the stored peer calls (Unsloth side by side)."""
+    from peer_report import render as render_peer
+
+    return render_peer(sorted(RESULTS.glob("*-peer-call*.jsonl")), heading="####")
+
+
 def render() -> str:
     parts = [("Presets under their caps", presets_table()),
              ("Speed against the plain recipe", speed_table()),
+             ("Against Unsloth: each ratio within one device call", peer_tables()),
              ("Real-length SFT data, one epoch", sft_table()),
              ("Long sequences on Qwen2.5-7B", longest_table()),
              ("Several GPUs (DeepSpeed, FSDP, DDP)", multi_gpu_table()),

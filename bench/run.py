@@ -92,7 +92,60 @@ def scaling_cells() -> list:
             for gpus in (4, 8) for engine, ckpt, _ in SCALING_RUNS]
 
 
+# Issue 17: lora-lab against Unsloth (bench/peer_unsloth.py) on the same cells. lora-lab with
+# its preset and no adapter dropout (Unsloth's setting; fast LoRA on), Unsloth with its own
+# recommended settings; 7B at 4096 also with the preset as shipped (dropout 0.05) and each speed
+# mean off, to show what each one does. Labels end in -1 / -2: every cell runs twice.
+FAST = ["lora.dropout=0", "data.packed_attention=varlen"]
+PEER_CELLS = {
+    "7b-4096": ({"preset": "24gb", "max_length": 4096, "grad_accum": 4},
+                {"max_length": 4096, "grad_accum": 4}),
+    "7b-1024": ({"preset": "24gb", "max_length": 1024, "grad_accum": 4},
+                {"max_length": 1024, "grad_accum": 1, "batch": 4}),
+    "7b-2048-nf4": ({"preset": "16gb", "max_length": 2048, "grad_accum": 4},
+                    {"max_length": 2048, "grad_accum": 4, "qlora": True}),
+    "1.5b-4096": ({"preset": "24gb", "max_length": 4096, "grad_accum": 4},
+                  {"max_length": 4096, "grad_accum": 4}),
+    "0.5b-4096": ({"preset": "24gb", "max_length": 4096, "grad_accum": 4},
+                  {"max_length": 4096, "grad_accum": 4}),
+}
+ABLATIONS_7B_4096 = {  # label suffix: sets on top of the preset
+    "preset": ["data.packed_attention=varlen"],  # as shipped: dropout 0.05, peft's path
+    "d0-plain": FAST + ["model.fast_lora=false", "train.offload_copy_stream=false"],
+    "d0-fast-nostream": FAST + ["train.offload_copy_stream=false"],
+}
+
+
+def peer_cells(steps: int = 6) -> list:
+    cells = []
+    for run in (1, 2):
+        for name, (ours, theirs) in PEER_CELLS.items():
+            size = name.split("-")[0]
+            cells.append({"kind": "lora-lab", "label": f"ll-{name}-{run}", "size": size,
+                          "steps": steps, "sets": FAST, **ours})
+            cells.append({"kind": "unsloth", "label": f"us-{name}-{run}", "size": size,
+                          "steps": steps, **theirs})
+            if name == "7b-1024":  # the embedding on the GPU, as Unsloth keeps it
+                cells.append({"kind": "lora-lab", "label": f"ll-{name}-gpuemb-{run}",
+                              "size": size, "steps": steps,
+                              "sets": FAST + ["model.embedding_on_cpu=false"], **ours})
+        for suffix, sets in ABLATIONS_7B_4096.items():
+            cells.append({"kind": "lora-lab", "label": f"ll-7b-4096-{suffix}-{run}",
+                          "size": "7b", "steps": steps, "sets": sets,
+                          **PEER_CELLS["7b-4096"][0]})
+        for size in ("7b", "1.5b", "0.5b"):
+            cells.append({"kind": "lora-lab-sft", "label": f"ll-sft-{size}-{run}",
+                          "preset": "24gb", "size": size, "rows": 256, "sets": FAST})
+            cells.append({"kind": "unsloth-sft", "label": f"us-sft-{size}-{run}",
+                          "size": size, "rows": 256})
+    # the long-sequence leads (memory under a tier's cap; lora-lab only)
+    cells += [{**c, "label": c["label"] + "-fast", "sets": c["sets"] + ["lora.dropout=0"]}
+              for c in long_cells((("16gb", 65536, True), ("24gb", 32768, False)), steps=2)]
+    return cells
+
+
 PLANS = {
+    "peer": peer_cells,
     "smoke": lambda: [
         {"kind": "lora-lab", "label": "smoke-ll", "preset": "24gb", "size": "0.5b",
          "max_length": 512, "steps": 4, "grad_accum": 2},
@@ -162,7 +215,8 @@ def environment() -> dict:
     import torch
 
     versions = {}
-    for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel"):
+    for name in ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "liger-kernel",
+                 "unsloth", "unsloth_zoo", "trl"):
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

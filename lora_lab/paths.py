@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import json
 import os
+import struct
 import shutil
 from pathlib import Path
 
@@ -94,3 +96,25 @@ def staged_folder(final: Path):
         shutil.rmtree(staging, ignore_errors=True)
         raise
     replace_folder(staging, final)
+
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file cannot be loaded (cut short, not safetensors), or None. Reads the
+    header only: 8 bytes of length, a JSON table of tensors and their byte ranges."""
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > size - 8:
+                raise ValueError
+            header = json.loads(handle.read(length))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError):
+        return f"{path} is not a readable safetensors file ({size:,} bytes)"
+    if 8 + length + end > size:
+        return (f"{path} is cut short: {size:,} bytes where its header needs "
+                f"{8 + length + end:,}")
+    return None

@@ -32,6 +32,7 @@ import yaml
 from .config import SECTIONS, ModelArgs, RunConfig
 from .errors import CheckpointError, ConfigError, LoraLabError
 from .log import get_logger
+from .paths import safetensors_problem
 
 log = get_logger()
 
@@ -58,7 +59,18 @@ def save_config(config: RunConfig, path: Path) -> None:
 
 def load_saved_config(path: Path) -> RunConfig:
     """Read back a run's config.yaml (written by save_config)."""
-    body = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    try:
+        body = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise CheckpointError(f"{path}: not readable{where}: the run's config.yaml is damaged. "
+                              f"Restore it from a copy, or pass the adapter folder itself "
+                              f"(RUN/adapter) where a command takes one.") from None
+    if not isinstance(body, dict) or not all(isinstance(body.get(s, {}), dict)
+                                             for s in SECTIONS):
+        raise CheckpointError(f"{path}: not a lora-lab run config (expected the sections "
+                              f"model:, lora:, data:, train:). Restore it from a copy.")
     config = RunConfig(preset=body.get("preset", "?"), sources=body.get("resolved_from", {}))
     for section, cls in SECTIONS.items():
         known = {f.name for f in dataclasses.fields(cls)}
@@ -127,18 +139,33 @@ def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
                               f"`lora-lab export`; there is nothing to merge).")
     if (path / "adapter_config.json").is_file():
         run_dir = path.parent if (path.parent / CONFIG_FILE).is_file() else None
-        return path, run_dir
+        return check_adapter(path), run_dir
     if (path / CONFIG_FILE).is_file():
         if (path / ADAPTER_FOLDER / "adapter_config.json").is_file():
-            return path / ADAPTER_FOLDER, path
+            return check_adapter(path / ADAPTER_FOLDER), path
         checkpoints = sorted(path.glob("checkpoint-*/adapter_config.json"),
                              key=lambda p: int(p.parent.name.split("-")[-1]))
         if checkpoints:
-            return checkpoints[-1].parent, path
+            return check_adapter(checkpoints[-1].parent), path
         raise CheckpointError(f"{path}: this run has no adapter yet (no adapter/ or "
                               f"checkpoint-*/ folder). Did the run finish?")
     raise CheckpointError(f"{path}: not a run folder (config.yaml) or an adapter folder "
                           f"(adapter_config.json).")
+
+
+def check_adapter(folder: Path) -> Path:
+    """An adapter folder whose two files are there and whole; else what is wrong with it."""
+    config, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    try:
+        json.loads(config.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{config} is not valid JSON: the adapter is damaged. Use a "
+                              f"checkpoint-N/ folder of the run, or train again.") from None
+    problem = safetensors_problem(weights) if weights.is_file() else f"{weights} is missing"
+    if problem:
+        raise CheckpointError(f"{problem}: the adapter is damaged. Use a checkpoint-N/ folder "
+                              f"of the run, or train again.")
+    return folder
 
 
 def base_model_of(adapter_dir: Path, run_dir: Path | None) -> ModelArgs:

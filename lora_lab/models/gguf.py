@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import struct
 from pathlib import Path
 
 from ..errors import ModelError
@@ -23,11 +24,19 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a Hugging Face folder in %s (once)", gguf, out)
+    with open(gguf, "rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise ModelError(f"--model {gguf}: not a GGUF file (it does not start with the GGUF "
+                             f"magic bytes). Download it again, or pass a model folder.")
     if importlib.util.find_spec("gguf") is None:
         raise ModelError("--model *.gguf needs the `gguf` package: pip install gguf") from None
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                  dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                      dtype=torch.float32)
+    except (ValueError, KeyError, OSError, struct.error, EOFError) as exc:
+        raise ModelError(f"--model {gguf}: the GGUF file cannot be read ({type(exc).__name__}: "
+                         f"{str(exc)[:160]}); it may be cut short. Download it again.") from None
     # The GGUF loader marks the model as quantized: copy the de-quantized weights into a plain one.
     plain = {k: v for k, v in loaded.config.to_dict().items()
              if k not in ("quantization_config", "_name_or_path")}

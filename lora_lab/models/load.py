@@ -10,6 +10,7 @@ from pathlib import Path
 from ..config import ModelArgs
 from ..errors import ModelError
 from ..log import get_logger
+from ..paths import safetensors_problem
 from ..registry import resolve_model_spec
 from .gguf import convert_gguf
 
@@ -57,6 +58,22 @@ def check_remote_code(path: str, trust_remote_code: bool) -> None:
         raise ModelError(f"--model {path}: this model ships its own Python code (auto_map in "
                          f"config.json). lora-lab does not run it unless you pass "
                          f"--trust-remote-code after reading that code.")
+
+
+def check_model_files(path: str) -> None:
+    """Every *.safetensors file of a local model folder is whole (a copy cut short fails here,
+    by name, instead of deep inside from_pretrained)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"--model {path}: this folder has no config.json, so it is not a model "
+                         f"folder. Pass the folder that holds config.json and the weights, a "
+                         f".gguf file or a hub id.")
+    for weights in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(weights)
+        if problem:
+            raise ModelError(f"--model {path}: {problem}. Copy or download the model again.")
 
 
 def check_quantized_folder(path: str) -> None:
@@ -122,13 +139,15 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
     device_map; the engine places (and ZeRO-3 partitions while loading) the weights.
     packed_attention: segments or varlen: packed rows attend per sample from their lengths
     (models/attention.py); None or mask: the model's own attention (with the collator's mask).
-    path: locate_model(args.name) when the caller has it (and has checked its remote code)."""
+    path: locate_model(args.name) when the caller has it (and has checked its remote code and
+    files)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if path is None:
         path = locate_model(args.name)
         check_remote_code(path, args.trust_remote_code)
+        check_model_files(path)
     check_quantized_folder(path)
     dtype = torch.float32 if fp32_master_weights else precision.torch_dtype
     kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code,

@@ -30,10 +30,13 @@ def prepare_full_finetuning(model, gradient_checkpointing: bool):
     return model
 
 
-def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None):
+def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
+               fast: bool = False, offload_copy_stream: bool = False):
     """Wrap the model with PEFT LoRA adapters; only the adapters train.
 
-    means (planning.memory.MemoryMeans): the long-sequence means to put in place."""
+    means (planning.memory.MemoryMeans): the long-sequence means to put in place. fast: route
+    the LoRA layers through models/fast_lora.py. offload_copy_stream: offloaded checkpoints copy
+    on a side stream (models/fast_offload.py)."""
     from peft import LoraConfig, get_peft_model
 
     from .memory_means import apply_memory_means, move_embedding_to_cpu
@@ -52,8 +55,16 @@ def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None):
         model = get_peft_model(model, config)
     except ValueError as exc:
         raise ModelError(f"lora.target_modules {args.target_modules}: {exc}") from None
+    if fast:  # before the MLP chunks, which wrap the MLPs' forward
+        from .fast_lora import apply_fast_lora
+
+        apply_fast_lora(model)
     if means is not None:
         apply_memory_means(model, means)
+        if offload_copy_stream and means.offload_checkpoints:
+            from .fast_offload import stream_layer_checkpoints
+
+            stream_layer_checkpoints(model)
     return model
 
 

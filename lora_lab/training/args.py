@@ -32,6 +32,9 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
         bf16=precision.bf16, fp16=precision.fp16,
         logging_steps=t.logging_steps, logging_first_step=True,
+        # the filter reads every micro-batch's loss on the host (a GPU sync); NonFiniteGuard
+        # stops on a NaN loss anyway, so only --on-nonfinite skip keeps it
+        logging_nan_inf_filter=t.on_nonfinite == "skip",
         save_strategy="steps", save_steps=t.save_steps, save_total_limit=t.save_total_limit,
         save_only_model=t.save_only_model,
         eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,

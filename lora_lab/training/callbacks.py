@@ -142,13 +142,21 @@ class NonFiniteGuard(TrainerCallback):
     def __init__(self, policy: str, precision: str, run_dir: Path):
         self.policy, self.precision, self.run_dir = policy, precision, run_dir
         self.skipped_steps: list[int] = []
-        self._bad_loss = None
+        self._losses = []  # this step's micro-batch losses, read on the host once per step
 
     def note_loss(self, loss) -> None:
+        self._losses.append(loss.detach().reshape(-1))
+
+    def _bad_loss(self) -> str | None:
         import torch
 
-        if self._bad_loss is None and not bool(torch.isfinite(loss).all()):
-            self._bad_loss = f"the loss is {loss.item()}"
+        if not self._losses:
+            return None
+        losses, self._losses = torch.cat(self._losses), []
+        finite = torch.isfinite(losses)
+        if bool(finite.all()):
+            return None
+        return f"the loss is {losses[~finite][0].item()}"
 
     def _bad_gradient(self, model) -> str | None:
         import torch
@@ -162,8 +170,7 @@ class NonFiniteGuard(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         # With fp16 the loss scaler skips steps whose (scaled) gradients overflow by design.
-        found = self._bad_loss or (None if args.fp16 else self._bad_gradient(model))
-        self._bad_loss = None
+        found = self._bad_loss() or (None if args.fp16 else self._bad_gradient(model))
         if found is None:
             return
         step = state.global_step + 1

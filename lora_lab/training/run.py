@@ -24,8 +24,9 @@ from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_laun
 from ..errors import RunStopped, TrainingError
 from ..log import get_logger
 from ..models.attention import resolve_packed_attention
-from ..models.load import (Precision, check_remote_code, choose_precision, load_base_model,
-                           load_tokenizer, locate_model, resolve_kernels)
+from ..models.fast_lora import resolve_fast_lora
+from ..models.load import (Precision, check_model_files, check_remote_code, choose_precision,
+                           load_base_model, load_tokenizer, locate_model, resolve_kernels)
 from ..models.lora import (apply_lora, check_full_finetuning_precision, prepare_full_finetuning,
                            prepare_quantized_for_training)
 from ..planning.choice import check_fits
@@ -61,6 +62,7 @@ def train(config: RunConfig) -> TrainResult:
     cap_gpu_memory()
     model_path = locate_model(config.model.name)
     check_remote_code(model_path, config.model.trust_remote_code)
+    check_model_files(model_path)  # before the data are encoded
     run_dir = locate_run_dir(config)
     fix_run_dir(config, run_dir)
     with contextlib.ExitStack() as hold:
@@ -244,13 +246,17 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
                                     tied_embeddings=model.config.tie_word_embeddings,
                                     row_tokens=longest_row(data, packed),
                                     budget_gib=usable_gib(gpu_gib))
-        model = apply_lora(model, config.lora, config.train.gradient_checkpointing, means)
+        fast = resolve_fast_lora(config)
+        model = apply_lora(model, config.lora, config.train.gradient_checkpointing, means,
+                           fast=fast, offload_copy_stream=config.train.offload_copy_stream
+                           and gpu_gib is not None)
         memory_means = means.describe()
         trainable, total = model.get_nb_trainable_parameters()
         log.info(f"precision {precision.name}; LoRA r={config.lora.rank} "
                  f"alpha={config.lora.alpha}: {trainable:,} trainable of {total:,} parameters; "
-                 f"kernels {resolve_kernels(config.model.kernels)}; memory means: "
-                 f"{memory_means}" + (f"; packed rows attend with {attention}" if packed else ""))
+                 f"kernels {resolve_kernels(config.model.kernels)}"
+                 f"{', fast LoRA' if fast else ''}; memory means: {memory_means}"
+                 + (f"; packed rows attend with {attention}" if packed else ""))
     guard = NonFiniteGuard(config.train.on_nonfinite, precision.name, run_dir)
     return LoraLabTrainer(
         model=model,

@@ -144,3 +144,53 @@ def test_the_api_trains_twice_in_one_process(tiny_model_dir, tmp_path):
     assert [r.run_dir.name for r in results] == ["first", "second"]
     assert all((r.adapter_dir / "adapter_model.safetensors").is_file() for r in results)
     assert callable(lora_lab.train) and lora_lab.train.__module__ == "lora_lab"
+
+
+@pytest.mark.parametrize("damage,expected", [
+    ("no-weights", "adapter_model.safetensors is missing: the adapter is damaged"),
+    ("cut-weights", "adapter_model.safetensors is cut short"),
+    ("bad-config", "config.yaml: not readable (line 3)"),
+])
+def test_a_broken_run_folder_is_one_clean_message(finished_run, tmp_path, damage, expected):
+    import shutil
+
+    run_dir = tmp_path / "broken"
+    shutil.copytree(finished_run[0], run_dir)
+    weights = run_dir / "adapter" / "adapter_model.safetensors"
+    if damage == "no-weights":
+        weights.unlink()
+    elif damage == "cut-weights":
+        weights.write_bytes(weights.read_bytes()[:-64])
+    else:
+        (run_dir / "config.yaml").write_text("preset: cpu\nmodel:\n  name: [unclosed\n")
+    for command in (["merge", run_dir, "--output", tmp_path / "merged"],
+                    ["chat", "--run", run_dir], ["eval", run_dir, "--data", "self-cognition"]):
+        result = CliRunner().invoke(main, [str(c) for c in command], input="/quit\n")
+        assert result.exit_code == 2, result.output
+        assert expected in result.output and "Traceback" not in result.output
+
+
+def test_broken_model_files_are_one_clean_message(tiny_model_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = next(model.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"\x00" * 64)
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"query": "Q?", "response": "A."}])
+    for spec, expected in ((model, f"{weights} is cut short"),
+                           (junk, "not a GGUF file")):
+        result = CliRunner().invoke(main, ["run", "--model", str(spec), "--data", str(data),
+                                           "--output-dir", str(tmp_path / "out")])
+        assert result.exit_code == 2 and expected in result.output, result.output
+        assert "Traceback" not in result.output
+
+
+def test_a_folder_without_config_json_is_refused_before_the_data_are_read(tmp_path):
+    (tmp_path / "not-a-model").mkdir()
+    result = CliRunner().invoke(main, ["run", "--model", str(tmp_path / "not-a-model"),
+                                       "--data", str(tmp_path / "missing.jsonl")])
+    assert result.exit_code == 2 and "has no config.json" in result.output, result.output
+    assert "missing.jsonl" not in result.output.split("error:")[-1]  # the data come later

@@ -135,3 +135,22 @@ def test_tuner_full_defaults_and_refusals():
         resolve_config("24gb", flags={**flags, "model.quantization": "nf4"})
     with pytest.raises(ModelError, match="this GPU has no bf16"):
         check_full_finetuning_precision(Precision("fp16", fp16=True))
+
+
+def test_impossible_values_are_refused_together():
+    with pytest.raises(ConfigError) as refused:
+        resolve_config("cpu", flags={**DATA, "train.lr": "nan", "lora.rank": "100000000",
+                                     "data.max_length": "99999999999", "lora.dropout": "1.5",
+                                     "train.run_name": "../../etc"})
+    problems = refused.value.problems
+    assert problems == [
+        "--lr nan: expected a finite number, got 'nan'.",
+        "--lora-rank 100000000: must be at most 4,096; got 100,000,000.",
+        "--max-length 99999999999: must be at most 1,048,576; got 99,999,999,999.",
+        "--lora-dropout 1.5: must be at least 0 and below 1 (a share of the LoRA input zeroed); "
+        "got 1.5.",
+        "--run-name ../../etc: must be one folder name inside --output-dir (no / or ..); got "
+        "'../../etc'."]
+    for flags in ({"train.lr": "inf"}, {"train.run_name": "a/b"}, {"train.run_name": ".."}):
+        with pytest.raises(ConfigError):
+            resolve_config("cpu", flags={**DATA, **flags})

@@ -1,0 +1,286 @@
+"""Resolution: defaults -> preset -> --config YAML -> flags and --set, every value remembering
+where it came from, every problem collected and reported at once."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from ..errors import ConfigError, ModelError
+from ..paths import presets_dir
+from ..registry import guess_model_size, resolve_model_spec
+from .fields import FLAG_FOR_KEY, FULL_FINETUNING_LR, SECTIONS, ModelArgs, RunConfig, all_keys
+
+# ----------------------------------------------------------------------------- presets
+
+def list_presets() -> list[dict]:
+    """Each preset's name, file and one-line description."""
+    out = []
+    for path in sorted(presets_dir().glob("*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        out.append({"name": path.stem, "path": path, "description": data.get("description", "")})
+    return out
+
+
+def load_preset(name: str) -> tuple[dict, Path]:
+    path = presets_dir() / f"{name}.yaml"
+    if not path.is_file():
+        names = [p["name"] for p in list_presets()]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" Did you mean --preset {close[0]}?" if close else ""
+        raise ConfigError([f"--preset {name}: no such preset.{hint} "
+                           f"Available: {', '.join(names)} (see `lora-lab presets`)."])
+    return _read_yaml(path, f"preset {name}"), path
+
+
+def _read_yaml(path: Path, what: str) -> dict:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError([f"--config {path}: file not found."]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise ConfigError([f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})."]
+                          ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: {what} must be a mapping of sections "
+                           f"(model:, lora:, data:, train:), got {type(data).__name__}."])
+    return data
+
+
+# ----------------------------------------------------------------------------- resolution
+
+class _Layer:
+    """One source of values: a label for errors ("--lora-rank", "my.yaml: lora.rank")."""
+
+    def __init__(self, values: dict, source: str, label, recorded: dict | None = None):
+        self.values, self.source, self.label = values, source, label
+        self.recorded = recorded or {}
+        """key -> source recorded in a saved config.yaml given as --config (kept as it was)."""
+
+
+def resolve_config(preset: str | None = "cpu", config_file: str | None = None,
+                   flags: dict | None = None, sets: list[str] | tuple = (),
+                   need_data: bool = True) -> RunConfig:
+    """Build the RunConfig: defaults -> preset YAML -> --config YAML -> flags and --set.
+
+    `flags` maps config keys ("lora.rank") to values given by named flags; `sets` holds raw
+    "key=value" strings from --set. All problems are collected and raised as one ConfigError.
+    preset None: the defaults alone (the data commands, which need no hardware tier).
+    need_data False: a config without training data is valid (the memory planner's).
+    """
+    problems: list[str] = []
+    layers: list[_Layer] = []
+    preset_sizes, preset_path = {}, None
+    if preset is not None:
+        preset_data, preset_path = load_preset(preset)
+        preset_sizes = preset_data.pop("sizes", None) or {}
+        preset_data.pop("description", None)
+        layers.append(_yaml_layer(preset_data, f"preset {preset}", preset_path.name, problems))
+    if config_file:
+        user = _read_yaml(Path(config_file), "--config")
+        user.pop("description", None)
+        user.pop("preset", None)  # a run's saved config.yaml: its values already hold the preset's
+        recorded = user.pop("resolved_from", None) or {}
+        layer = _yaml_layer(user, f"config {config_file}", config_file, problems)
+        layer.recorded = recorded if isinstance(recorded, dict) else {}
+        layers.append(layer)
+    flag_layer = {k: v for k, v in (flags or {}).items() if v is not None}
+    layers.append(_Layer(flag_layer, "flag",
+                         lambda key, v: f"{FLAG_FOR_KEY.get(key, key)} {_show(v)}"))
+    layers.append(_set_layer(sets, problems))
+
+    model_spec = next((layer.values["model.name"] for layer in reversed(layers)
+                       if "model.name" in layer.values), ModelArgs().name)
+    size = guess_model_size(model_spec)
+    if size and size in preset_sizes:
+        layers.insert(1, _yaml_layer(preset_sizes[size], f"preset {preset} (sizes.{size})",
+                                     f"{preset_path.name} sizes.{size}", problems))
+
+    config = RunConfig(preset=preset or "none")
+    labels = {}
+    for layer in layers:
+        for key, raw in layer.values.items():
+            value, problem = _coerce(key, raw)
+            label = layer.label(key, raw)
+            if problem:
+                problems.append(f"{label}: {problem}")
+                continue
+            section, name = key.split(".")
+            setattr(getattr(config, section), name, value)
+            source = layer.source if layer.source != "flag" else label.split()[0]
+            if layer.recorded and key not in layer.recorded:
+                config.sources.pop(key, None)  # a saved config.yaml: a default in that run
+            else:
+                config.sources[key] = layer.recorded.get(key, source)
+            labels[key] = label
+    _tuner_defaults(config)
+    if config.train.engine == "auto" and config.train.gpus == 1:
+        config.train.engine = "ddp"  # several GPUs: lora_lab.memory.pick_engine, at launch
+        config.sources["train.engine"] = "auto (one GPU)"
+    for key, problem in _validate(config, need_data):
+        problems.append(f"{labels.get(key, FLAG_FOR_KEY.get(key, key))}: {problem}")
+    try:
+        resolve_model_spec(config.model.name)
+    except ModelError as exc:
+        problems.append(str(exc) if "model.name" not in labels or labels["model.name"].startswith(
+            "--model") else f"{labels['model.name']}: {exc}")
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+def _show(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def _yaml_layer(tree: dict, source: str, where: str, problems: list) -> _Layer:
+    values = {}
+    for section, body in tree.items():
+        if section not in SECTIONS:
+            problems.append(f"{where}: unknown section `{section}`; "
+                            f"expected one of {', '.join(SECTIONS)}.")
+            continue
+        if not isinstance(body, dict):
+            problems.append(f"{where}: section `{section}` must be a mapping.")
+            continue
+        for name, value in body.items():
+            key = f"{section}.{name}"
+            if _check_key(key, f"{where}: {key}", problems):
+                values[key] = value
+    return _Layer(values, source, lambda key, v: f"{where}: {key}")
+
+
+def _set_layer(sets, problems: list) -> _Layer:
+    values = {}
+    for item in sets:
+        if "=" not in item:
+            problems.append(f"--set {item}: expected key=value, e.g. --set lora.rank=16.")
+            continue
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if _check_key(key, f"--set {item}", problems):
+            values[key] = yaml.safe_load(text) if text.strip() else None
+    return _Layer(values, "--set", lambda key, v: f"--set {key}={v}")
+
+
+def _check_key(key: str, label: str, problems: list) -> bool:
+    if key in all_keys():
+        return True
+    close = difflib.get_close_matches(key, all_keys(), n=1)
+    hint = f" Did you mean `{close[0]}`?" if close else " Keys are listed by `lora-lab run --help`."
+    problems.append(f"{label}: unknown key `{key}`.{hint}")
+    return False
+
+
+AUTO_OR_BOOL = ("embedding_on_cpu", "offload_checkpoints", "sync_each_micro_batch",
+                "fast_lora")
+
+
+def _coerce(key: str, value) -> tuple[Any, str | None]:
+    """Convert a value to the field's type; returns (value, problem)."""
+    section, name = key.split(".")
+    kind = get_type_hints(SECTIONS[section])[name]
+    if value is None:
+        return None, None
+    if kind == str | bool:  # auto, or a forced true / false
+        if str(value).strip().lower() == "auto":
+            return "auto", None
+        kind = bool
+    if kind is bool:
+        if isinstance(value, bool):
+            return value, None
+        text = str(value).strip().lower()
+        if text in ("true", "yes", "on", "1"):
+            return True, None
+        if text in ("false", "no", "off", "0"):
+            return False, None
+        return None, f"expected true or false{' (or auto)' if name in AUTO_OR_BOOL else ''}, " \
+                     f"got {value!r}."
+    if kind is int:
+        try:
+            if isinstance(value, bool) or float(value) != int(float(value)):
+                raise ValueError
+            return int(float(value)), None
+        except (TypeError, ValueError):
+            return None, f"expected a whole number, got {value!r}."
+    if kind is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value)
+        except (TypeError, ValueError):
+            return None, f"expected a number, got {value!r}."
+        if not math.isfinite(number):
+            return None, f"expected a finite number, got {value!r}."
+        return number, None
+    if kind is list:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return [str(v) for v in items], None
+    return str(value), None
+
+
+def _tuner_defaults(config: RunConfig) -> None:
+    """--tuner full: a learning rate the user did not give becomes FULL_FINETUNING_LR (the
+    defaults and presets hold LoRA learning rates)."""
+    source = config.sources.get("train.lr", "default")
+    if config.train.tuner == "full" and (source == "default" or source.startswith("preset")):
+        config.train.lr = FULL_FINETUNING_LR
+        config.sources["train.lr"] = "--tuner full default"
+
+
+def _validate(config: RunConfig, need_data: bool = True) -> list[tuple[str, str]]:
+    problems = []
+    for section, cls in SECTIONS.items():
+        for spec in dataclasses.fields(cls):
+            key, value = f"{section}.{spec.name}", getattr(getattr(config, section), spec.name)
+            choices, minimum = spec.metadata["choices"], spec.metadata["minimum"]
+            if choices and value not in choices:
+                problems.append((key, f"must be one of {', '.join(choices)}; got {value!r}."))
+            if minimum is not None and value is not None and value < minimum:
+                problems.append((key, f"must be at least {minimum}; got {value!r}."))
+            maximum = spec.metadata["maximum"]
+            if maximum is not None and value is not None and value > maximum:
+                problems.append((key, f"must be at most {maximum:,}; got {value:,}."))
+    if not 0 <= config.lora.dropout < 1:
+        problems.append(("lora.dropout", f"must be at least 0 and below 1 (a share of the LoRA "
+                                         f"input zeroed); got {config.lora.dropout}."))
+    name = config.train.run_name
+    if name is not None and (name in ("", ".", "..") or "/" in name or "\\" in name):
+        problems.append(("train.run_name", f"must be one folder name inside --output-dir (no / "
+                                           f"or ..); got {name!r}."))
+    if config.data.val_ratio >= 1:
+        problems.append(("data.val_ratio", f"must be below 1; got {config.data.val_ratio}."))
+    if config.data.val_ratio and config.data.val_data:
+        problems.append(("data.val_ratio", "give either --val-ratio or --val-data, not both."))
+    if need_data and not config.data.datasets:
+        problems.append(("data.datasets", "no training data. Pass --data FILE (or "
+                                          "--data self-cognition for the bundled set)."))
+    if config.train.tuner == "full" and config.model.quantization != "none":
+        problems.append(("train.tuner", "full fine-tuning trains 16-bit weights; 4-bit weights "
+                                        "cannot be trained. Drop --quantization nf4 (QLoRA is "
+                                        "--tuner lora --quantization nf4)."))
+    if config.train.tuner == "full" and config.model.dtype == "fp16":
+        problems.append(("train.tuner", "full fine-tuning in fp16 is refused: Qwen2.5's "
+                                        "activations overflow fp16 and whole-model updates "
+                                        "diverge. Use --dtype bf16 (a GPU with bf16) or fp32."))
+    single = (config.train.gpus == 1 and config.train.engine == "ddp"
+              and config.train.tuner == "lora")
+    for key, value in (("model.embedding_on_cpu", config.model.embedding_on_cpu),
+                       ("train.offload_checkpoints", config.train.offload_checkpoints)):
+        if value is True and not (single and config.train.gradient_checkpointing):
+            problems.append((key, "true serves LoRA in one process with gradient checkpointing "
+                                  "(DDP and DeepSpeed do not see its recomputed gradients). "
+                                  "Use auto or false here."))
+    if config.train.max_steps == 0 or config.train.max_steps < -1:
+        problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
+    return problems
+
+

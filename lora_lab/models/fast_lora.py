@@ -1,0 +1,273 @@
+"""Fast LoRA projections: the LoRA branch in the activations' 16-bit type, with hand-written
+backward passes, in place of peft's per-module forward.
+
+peft's lora.Linear casts its input to the adapter weights' dtype (fp32) before the LoRA branch,
+so every LoRA call copies a [tokens x in_features] activation to fp32 and autocast copies it back
+to bf16 for the matrix product; with dropout > 0 the dropout runs on the fp32 copy, and autograd
+keeps that fp32 copy for the backward pass. Here the small adapter weights are cast to the
+activations' type instead, and:
+
+- every projection computes `X @ W.T + b + s * (X @ A.T) @ B.T` in one autograd function that
+  saves only X and X @ A.T (the frozen W is re-read, or re-dequantized for nf4, in backward);
+- gate_proj and up_proj share X: one product with [A_gate; A_up], one backward for both;
+- the SwiGLU MLP (down(silu(gate(x)) * up(x))) is one autograd function that keeps gate and up
+  and recomputes silu(gate) * up in the backward pass (the largest activations of a layer).
+
+The arithmetic is the plain path's (16-bit products with fp32 accumulation, fp32 adapter
+weights and gradients); tests/unit/test_fast_lora.py checks loss and gradients against peft.
+Used only where it is exact: no dropout on the adapters (peft would apply it, this path does
+not), plain LoRA (no DoRA or other variants), adapters not merged or disabled.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+
+# ----------------------------------------------------------------------------- weights
+
+def _base_weight(base, dtype: torch.dtype) -> torch.Tensor:
+    """The frozen weight [out, in] in `dtype`; bitsandbytes 4-bit weights are dequantized."""
+    weight = base.weight
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is not None:
+        import bitsandbytes.functional as bnb_functional
+
+        weight = bnb_functional.dequantize_4bit(weight.data, quant_state)
+    return weight if weight.dtype == dtype else weight.to(dtype)
+
+
+def _bias(base, dtype: torch.dtype):
+    bias = getattr(base, "bias", None)
+    return None if bias is None else bias.to(dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The type the products run in: autocast's where it is on, else the input's."""
+    device = x.device.type
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+# ----------------------------------------------------------------------------- products
+
+def _project(x2, bases, a16, b16, scalings):
+    """Outputs of projections that share the input x2 [tokens, in], and x2 @ [A_1; A_2 ...].T."""
+    xa = x2 @ (a16[0] if len(a16) == 1 else torch.cat(a16)).t()
+    outputs, start = [], 0
+    for base, a, b, s in zip(bases, a16, b16, scalings):
+        out = F.linear(x2, _base_weight(base, x2.dtype), _bias(base, x2.dtype))
+        rank = a.shape[0]
+        out.addmm_(xa[:, start:start + rank], b.t(), alpha=s)
+        outputs.append(out)
+        start += rank
+    return outputs, xa
+
+
+def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool):
+    """(dX, [dA_i], [dB_i]) for _project, given the gradients of its outputs."""
+    parts = [g @ (b * s) for g, b, s in zip(grads, b16, scalings)]  # [tokens, r_i]
+    g_xa = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    grad_a = (g_xa.t() @ x2).split([a.shape[0] for a in a16])
+    grad_b, start = [], 0
+    for g, a, s in zip(grads, a16, scalings):
+        rank = a.shape[0]
+        grad_b.append((g.t() @ xa[:, start:start + rank]).mul_(s))
+        start += rank
+    grad_x = None
+    if need_input:
+        grad_x = g_xa @ (a16[0] if len(a16) == 1 else torch.cat(a16))
+        for g, base in zip(grads, bases):
+            grad_x.addmm_(g, _base_weight(base, x2.dtype))
+    return grad_x, list(grad_a), grad_b
+
+
+class LoraProjection(torch.autograd.Function):
+    """One LoRA projection: X @ W.T + b + s * X @ A.T @ B.T."""
+
+    @staticmethod
+    def forward(ctx, x, base, scaling, lora_a, lora_b):
+        dtype = _compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            a16, b16 = lora_a.to(dtype), lora_b.to(dtype)
+            (out,), xa = _project(x2, [base], [a16], [b16], [scaling])
+        ctx.base, ctx.scaling, ctx.x_dtype = base, scaling, x.dtype
+        ctx.param_dtypes = (lora_a.dtype, lora_b.dtype)
+        ctx.save_for_backward(x2, xa, a16, b16)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, xa, a16, b16 = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
+        grad_x, (grad_a,), (grad_b,) = _project_backward(
+            x2, xa, [g], [ctx.base], [a16], [b16], [ctx.scaling], ctx.needs_input_grad[0])
+        if grad_x is not None:
+            grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
+        return (grad_x, None, None, grad_a.to(ctx.param_dtypes[0]),
+                grad_b.to(ctx.param_dtypes[1]))
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+
+def _swiglu(gate, up):
+    try:
+        from liger_kernel.ops.swiglu import swiglu_forward
+    except ImportError:
+        return F.silu(gate) * up
+    if not gate.is_cuda:
+        return F.silu(gate) * up
+    return swiglu_forward(gate, up)[2]
+
+
+def _swiglu_backward(gate, up, grad_h):
+    """(d gate, d up); may overwrite gate and up (the saved ones are not needed afterwards)."""
+    if gate.is_cuda:
+        try:
+            from liger_kernel.ops.swiglu import swiglu_backward
+        except ImportError:
+            pass
+        else:
+            return swiglu_backward(gate, up, grad_h)
+    g = gate.float()
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    grad_up = (grad_h.float() * silu).to(gate.dtype)
+    grad_gate = (grad_h.float() * up.float() * sig * (1 + g * (1 - sig))).to(gate.dtype)
+    return grad_gate, grad_up
+
+
+class LoraMLP(torch.autograd.Function):
+    """down(silu(gate(x)) * up(x)) with LoRA on all three; keeps x, gate, up."""
+
+    @staticmethod
+    def forward(ctx, x, bases, scalings, a_gate, b_gate, a_up, b_up, a_down, b_down):
+        dtype = _compute_dtype(x)
+        params = (a_gate, b_gate, a_up, b_up, a_down, b_down)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+            ag, bg, au, bu, ad, bd = (p.to(dtype) for p in params)
+            (gate, up), xa = _project(x2, bases[:2], [ag, au], [bg, bu], scalings[:2])
+            h = _swiglu(gate, up)
+            (out,), ha = _project(h, bases[2:], [ad], [bd], scalings[2:])
+        ctx.bases, ctx.scalings, ctx.x_dtype = bases, scalings, x.dtype
+        ctx.param_dtypes = [p.dtype for p in params]
+        ctx.save_for_backward(x2, gate, up, xa, ha, ag, bg, au, bu, ad, bd)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, gate, up, xa, ha, ag, bg, au, bu, ad, bd = ctx.saved_tensors
+        bases, scalings = ctx.bases, ctx.scalings
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
+        h = _swiglu(gate, up)
+        grad_h, (grad_ad,), (grad_bd,) = _project_backward(
+            h, ha, [g], bases[2:], [ad], [bd], scalings[2:], True)
+        del h
+        grad_gate, grad_up = _swiglu_backward(gate, up, grad_h)
+        del grad_h
+        grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
+            x2, xa, [grad_gate, grad_up], bases[:2], [ag, au], [bg, bu], scalings[:2],
+            ctx.needs_input_grad[0])
+        if grad_x is not None:
+            grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
+        grads = (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
+        return (grad_x, None, None) + tuple(grad.to(dtype) for grad, dtype
+                                            in zip(grads, ctx.param_dtypes))
+
+
+# ----------------------------------------------------------------------------- wiring
+
+def _plain_adapter(module):
+    """(A, B, scaling) of the one active plain-LoRA adapter of a peft layer, or None where the
+    fast path would not compute what peft computes (dropout, variants, merged, disabled)."""
+    if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+        return None
+    adapters = list(getattr(module, "active_adapters", []))
+    if len(adapters) != 1:
+        return None
+    name = adapters[0]
+    if name not in module.lora_A or name in getattr(module, "lora_variant", {}):
+        return None
+    dropout = module.lora_dropout[name]
+    if not isinstance(dropout, torch.nn.Identity) and not (
+            isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training)):
+        return None
+    if getattr(module, "use_dora", {}).get(name, False):
+        return None
+    return module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]
+
+
+def _fast_projection_forward(module):
+    original = module.forward
+
+    def forward(x, *args, **kwargs):
+        adapter = _plain_adapter(module) if not (args or kwargs) else None
+        if adapter is None:
+            return original(x, *args, **kwargs)
+        lora_a, lora_b, scaling = adapter
+        return LoraProjection.apply(x, module.get_base_layer(), scaling, lora_a, lora_b)
+
+    return forward
+
+
+def _fast_mlp_forward(mlp):
+    original = mlp.forward
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+    def forward(x):
+        adapters = [_plain_adapter(p) for p in projections]
+        if any(a is None for a in adapters):
+            return original(x)
+        bases = tuple(p.get_base_layer() for p in projections)
+        scalings = tuple(a[2] for a in adapters)
+        params = [t for a in adapters for t in a[:2]]
+        return LoraMLP.apply(x, bases, scalings, *params)
+
+    return forward
+
+
+def _is_lora_linear(module) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "get_base_layer")
+
+
+def _swiglu_mlp(mlp) -> bool:
+    act = getattr(mlp, "act_fn", None)
+    names = ("gate_proj", "up_proj", "down_proj")
+    return (all(_is_lora_linear(getattr(mlp, n, None)) for n in names)
+            and (act is None or isinstance(act, torch.nn.SiLU)
+                 or getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"))
+
+
+def apply_fast_lora(model) -> dict:
+    """Route a peft model's LoRA layers through the fast path: SwiGLU MLPs (gate, up, down with
+    LoRA on all three) as one LoraMLP, every other LoRA linear layer as a LoraProjection. Each
+    call checks the adapter and falls back to peft's forward where the fast path would differ.
+    Returns how many MLPs and projections were routed."""
+    mlps = projections = 0
+    inside_mlp = set()
+    for name, module in model.named_modules():
+        if name.endswith(".mlp") and _swiglu_mlp(module):
+            module.forward = _fast_mlp_forward(module)
+            inside_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj",
+                                                                "down_proj"))
+            mlps += 1
+    for module in model.modules():
+        if _is_lora_linear(module) and id(module) not in inside_mlp and \
+                hasattr(module.get_base_layer(), "weight"):
+            module.forward = _fast_projection_forward(module)
+            projections += 1
+    return {"mlps": mlps, "projections": projections}
+
+
+def resolve_fast_lora(config) -> bool:
+    """model.fast_lora -> whether this run routes its LoRA layers through the fast path: auto is
+    on for LoRA without adapter dropout (with dropout every layer would fall back to peft) under
+    DDP or one process. Not under the sharding engines by default: the fast path reads each
+    frozen weight itself, without calling the base layer, whose hooks gather ZeRO-3 shards."""
+    setting = config.model.fast_lora
+    if config.train.tuner != "lora" or setting is False:
+        return False
+    return setting is True or (config.lora.dropout == 0 and config.train.engine == "ddp")

@@ -1,0 +1,125 @@
+"""Layer checkpoints in pinned CPU memory, copied on a side CUDA stream so the copies overlap
+the layers' compute (models.memory_means.OffloadedCheckpoint copies on the compute stream,
+which then waits for each copy).
+
+Forward: the layer's input is copied to the host on the copy stream while the layer runs.
+Backward: the input of the layer whose backward comes next (the one run before it in the forward
+pass) is fetched on the copy stream while this layer is recomputed and back-propagated, so the
+compute stream finds it already there. Each GPU tensor is marked for the stream that reads it
+last (record_stream), so the caching allocator never hands its memory out early. The arithmetic
+is the plain checkpoint's: the same input, random state and autocast settings.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .memory_means import _autocast, _autocast_state
+
+_copy_streams: dict = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device)
+    return _copy_streams[device]
+
+
+class _Slot:
+    """One checkpoint's input: on the host, and (once fetched) back on the GPU."""
+
+    def __init__(self, host: torch.Tensor, device: torch.device, previous):
+        self.host, self.device, self.previous = host, device, previous
+        self.gpu, self.ready = None, None
+
+    def fetch(self) -> None:
+        """Queue the copy back to the GPU on the copy stream (once)."""
+        if self.gpu is not None or self.host is None:
+            return
+        compute, stream = torch.cuda.current_stream(self.device), _copy_stream(self.device)
+        gpu = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        stream.wait_stream(compute)  # the new block may be memory the compute stream just freed
+        with torch.cuda.stream(stream):
+            gpu.copy_(self.host, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(stream)
+        self.gpu, self.host = gpu, None
+
+    def take(self) -> torch.Tensor:
+        self.fetch()
+        torch.cuda.current_stream(self.device).wait_event(self.ready)
+        gpu, self.gpu = self.gpu, None
+        return gpu
+
+
+_last_slot = None  # weak reference to the slot of the checkpoint run last in the forward pass
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    compute, stream = torch.cuda.current_stream(tensor.device), _copy_stream(tensor.device)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    stream.wait_stream(compute)
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+    tensor.record_stream(stream)
+    return host
+
+
+class StreamedOffloadedCheckpoint(torch.autograd.Function):
+    """OffloadedCheckpoint with its copies on a side stream and the next input prefetched."""
+
+    @staticmethod
+    def forward(ctx, run_function, hidden_states, *args):
+        global _last_slot
+        ctx.run_function, ctx.args = run_function, args
+        ctx.device = hidden_states.device
+        ctx.autocast = _autocast_state()
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(ctx.device)
+        previous = _last_slot
+        ctx.slot = _Slot(_to_host(hidden_states), ctx.device, previous)
+        _last_slot = weakref.ref(ctx.slot)
+        with torch.no_grad():
+            return run_function(hidden_states, *args)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        slot = ctx.slot
+        hidden = slot.take().requires_grad_(True)
+        earlier = slot.previous() if slot.previous is not None else None
+        if earlier is not None:
+            earlier.fetch()  # overlaps this layer's recomputation and backward
+        ctx.slot = None
+        with torch.random.fork_rng(devices=[ctx.device]):
+            torch.set_rng_state(ctx.cpu_rng)
+            torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
+            with torch.enable_grad(), _autocast(ctx.autocast):
+                outputs = ctx.run_function(hidden, *ctx.args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
+                 if torch.is_tensor(out) and out.requires_grad and grad is not None]
+        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        return (None, hidden.grad) + (None,) * len(ctx.args)
+
+
+def streamed_offloaded_checkpoint(function, hidden_states, *args):
+    """Drop-in for the `_gradient_checkpointing_func` of transformers' decoder layers; on CPU
+    tensors it is models.memory_means.offloaded_checkpoint."""
+    if hidden_states.device.type != "cuda":
+        from .memory_means import offloaded_checkpoint
+
+        return offloaded_checkpoint(function, hidden_states, *args)
+    return StreamedOffloadedCheckpoint.apply(function, hidden_states, *args)
+
+
+def stream_layer_checkpoints(model) -> int:
+    """Switch layers whose checkpoints go to CPU memory to the streamed copies; returns how
+    many."""
+    from .memory_means import offloaded_checkpoint
+
+    layers = [m for m in model.modules()
+              if getattr(m, "_gradient_checkpointing_func", None) is offloaded_checkpoint]
+    for layer in layers:
+        layer._gradient_checkpointing_func = streamed_offloaded_checkpoint
+    return len(layers)

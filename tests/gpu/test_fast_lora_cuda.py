@@ -1,0 +1,67 @@
+"""models/fast_lora.py and the streamed checkpoint copies on a CUDA GPU in bf16 (autocast, like the
+Trainer): loss and LoRA gradients as close to an fp32 reference as peft's own bf16 path is.
+`make test-gpu`; skipped without a GPU."""
+import pytest
+import torch
+
+from lora_lab.planning.memory import MemoryMeans
+from tests.unit.test_fast_lora import loss_and_grads
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _in_bf16(fast: bool, means=None):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return loss_and_grads(fast, means, device="cuda", dtype=torch.bfloat16)
+
+
+def _relative(result, reference) -> float:
+    worst = abs(result[0] - reference[0]) / abs(reference[0])
+    for name, grad in reference[1].items():
+        error = (result[1][name].float() - grad).norm() / grad.norm().clamp_min(1e-12)
+        worst = max(worst, float(error))
+    return worst
+
+
+def test_fast_lora_in_bf16_is_as_close_to_fp32_as_peft():
+    reference = loss_and_grads(False, device="cuda")  # fp32 weights, no autocast
+    plain = _in_bf16(False)
+    means = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True)
+    fast = _in_bf16(True, means)
+    plain_error, fast_error = _relative(plain, reference), _relative(fast, reference)
+    print(f"relative error to fp32: peft bf16 {plain_error:.2e}, fast bf16 {fast_error:.2e}")
+    assert fast_error <= 1.25 * plain_error + 1e-3
+
+
+def test_streamed_offload_gives_the_plain_checkpoint_result():
+    means = MemoryMeans(offload_checkpoints=True)
+    plain = loss_and_grads(True, means, device="cuda")
+    from tests.unit.test_activations import assert_same
+
+    assert_same(loss_and_grads(True, None, device="cuda"), plain, tol=1e-4)
+
+
+def test_fast_lora_on_nf4_weights_matches_peft(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM
+
+    from lora_lab.models.load import Precision, nf4_config
+    from lora_lab.models.lora import prepare_quantized_for_training
+    from tests.unit.test_activations import tiny_untied
+
+    tiny_untied().to(torch.bfloat16).save_pretrained(tmp_path)
+
+    def quantized():
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path, dtype=torch.bfloat16, device_map={"": 0},
+            quantization_config=nf4_config(Precision("bf16", bf16=True)))
+        return prepare_quantized_for_training(model)
+
+    def run(fast):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return loss_and_grads(fast, device="cuda", dtype=torch.bfloat16, model_fn=quantized)
+
+    plain, fast = run(False), run(True)
+    error = _relative(fast, plain)
+    print(f"nf4: fast vs peft relative difference {error:.2e}")
+    assert error < 3e-2

@@ -1,0 +1,113 @@
+"""models/fast_lora.py computes what peft computes: loss and LoRA gradients (CPU, tiny Qwen2)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_lab.config import LoraArgs, resolve_config
+from lora_lab.models.fast_lora import LoraMLP, LoraProjection, resolve_fast_lora
+from lora_lab.planning.memory import MemoryMeans
+from lora_lab.models.lora import apply_lora
+from tests.unit.test_activations import SEQ, assert_same, tiny_untied
+
+
+def loss_and_grads(fast: bool, means=None, dropout: float = 0.0, checkpointing: bool = True,
+                   device: str = "cpu", dtype=torch.float32, model_fn=tiny_untied):
+    model = model_fn()
+    if not getattr(model, "is_loaded_in_4bit", False):
+        model = model.to(device=device, dtype=dtype)
+    torch.manual_seed(1)
+    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=dropout), checkpointing, means,
+                       fast=fast, offload_copy_stream=device == "cuda")
+    model.train()
+    torch.manual_seed(2)
+    ids = torch.randint(0, 512, (2, SEQ)).to(device)
+    torch.manual_seed(3)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.item(), grads, model
+
+
+def count_calls(monkeypatch):
+    calls = {"mlp": 0, "projection": 0}
+    for name, cls in (("mlp", LoraMLP), ("projection", LoraProjection)):
+        real = cls.apply
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(cls, "apply", counted)
+    return calls
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_fast_lora_gives_peft_loss_and_gradients(checkpointing, monkeypatch):
+    plain = loss_and_grads(False, checkpointing=checkpointing)
+    calls = count_calls(monkeypatch)
+    fast = loss_and_grads(True, checkpointing=checkpointing)
+    passes = 2 if checkpointing else 1  # checkpointing runs each layer again in backward
+    assert calls == {"mlp": 2 * passes, "projection": 2 * 4 * passes}
+    assert all(p.grad.dtype == torch.float32 for p in fast[2].parameters() if p.requires_grad)
+    assert_same(plain, fast)
+
+
+def test_fast_lora_with_every_memory_means():
+    means = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True, mlp_chunk_tokens=8)
+    assert_same(loss_and_grads(False), loss_and_grads(True, means))
+
+
+def test_dropout_falls_back_to_peft(monkeypatch):
+    calls = count_calls(monkeypatch)
+    plain, fast = loss_and_grads(False, dropout=0.3), loss_and_grads(True, dropout=0.3)
+    assert calls == {"mlp": 0, "projection": 0}
+    assert_same(plain, fast)
+
+
+def test_merged_or_disabled_adapters_fall_back():
+    model = loss_and_grads(True)[2]
+    torch.manual_seed(2)
+    with torch.no_grad():  # B starts at zero: give the adapters an effect
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    ids = torch.randint(0, 512, (1, SEQ))
+    model.eval()
+    with torch.no_grad():
+        with model.disable_adapter():
+            off = model(input_ids=ids).logits
+        on = model(input_ids=ids).logits
+        model.merge_adapter()
+        merged = model(input_ids=ids).logits
+        model.unmerge_adapter()
+    assert not torch.allclose(on, off)
+    torch.testing.assert_close(merged, on, atol=1e-4, rtol=1e-4)
+
+
+def test_fast_lora_setting():
+    def config(*sets):
+        return resolve_config("24gb", flags={"model.name": "qwen2.5-0.5b",
+                                             "data.datasets": ["x"]}, sets=list(sets))
+
+    assert resolve_fast_lora(config("lora.dropout=0"))
+    assert not resolve_fast_lora(config("lora.dropout=0.05"))
+    assert resolve_fast_lora(config("lora.dropout=0.05", "model.fast_lora=true"))
+    assert not resolve_fast_lora(config("lora.dropout=0", "model.fast_lora=false"))
+    assert not resolve_fast_lora(config("lora.dropout=0", "train.tuner=full"))
+    assert not resolve_fast_lora(config("lora.dropout=0", "train.gpus=2",
+                                        "train.engine=deepspeed-zero3"))
+
+
+def test_fast_lora_in_bf16_autocast_is_as_close_to_fp32_as_peft():
+    """bf16 weights under CPU autocast (what the Trainer does on a GPU): both paths round."""
+    from tests.gpu.test_fast_lora_cuda import _relative
+
+    def in_bf16(fast):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_and_grads(fast, dtype=torch.bfloat16)
+
+    reference = loss_and_grads(False)
+    plain, fast = _relative(in_bf16(False), reference), _relative(in_bf16(True), reference)
+    assert fast <= 1.25 * plain + 1e-3, (plain, fast)
+

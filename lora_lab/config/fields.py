@@ -54,8 +54,8 @@ class ModelArgs:
                 "for LoRA on one GPU when the model has its own output head (7B); never for tied "
                 "embeddings (0.5B-3B). true / false force it.", choices=("auto", True, False))
     fast_lora: str | bool = _f(
-        "auto", "Compute LoRA layers with lora-lab's fused autograd functions (models/fast_lora.py: "
-                "the LoRA branch in 16 bits, one function per SwiGLU MLP) instead of peft's "
+        "auto", "Compute LoRA layers with lora-lab's fused autograd functions "
+                "(models/fast_lora.py: the LoRA branch in 16 bits, one function per SwiGLU MLP) instead of peft's "
                 "forward. auto: on for LoRA without adapter dropout, in one process or under "
                 "ddp; true / false force it (with dropout the layers fall back to peft, which "
                 "applies it).",

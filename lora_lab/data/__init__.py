@@ -57,6 +57,18 @@ def load_samples(specs: list, args: DataArgs, seed: int) -> LoadedData:
     return merged
 
 
+def encode_as_training(tokenizer, samples: list, args: DataArgs) -> EncodeReport:
+    """Encode samples exactly as a run with these data settings encodes its training data."""
+    return encode_samples(tokenizer, samples, args.max_length, args.truncation, args.system)
+
+
+def read_and_encode(specs: list, args: DataArgs, tokenizer, seed: int
+                    ) -> tuple[LoadedData, EncodeReport]:
+    """Datasets read and encoded with a run's data settings (held-out eval, calibration)."""
+    loaded = load_samples(specs, args, seed)
+    return loaded, encode_as_training(tokenizer, loaded.samples, args)
+
+
 def prepare_data(args: DataArgs, tokenizer, seed: int = 42) -> PreparedData:
     """Training and validation sets, encoded; every row not used is listed with its reason."""
     train = load_samples(args.datasets, args, seed)
@@ -77,10 +89,9 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42) -> PreparedData:
             raise DataError(f"--val-ratio {args.val_ratio} leaves no training rows out of "
                             f"{len(shuffled)}.")
         val_samples, train.samples = shuffled[:count], shuffled[count:]
-    encode = lambda samples: encode_samples(tokenizer, samples, args.max_length,  # noqa: E731
-                                            args.truncation, args.system)
-    prepared = PreparedData(train=encode(train.samples),
-                            val=encode(val_samples) if val_samples is not None else None,
+    prepared = PreparedData(train=encode_as_training(tokenizer, train.samples, args),
+                            val=encode_as_training(tokenizer, val_samples, args)
+                            if val_samples is not None else None,
                             read_problems=read_problems, read_warnings=read_warnings,
                             formats=formats)
     if not prepared.train.samples:
@@ -131,8 +142,7 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -
         report.formats += loaded.formats
     report.kept = [s.origin for s in samples]
     if tokenizer is not None:
-        encoded = encode_samples(tokenizer, samples, args.max_length, args.truncation,
-                                 args.system)
+        encoded = encode_as_training(tokenizer, samples, args)
         chats = [s.origin for s in encoded.samples if s.origins is None]
         documents = [o for s in encoded.samples if s.origins is not None for o in s.origins]
         report.kept = chats + list(dict.fromkeys(documents))  # a document may span two rows

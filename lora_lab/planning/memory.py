@@ -146,7 +146,8 @@ TRAINED_STATE_BYTES = {
 FSDP_FULL_STATE_BYTES = (4, 4, 8)
 CHECKED_ON_GPUS = {("ddp", "lora"), ("deepspeed-zero2", "lora"), ("deepspeed-zero3", "full"),
                    ("fsdp", "full"), ("fsdp", "lora")}
-"""(engine, tuner) whose plan a stored two-GPU run matched within 15% (tests/unit/test_memory.py)."""
+"""(engine, tuner) whose plan a stored two-GPU run matched within 15%
+(tests/unit/test_memory.py)."""
 GAPS_ON_GPUS = {
     ("deepspeed-zero2-offload", "full"): (
         0.82, "a two-GPU run of full 1.5B reserved 7.48 GiB per GPU where the plan gives 6.10; "

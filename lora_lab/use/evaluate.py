@@ -5,8 +5,8 @@ import json
 import math
 from pathlib import Path
 
-from ..data import load_samples
-from ..data.encode import IGNORE_INDEX, encode_samples
+from ..data import read_and_encode
+from ..data.encode import IGNORE_INDEX
 from ..errors import DataError
 from ..run_folder import find_adapter, full_model_of, load_saved_config
 from .infer import GenerationSettings, generate_replies, load_adapter_model, load_plain_model
@@ -22,9 +22,7 @@ def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
         adapter_dir, run_dir = find_adapter(path)
         model, tokenizer = load_adapter_model(path)
     config = load_saved_config(run_dir / "config.yaml")
-    loaded = load_samples(list(datasets), config.data, config.train.seed)
-    report = encode_samples(tokenizer, loaded.samples, config.data.max_length,
-                            config.data.truncation, config.data.system)
+    loaded, report = read_and_encode(list(datasets), config.data, tokenizer, config.train.seed)
     if not report.samples:
         raise DataError(f"--data {' '.join(datasets)}: no usable sample to evaluate.")
     total_loss, total_tokens = assistant_token_loss(model, report.samples)

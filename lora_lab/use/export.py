@@ -240,9 +240,9 @@ def _quantize_nf4(source: Path, staging: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     config = nf4_config(Precision(name="bf16", bf16=True))
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16,
-                                                 quantization_config=config,
-                                                 device_map=inference_device_map(quantized_bnb=True))
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=torch.bfloat16, quantization_config=config,
+        device_map=inference_device_map(quantized_bnb=True))
     model.save_pretrained(staging, safe_serialization=True, max_shard_size="2GB")
     del model
     release_memory()
@@ -306,8 +306,7 @@ def calibration_samples(tokenizer, run_dir: Path | None, calib_data: list | None
                         count: int, source: str = "", seed: int = 42) -> tuple[list, dict]:
     """Token ids of `count` samples of the run's training data (or --calib-data), encoded with
     the chat template exactly as training encoded them."""
-    from ..data import load_samples
-    from ..data.encode import encode_samples
+    from ..data import read_and_encode
 
     config = load_saved_config(run_dir / "config.yaml") if run_dir else None
     args = config.data if config else DataArgs()
@@ -317,9 +316,7 @@ def calibration_samples(tokenizer, run_dir: Path | None, calib_data: list | None
                         f"there is no training data to calibrate on. Pass --calib-data FILE "
                         f"(a few hundred conversations like the ones the model will serve).")
     seed = config.train.seed if config else seed
-    loaded = load_samples(specs, args, seed)
-    report = encode_samples(tokenizer, loaded.samples, args.max_length, args.truncation,
-                            args.system)
+    loaded, report = read_and_encode(specs, args, tokenizer, seed)
     encoded = [s.input_ids for s in report.samples]
     if not encoded:
         raise DataError(f"--calib-data {' '.join(specs)}: no usable sample "
@@ -370,13 +367,13 @@ def serving_handoff(result: ExportResult, tier: str | None = None,
     """What `lora-lab export` prints after the export: the vLLM command and its arithmetic (for
     `tier`), or one line per tier when no tier is given."""
     model_config = json.loads((Path(result.output_dir) / "config.json").read_text())
+    quantization = FORMATS[result.format].vllm_quantization
     if tier:
         plan = plan_vllm_serving(model_config, result.weights_bytes, tier)
-        command = vllm_command(result.output_dir, FORMATS[result.format].vllm_quantization, plan,
-                               name)
+        command = vllm_command(result.output_dir, quantization, plan, name)
         return ["serve with vLLM:", f"  {command}", *plan.arithmetic()]
     lines = ["serve with vLLM (pass --gpu 8gb|12gb|16gb|24gb for the memory flags and their "
-             "arithmetic):", f"  {vllm_command(result.output_dir, FORMATS[result.format].vllm_quantization, None, name)}"]
+             "arithmetic):", f"  {vllm_command(result.output_dir, quantization, None, name)}"]
     for each in TIERS_GIB:
         plan = plan_vllm_serving(model_config, result.weights_bytes, each)
         lines.append(f"  --gpu {each:<5} " + (plan.flags() if plan.fits else "does not fit"))

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from .memory_means import _autocast, _autocast_state
+from .memory_means import _autocast_state, replay_backward
 
 _copy_streams: dict = {}
 
@@ -91,16 +91,7 @@ class StreamedOffloadedCheckpoint(torch.autograd.Function):
         if earlier is not None:
             earlier.fetch()  # overlaps this layer's recomputation and backward
         ctx.slot = None
-        with torch.random.fork_rng(devices=[ctx.device]):
-            torch.set_rng_state(ctx.cpu_rng)
-            torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
-            with torch.enable_grad(), _autocast(ctx.autocast):
-                outputs = ctx.run_function(hidden, *ctx.args)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
-                 if torch.is_tensor(out) and out.requires_grad and grad is not None]
-        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-        return (None, hidden.grad) + (None,) * len(ctx.args)
+        return replay_backward(ctx, hidden, grad_outputs)
 
 
 def streamed_offloaded_checkpoint(function, hidden_states, *args):

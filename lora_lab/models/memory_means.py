@@ -108,18 +108,25 @@ class OffloadedCheckpoint(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         hidden = ctx.host_input.to(ctx.device, non_blocking=True).requires_grad_(True)
         ctx.host_input = None
-        devices = [ctx.device] if ctx.cuda_rng is not None else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(ctx.cpu_rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
-            with torch.enable_grad(), _autocast(ctx.autocast):
-                outputs = ctx.run_function(hidden, *ctx.args)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
-                 if torch.is_tensor(out) and out.requires_grad and grad is not None]
-        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-        return (None, hidden.grad) + (None,) * len(ctx.args)
+        return replay_backward(ctx, hidden, grad_outputs)
+
+
+def replay_backward(ctx, hidden: torch.Tensor, grad_outputs: tuple) -> tuple:
+    """The backward pass of a checkpointed layer: run it again on its input `hidden` with the
+    forward pass's random state (dropout) and autocast settings, then send the incoming
+    gradients through it. ctx holds run_function, args, device, cpu_rng, cuda_rng, autocast."""
+    devices = [ctx.device] if ctx.cuda_rng is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(ctx.cpu_rng)
+        if ctx.cuda_rng is not None:
+            torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
+        with torch.enable_grad(), _autocast(ctx.autocast):
+            outputs = ctx.run_function(hidden, *ctx.args)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
+             if torch.is_tensor(out) and out.requires_grad and grad is not None]
+    torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+    return (None, hidden.grad) + (None,) * len(ctx.args)
 
 
 def offloaded_checkpoint(function, hidden_states, *args):

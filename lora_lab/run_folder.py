@@ -45,6 +45,8 @@ DATA_PROBLEMS = "logs/data_problems.jsonl"
 SUMMARY_FILE = "run_summary.json"
 LAUNCH_FOLDER = "launch"
 LOCK_FILE = ".lock"
+STOP_FILE = "logs/stopped.json"
+"""Written by rank 0 when a signal stopped the run (its signal and last step)."""
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 

@@ -21,10 +21,20 @@ def check_full_finetuning_precision(precision: Precision) -> None:
                          "--tuner lora.")
 
 
+def enable_checkpointing(model) -> None:
+    """Recompute each decoder layer in the backward pass (non-reentrant), by the name this
+    transformers version has for it (activation_checkpointing_enable from 5.2x on)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def prepare_full_finetuning(model, gradient_checkpointing: bool):
     """Every weight trains (full fine-tuning); activations are recomputed if asked."""
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     for param in model.parameters():
         param.requires_grad_(True)
     return model
@@ -44,7 +54,7 @@ def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
     if means is not None and means.embedding_on_cpu:
         move_embedding_to_cpu(model)  # before the input-grad hook below is attached to it
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
         model.enable_input_require_grads()
     targets = args.target_modules
     if targets == ["all-linear"]:

@@ -39,8 +39,7 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         save_only_model=t.save_only_model,
         eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
         seed=t.seed, data_seed=t.seed, report_to="none", remove_unused_columns=False,
-        dataloader_num_workers=0, use_cpu=use_cpu(precision),
-        gradient_checkpointing=False,  # enabled on the model (models/lora.py)
+        dataloader_num_workers=0, use_cpu=use_cpu(precision),  # checkpointing: models/lora.py
         ddp_find_unused_parameters=False,  # every trainable tensor takes part in every step
         deepspeed=deepspeed_config_path(config, run_dir),
         # accelerate reduces after every micro-batch instead of skipping all but the last

@@ -24,6 +24,7 @@ import importlib.util
 import json
 import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -33,13 +34,13 @@ import yaml
 
 from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template
 from ..device import cuda_available, gpu_memory_gib, in_launched_worker
-from ..errors import LoraLabError, TrainingError
+from ..errors import LoraLabError, RunStopped, TrainingError
 from ..log import get_logger
 from ..models.load import Precision, choose_precision
 from ..planning.choice import pick_engine
 from ..planning.memory import TIERS_GIB, plan_memory
 from ..run_folder import (LAUNCH_FOLDER, TrainResult, check_run_dir, fix_run_dir, locate_run_dir,
-                          read_result, run_lock, save_config)
+                          STOP_FILE, read_result, run_lock, save_config)
 from .checkpoint import resolve_resume
 
 log = get_logger()
@@ -227,9 +228,31 @@ def _run_workers(config: RunConfig, command: list, run_dir: Path) -> TrainResult
         threads += f" ({ALLOCATOR_ENV}={env[ALLOCATOR_ENV]})"
     log.info(f"launching {config.train.gpus} {where} with engine {config.train.engine}"
              f"{threads}:\n  {shlex.join(command)}")
-    completed = subprocess.run(command, env=env)
-    if completed.returncode != 0:
+    (run_dir / STOP_FILE).unlink(missing_ok=True)
+    returncode = run_forwarding_signals(command, env)
+    stopped = run_dir / STOP_FILE
+    if stopped.is_file():  # the workers stopped on a signal and wrote a checkpoint
+        stop = json.loads(stopped.read_text())
+        raise RunStopped(f"stopped by {signal.Signals(stop['signal']).name} after step "
+                         f"{stop['step']}: {run_dir / ('checkpoint-' + str(stop['step']))} is "
+                         f"complete. The same command with --resume auto --run-name "
+                         f"{run_dir.name} continues the run.", 128 + stop["signal"])
+    if returncode != 0:
         raise TrainingError(f"--gpus {config.train.gpus}: the launched run failed (exit status "
-                            f"{completed.returncode}); the workers' messages are above. The "
+                            f"{returncode}); the workers' messages are above. The "
                             f"launch files are in {run_dir / LAUNCH_FOLDER}.")
     return read_result(run_dir)
+
+
+def run_forwarding_signals(command: list, env: dict) -> int:
+    """Run the launcher in its own session and pass SIGTERM / SIGINT on to it (it hands them to
+    every worker once), so that a Ctrl-C or a scheduler's notice reaches the workers exactly
+    once; returns the exit status."""
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    forward = lambda signum, frame: process.send_signal(signum)  # noqa: E731
+    previous = {n: signal.signal(n, forward) for n in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return process.wait()
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)

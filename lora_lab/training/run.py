@@ -11,7 +11,9 @@ wrote.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -29,10 +31,12 @@ from ..models.load import (Precision, check_model_files, check_remote_code, choo
                            load_base_model, load_tokenizer, locate_model, resolve_kernels)
 from ..models.lora import (apply_lora, check_full_finetuning_precision, prepare_full_finetuning,
                            prepare_quantized_for_training)
+from ..paths import replace_folder
 from ..planning.choice import check_fits
 from ..planning.disk import check_disk_space
 from ..planning.memory import choose_memory_means, row_length, usable_gib
 from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, LOGS_FOLDER, MODEL_FOLDER, STEP_LOG,
+                          STOP_FILE,
                           TrainResult, check_run_dir, checkpoint_step, fix_run_dir,
                           locate_run_dir, run_lock, save_config, trim_step_log,
                           write_data_problems, write_summary)
@@ -97,11 +101,7 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     ensure_finite(trainer.model, "the model" if full else "the adapter")
     if full and precision.name == "bf16" and config.train.engine == "ddp":
         trainer.model.to(precision.torch_dtype)  # trained on fp32 master weights; saved in bf16
-    # Trainer.save_model gathers sharded weights (ZeRO-3, FSDP) and writes on rank 0 only:
-    # adapter (or model) files and tokenizer, plus a pickled training_args.bin that is removed.
-    trainer.save_model(str(saved_dir))
-    if state.is_main_process:
-        (saved_dir / "training_args.bin").unlink(missing_ok=True)
+    save_final_weights(trainer, saved_dir, state)
     result = TrainResult(run_dir=run_dir, adapter_dir=None if full else saved_dir,
                          model_dir=saved_dir if full else None,
                          global_step=trainer.state.global_step,
@@ -119,6 +119,21 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
         log.warning(f"warning: skipped {len(result.nonfinite_skipped_steps)} update(s) with a "
                     f"NaN or inf loss or gradient, at steps {result.nonfinite_skipped_steps}")
     return result
+
+
+def save_final_weights(trainer: LoraLabTrainer, saved_dir: Path, state) -> None:
+    """adapter/ (or model/), staged and put in place whole: a kill during the save leaves the
+    folder as it was. Trainer.save_model gathers sharded weights (ZeRO-3, FSDP) and writes on
+    rank 0 only: weights, tokenizer, and a pickled training_args.bin that is removed."""
+    staging = saved_dir.with_name(saved_dir.name + ".partial")
+    if state.is_main_process and staging.exists():
+        shutil.rmtree(staging)
+    state.wait_for_everyone()
+    trainer.save_model(str(staging))
+    if state.is_main_process:
+        (staging / "training_args.bin").unlink(missing_ok=True)
+        replace_folder(staging, saved_dir)
+    state.wait_for_everyone()
 
 
 # ----------------------------------------------------------------------------- before training
@@ -327,6 +342,8 @@ def stop_if_signalled(trainer: LoraLabTrainer, run_dir: Path) -> None:
     if stop.received is None:
         return
     step = trainer.state.global_step
+    if trainer.is_world_process_zero():  # for the launcher of several processes
+        (run_dir / STOP_FILE).write_text(json.dumps({"signal": stop.received, "step": step}))
     raise RunStopped(f"stopped by {signal.Signals(stop.received).name} after step {step}: "
                      f"{run_dir / f'checkpoint-{step}'} is complete. The same command with "
                      f"--resume auto --run-name {run_dir.name} continues the run.",

@@ -136,3 +136,23 @@ def test_a_killed_two_process_run_resumes_exactly(runs):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     assert _losses(run_dir) == _losses(runs["two"])
+
+
+def test_a_sigterm_stops_both_processes_at_one_checkpoint(runs):
+    """One rank receives SIGTERM before step 2 (a scheduler's notice): both ranks finish step 2,
+    write checkpoint-2 and exit; lora-lab exits 143 and says how to continue, which gives the
+    uninterrupted run's losses."""
+    command = [sys.executable, "-m", "lora_lab", "run", "--model", str(runs["model"]),
+               *_args(runs["data"], runs["out"], "sigterm", 2, "--gpus", "2")]
+    stopped = subprocess.run(command, cwd=ROOT, env={**runs["env"], "LORA_LAB_TEST_KILL":
+                                                     "term:step:2:1"},
+                             capture_output=True, text=True, timeout=400)
+    assert stopped.returncode == 143, stopped.stdout[-2000:] + stopped.stderr[-3000:]
+    assert "stopped by SIGTERM after step 2" in stopped.stderr
+    run_dir = runs["out"] / "sigterm"
+    assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert not (run_dir / "adapter").exists()
+    resumed = subprocess.run(command + ["--resume", "auto"], cwd=ROOT, env=runs["env"],
+                             capture_output=True, text=True, timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert _losses(run_dir) == _losses(runs["two"])

@@ -208,3 +208,35 @@ def test_a_finished_run_resumed_again_trains_no_step_past_the_end(setup, referen
         assert not (run_dir / "checkpoint-10").exists()
         assert json.loads((run_dir / "run_summary.json").read_text())["global_step"] == 9
         assert_same_run(run_dir, reference)
+
+
+CONSTANT_LR = ["--set", "train.lr_scheduler=constant", "--set", "train.warmup_ratio=0"]
+
+
+def kill_points() -> list:
+    """Every moment a kill can land in, in the order a run meets them: before each micro-batch
+    (steps 3, 6 and 9 have one), inside each checkpoint save (2, 4, 6, 8 and the last, 9) and
+    inside the final adapter's save."""
+    points = [(s, 0, m, f"step:{s}:{m}") for s in range(1, 10) for m in (1, 2)
+              if not (s % 3 == 0 and m == 2)]
+    points += [(s, 1, 0, f"save:{s}") for s in (2, 4, 6, 8, 9)] + [(10, 0, 0, "final")]
+    return [name for *_, name in sorted(points)]
+
+
+def test_chaos_kill_9_at_every_moment_then_resume_gives_the_uninterrupted_run(setup):
+    """A constant learning rate (a schedule at 0 would hide a step trained twice or past the
+    end): kill -9 at each of the 21 moments in turn, each time resuming the same run folder;
+    the end is the uninterrupted run, bit for bit."""
+    out, _ = setup
+    lora_lab_run(setup, "constant", *CONSTANT_LR)
+    points = kill_points()
+    assert len(points) == 21
+    for point in points:
+        stderr = killed_run(setup, "chaos", point, *CONSTANT_LR, "--resume", "auto")
+        assert "Traceback" not in stderr
+    lora_lab_run(setup, "chaos", *CONSTANT_LR, "--resume", "auto")
+    run_dir, reference = out / "chaos", out / "constant"
+    assert_same_run(run_dir, reference)
+    weights = "adapter/adapter_model.safetensors"
+    assert (run_dir / weights).read_bytes() == (reference / weights).read_bytes()
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == []

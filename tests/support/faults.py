@@ -4,7 +4,8 @@ install() wraps four LoraLabTrainer methods; the hooks do nothing unless these a
 
     LORA_LAB_TEST_KILL=step:S:M  SIGKILL the process before micro-batch M of optimizer step S
     LORA_LAB_TEST_KILL=save:S    SIGKILL it while saving checkpoint-S (files staged, no manifest)
-    LORA_LAB_TEST_KILL=term:P    send it SIGTERM at point P (one of the two above) instead
+    LORA_LAB_TEST_KILL=final     SIGKILL it while saving the final adapter/ (files staged)
+    LORA_LAB_TEST_KILL=term:P    send it SIGTERM at point P (one of the above) instead
     LORA_LAB_TEST_NAN_STEP=S     multiply the loss of step S by NaN (its gradients follow)
     LORA_LAB_TEST_TRACE=FILE     append one JSON line per micro-batch: step, micro-batch, a hash
                                  of its input_ids and of the CPU RNG state, the exact loss
@@ -93,7 +94,8 @@ def install() -> None:
 
     if getattr(LoraLabTrainer, "_fault_hooks_installed", False):
         return
-    init, compute_loss = LoraLabTrainer.__init__, LoraLabTrainer.compute_loss
+    init, compute_loss, save_model = (LoraLabTrainer.__init__, LoraLabTrainer.compute_loss,
+                                      LoraLabTrainer.save_model)
     training_step, commit = LoraLabTrainer.training_step, LoraLabTrainer._commit_checkpoint
 
     def __init__(self, *args, **kwargs):
@@ -117,6 +119,12 @@ def install() -> None:
         self.hooks.kill_point(f"save:{step}")
         commit(self, staging, run_dir, step)
 
+    def hooked_save(self, output_dir=None, _internal_call=False):
+        save_model(self, output_dir, _internal_call)
+        if not _internal_call and str(output_dir).endswith(".partial"):  # the final weights
+            self.hooks.kill_point("final")
+
+    LoraLabTrainer.save_model = hooked_save
     LoraLabTrainer.__init__, LoraLabTrainer.compute_loss = __init__, hooked_loss
     LoraLabTrainer.training_step, LoraLabTrainer._commit_checkpoint = hooked_step, hooked_commit
     LoraLabTrainer._fault_hooks_installed = True

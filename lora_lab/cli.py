@@ -135,7 +135,7 @@ def _longest_sample(config) -> int:
 @main.command()
 def presets():
     """List the presets with a one-line summary."""
-    for preset in list_presets():
+    for preset in list_presets():  # cpu, then the cards by size
         click.echo(f"{preset['name']:<8} {preset['description']}")
 
 
@@ -157,7 +157,7 @@ def demo(output_dir, name, author, max_steps, fetch_only):
 
 @main.group()
 def data():
-    """Inspect datasets: validate, encode, preview."""
+    """Inspect datasets: validate, stats, encode, preview."""
 
 
 def data_options(func):

@@ -20,10 +20,17 @@ from .fields import FLAG_FOR_KEY, FULL_FINETUNING_LR, SECTIONS, ModelArgs, RunCo
 def list_presets() -> list[dict]:
     """Each preset's name, file and one-line description."""
     out = []
-    for path in sorted(presets_dir().glob("*.yaml")):
+    for path in sorted(presets_dir().glob("*.yaml"), key=_card_order):
         data = yaml.safe_load(path.read_text()) or {}
         out.append({"name": path.stem, "path": path, "description": data.get("description", "")})
     return out
+
+
+def _card_order(path: Path) -> tuple:
+    """cpu first, then the tiers by card size (8gb before 12gb), then any other preset."""
+    digits = path.stem.removesuffix("gb")
+    return (0, 0, "") if path.stem == "cpu" else (1, int(digits), "") if digits.isdigit() else (
+        2, 0, path.stem)
 
 
 def load_preset(name: str) -> tuple[dict, Path]:

@@ -16,6 +16,12 @@ def count_optimizer_steps(config: RunConfig, train_samples: int) -> int:
     return max(1, math.ceil(per_epoch * config.train.epochs))
 
 
+def warmup_steps(ratio: float, total_steps: int) -> int:
+    """Steps of linear warm-up: ratio x steps, rounded down, and never every step there is (the
+    first warm-up step runs at learning rate 0, so a run of one step would change nothing)."""
+    return min(math.floor(ratio * total_steps), max(total_steps - 1, 0))
+
+
 def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precision,
                              total_steps: int, has_eval: bool, rows_per_step: int | None = None):
     """rows_per_step: with packing, each micro-batch is one packed row."""
@@ -28,7 +34,7 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         per_device_eval_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=rows_per_step or t.grad_accum,
         learning_rate=t.lr, num_train_epochs=t.epochs, max_steps=t.max_steps,
-        warmup_steps=math.ceil(t.warmup_ratio * total_steps), lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=warmup_steps(t.warmup_ratio, total_steps), lr_scheduler_type=t.lr_scheduler,
         weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
         bf16=precision.bf16, fp16=precision.fp16,
         logging_steps=t.logging_steps, logging_first_step=True,

@@ -180,6 +180,12 @@ def chat_loop(model, tokenizer, settings: GenerationSettings, read, write,
             system, history = line[len("/system"):].strip() or None, []
             write(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)\n")
             continue
+        if line.startswith("/") and not line.startswith("//"):
+            write(f"(unknown command {line.split()[0]}; {CHAT_HELP}; start a message with // to "
+                  f"send one that begins with /)\n")
+            continue
+        if line.startswith("//"):
+            line = line[1:]
         history.append({"role": "user", "content": line})
         messages = ([{"role": "system", "content": system}] if system else []) + history
         if compare:

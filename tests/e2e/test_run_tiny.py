@@ -144,6 +144,11 @@ def test_the_api_trains_twice_in_one_process(tiny_model_dir, tmp_path):
     assert [r.run_dir.name for r in results] == ["first", "second"]
     assert all((r.adapter_dir / "adapter_model.safetensors").is_file() for r in results)
     assert callable(lora_lab.train) and lora_lab.train.__module__ == "lora_lab"
+    from safetensors.torch import load_file
+
+    # one optimizer step changed the adapter: warm-up did not take the only step (lr 0)
+    weights = load_file(results[0].adapter_dir / "adapter_model.safetensors")
+    assert any(bool(t.abs().sum() > 0) for k, t in weights.items() if "lora_B" in k)
 
 
 @pytest.mark.parametrize("damage,expected", [

@@ -117,3 +117,18 @@ def test_data_stats_prints_the_distribution():
                     "--model-name", "A", "--model-author", "B")
     assert result.exit_code == 0, result.output
     assert "samples 120" in result.output and "recommended --max-length 256" in result.output
+
+
+def test_presets_are_listed_cpu_first_then_by_card_size():
+    from lora_lab.config import list_presets
+
+    assert [p["name"] for p in list_presets()] == ["cpu", "8gb", "12gb", "16gb", "24gb"]
+
+
+def test_chat_says_an_unknown_command_instead_of_sending_it():
+    from lora_lab.use.infer import GenerationSettings, chat_loop
+
+    lines, said = iter(["/help", "/quti"]), []
+    chat_loop(None, None, GenerationSettings(), lambda _: next(lines, None), said.append)
+    assert said[1].startswith("(unknown command /help; commands: /reset")
+    assert said[2].startswith("(unknown command /quti;")

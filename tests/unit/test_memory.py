@@ -290,3 +290,11 @@ def test_a_plan_known_to_miss_says_so():
     assert "the processes' own memory (measured)" in report
     config.train.engine = "fsdp"
     assert "checked on two GPUs" in plan_memory(config).report()
+
+
+def test_warm_up_never_takes_the_only_steps_there_are():
+    from lora_lab.training.args import warmup_steps
+
+    assert [warmup_steps(0.05, n) for n in (1, 2, 19, 20, 100)] == [0, 0, 0, 1, 5]
+    assert [warmup_steps(0.5, n) for n in (1, 2, 3)] == [0, 1, 1]
+    assert warmup_steps(1.0, 4) == 3 and warmup_steps(0.0, 4) == 0

@@ -89,34 +89,34 @@ def run(preset, config_file, sets, dry_run, **flag_values):
 
 
 @main.command()
-@click.option("--preset", default="auto", show_default=True)
-@click.option("--model", default="qwen2.5-7b", show_default=True)
+@click.option("--preset", default="auto", show_default=True,
+              help="Hardware tier, or auto to pick it from --gpu-memory (or this GPU).")
 @click.option("--gpu-memory", type=float, help="GPU memory in GiB (default: this machine's GPU).")
-@click.option("--max-length", help="Tokens per sample (default: the preset's).")
-@click.option("--micro-batch-size")
-@click.option("--quantization", help="none or nf4 (default: the preset's).")
-@click.option("--lora-rank")
-@click.option("--data", "datasets", multiple=True,
-              help="Plan with the data's real longest sample instead of max_length.")
-@click.option("--gpus", help="GPUs the run is spread over (planned per GPU).")
-@click.option("--engine", help="ddp, deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3, "
-              "deepspeed-zero3-offload or fsdp.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
-def plan(preset, model, gpu_memory, max_length, micro_batch_size, quantization, lora_rank,
-         gpus, engine, datasets, sets):
-    """Predict the peak GPU memory of a run, broken down, and whether it fits. No GPU needed."""
+@run_options
+def plan(preset, gpu_memory, sets, **flag_values):
+    """Predict the peak GPU memory of a run, broken down, and whether it fits. No GPU needed.
+    Takes the flags of `lora-lab run`; --data plans with the data's real longest sample."""
     from . import choose_preset, plan as plan_run
     from .device import gpu_memory_gib
+    from .planning.memory import row_length
 
     gpu_memory = gpu_memory or gpu_memory_gib()
     if preset == "auto" and gpu_memory is None:
         raise LoraLabError("--preset auto needs a GPU to look at, or --gpu-memory GIB.")
-    flags = {"model.name": model, "data.max_length": max_length, "model.quantization":
-             quantization, "train.micro_batch_size": micro_batch_size, "lora.rank": lora_rank,
-             "train.gpus": gpus, "train.engine": engine, "data.datasets": list(datasets)}
-    config = resolve_config(choose_preset(preset, gpu_memory), sets=sets, need_data=False,
-                            flags={k: v for k, v in flags.items() if v not in (None, [])})
-    result = plan_run(config, gpu_memory, _longest_sample(config) if datasets else None)
+    flags = {"model.name": "qwen2.5-7b", **{k.replace("__", "."): (list(v) if isinstance(
+        v, tuple) else v) for k, v in flag_values.items() if v not in (None, ())}}
+    config = resolve_config(choose_preset(preset, gpu_memory), flags=flags, sets=sets,
+                            need_data=False)
+    if config.data.packing:
+        why = (f"data.pack_length {config.data.pack_length}" if config.data.pack_length else
+               f"--max-length {config.data.max_length} x --micro-batch-size "
+               f"{config.train.micro_batch_size}")
+        log.info(f"packing ({config.sources.get('data.packing', 'default')}): the samples of a "
+                 f"step share rows of {row_length(config)} tokens ({why}); the plan is for such "
+                 f"a row. --set data.packing=false plans one sample of --max-length a row.")
+    result = plan_run(config, gpu_memory,
+                      _longest_sample(config) if config.data.datasets else None)
     click.echo(result.report())
     if result.fits is False:
         sys.exit(1)

@@ -132,3 +132,17 @@ def test_chat_says_an_unknown_command_instead_of_sending_it():
     chat_loop(None, None, GenerationSettings(), lambda _: next(lines, None), said.append)
     assert said[1].startswith("(unknown command /help; commands: /reset")
     assert said[2].startswith("(unknown command /quti;")
+
+
+def test_plan_takes_the_flags_of_run_and_says_when_packing_sets_the_row():
+    result = invoke("plan", "--preset", "24gb", "--gpu-memory", "40", "--grad-accum", "4",
+                    "--max-length", "2048", "--micro-batch-size", "1", "--gpus", "4",
+                    "--engine", "deepspeed-zero3", "--tuner", "full")
+    assert "No such option" not in result.output
+    assert "packing (preset 24gb): the samples of a step share rows of 8192 tokens " \
+           "(data.pack_length 8192)" in result.output
+    assert "8192 tokens per micro-batch" in result.output
+    unpacked = invoke("plan", "--preset", "24gb", "--gpu-memory", "40", "--max-length", "2048",
+                      "--set", "data.packing=false", "--gpus", "4", "--engine",
+                      "deepspeed-zero3", "--tuner", "full")
+    assert "packing" not in unpacked.output and "2048 tokens per micro-batch" in unpacked.output

@@ -99,6 +99,10 @@ def staged_folder(final: Path):
 
 
 
+SAFETENSORS_HEADER_LIMIT = 100_000_000
+"""The safetensors format's own cap on a header's size: a larger length is not safetensors."""
+
+
 def safetensors_problem(path: Path) -> str | None:
     """Why a .safetensors file cannot be loaded (cut short, not safetensors), or None. Reads the
     header only: 8 bytes of length, a JSON table of tensors and their byte ranges."""
@@ -107,8 +111,11 @@ def safetensors_problem(path: Path) -> str | None:
     try:
         with open(path, "rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
-            if length > size - 8:
+            if length > SAFETENSORS_HEADER_LIMIT:
                 raise ValueError
+            if length > size - 8:
+                return (f"{path} is cut short: {size:,} bytes where its header alone needs "
+                        f"{8 + length:,}")
             header = json.loads(handle.read(length))
         end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
                   default=0)

@@ -145,8 +145,6 @@ def test_out_of_memory_without_retry_says_how_to_continue(tiny_model_dir, data, 
 # ----------------------------------------------------------------------------- drift
 
 def test_resuming_with_other_settings_is_refused_with_the_list(tiny_model_dir, data, tmp_path):
-    from tests.conftest import TOKENIZER_DIR
-
     own = shutil.copy(data, tmp_path / "qa.jsonl")
     first = run(tiny_model_dir, own, tmp_path, "drift", "--max-steps", 2, "--save-steps", 1,
                 "--resume", "auto")
@@ -154,7 +152,8 @@ def test_resuming_with_other_settings_is_refused_with_the_list(tiny_model_dir, d
     assert f"no complete checkpoint in {tmp_path / 'drift'}; starting a new run" in first.output
     with open(own, "a") as handle:
         handle.write(json.dumps({"query": "New?", "response": "New row."}) + "\n")
-    result = invoke("run", "--model", TOKENIZER_DIR, "--data", own, "--output-dir", tmp_path,
+    other_model = shutil.copytree(tiny_model_dir, tmp_path / "other-model")
+    result = invoke("run", "--model", other_model, "--data", own, "--output-dir", tmp_path,
                     "--run-name", "drift", *COMMON, "--max-steps", 3, "--resume", "auto",
                     "--lora-rank", 8, "--max-length", 256, "--micro-batch-size", 1,
                     "--grad-accum", 2)

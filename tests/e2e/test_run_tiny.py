@@ -154,7 +154,7 @@ def test_the_api_trains_twice_in_one_process(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("damage,expected", [
     ("no-weights", "adapter_model.safetensors is missing: the adapter is damaged"),
     ("cut-weights", "adapter_model.safetensors is cut short"),
-    ("bad-config", "config.yaml: not readable (line 3)"),
+    ("bad-config", "config.yaml: not readable (line 4)"),
 ])
 def test_a_broken_run_folder_is_one_clean_message(finished_run, tmp_path, damage, expected):
     import shutil

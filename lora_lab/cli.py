@@ -23,6 +23,9 @@ class _Group(click.Group):
         except RunStopped as exc:
             click.secho(str(exc), fg="yellow", err=True)
             sys.exit(exc.exit_code)
+        except KeyboardInterrupt:  # before training started (in training: RunStopped)
+            click.secho("interrupted", fg="yellow", err=True)
+            sys.exit(130)
         except LoraLabError as exc:
             click.secho(f"error: {exc}", fg="red", err=True)
             sys.exit(2)

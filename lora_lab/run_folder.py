@@ -333,6 +333,8 @@ def _take_lock(lock: Path) -> None:
         with os.fdopen(descriptor, "w") as handle:
             handle.write(json.dumps(me) + "\n")
         return
+    raise LoraLabError(f"{lock}: another process keeps taking this run folder's lock. Wait for "
+                       f"it, or pick another --run-name.")
 
 
 def _lock_holder(lock: Path) -> dict | None:

@@ -6,7 +6,7 @@ column holds the prompt, query, response, history, system, tools, messages) and,
 `tags` (the role and content keys and the value of each role). Rows are mapped onto lora-lab's
 alpaca / sharegpt / text shapes exactly as LLaMA-Factory's data/README.md documents; an entry
 with only a `prompt` column is pre-training text. `ranking: true` and a `kto_tag` column are
-preference data and are refused, naming what trains them (formats.refuse_preference).
+preference data and are refused, naming what trains them (preference.refuse_preference).
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DataError
-from .readers import kind_of
+from .preference import refuse_preference
+from .readers import kind_of, read_rows
 
 ALPACA_DEFAULTS = {"prompt": "instruction", "query": "input", "response": "output"}
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human",
@@ -69,8 +70,6 @@ class DatasetInfoEntry:
         return f"LLaMA-Factory {fmt} ({self.info_path.name}:{self.name})"
 
     def read_rows(self, warnings: list) -> list:
-        from .formats import read_rows
-
         where = f"--data {self.info_path}:{self.name}"
         if self.entry.get("file_name"):
             path = self.info_path.parent / self.entry["file_name"]
@@ -88,8 +87,6 @@ class DatasetInfoEntry:
 
     def row_format(self, raw_rows: list, spec: str) -> str:
         """alpaca, sharegpt or text; preference entries are refused here."""
-        from .formats import refuse_preference
-
         where = f"--data {spec}"
         if self.entry.get("ranking"):
             refuse_preference({"chosen": None, "rejected": None}, where)

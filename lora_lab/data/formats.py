@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import DataError
+from .preference import refuse_preference
 from .readers import BUNDLED, Bad, Problem, kind_of, read_rows
 from .tools import calls_from_json_text, normalise_tool_calls, normalise_tools
 
@@ -48,7 +49,6 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
                    "system": "system", "observation": "tool", "tool": "tool",
                    "function_call": "assistant"}
 _ROLES = ("system", "user", "assistant", "tool", "tool_call", "tool_response")
-PREFERENCE_KEYS = ("chosen", "rejected", "rejected_response")
 
 
 @dataclass
@@ -154,26 +154,6 @@ def detect_format(rows: list, source: str) -> str:
     reason = row.reason if isinstance(row, Bad) else f"expected an object, got {kind_of(row)}"
     raise DataError(f"--data {source}: no row could be parsed ({len(rows)} rows; first: "
                     f"{origin}: {reason}).")
-
-
-def refuse_preference(row: dict, where: str) -> None:
-    """Preference (DPO / ORPO / RM) and KTO rows are not supervised data: say what trains them."""
-    keys = [k for k in PREFERENCE_KEYS if k in row]
-    if keys:
-        raise DataError(
-            f"{where}: preference data ({' / '.join(f'`{k}`' for k in keys)}: a better and a worse "
-            f"answer, for DPO, ORPO or reward modelling). lora-lab trains supervised "
-            f"fine-tuning only and has no preference command; train it with ms-swift "
-            f"(`swift rlhf --rlhf_type dpo --dataset FILE`) or LLaMA-Factory (`stage: dpo`, "
-            f"`ranking: true` in dataset_info.json). To fine-tune on the chosen answers alone, "
-            f"write them as messages rows.")
-    if isinstance(row.get("label"), bool) or "kto_tag" in row:
-        raise DataError(
-            f"{where}: KTO data (a `label` true/false per answer: false marks an answer NOT to "
-            f"learn). lora-lab trains supervised fine-tuning only and would learn the bad "
-            f"answers too; train it with ms-swift (`swift rlhf --rlhf_type kto --dataset FILE`) "
-            f"or LLaMA-Factory (`stage: kto`), or keep only the `label: true` rows and drop the "
-            f"`label` field.")
 
 
 def normalise_row(row, fmt: str, origin: str, require_reply: bool = True) -> Sample:

@@ -95,7 +95,18 @@ def staged_folder(final: Path):
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    readable_by_umask(staging)
     replace_folder(staging, final)
+
+
+def readable_by_umask(folder: Path) -> None:
+    """Give every file the mode a new file gets here (0644 under the usual umask 022): some
+    writers (safetensors) create theirs 0600, which breaks serving the folder as another user."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in Path(folder).rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 

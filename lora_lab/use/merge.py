@@ -37,14 +37,14 @@ class MergeResult:
 def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str = "bf16",
                   force: bool = False) -> MergeResult:
     """Merge a run's (or adapter folder's) LoRA weights into its base model and save the result."""
+    adapter_dir, run_dir = find_adapter(path)
+    output = Path(output) if output else (run_dir or adapter_dir.parent) / "merged"
+    if output.exists() and not force:  # said before torch is even imported
+        raise CheckpointError(f"--output {output}: the folder already exists. Pass --force to "
+                              f"replace it, or choose another --output.")
     import torch
     from peft import PeftModel
 
-    adapter_dir, run_dir = find_adapter(path)
-    output = Path(output) if output else (run_dir or adapter_dir.parent) / "merged"
-    if output.exists() and not force:
-        raise CheckpointError(f"--output {output}: the folder already exists. Pass --force to "
-                              f"replace it, or choose another --output.")
     base_args = base_model_of(adapter_dir, run_dir)
     trained_quantization = base_args.quantization
     base = load_base_model(ModelArgs(name=base_args.name,

@@ -199,3 +199,16 @@ def test_a_folder_without_config_json_is_refused_before_the_data_are_read(tmp_pa
                                        "--data", str(tmp_path / "missing.jsonl")])
     assert result.exit_code == 2 and "has no config.json" in result.output, result.output
     assert "missing.jsonl" not in result.output.split("error:")[-1]  # the data come later
+
+
+def test_merge_says_the_output_exists_before_loading_anything(finished_run, tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "merged").mkdir()
+    code = ("import sys\nfrom lora_lab.use.merge import merge_adapter\n"
+            f"try:\n    merge_adapter({str(finished_run[0])!r}, {str(tmp_path / 'merged')!r})\n"
+            "except Exception as exc:\n    print(type(exc).__name__, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "CheckpointError False"

@@ -38,6 +38,11 @@ def test_merge_matches_adapter_and_reloads(trained, tmp_path):
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "chat_template.jinja", "merge_report.json"} <= files
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))]
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (merged_dir / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     generation = json.loads((merged_dir / "generation_config.json").read_text())
     assert 151645 in generation["eos_token_id"]
     merged = AutoModelForCausalLM.from_pretrained(merged_dir)

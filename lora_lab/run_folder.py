@@ -211,7 +211,10 @@ class TrainResult:
 # ----------------------------------------------------------------------------- the run
 
 def default_run_name(config: RunConfig) -> str:
+    """<model>-<preset>-<date-time>: the model's folder or file name, without .gguf and without
+    the cache key a converted GGUF's folder carries."""
     model = Path(config.model.name.rstrip("/")).name.lower().replace(".gguf", "")
+    model = re.sub(r"-[0-9a-f]{16}$", "", model)
     return f"{model}-{config.preset}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 

@@ -189,6 +189,11 @@ def normalise_row(row, fmt: str, origin: str, require_reply: bool = True) -> Sam
         messages = messages[:-1]
         trained = trained[:-1] if trained else trained
     check_messages(messages, require_reply, trained)
+    empty = [str(i) for i, m in enumerate(messages, start=1)
+             if m["role"] == "user" and not str(m.get("content") or "").strip()]
+    if empty:
+        notes.append(f"user message {', '.join(empty)} is empty: the model learns to answer an "
+                     f"empty prompt (fill it in, or drop the row)")
     return Sample(messages=messages, origin=origin, tools=tools, trained=trained, notes=notes)
 
 

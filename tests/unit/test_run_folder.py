@@ -60,3 +60,12 @@ def test_the_disk_check_counts_the_tokenizer_files_every_save_writes(tmp_path, m
     config = resolve_config("cpu", flags={"model.name": str(model), "data.datasets": ["x"]})
     with pytest.raises(LoraLabError, match=r"this run writes about \d+ MB .* has 15 MB free"):
         check_disk_space(config, tmp_path / "run", total_steps=10)
+
+
+def test_a_converted_gguf_folder_gives_a_short_run_name():
+    from lora_lab.config import RunConfig
+    from lora_lab.run_folder import default_run_name
+
+    config = RunConfig(preset="cpu")
+    config.model.name = "/c/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m-76eebd29defcf988"
+    assert default_run_name(config).startswith("qwen2.5-coder-0.5b-instruct-q4_k_m-cpu-2")

@@ -144,3 +144,16 @@ def test_json_with_a_bom_and_csv_with_crlf_are_read(tmp_path):
     assert report.kept == [f"{as_json}:1", f"{as_csv}:2"] and report.errors == []
     assert [(w.origin, "byte-order mark" in w.reason) for w in report.warnings] == [
         (f"{as_json}:1", True)]
+
+
+def test_an_empty_query_is_a_warning_with_its_line(tmp_path):
+    from lora_lab.config import DataArgs
+    from lora_lab.data import validate_data
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text('{"query": "Hi?", "response": "Hello."}\n{"query": "", "response": "x"}\n')
+    report = validate_data([str(path)], DataArgs())
+    assert report.errors == [] and len(report.kept) == 2
+    assert [(w.origin, w.reason) for w in report.warnings] == [
+        (f"{path}:2", "user message 1 is empty: the model learns to answer an empty prompt "
+                      "(fill it in, or drop the row)")]

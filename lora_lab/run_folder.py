@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -30,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from .config import SECTIONS, ModelArgs, RunConfig
-from .errors import CheckpointError, ConfigError, LoraLabError
+from .errors import CheckpointError, ConfigError, LoraLabError, RunStopped
 from .log import get_logger
 from .paths import safetensors_problem
 
@@ -121,13 +122,14 @@ def trim_step_log(path: Path, step: int) -> None:
 # ----------------------------------------------------------------------------- adapter/, model/
 
 def is_run_dir(path: Path) -> bool:
+    """A run folder is one with its config.yaml."""
     return (Path(path) / CONFIG_FILE).is_file()
 
 
 def full_model_of(path: str | Path) -> Path | None:
     """The from_pretrained folder of a full fine-tuning run (--tuner full), else None."""
     path = Path(path)
-    if (path / CONFIG_FILE).is_file() and (path / MODEL_FOLDER / "config.json").is_file():
+    if is_run_dir(path) and (path / MODEL_FOLDER / "config.json").is_file():
         return path / MODEL_FOLDER
     return None
 
@@ -140,15 +142,14 @@ def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
                               f"its model is {path / 'model'} (pass it as --model, or to "
                               f"`lora-lab export`; there is nothing to merge).")
     if (path / "adapter_config.json").is_file():
-        run_dir = path.parent if (path.parent / CONFIG_FILE).is_file() else None
+        run_dir = path.parent if is_run_dir(path.parent) else None
         return check_adapter(path), run_dir
-    if (path / CONFIG_FILE).is_file():
+    if is_run_dir(path):
         if (path / ADAPTER_FOLDER / "adapter_config.json").is_file():
             return check_adapter(path / ADAPTER_FOLDER), path
-        checkpoints = sorted(path.glob("checkpoint-*/adapter_config.json"),
-                             key=lambda p: int(p.parent.name.split("-")[-1]))
+        checkpoints = [c for c in list_checkpoints(path) if (c / "adapter_config.json").is_file()]
         if checkpoints:
-            return check_adapter(checkpoints[-1].parent), path
+            return check_adapter(checkpoints[-1]), path
         raise CheckpointError(f"{path}: this run has no adapter yet (no adapter/ or "
                               f"checkpoint-*/ folder). Did the run finish?")
     raise CheckpointError(f"{path}: not a run folder (config.yaml) or an adapter folder "
@@ -181,12 +182,12 @@ def base_model_of(adapter_dir: Path, run_dir: Path | None) -> ModelArgs:
 def owning_run_dir(path: Path) -> Path | None:
     """The run folder whose config.yaml (training data) belongs to `path`, if there is one."""
     for candidate in (path, path.parent):
-        if (candidate / CONFIG_FILE).is_file():
+        if is_run_dir(candidate):
             return candidate
     report = path / "merge_report.json"
     if report.is_file():
         adapter = Path(json.loads(report.read_text())["adapter_dir"])
-        if (adapter.parent / CONFIG_FILE).is_file():
+        if is_run_dir(adapter.parent):
             return adapter.parent
     return None
 
@@ -238,7 +239,7 @@ def fix_run_dir(config: RunConfig, run_dir: Path) -> None:
 
 
 def holds_run(run_dir: Path) -> bool:
-    return ((run_dir / "adapter").exists() or (run_dir / "model").exists()
+    return ((run_dir / ADAPTER_FOLDER).exists() or (run_dir / MODEL_FOLDER).exists()
             or any(run_dir.glob("checkpoint-*")))
 
 
@@ -246,7 +247,7 @@ def check_run_dir(run_dir: Path, config: RunConfig, resume_from: Path | None) ->
     """A run folder is reused only to resume; a finished run is never started over."""
     if resume_from is not None or not holds_run(run_dir):
         return
-    if config.train.resume and (run_dir / "adapter").exists():
+    if config.train.resume and (run_dir / ADAPTER_FOLDER).exists():
         raise CheckpointError(f"--resume {config.train.resume}: {run_dir} holds a finished run "
                               f"(adapter/) but no complete checkpoint of it; refusing to start "
                               f"over in it. Pick another --run-name.")
@@ -367,3 +368,29 @@ def _process_alive(pid) -> bool:
     except (PermissionError, TypeError, ValueError):
         return True
     return True
+
+
+# ----------------------------------------------------------------------------- a signal stop
+
+def record_stop(run_dir: Path, signum: int, step: int) -> RunStopped:
+    """Note in logs/stopped.json that a signal stopped the run after `step` (for the launcher
+    of several processes, which reads it back); returns the error that says how to continue."""
+    (Path(run_dir) / STOP_FILE).write_text(json.dumps({"signal": signum, "step": step}))
+    return stop_error(run_dir, signum, step)
+
+
+def recorded_stop(run_dir: Path) -> RunStopped | None:
+    """The stop record_stop wrote, as its error; None when the run was not stopped."""
+    path = Path(run_dir) / STOP_FILE
+    if not path.is_file():
+        return None
+    stop = json.loads(path.read_text())
+    return stop_error(run_dir, stop["signal"], stop["step"])
+
+
+def stop_error(run_dir: Path, signum: int, step: int) -> RunStopped:
+    run_dir = Path(run_dir)
+    return RunStopped(f"stopped by {signal.Signals(signum).name} after step {step}: "
+                      f"{run_dir / f'checkpoint-{step}'} is complete. The same command with "
+                      f"--resume auto --run-name {run_dir.name} continues the run.",
+                      128 + signum)

@@ -225,7 +225,3 @@ class StopOnSignal(TrainerCallback):
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         self.received = int(flag.item()) or None
         return self.received is not None
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + int(self.received)

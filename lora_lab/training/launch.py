@@ -34,13 +34,13 @@ import yaml
 
 from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template
 from ..device import cuda_available, gpu_memory_gib, in_launched_worker
-from ..errors import LoraLabError, RunStopped, TrainingError
+from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
 from ..models.load import Precision, choose_precision
 from ..planning.choice import pick_engine
 from ..planning.memory import TIERS_GIB, plan_memory
 from ..run_folder import (LAUNCH_FOLDER, TrainResult, check_run_dir, fix_run_dir, locate_run_dir,
-                          STOP_FILE, read_result, run_lock, save_config)
+                          STOP_FILE, read_result, recorded_stop, run_lock, save_config)
 from .checkpoint import resolve_resume
 
 log = get_logger()
@@ -230,13 +230,9 @@ def _run_workers(config: RunConfig, command: list, run_dir: Path) -> TrainResult
              f"{threads}:\n  {shlex.join(command)}")
     (run_dir / STOP_FILE).unlink(missing_ok=True)
     returncode = run_forwarding_signals(command, env)
-    stopped = run_dir / STOP_FILE
-    if stopped.is_file():  # the workers stopped on a signal and wrote a checkpoint
-        stop = json.loads(stopped.read_text())
-        raise RunStopped(f"stopped by {signal.Signals(stop['signal']).name} after step "
-                         f"{stop['step']}: {run_dir / ('checkpoint-' + str(stop['step']))} is "
-                         f"complete. The same command with --resume auto --run-name "
-                         f"{run_dir.name} continues the run.", 128 + stop["signal"])
+    stopped = recorded_stop(run_dir)
+    if stopped is not None:  # the workers stopped on a signal and wrote a checkpoint
+        raise stopped
     if returncode != 0:
         raise TrainingError(f"--gpus {config.train.gpus}: the launched run failed (exit status "
                             f"{returncode}); the workers' messages are above. The "

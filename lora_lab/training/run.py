@@ -11,10 +11,8 @@ wrote.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import shutil
-import signal
 import time
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from ..data import PreparedData, prepare_data
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
 from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_launched_worker,
                       peak_memory_per_gpu, release_memory, use_cudnn_attention, world_size)
-from ..errors import RunStopped, TrainingError
+from ..errors import TrainingError
 from ..log import get_logger
 from ..models.attention import resolve_packed_attention
 from ..models.fast_lora import resolve_fast_lora
@@ -36,7 +34,7 @@ from ..planning.choice import check_fits
 from ..planning.disk import check_disk_space
 from ..planning.memory import choose_memory_means, row_length, usable_gib
 from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, LOGS_FOLDER, MODEL_FOLDER, STEP_LOG,
-                          STOP_FILE,
+                          record_stop, stop_error,
                           TrainResult, check_run_dir, checkpoint_step, fix_run_dir,
                           locate_run_dir, run_lock, save_config, trim_step_log,
                           write_data_problems, write_summary)
@@ -342,12 +340,9 @@ def stop_if_signalled(trainer: LoraLabTrainer, run_dir: Path) -> None:
     if stop.received is None:
         return
     step = trainer.state.global_step
-    if trainer.is_world_process_zero():  # for the launcher of several processes
-        (run_dir / STOP_FILE).write_text(json.dumps({"signal": stop.received, "step": step}))
-    raise RunStopped(f"stopped by {signal.Signals(stop.received).name} after step {step}: "
-                     f"{run_dir / f'checkpoint-{step}'} is complete. The same command with "
-                     f"--resume auto --run-name {run_dir.name} continues the run.",
-                     stop.exit_code)
+    if trainer.is_world_process_zero():
+        raise record_stop(run_dir, stop.received, step)
+    raise stop_error(run_dir, stop.received, step)
 
 
 def shrink_batch_after_oom(config: RunConfig, step: int, precision: Precision) -> None:

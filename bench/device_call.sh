@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# One device call for issue 17, run from the project root on the GPU machine, with this tree
-# copied to .speed/ and Unsloth's site folder to .peer/site (both carried):
-#   bash .speed/bench/device_call.sh "CELL,CELL,..." [gpu-tests]
-# Results and logs go to $OUT.
+# One device call for issue 17, run from the project root on the GPU machine with Unsloth's
+# site folder (shared/tools/peer-unsloth/build.sh) in .peer/site, carried:
+#   bash bench/device_call.sh "CELL,CELL,..." [gpu-tests] [profile]
+# CELL: a label of `python bench/run.py peer` ("" for none). gpu-tests: tests/gpu first.
+# attention: bench/attention_bench.py first.
+# profile: bench/profile_step.py on lora-lab's and Unsloth's 7B 4 x 4096 cell afterwards.
+# Results, logs, profiles and kernel traces go to $OUT.
 set -o pipefail
-cd .speed || exit 1
-[ -e tests/assets ] || ln -s ../../tests/assets tests/assets
-export PYTHONPATH=$PWD:$PWD/../.peer/site HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
+cd "$(dirname "$0")/.." || exit 1
+export PYTHONPATH=$PWD:$PWD/.peer/site HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee $OUT/gpu.txt
-if [ "$2" = gpu-tests ]; then
-  python3 -m pytest -q -s tests/gpu/test_fast_lora_cuda.py tests/gpu/test_means_cuda.py \
-    > $OUT/gpu-tests.log 2>&1; tail -4 $OUT/gpu-tests.log
-fi
-python3 bench/run.py peer --out $OUT --cells "$1" 2>&1 | tee $OUT/run.log
-if [ "$3" = profile ]; then
-  (cd bench && timeout 150 python3 profile_step.py '{"label": "ll-7b-4096-fast", "preset": "24gb",
-    "size": "7b", "max_length": 4096, "steps": 6, "grad_accum": 4, "sets": ["lora.dropout=0",
-    "data.packed_attention=varlen"]}' --out $OUT > $OUT/profile.log 2>&1; tail -3 $OUT/profile.log)
-fi
+cells=$1; shift
+for step in "$@"; do
+  if [ "$step" = gpu-tests ]; then
+    timeout 150 python3 -m pytest -q -s tests/gpu > $OUT/gpu-tests.log 2>&1; tail -4 $OUT/gpu-tests.log
+  fi
+  if [ "$step" = attention ]; then
+    timeout 200 python3 bench/attention_bench.py --out $OUT 2>&1 | tee $OUT/attention.log
+  fi
+done
+[ -n "$cells" ] && python3 bench/run.py peer --out $OUT --cells "$cells" 2>&1 | tee $OUT/run.log
+for step in "$@"; do
+  if [ "$step" = profile ]; then
+    (cd bench && for spec in \
+      '{"kind": "lora-lab", "label": "ll-7b-4096", "preset": "24gb", "size": "7b", "max_length": 4096, "steps": 6, "grad_accum": 4, "sets": ["lora.dropout=0", "data.packed_attention=varlen"]}' \
+      '{"kind": "unsloth", "label": "us-7b-4096", "size": "7b", "max_length": 4096, "steps": 6, "grad_accum": 4}'; do
+        timeout 240 python3 profile_step.py "$spec" --out $OUT >> $OUT/profile.log 2>&1
+        grep -A12 '^ll-\|^us-' $OUT/profile.log | tail -14
+      done)
+  fi
+done

@@ -1,27 +1,47 @@
-"""Where a lora-lab training step spends its GPU time: torch.profiler over two optimizer steps.
+"""Where a training step spends its GPU time: torch.profiler over two optimizer steps.
 
-  python bench/profile_step.py '{"label": "lora-lab-7b-4096-segments", "preset": "24gb",
+  python bench/profile_step.py '{"kind": "lora-lab", "label": "ll-7b-4096", "preset": "24gb",
       "size": "7b", "max_length": 4096, "steps": 6, "grad_accum": 4,
-      "sets": ["data.packed_attention=segments"]}' --out DIR
+      "sets": ["lora.dropout=0"]}' --out DIR
+  python bench/profile_step.py '{"kind": "unsloth", "label": "us-7b-4096", "size": "7b",
+      "max_length": 4096, "steps": 6, "grad_accum": 4}' --out DIR
 
-Runs the cell as bench/cell.py does (kind lora-lab), profiles steps 4 and 5 (after two steps of
-warm-up and one for the profiler's own) and writes DIR/profile-LABEL.txt: the GPU kernels by self
-time, and how much of the steps' wall time the GPU was busy.
+Runs the cell as bench/cell.py does (kind lora-lab or unsloth), profiles optimizer steps 4 and 5
+(after two steps of warm-up and one for the profiler's own) and writes to DIR:
+- profile-LABEL.txt: the GPU kernels by self time, the time by kind of kernel (matrix products,
+  attention, Triton, copies, the rest) and how much of the steps' wall time the compute stream
+  was busy;
+- trace-LABEL.json.gz: the GPU kernels of the profiled steps (name, stream, start, duration),
+  for bench/trace_gaps.py.
 """
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import re
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
-import cell
-import lora_lab.training.run as train_module
-
 WAIT, WARMUP, ACTIVE = 2, 1, 2
+
+KINDS = (("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|sm90_|cublas|matmul", re.I)),
+         ("attention", re.compile(r"flash|fmha|attention", re.I)),
+         ("copy", re.compile(r"memcpy|memset", re.I)),
+         ("triton", re.compile(r"^triton_|_kernel$|liger", re.I)),
+         ("elementwise", re.compile(r"elementwise|vectorized|unrolled|reduce|cat|copy|index",
+                                    re.I)))
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if pattern.search(name):
+            return kind
+    return "other"
 
 
 class ProfilerSteps(TrainerCallback):
@@ -44,29 +64,84 @@ class ProfilerSteps(TrainerCallback):
         self.profiler.step()
 
 
+def gpu_kernels(profiler, scratch: Path) -> list:
+    """(name, stream, start_us, duration_us) of every GPU kernel, copy and memset recorded, from
+    the profiler's Chrome trace."""
+    trace = scratch / "trace.json"
+    profiler.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    rows = [(e["name"], e.get("args", {}).get("stream", e.get("tid")), float(e["ts"]),
+             float(e.get("dur", 0))) for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    trace.unlink()
+    return sorted(rows, key=lambda row: row[2])
+
+
+def summary(rows: list, wall_seconds: float) -> str:
+    by_kind, by_stream = defaultdict(float), defaultdict(float)
+    for name, stream, _, duration in rows:
+        by_kind[kind_of(name)] += duration
+        by_stream[stream] += duration
+    lines = [f"wall {wall_seconds:.3f} s over {ACTIVE} optimizer steps"]
+    for stream, busy in sorted(by_stream.items(), key=lambda kv: -kv[1]):
+        lines.append(f"stream {stream}: busy {busy / 1e6:.3f} s "
+                     f"({busy / 1e6 / wall_seconds:.0%} of wall)")
+    total = sum(by_kind.values())
+    for kind, busy in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{kind:12s} {busy / 1e6:8.3f} s  {busy / total:6.1%}")
+    return "\n".join(lines)
+
+
+def install_callback(kind: str, callback) -> None:
+    """Add `callback` to the Trainer the cell builds."""
+    if kind == "lora-lab":
+        import lora_lab.training.run as train_module
+
+        callbacks = train_module.run_callbacks
+        train_module.run_callbacks = lambda run_dir: callbacks(run_dir) + [callback]
+        return
+    import transformers
+
+    original = transformers.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [callback]
+        original(self, *args, **kwargs)
+
+    transformers.Trainer.__init__ = init
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("cell")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     spec = {"kind": "lora-lab", **json.loads(args.cell)}
+    if spec["kind"] == "unsloth":
+        import peer_unsloth
+
+        peer_unsloth.import_unsloth()
+    import cell
+
     profiler = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
         schedule=torch.profiler.schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE))
     steps = ProfilerSteps(profiler)
-    callbacks = train_module.run_callbacks
-    train_module.run_callbacks = lambda run_dir: callbacks(run_dir) + [steps]
+    install_callback(spec["kind"], steps)
+    runner = cell.run_lora_lab if spec["kind"] == "lora-lab" else cell.run_unsloth_cell
     with profiler:
-        result = cell.run_lora_lab(spec)
+        result = runner(spec)
     events = profiler.key_averages()
-    busy_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
-    table = events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70)
-    header = (f"{spec['label']}: {ACTIVE} optimizer steps profiled, {steps.active_seconds:.3f} s "
-              f"wall, GPU kernels {busy_us / 1e6:.3f} s ({busy_us / 1e6 / steps.active_seconds:.0%}"
-              f" busy); cell result: {json.dumps(result)}\n\n")
-    out = Path(args.out) / f"profile-{spec['label']}.txt"
-    out.write_text(header + table)
-    print(header + table[:6000])
+    table = events.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
+    rows = gpu_kernels(profiler, Path(args.out))
+    header = (f"{spec['label']}: {summary(rows, steps.active_seconds)}\n"
+              f"cell result: {json.dumps(result)}\n\n")
+    out = Path(args.out)
+    (out / f"profile-{spec['label']}.txt").write_text(header + table)
+    with gzip.open(out / f"trace-{spec['label']}.json.gz", "wt") as handle:
+        json.dump(rows, handle)
+    print(header + table[:5000])
 
 
 if __name__ == "__main__":

@@ -113,6 +113,7 @@ ABLATIONS_7B_4096 = {  # label suffix: sets on top of the preset
     "preset": ["data.packed_attention=varlen"],  # as shipped: dropout 0.05, peft's path
     "d0-plain": FAST + ["model.fast_lora=false", "train.offload_copy_stream=false"],
     "d0-fast-nostream": FAST + ["train.offload_copy_stream=false"],
+    "noexpand": FAST + ["train.expandable_segments=false"],
 }
 
 
@@ -125,6 +126,10 @@ def peer_cells(steps: int = 6) -> list:
                           "steps": steps, "sets": FAST, **ours})
             cells.append({"kind": "unsloth", "label": f"us-{name}-{run}", "size": size,
                           "steps": steps, **theirs})
+            if name in ("0.5b-4096", "1.5b-4096"):  # rows of 4096 tokens, as Unsloth's batches
+                cells.append({"kind": "lora-lab", "label": f"ll-{name}-rows4096-{run}",
+                              "size": size, "steps": steps,
+                              "sets": FAST + ["data.pack_length=4096"], **ours})
             if name == "7b-1024":  # the embedding on the GPU, as Unsloth keeps it
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-gpuemb-{run}",
                               "size": size, "steps": steps,

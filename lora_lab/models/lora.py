@@ -88,3 +88,4 @@ def linear_module_names(model) -> list[str]:
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
              if isinstance(module, torch.nn.Linear)}
     return sorted(names - {"lm_head"})
+

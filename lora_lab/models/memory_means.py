@@ -27,26 +27,43 @@ from torch import nn
 
 class CpuEmbedding(nn.Module):
     """An input embedding whose table stays in CPU memory (frozen: it is not a parameter, so
-    `model.to("cuda")` leaves it where it is). Returns the vectors on the ids' device."""
+    `model.to("cuda")` leaves it where it is). Returns the vectors on the model's device.
+
+    Ids given on the CPU (the Trainer leaves them there: LoraLabTrainer._prepare_inputs) are
+    looked up straight into pinned memory and copied to the GPU without waiting; ids on the GPU
+    are first copied back, which waits for the GPU."""
 
     def __init__(self, embedding: nn.Embedding):
         super().__init__()
         self.table = embedding.weight.detach().to("cpu")
         self.padding_idx = embedding.padding_idx
         self.num_embeddings, self.embedding_dim = self.table.shape
+        # where the vectors go: the old table's device, and wherever model.to(...) moves it
+        self.register_buffer("device_marker", torch.empty(0, device=embedding.weight.device),
+                             persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.table
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        vectors = nn.functional.embedding(input_ids.to("cpu"), self.table, self.padding_idx)
-        if input_ids.device.type == "cpu":
-            return vectors
-        return vectors.pin_memory().to(input_ids.device, non_blocking=True)
+        target = input_ids.device if input_ids.is_cuda else self.device_marker.device
+        ids = input_ids.to("cpu").reshape(-1)
+        pinned = target.type == "cuda"
+        vectors = torch.empty((ids.numel(), self.embedding_dim), dtype=self.table.dtype,
+                              pin_memory=pinned)
+        torch.index_select(self.table, 0, ids, out=vectors)
+        vectors = vectors.view(*input_ids.shape, self.embedding_dim)
+        return vectors.to(target, non_blocking=True) if pinned else vectors
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, in CPU memory"
+
+
+def uses_cpu_embedding(model) -> bool:
+    """Whether `model`'s input embedding is a CpuEmbedding (its ids are best kept on the CPU)."""
+    get = getattr(model, "get_input_embeddings", None)
+    return get is not None and isinstance(get(), CpuEmbedding)
 
 
 def move_embedding_to_cpu(model) -> bool:

@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template
-from ..device import cuda_available, gpu_memory_gib, in_launched_worker
+from ..device import ALLOCATOR_ENV, cuda_available, gpu_memory_gib, in_launched_worker
 from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
 from ..models.load import Precision, choose_precision
@@ -208,8 +208,6 @@ def launch_env(config: RunConfig, environ=None, cpus: int | None = None) -> dict
         env[ALLOCATOR_ENV] = "expandable_segments:True"
     return env
 
-
-ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def launch_run(config: RunConfig) -> TrainResult:

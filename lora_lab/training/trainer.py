@@ -18,6 +18,7 @@ from pathlib import Path
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
 
+from ..models.memory_means import uses_cpu_embedding
 from .callbacks import NonFiniteGuard, ensure_finite
 from .checkpoint import commit_checkpoint, rotate_checkpoints, staging_dir, write_manifest
 
@@ -54,6 +55,15 @@ class LoraLabTrainer(Trainer):
 
         pending = nested_gather(self._tr_loss.detach(), self.args.parallel_mode).mean().item()
         return self.resumed_loss_sum + self._total_loss_scalar + pending
+
+    def _prepare_inputs(self, inputs):
+        """The batch on the model's device, but input ids for an embedding kept in CPU memory
+        stay on the CPU (models.memory_means.CpuEmbedding looks them up there)."""
+        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        if ids is None or ids.device.type != "cpu" or not uses_cpu_embedding(self.model):
+            return super()._prepare_inputs(inputs)
+        prepared = super()._prepare_inputs({k: v for k, v in inputs.items() if k != "input_ids"})
+        return {**prepared, "input_ids": ids}
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

@@ -59,3 +59,30 @@ def test_a_packed_row_matches_its_samples_on_cuda_in_bf16(attention, monkeypatch
         error = (together[1][name] - grad).norm() / grad.norm()
         print(f"{name}: relative gradient error {error:.2e}")
         assert error < 3e-2, name
+
+
+def test_the_cpu_embedding_takes_ids_on_the_cpu_without_changing_the_result():
+    """LoraLabTrainer leaves input ids on the CPU for a CpuEmbedding: same loss and gradients
+    as with the ids on the GPU (whose lookup first copies them back)."""
+    from lora_lab.config import LoraArgs
+    from lora_lab.models.lora import apply_lora
+    from lora_lab.models.memory_means import CpuEmbedding, uses_cpu_embedding
+    from lora_lab.planning.memory import MemoryMeans
+    from tests.unit.test_activations import SEQ, tiny_untied
+
+    results = []
+    for ids_device in ("cuda", "cpu"):
+        model = tiny_untied()
+        torch.manual_seed(1)
+        model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0.0), True,
+                           MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True))
+        model = model.cuda().train()
+        assert uses_cpu_embedding(model)
+        assert isinstance(model.get_input_embeddings(), CpuEmbedding)
+        torch.manual_seed(2)
+        ids = torch.randint(0, 512, (2, SEQ))
+        loss = model(input_ids=ids.to(ids_device), labels=ids.cuda()).loss
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                      if p.requires_grad}, model))
+    assert_same(results[0], results[1], tol=0)

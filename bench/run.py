@@ -113,7 +113,6 @@ ABLATIONS_7B_4096 = {  # label suffix: sets on top of the preset
     "preset": ["data.packed_attention=varlen"],  # as shipped: dropout 0.05, peft's path
     "d0-plain": FAST + ["model.fast_lora=false", "train.offload_copy_stream=false"],
     "d0-fast-nostream": FAST + ["train.offload_copy_stream=false"],
-    "noexpand": FAST + ["train.expandable_segments=false"],
 }
 
 

@@ -45,18 +45,6 @@ def cap_gpu_memory() -> float | None:
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
-def use_expandable_segments(enabled: bool) -> bool:
-    """train.expandable_segments: let PyTorch's caching allocator grow its blocks in place, so
-    that what it holds stays near what is allocated; not where the user set
-    PYTORCH_CUDA_ALLOC_CONF. Returns whether it is on."""
-    import torch
-
-    if not enabled or ALLOCATOR_ENV in os.environ or not torch.cuda.is_available():
-        return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    return True
-
-
 def gpu_memory_gib() -> float | None:
     """The GPU memory this process may use, in GiB: LORA_LAB_GPU_MEMORY_GIB when set (a smaller
     card), else the first GPU's; None without CUDA."""

@@ -142,10 +142,6 @@ class TrainArgs:
     offload_copy_stream: bool = _f(True, "Copy offloaded layer checkpoints on a side CUDA "
                                          "stream, overlapping the layers' compute, and fetch "
                                          "each back one layer ahead of its backward pass.")
-    expandable_segments: bool = _f(
-        True, "PyTorch's caching allocator grows its blocks in place (expandable segments), "
-              "so it holds little more than it has handed out; unless PYTORCH_CUDA_ALLOC_CONF "
-              "is set.")
     mlp_chunk_tokens: int = _f(4096, "Recompute each layer's MLP on at most this many tokens "
                                      "at a time (LoRA on one GPU, with gradient checkpointing), "
                                      "on a GPU only when the memory plan does not fit without "

@@ -20,8 +20,7 @@ from ..config import RunConfig
 from ..data import PreparedData, prepare_data
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
 from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_launched_worker,
-                      peak_memory_per_gpu, release_memory, use_cudnn_attention,
-                      use_expandable_segments, world_size)
+                      peak_memory_per_gpu, release_memory, use_cudnn_attention, world_size)
 from ..errors import TrainingError
 from ..log import get_logger
 from ..models.attention import resolve_packed_attention
@@ -63,7 +62,6 @@ def train(config: RunConfig) -> TrainResult:
         check_full_finetuning_precision(precision)
     state = distributed_state(precision)
     cap_gpu_memory()
-    use_expandable_segments(config.train.expandable_segments)
     model_path = locate_model(config.model.name)
     check_remote_code(model_path, config.model.trust_remote_code)
     check_model_files(model_path)  # before the data are encoded

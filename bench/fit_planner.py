@@ -16,14 +16,18 @@ sys.path.insert(0, str(ROOT))
 
 from lora_lab.planning import memory  # noqa: E402
 from lora_lab.config import resolve_config
-from lora_lab.registry import guess_model_size, known_model_config
+from lora_lab.registry import model_config_of
 
 
-def measured_cells() -> list:
+def measured_cells(fast_lora: bool = False) -> list:
     """(RunConfig, measured peak GiB, label) of every successful lora-lab cell run under a
     tier's cap, every row full (the presets and long-sequence plans; the speed plan's uncapped
     cells are left out). These ran before MLP chunks became budget-driven: chunks wherever a
-    row was longer than 4096 tokens, which is what the planner assumes without a budget."""
+    row was longer than 4096 tokens, which is what the planner assumes without a budget.
+    fast_lora: the cells that ran models/fast_lora.py (no adapter dropout) instead, which the
+    fit leaves out: the planner counts peft's path, an upper bound for the fast one."""
+    from lora_lab.models.fast_lora import resolve_fast_lora
+
     cells = []
     for path in sorted((ROOT / "bench" / "results").glob("*.jsonl")):
         for line in path.read_text().splitlines()[1:]:
@@ -36,7 +40,8 @@ def measured_cells() -> list:
             if row.get("resolved", {}).get("grad_accum"):  # packed cells: one full row a step
                 flags["train.grad_accum"] = row["resolved"]["grad_accum"]
             config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
-            cells.append((config, row["peak_reserved_gib"], row["label"]))
+            if resolve_fast_lora(config) == fast_lora:
+                cells.append((config, row["peak_reserved_gib"], row["label"]))
     return cells
 
 
@@ -44,8 +49,7 @@ def main() -> None:
     cells = measured_cells()
     rows, targets, weights = [], [], []
     for config, peak, _ in cells:
-        shape = memory.ModelShape.from_config(known_model_config(
-            guess_model_size(config.model.name)))
+        shape = memory.ModelShape.from_config(model_config_of(config.model.name))
         tokens = memory.row_length(config) * memory.micro_batch_rows(config)
         parts = memory._parts(shape, config, tokens)
         counted = sum(v for k, v in parts.items() if "fitted" not in k) * memory.GIB

@@ -39,9 +39,10 @@ def plan(config: RunConfig, gpu_memory_gib: float | None = None,
     try:
         return plan_memory(config, gpu_memory_gib, longest_sample_tokens)
     except ValueError:
-        raise LoraLabError(f"--model {config.model.name}: the planner knows the Qwen2.5 sizes "
-                           f"(0.5B, 1.5B, 3B, 7B); this model's shape is not one of them."
-                           ) from None
+        raise LoraLabError(f"--model {config.model.name}: the planner needs the model's "
+                           f"config.json. Pass a local model folder, or a model it ships the "
+                           f"config of (docs/families.md: qwen2.5-7b, qwen3-8b, llama-3.1-8b, "
+                           f"gemma-3-4b, phi-4-mini, mistral-7b ...).") from None
 
 
 def choose_preset(preset: str, gpu_memory_gib: float | None = None) -> str:

@@ -1,9 +1,11 @@
-"""The models lora-lab knows by name: aliases, the Qwen2.5 sizes and their real config.json
-files, and how a --model value is classified (hub id, folder or .gguf)."""
+"""The models lora-lab knows: what differs per family (keyed by config.json's model_type), the
+aliases and the real config.json of the models it can plan without downloading, and how a
+--model value is classified (hub id, folder or .gguf)."""
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import LoraLabError, ModelError
@@ -24,7 +26,92 @@ def _model_aliases() -> dict[str, str]:
     return aliases
 
 
-MODEL_ALIASES = _model_aliases()
+# alias -> (hub id, shipped config file in lora_lab/model_configs, without .json)
+OTHER_MODELS = {
+    "qwen3-0.6b": ("Qwen/Qwen3-0.6B", "qwen3-0.6b"),
+    "qwen3-0.6b-base": ("Qwen/Qwen3-0.6B-Base", "qwen3-0.6b"),
+    "qwen3-1.7b": ("Qwen/Qwen3-1.7B", "qwen3-1.7b"),
+    "qwen3-1.7b-base": ("Qwen/Qwen3-1.7B-Base", "qwen3-1.7b"),
+    "qwen3-4b": ("Qwen/Qwen3-4B", "qwen3-4b"),
+    "qwen3-4b-base": ("Qwen/Qwen3-4B-Base", "qwen3-4b"),
+    "qwen3-8b": ("Qwen/Qwen3-8B", "qwen3-8b"),
+    "qwen3-8b-base": ("Qwen/Qwen3-8B-Base", "qwen3-8b"),
+    "llama-3.2-1b": ("meta-llama/Llama-3.2-1B-Instruct", "llama-3.2-1b"),
+    "llama-3.2-1b-base": ("meta-llama/Llama-3.2-1B", "llama-3.2-1b"),
+    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B-Instruct", "llama-3.2-3b"),
+    "llama-3.2-3b-base": ("meta-llama/Llama-3.2-3B", "llama-3.2-3b"),
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
+    "llama-3.1-8b-base": ("meta-llama/Llama-3.1-8B", "llama-3.1-8b"),
+    "gemma-3-270m": ("google/gemma-3-270m-it", "gemma-3-270m"),
+    "gemma-3-1b": ("google/gemma-3-1b-it", "gemma-3-1b"),
+    "gemma-3-4b": ("google/gemma-3-4b-it", "gemma-3-4b"),
+    "phi-4-mini": ("microsoft/Phi-4-mini-instruct", "phi-4-mini"),
+    "mistral-7b": ("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b"),
+    "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
+}
+"""Models of other families lora-lab can plan without a download (their real architecture
+values ship in lora_lab/model_configs; model_configs/SOURCE.md says where each came from)."""
+
+MODEL_ALIASES = {**_model_aliases(), **{alias: hub for alias, (hub, _) in OTHER_MODELS.items()}}
+_CONFIG_OF_HUB_ID = {hub.lower(): name for hub, name in OTHER_MODELS.values()}
+_BASE_HUB_IDS = {MODEL_ALIASES[a].lower() for a in MODEL_ALIASES if a.endswith("-base")}
+
+BASE_SUFFIXES = ("-base",)
+"""Aliases of base (not instruction-tuned) checkpoints end so."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What lora-lab does differently for one model_type."""
+    name: str
+    liger: str | None = None
+    """liger_kernel.transformers function that patches this family (None: no fused kernels)."""
+    vllm_lora_modules: frozenset | None = None
+    """The modules vLLM's LoRA support accepts for this family (None: not known here)."""
+    thinking: bool = False
+    """The chat template writes <think> blocks (Qwen3)."""
+
+
+_LINEAR7 = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                      "down_proj"})
+FAMILIES = {
+    "qwen2": Family("Qwen2 / Qwen2.5 (and the DeepSeek-R1 distills of Qwen2.5)",
+                    "apply_liger_kernel_to_qwen2", _LINEAR7),
+    "qwen3": Family("Qwen3", "apply_liger_kernel_to_qwen3", _LINEAR7, thinking=True),
+    "llama": Family("Llama 3.x, SmolLM2, TinyLlama", "apply_liger_kernel_to_llama", _LINEAR7),
+    "mistral": Family("Mistral", "apply_liger_kernel_to_mistral", _LINEAR7),
+    "gemma3_text": Family("Gemma 3 (text)", "apply_liger_kernel_to_gemma3_text", _LINEAR7),
+    "phi3": Family("Phi-3, Phi-4-mini", "apply_liger_kernel_to_phi3",
+                   frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})),
+    "starcoder2": Family("StarCoder2", None, frozenset({"q_proj", "k_proj", "v_proj", "o_proj",
+                                                        "c_fc", "c_proj"})),
+}
+GENERIC = Family("other causal language models")
+"""An unknown model_type trains on the generic path: peft's LoRA on its linear layers, no fused
+kernels."""
+
+
+def family_of(model_type: str | None) -> Family:
+    return FAMILIES.get(model_type or "", GENERIC)
+
+
+def missing_fast_paths(family: Family) -> list[str]:
+    """What an unknown or partly known family trains without (said once at the start)."""
+    missing = [] if family.liger else ["liger-kernel's fused kernels"]
+    if family.vllm_lora_modules is None:
+        missing.append("a known list of vLLM's LoRA modules (serving is not checked)")
+    return missing
+
+
+def is_base_model(spec: str) -> bool:
+    """Whether --model names a base (pretrained, not instruction-tuned) checkpoint: a -base
+    alias, a known base hub id, a hub id ending in -Base, or a Qwen2.5 hub id without -Instruct
+    (Qwen2.5's instruct repositories carry it; Qwen3's post-trained ones do not)."""
+    text = str(spec).strip().lower()
+    hub = MODEL_ALIASES.get(text, text)
+    name = hub.rsplit("/", 1)[-1]
+    return (text.endswith(BASE_SUFFIXES) or hub in _BASE_HUB_IDS or name.endswith("-base")
+            or (hub.startswith("qwen/qwen2.5-") and "instruct" not in name))
 
 
 _NO_SUCH_SIZE = re.compile(r"qwen2\.5-(\d+(?:\.\d+)?)b", re.IGNORECASE)
@@ -79,19 +166,34 @@ def guess_model_size(spec: str) -> str | None:
             if shape == _shape_of(known_model_config(size)):
                 return size
         return None
-    match = re.search(r"(\d+(?:\.\d+)?)b", Path(value).name.lower())
+    name = Path(value).name.lower()
+    match = re.search(r"qwen2\.5-(?:\w+-)?(\d+(?:\.\d+)?)b", name)
     size = match.group(1) + "b" if match else None
     return size if size in QWEN25_SIZES else None
 
 
 def model_config_of(spec: str) -> dict | None:
-    """The model's config.json: a local folder's own, else the shipped one of the Qwen2.5 size
-    its name says; None if neither is known."""
-    local = _local_config(*resolve_model_spec(spec))
-    if local is not None:
-        return local
-    size = guess_model_size(spec)
-    return known_model_config(size) if size else None
+    """The model's config.json: a local folder's own, else the shipped one of a known model
+    (a Qwen2.5 size its name says, or one of OTHER_MODELS); None if neither is known. For a
+    vision-language config the text model's values (text_config) are returned."""
+    try:
+        kind, value = resolve_model_spec(spec)
+    except LoraLabError:
+        return None
+    config = _local_config(kind, value)
+    if config is None and kind == "hub" and value.lower() in _CONFIG_OF_HUB_ID:
+        config = _shipped_config(_CONFIG_OF_HUB_ID[value.lower()])
+    if config is None:
+        size = guess_model_size(spec)
+        config = known_model_config(size) if size else None
+    if config is not None and isinstance(config.get("text_config"), dict):
+        config = {**config["text_config"], "tie_word_embeddings": config.get(
+            "tie_word_embeddings", config["text_config"].get("tie_word_embeddings", True))}
+    return config
+
+
+def _shipped_config(name: str) -> dict:
+    return json.loads((model_configs_dir() / f"{name}.json").read_text())
 
 
 def _shape_of(config: dict) -> tuple:
@@ -100,4 +202,17 @@ def _shape_of(config: dict) -> tuple:
 
 def known_model_config(size: str) -> dict:
     """The real config.json of Qwen2.5 at `size` (shipped in lora_lab/model_configs)."""
-    return json.loads((model_configs_dir() / f"qwen2.5-{size}.json").read_text())
+    return _shipped_config(f"qwen2.5-{size}")
+
+
+def model_display_name(spec: str, config: dict | None = None) -> str:
+    """A short name for plans and messages: Qwen2.5-7B for its aliases, else the hub id's or
+    folder's last part."""
+    size = guess_model_size(spec)
+    if size is not None:
+        return f"Qwen2.5-{_SIZE_SPELLING[size]}"
+    try:
+        _, value = resolve_model_spec(spec)
+    except LoraLabError:
+        value = str(spec)
+    return Path(value).name or str(spec)

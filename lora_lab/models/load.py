@@ -11,7 +11,7 @@ from ..config import ModelArgs
 from ..errors import ModelError
 from ..log import get_logger
 from ..paths import safetensors_problem
-from ..registry import resolve_model_spec
+from ..registry import family_of, resolve_model_spec
 from .gguf import convert_gguf
 
 log = get_logger()
@@ -201,13 +201,20 @@ def apply_kernels(model, kernels: str) -> str:
     """
     if resolve_kernels(kernels) == "none":
         return "none"
-    if model.config.model_type != "qwen2":
-        log.info("liger kernels: only wired for Qwen2 models; not applied")
-        return "none"
-    from liger_kernel.transformers import apply_liger_kernel_to_qwen2
+    import inspect
 
-    apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                fused_linear_cross_entropy=True, model=model)
+    import liger_kernel.transformers as liger
+
+    family = family_of(model.config.model_type)
+    apply = getattr(liger, family.liger, None) if family.liger else None
+    if apply is None:
+        log.info(f"liger kernels: none for model_type {model.config.model_type!r} in this "
+                 f"liger-kernel; the model trains without them")
+        return "none"
+    wanted = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True,
+              "cross_entropy": False, "fused_linear_cross_entropy": True, "model": model}
+    params = inspect.signature(apply).parameters
+    apply(**{k: v for k, v in wanted.items() if k in params})
     return "liger"
 
 

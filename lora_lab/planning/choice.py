@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from ..config import RunConfig
 from ..errors import LoraLabError
-from ..registry import guess_model_size
+from ..registry import model_config_of
 from .memory import CPU_PLAN_MARGIN, TIERS_GIB, MemoryPlan, plan_memory, row_length
 
 ENGINE_PREFERENCE = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
@@ -25,7 +25,7 @@ def pick_engine(config: RunConfig, gpu_memory_gib: float | None,
         return "ddp", "one GPU"
     if config.model.quantization == "nf4":
         return "ddp", "QLoRA's 4-bit weights are not sharded by the engines: a replica per GPU"
-    if gpu_memory_gib is None or guess_model_size(config.model.name) is None:
+    if gpu_memory_gib is None or model_config_of(config.model.name) is None:
         return "ddp", ("no GPU memory to plan against" if gpu_memory_gib is None else
                        f"the planner does not know {config.model.name}") + ": ddp by default"
     candidates = ENGINE_PREFERENCE if deepspeed else ("ddp", "fsdp")
@@ -59,7 +59,7 @@ def pick_preset(gpu_memory_gib: float) -> tuple[str, str]:
 def check_fits(config: RunConfig, gpu_memory_gib: float,
                longest_sample_tokens: int | None = None) -> MemoryPlan | None:
     """Refuse, before loading anything, a run the planner says will not fit; None if unknown."""
-    if guess_model_size(config.model.name) is None:
+    if model_config_of(config.model.name) is None:
         return None
     plan = plan_memory(config, gpu_memory_gib, longest_sample_tokens)
     if plan.fits:

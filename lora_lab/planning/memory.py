@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import RunConfig, engine_template, syncs_each_micro_batch
-from ..registry import guess_model_size, known_model_config
+from ..registry import model_config_of, model_display_name
 
 GIB = 2**30
 CONTEXT_GIB = 0.5
@@ -84,10 +84,10 @@ def choose_memory_means(config: RunConfig, on_gpu: bool, tied_embeddings: bool,
         embedding_on_cpu=not tied_embeddings and wanted(config.model.embedding_on_cpu, on_gpu),
         offload_checkpoints=wanted(t.offload_checkpoints, on_gpu),
         mlp_chunk_tokens=chunk)
-    size = guess_model_size(config.model.name)
-    if chunk and budget_gib is not None and size is not None:
+    model_config = model_config_of(config.model.name)
+    if chunk and budget_gib is not None and model_config is not None:
         unchunked = replace(means, mlp_chunk_tokens=0)
-        shape = ModelShape.from_config(known_model_config(size))
+        shape = ModelShape.from_config(model_config)
         tokens = row_tokens * micro_batch_rows(config)
         if sum(_parts(shape, config, tokens, unchunked).values()) <= budget_gib:
             return unchunked
@@ -115,16 +115,25 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelShape":
+        """The shape of a decoder-only transformer from its config.json: attention widths from
+        head_dim where the config gives it (Qwen3, Gemma 3: wider than hidden / heads), q/k/v
+        biases where the family has them (Qwen2), fused q/k/v and gate/up linears (Phi-3)."""
         h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-        vocab = config["vocab_size"]
-        kv = config["num_key_value_heads"] * (h // config["num_attention_heads"])
-        linears = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
-        head = 0 if config.get("tie_word_embeddings") else vocab * h
+        vocab, heads = config["vocab_size"], config["num_attention_heads"]
+        head_dim = config.get("head_dim") or h // heads
+        q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+        if config.get("model_type") == "phi3":
+            linears = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
+        else:
+            linears = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+        biases = q + 2 * kv if config.get("model_type") == "qwen2" or config.get(
+            "attention_bias") else 0
+        tied = bool(config.get("tie_word_embeddings"))
+        head = 0 if tied else vocab * h
         return cls(hidden=h, intermediate=i, layers=n, vocab=vocab,
                    linear_params=n * sum(a * b for a, b in linears),
-                   other_params=vocab * h + head + n * (h + 2 * kv + 2 * h) + h,
-                   lora_params_per_rank=n * sum(a + b for a, b in linears),
-                   tied=bool(config.get("tie_word_embeddings")))
+                   other_params=vocab * h + head + n * (biases + 2 * h) + h,
+                   lora_params_per_rank=n * sum(a + b for a, b in linears), tied=tied)
 
 
 # What each engine does with the training state, per GPU: shards (divides by the number of GPUs)
@@ -246,13 +255,13 @@ class MemoryPlan:
 def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
                 longest_sample_tokens: int | None = None) -> MemoryPlan:
     """Predicted peak of `config` on a GPU; tokens from the data's longest sample when known."""
-    size = guess_model_size(config.model.name)
-    if size is None:
+    model_config = model_config_of(config.model.name)
+    if model_config is None:
         raise ValueError(f"unknown model shape: {config.model.name}")
-    shape = ModelShape.from_config(known_model_config(size))
+    shape = ModelShape.from_config(model_config)
     row = row_length(config)
     tokens = min(row, longest_sample_tokens or row) * micro_batch_rows(config)
-    plan = MemoryPlan(model=f"Qwen2.5-{size.upper()}", quantization=_method(config),
+    plan = MemoryPlan(model=model_display_name(config.model.name), quantization=_method(config),
                       tokens_per_micro_batch=tokens, gpus=config.train.gpus,
                       engine=config.train.engine, tuner=tuner_of(config),
                       packed=config.data.packing)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LoraLabError
+from ..registry import family_of
 from .memory import TIERS_GIB
 
 HEADROOM_GIB = 1
@@ -135,8 +136,11 @@ def vllm_command(folder: Path | str, quantization: str | None = None,
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-VLLM_QWEN2_LORA_MODULES = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                           "down_proj"}
+def _model_type(folder) -> str | None:
+    import json
+
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
 
 
 def vllm_commands(result, name: str = "finetuned") -> dict:
@@ -151,8 +155,14 @@ def vllm_commands(result, name: str = "finetuned") -> dict:
     else:
         commands["adapter"] = (f"vllm serve {result.base_model} --enable-lora --lora-modules "
                                f"{name}={result.adapter_dir} --max-lora-rank {rank}")
-    unsupported = sorted(set(result.target_modules) - VLLM_QWEN2_LORA_MODULES)
-    if unsupported:
-        warnings.append(f"the adapter also trains {', '.join(unsupported)}, which vLLM's LoRA "
-                        f"support for Qwen2 does not load: serve the merged folder.")
+    family = family_of(_model_type(result.output_dir))
+    if family.vllm_lora_modules is None:
+        warnings.append(f"vLLM's LoRA support for {family.name} is not known here: if the "
+                        f"adapter does not load, serve the merged folder.")
+    else:
+        unsupported = sorted(set(result.target_modules) - family.vllm_lora_modules)
+        if unsupported:
+            warnings.append(f"the adapter also trains {', '.join(unsupported)}, which vLLM's "
+                            f"LoRA support for {family.name} does not load: serve the merged "
+                            f"folder.")
     return {"commands": commands, "warnings": warnings}

@@ -33,6 +33,7 @@ from ..paths import replace_folder
 from ..planning.choice import check_fits
 from ..planning.disk import check_disk_space
 from ..planning.memory import choose_memory_means, row_length, usable_gib
+from ..registry import family_of, missing_fast_paths
 from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, LOGS_FOLDER, MODEL_FOLDER, STEP_LOG,
                           record_stop, stop_error,
                           TrainResult, check_run_dir, checkpoint_step, fix_run_dir,
@@ -228,6 +229,15 @@ def finish_from_checkpoint(trainer: LoraLabTrainer, checkpoint: Path) -> float:
 
 
 
+def say_family(model_type: str | None) -> None:
+    """One line on the family's fast paths when lora-lab lacks some for it."""
+    family = family_of(model_type)
+    missing = missing_fast_paths(family)
+    if missing:
+        log.info(f"model_type {model_type!r} ({family.name}): trains on the generic path, "
+                 f"without {' and '.join(missing)}")
+
+
 def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, precision: Precision,
                   run_dir: Path, fingerprint: dict, model_path: str,
                   resume_from: Path | None = None) -> LoraLabTrainer:
@@ -245,6 +255,7 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
     model = load_base_model(config.model, precision, fp32_master_weights=full,
                             sharded=config.train.engine in SHARDED_ENGINES,
                             packed_attention=attention if packed else None, path=model_path)
+    say_family(model.config.model_type)
     memory_means = "none"  # full fine-tuning: the engines' own checkpointing
     if full:
         model = prepare_full_finetuning(model, config.train.gradient_checkpointing)

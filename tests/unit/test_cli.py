@@ -101,7 +101,7 @@ def test_plan_uses_the_real_length_of_the_data(tmp_path):
     result = invoke("plan", "--preset", "24gb", "--model", TOKENIZER_DIR, "--gpu-memory", "24",
                     "--data", "self-cognition", "--set", "data.model_name=A", "--set",
                     "data.model_author=B")
-    assert result.exit_code == 2 and "planner knows the Qwen2.5 sizes" in result.output
+    assert result.exit_code == 2 and "the planner needs the model's config.json" in result.output
     seven_b = tmp_path / "qwen7b-shape"  # config.json of 7B + the tokenizer, no weights
     shutil.copytree(TOKENIZER_DIR, seven_b)
     (seven_b / "config.json").write_text(json.dumps(known_model_config("7b")))

@@ -114,6 +114,13 @@ def is_base_model(spec: str) -> bool:
             or (hub.startswith("qwen/qwen2.5-") and "instruct" not in name))
 
 
+def wants_trainable_tokens(setting, tuner: str, model_name: str) -> bool:
+    """lora.trainable_tokens: auto is on for LoRA on a base checkpoint."""
+    if tuner != "lora" or setting is False:
+        return False
+    return setting is True or is_base_model(model_name)
+
+
 _NO_SUCH_SIZE = re.compile(r"qwen2\.5-(\d+(?:\.\d+)?)b", re.IGNORECASE)
 
 

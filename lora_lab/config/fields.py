@@ -74,6 +74,12 @@ class LoraArgs:
     dropout: float = _f(0.05, "Dropout on the LoRA input.", minimum=0)
     target_modules: list = _f(["all-linear"], "Modules to adapt; all-linear = every linear layer "
                                               "except lm_head.")
+    trainable_tokens: str | bool = _f(
+        "auto", "Also train the input-embedding and output-head rows of the chat template's "
+                "special tokens (<|im_start|>, <|im_end|> ...; peft trainable_token_indices): a "
+                "base checkpoint never trained them, so LoRA alone does not teach it to stop. "
+                "auto: on for base checkpoints (qwen2.5-7b-base, Qwen/Qwen3-8B-Base ...).",
+        choices=("auto", True, False))
 
 
 @dataclass

@@ -130,7 +130,8 @@ def choose_precision(requested: str) -> Precision:
 
 def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = True,
                     fp32_master_weights: bool = False, sharded: bool = False,
-                    packed_attention: str | None = None, path: str | None = None):
+                    packed_attention: str | None = None, path: str | None = None,
+                    fused_loss: bool = True):
     """The base model on the right device, in the chosen precision (or 4-bit nf4 for QLoRA).
 
     With several processes each loads onto its own GPU (LOCAL_RANK). fp32_master_weights (full
@@ -171,7 +172,7 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
         raise _hub_error(args.name, exc) from None
     if for_training:
         model.config.use_cache = False
-        apply_kernels(model, args.kernels)
+        apply_kernels(model, args.kernels, fused_loss)
     return model
 
 
@@ -193,11 +194,12 @@ def resolve_kernels(kernels: str) -> str:
     return "liger"
 
 
-def apply_kernels(model, kernels: str) -> str:
+def apply_kernels(model, kernels: str, fused_loss: bool = True) -> str:
     """Swap in liger-kernel's fused Triton kernels (GPU only); returns what was applied.
 
     The fused linear cross-entropy never builds the [tokens x 151936] logits tensor, which is
-    the largest single activation of a Qwen2.5 training step.
+    the largest single activation of a Qwen2.5 training step. It reads the output head's
+    weight itself, so not where rows of the head train (lora.trainable_tokens: fused_loss off).
     """
     if resolve_kernels(kernels) == "none":
         return "none"
@@ -212,7 +214,8 @@ def apply_kernels(model, kernels: str) -> str:
                  f"liger-kernel; the model trains without them")
         return "none"
     wanted = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True,
-              "cross_entropy": False, "fused_linear_cross_entropy": True, "model": model}
+              "cross_entropy": not fused_loss, "fused_linear_cross_entropy": fused_loss,
+              "model": model}
     params = inspect.signature(apply).parameters
     apply(**{k: v for k, v in wanted.items() if k in params})
     return "liger"

@@ -40,13 +40,47 @@ def prepare_full_finetuning(model, gradient_checkpointing: bool):
     return model
 
 
+def template_token_ids(tokenizer) -> list[int]:
+    """The special tokens the chat template writes (role markers, turn ends, think tags), from
+    a two-turn conversation rendered by the tokenizer itself."""
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"}]
+    try:
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)
+    except Exception:  # noqa: BLE001 - a template without a system role
+        ids = tokenizer.apply_chat_template(messages[1:], tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    special = set(tokenizer.all_special_ids) | {
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    if tokenizer.eos_token_id is not None:
+        special.add(tokenizer.eos_token_id)
+    return sorted({i for i in ids if i in special} | ({tokenizer.eos_token_id} - {None}))
+
+
+def trainable_token_modules(model, token_ids: list[int]) -> dict:
+    """peft's trainable_token_indices for these tokens: the input embedding's rows and, for an
+    output head of its own, the head's rows; not an embedding kept in CPU memory (frozen)."""
+    from .memory_means import CpuEmbedding
+
+    names = {id(module): name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
+    found = {}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embedding, CpuEmbedding):
+        found[names[id(embedding)]] = list(token_ids)
+    if head is not None and not model.config.tie_word_embeddings:
+        found[names[id(head)]] = list(token_ids)
+    return found
+
+
 def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
-               fast: bool = False, offload_copy_stream: bool = False):
+               fast: bool = False, offload_copy_stream: bool = False,
+               trainable_tokens: list[int] | None = None):
     """Wrap the model with PEFT LoRA adapters; only the adapters train.
 
     means (planning.memory.MemoryMeans): the long-sequence means to put in place. fast: route
     the LoRA layers through models/fast_lora.py. offload_copy_stream: offloaded checkpoints copy
-    on a side stream (models/fast_offload.py)."""
+    on a side stream (models/fast_offload.py). trainable_tokens: token ids whose embedding and
+    output-head rows train too (trainable_token_modules)."""
     from peft import LoraConfig, get_peft_model
 
     from .memory_means import apply_memory_means, move_embedding_to_cpu
@@ -59,8 +93,12 @@ def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
     targets = args.target_modules
     if targets == ["all-linear"]:
         targets = linear_module_names(model)
+    extra = {}
+    if trainable_tokens:
+        extra["trainable_token_indices"] = trainable_token_modules(model, trainable_tokens)
     config = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
-                        target_modules=list(targets), task_type="CAUSAL_LM", bias="none")
+                        target_modules=list(targets), task_type="CAUSAL_LM", bias="none",
+                        **extra)
     try:
         model = get_peft_model(model, config)
     except ValueError as exc:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import RunConfig, engine_template, syncs_each_micro_batch
-from ..registry import model_config_of, model_display_name
+from ..registry import model_config_of, model_display_name, wants_trainable_tokens
 
 GIB = 2**30
 CONTEXT_GIB = 0.5
@@ -361,7 +361,8 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     if config.data.packing:
         parts["attention mask of a packed row (counted)"] = (
             tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)
-    if config.model.kernels == "none":
+    if config.model.kernels == "none" or wants_trainable_tokens(
+            config.lora.trainable_tokens, config.train.tuner, config.model.name):
         parts["full logits for the loss (estimate)"] = (
             tokens * shape.vocab * UNFUSED_LOSS_BYTES_PER_LOGIT / GIB)
     return parts

@@ -28,12 +28,12 @@ from ..models.fast_lora import resolve_fast_lora
 from ..models.load import (Precision, check_model_files, check_remote_code, choose_precision,
                            load_base_model, load_tokenizer, locate_model, resolve_kernels)
 from ..models.lora import (apply_lora, check_full_finetuning_precision, prepare_full_finetuning,
-                           prepare_quantized_for_training)
+                           prepare_quantized_for_training, template_token_ids)
 from ..paths import replace_folder
 from ..planning.choice import check_fits
 from ..planning.disk import check_disk_space
 from ..planning.memory import choose_memory_means, row_length, usable_gib
-from ..registry import family_of, missing_fast_paths
+from ..registry import family_of, missing_fast_paths, wants_trainable_tokens
 from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, LOGS_FOLDER, MODEL_FOLDER, STEP_LOG,
                           record_stop, stop_error,
                           TrainResult, check_run_dir, checkpoint_step, fix_run_dir,
@@ -252,9 +252,12 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
     full = config.train.tuner == "full"
     use_cudnn_attention(config.model.cudnn_attention)
     attention = resolve_packed_attention(config.data.packed_attention)
+    tokens = (template_token_ids(tokenizer) if wants_trainable_tokens(
+        config.lora.trainable_tokens, config.train.tuner, config.model.name) else None)
     model = load_base_model(config.model, precision, fp32_master_weights=full,
                             sharded=config.train.engine in SHARDED_ENGINES,
-                            packed_attention=attention if packed else None, path=model_path)
+                            packed_attention=attention if packed else None, path=model_path,
+                            fused_loss=not tokens)
     say_family(model.config.model_type)
     memory_means = "none"  # full fine-tuning: the engines' own checkpointing
     if full:
@@ -273,7 +276,11 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
         fast = resolve_fast_lora(config)
         model = apply_lora(model, config.lora, config.train.gradient_checkpointing, means,
                            fast=fast, offload_copy_stream=config.train.offload_copy_stream
-                           and gpu_gib is not None)
+                           and gpu_gib is not None, trainable_tokens=tokens)
+        if tokens:
+            log.info(f"lora.trainable_tokens: the embedding rows of the template's "
+                     f"{len(tokens)} special tokens train too "
+                     f"({' '.join(tokenizer.convert_ids_to_tokens(tokens))})")
         memory_means = means.describe()
         trainable, total = model.get_nb_trainable_parameters()
         log.info(f"precision {precision.name}; LoRA r={config.lora.rank} "

@@ -127,9 +127,8 @@ def plan(preset, gpu_memory, sets, **flag_values):
 
 def _longest_sample(config) -> int:
     from .data import prepare_data
-    from .models.load import load_tokenizer
 
-    prepared = prepare_data(config.data, load_tokenizer(config.model.name))
+    prepared = prepare_data(config.data, _counting_tokenizer(config.model.name))
     longest = max(len(s.input_ids) for s in prepared.train.samples)
     click.echo(f"longest encoded sample in the data: {longest} tokens")
     return longest
@@ -181,12 +180,20 @@ def _data_config(datasets, model, max_length, row_format, model_name, model_auth
         "data.model_author": model_author})
 
 
+def _counting_tokenizer(spec: str):
+    """The tokenizer the data commands count with (models.load.locate_tokenizer), saying which."""
+    from .models.load import load_tokenizer, locate_tokenizer
+
+    path, source = locate_tokenizer(spec)
+    click.echo(source)
+    return load_tokenizer(spec, path=path)
+
+
 def _encode(datasets, model, max_length, row_format, model_name, model_author):
     from .data import prepare_data
-    from .models.load import load_tokenizer
 
     config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
-    tokenizer = load_tokenizer(config.model.name)
+    tokenizer = _counting_tokenizer(config.model.name)
     return tokenizer, prepare_data(config.data, tokenizer)
 
 
@@ -196,14 +203,13 @@ def data_stats(datasets, model, max_length, row_format, model_name, model_author
     """Token length distribution with the real chat template, and a max_length to use."""
     from .data import load_samples
     from .data.stats import length_stats
-    from .models.load import load_tokenizer
 
     config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
     loaded = load_samples(config.data.datasets, config.data, config.train.seed)
     if not loaded.samples:
         raise LoraLabError(f"--data {' '.join(datasets)}: no usable sample.")
     click.echo("\n".join(loaded.format_lines()))
-    click.echo(length_stats(load_tokenizer(config.model.name), loaded.samples,
+    click.echo(length_stats(_counting_tokenizer(config.model.name), loaded.samples,
                             config.data.system).table())
     if loaded.problems:
         click.echo(f"({len(loaded.problems)} rows not usable; `lora-lab data validate` lists them)")
@@ -257,10 +263,9 @@ def data_preview(datasets, model, max_length, row_format, model_name, model_auth
 def data_validate(datasets, model, max_length, row_format, model_name, model_author, strict):
     """Check datasets row by row; every problem as file:line and reason."""
     from .data import validate_data
-    from .models.load import load_tokenizer
 
     config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
-    tokenizer = load_tokenizer(config.model.name) if model else None
+    tokenizer = _counting_tokenizer(config.model.name) if model else None
     report = validate_data(list(datasets), config.data, tokenizer, config.train.seed)
     for severity, problems in (("error", report.errors), ("warning", report.warnings)):
         for problem in problems:

@@ -66,6 +66,11 @@ def model_configs_dir() -> Path:
     return PACKAGE_DIR / "model_configs"
 
 
+def shipped_tokenizer_dir() -> Path:
+    """The Qwen2.5 Instruct tokenizer and chat template shipped with lora-lab (its SOURCE.md)."""
+    return PACKAGE_DIR / "qwen25_tokenizer"
+
+
 def replace_folder(staging: Path, final: Path) -> Path:
     """Rename a finished `staging` folder to `final`, replacing an old one: the old folder is
     renamed aside first, so that a kill at any moment leaves either the old or the new one

@@ -120,6 +120,15 @@ def wants_trainable_tokens(setting, tuner: str, model_name: str) -> bool:
         return False
     return setting is True or is_base_model(model_name)
 
+_SHIPPED_TOKENIZER_MODELS = {f"qwen/qwen2.5-{spelled.lower()}-instruct"
+                             for spelled in _SIZE_SPELLING.values()}
+
+
+def uses_shipped_tokenizer(repo_id: str) -> bool:
+    """Every Qwen2.5 Instruct size has the tokenizer shipped in lora_lab/qwen25_tokenizer, byte
+    for byte; base models are not covered (their files were not checked against it)."""
+    return repo_id.lower() in _SHIPPED_TOKENIZER_MODELS
+
 
 _NO_SUCH_SIZE = re.compile(r"qwen2\.5-(\d+(?:\.\d+)?)b", re.IGNORECASE)
 

@@ -10,19 +10,39 @@ from pathlib import Path
 from ..config import ModelArgs
 from ..errors import ModelError
 from ..log import get_logger
-from ..paths import safetensors_problem
-from ..registry import family_of, resolve_model_spec
+from ..paths import safetensors_problem, shipped_tokenizer_dir
+from ..registry import family_of, resolve_model_spec, uses_shipped_tokenizer
 from .gguf import convert_gguf
+from .hub import cached_snapshot, locate_hub_model
 
 log = get_logger()
 
 
 def locate_model(spec: str) -> str:
-    """What from_pretrained should load: a hub id or a folder (GGUF files are converted once)."""
+    """What from_pretrained should load: a hub id or a folder (GGUF files are converted once; a
+    hub id is asked for once, so a missing repo or an unreachable hub stops here at once)."""
     kind, value = resolve_model_spec(spec)
     if kind == "gguf":
         return str(convert_gguf(Path(value)))
+    if kind == "hub":
+        return locate_hub_model(spec, value)
     return value
+
+
+def locate_tokenizer(spec: str) -> tuple[str, str]:
+    """Where a tokenizer for counting tokens comes from, and a line that says so. A Qwen2.5
+    Instruct model that is not in the local hub cache uses the identical tokenizer shipped with
+    lora-lab, so that the data commands need neither a download nor the hub."""
+    kind, value = resolve_model_spec(spec)
+    if kind == "hub":
+        cached = cached_snapshot(value, "tokenizer_config.json")
+        if cached:
+            return cached, f"tokenizer: {value} (local hub cache)"
+        if uses_shipped_tokenizer(value):
+            return (str(shipped_tokenizer_dir()), f"tokenizer: the Qwen2.5 Instruct tokenizer "
+                    f"shipped with lora-lab (the one {value} uses; not in the local hub cache)")
+    path = locate_model(spec)
+    return path, f"tokenizer: {path}"
 
 
 def _hub_error(name: str, exc: Exception) -> ModelError:

@@ -1,5 +1,7 @@
 """Families beyond Qwen2.5: the planner's shape from config.json, the family table, base-model
 detection."""
+from pathlib import Path
+
 import pytest
 
 from lora_lab.config import resolve_config
@@ -56,3 +58,11 @@ def test_an_8b_in_16_bits_does_not_fit_a_16_gb_card_and_qlora_does():
     ("llama-3.2-1b", False), ("Qwen/Qwen2.5-Coder-7B-Instruct", False)])
 def test_base_checkpoints_are_told_from_instruct_ones(spec, base):
     assert is_base_model(spec) is base
+
+
+def test_the_families_page_names_every_family_of_the_table():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "families.md").read_text()
+    for model_type in FAMILIES:
+        assert f"(`{model_type}`)" in text, model_type
+    for alias in OTHER_MODELS:
+        assert alias.removesuffix("-base").split("-")[0] in text, alias

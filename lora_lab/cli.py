@@ -274,8 +274,9 @@ def data_validate(datasets, model, max_length, row_format, model_name, model_aut
 @main.command()
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--output", type=click.Path(), help="Merged folder (default: RUN_DIR/merged).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16",
-              show_default=True, help="Precision of the merged weights.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Precision of the merged weights (default: the run's training precision, "
+              "fp32 for a CPU run; bf16 for an adapter folder without its run).")
 @click.option("--force", is_flag=True, help="Replace an existing --output folder.")
 @click.option("--served-name", default="finetuned", show_default=True,
               help="Model name in the printed vLLM commands.")
@@ -285,10 +286,7 @@ def merge(path, output, dtype, force, served_name):
     from .planning.serving import vllm_commands
 
     result = merge_adapter(path, output, dtype, force)
-    click.echo(f"merged {result.adapter_dir} onto {result.base_model} ({result.dtype})\n"
-               f"check: max |logit difference| base+adapter vs merged = "
-               f"{result.max_abs_logit_diff:.3g}; same next token at "
-               f"{result.top1_agreement:.1%} of confident positions\nwrote {result.output_dir}")
+    click.echo(result.summary())
     if result.trained_with_quantization != "none":
         click.echo(f"note: trained with {result.trained_with_quantization} QLoRA; merged onto "
                    f"the 16-bit base, not into 4-bit weights.")

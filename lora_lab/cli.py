@@ -173,19 +173,30 @@ def data_options(func):
     return click.argument("datasets", nargs=-1, required=True)(func)
 
 
-def _data_config(datasets, model, max_length, row_format, model_name, model_author):
-    """The config the `data` commands read datasets with (the options of data_options)."""
-    return resolve_config(None, flags={
+def _data_config(datasets, model, max_length, row_format, model_name, model_author,
+                 training=False):
+    """The config the `data` commands read datasets with (the options of data_options). Not
+    `training` (validate, stats, preview): the bundled identity set's missing --model-name /
+    --model-author read as stand-ins, said in one line (data.with_identity_stand_ins)."""
+    from .data import with_identity_stand_ins
+
+    config = resolve_config(None, flags={
         "data.datasets": list(datasets), "model.name": model, "data.max_length": max_length,
         "data.format": row_format, "data.model_name": model_name,
-        "data.model_author": model_author})
+        "data.model_author": model_author}, training=training)
+    if not training:
+        config.data, note = with_identity_stand_ins(config.data)
+        if note:
+            click.echo(note)
+    return config
 
 
-def _encode(datasets, model, max_length, row_format, model_name, model_author):
+def _encode(datasets, model, max_length, row_format, model_name, model_author, training):
     from .data import prepare_data
     from .models.load import load_tokenizer
 
-    config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
+    config = _data_config(datasets, model, max_length, row_format, model_name, model_author,
+                          training)
     tokenizer = load_tokenizer(config.model.name)
     return tokenizer, prepare_data(config.data, tokenizer)
 
@@ -214,7 +225,8 @@ def data_stats(datasets, model, max_length, row_format, model_name, model_author
 @click.option("--output", required=True, type=click.Path(), help="JSONL file to write.")
 def data_encode(datasets, model, max_length, row_format, model_name, model_author, output):
     """Write every encoded sample (input_ids, labels) as JSONL."""
-    _, prepared = _encode(datasets, model, max_length, row_format, model_name, model_author)
+    _, prepared = _encode(datasets, model, max_length, row_format, model_name, model_author,
+                          training=True)  # the ids written are what a run trains on
     with open(output, "w") as handle:
         for sample in prepared.train.samples:
             handle.write(json.dumps({"origin": sample.origin, "input_ids": sample.input_ids,
@@ -233,7 +245,7 @@ def data_preview(datasets, model, max_length, row_format, model_name, model_auth
     from .data.encode import show_trained_spans
 
     tokenizer, prepared = _encode(datasets, model, max_length, row_format, model_name,
-                                  model_author)
+                                  model_author, training=False)
     samples = prepared.train.samples
     if not 0 <= index < len(samples):
         raise LoraLabError(f"--index {index}: the data has {len(samples)} usable samples.")

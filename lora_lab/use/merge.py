@@ -16,11 +16,8 @@ from ..config import ModelArgs
 from ..errors import CheckpointError, LoraLabError
 from ..models.load import Precision, load_base_model, load_tokenizer
 from ..paths import pickled_files, staged_folder
-from ..log import get_logger
 from ..run_folder import base_model_of, find_adapter, training_precision
 from .checks import CHECK_PROMPTS, check_prompt_batch, top1_agreement
-
-log = get_logger()
 
 
 @dataclass
@@ -121,8 +118,7 @@ def choose_merge_dtype(requested: str | None, run_dir: Path | None) -> tuple[str
         return trained, "the run's training precision"
     why = ("the run folder does not record its training precision" if run_dir is not None
            else "no run folder records the training precision")
-    log.info(f"merging in bf16: {why}; --dtype fp32 merges in full precision")
-    return "bf16", f"default; {why}"
+    return "bf16", f"default: {why}; --dtype fp32 merges in full precision"
 
 
 def check_rule(dtype: str) -> str:

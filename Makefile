@@ -32,11 +32,13 @@ $(STAMP): setup.cfg pyproject.toml
 demo: install
 	lora-lab demo
 
+# -q: one letter per test; each real-model test (minutes) prints its name and time on a line of
+# its own (tests/support/progress.py); the ten slowest tests are listed at the end
 test: install
-	$(PYTHON) -m pytest -q tests/unit tests/e2e
+	$(PYTHON) -m pytest -q --durations=10 tests/unit tests/e2e
 
 test-fast: install
-	$(PYTHON) -m pytest -q tests/unit tests/e2e -m "not real_model"
+	$(PYTHON) -m pytest -q --durations=10 tests/unit tests/e2e -m "not real_model"
 
 test-gpu: install
 	$(PYTHON) -m pytest -q tests/gpu

@@ -172,12 +172,22 @@ def data_options(func):
     return click.argument("datasets", nargs=-1, required=True)(func)
 
 
-def _data_config(datasets, model, max_length, row_format, model_name, model_author):
-    """The config the `data` commands read datasets with (the options of data_options)."""
-    return resolve_config(None, flags={
+def _data_config(datasets, model, max_length, row_format, model_name, model_author,
+                 training=False):
+    """The config the `data` commands read datasets with (the options of data_options). Not
+    `training` (validate, stats, preview): the bundled identity set's missing --model-name /
+    --model-author read as stand-ins, said in one line (data.with_identity_stand_ins)."""
+    from .data import with_identity_stand_ins
+
+    config = resolve_config(None, flags={
         "data.datasets": list(datasets), "model.name": model, "data.max_length": max_length,
         "data.format": row_format, "data.model_name": model_name,
-        "data.model_author": model_author})
+        "data.model_author": model_author}, training=training)
+    if not training:
+        config.data, note = with_identity_stand_ins(config.data)
+        if note:
+            click.echo(note)
+    return config
 
 
 def _counting_tokenizer(spec: str):
@@ -189,10 +199,11 @@ def _counting_tokenizer(spec: str):
     return load_tokenizer(spec, path=path)
 
 
-def _encode(datasets, model, max_length, row_format, model_name, model_author):
+def _encode(datasets, model, max_length, row_format, model_name, model_author, training):
     from .data import prepare_data
 
-    config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
+    config = _data_config(datasets, model, max_length, row_format, model_name, model_author,
+                          training)
     tokenizer = _counting_tokenizer(config.model.name)
     return tokenizer, prepare_data(config.data, tokenizer)
 
@@ -220,7 +231,8 @@ def data_stats(datasets, model, max_length, row_format, model_name, model_author
 @click.option("--output", required=True, type=click.Path(), help="JSONL file to write.")
 def data_encode(datasets, model, max_length, row_format, model_name, model_author, output):
     """Write every encoded sample (input_ids, labels) as JSONL."""
-    _, prepared = _encode(datasets, model, max_length, row_format, model_name, model_author)
+    _, prepared = _encode(datasets, model, max_length, row_format, model_name, model_author,
+                          training=True)  # the ids written are what a run trains on
     with open(output, "w") as handle:
         for sample in prepared.train.samples:
             handle.write(json.dumps({"origin": sample.origin, "input_ids": sample.input_ids,
@@ -239,7 +251,7 @@ def data_preview(datasets, model, max_length, row_format, model_name, model_auth
     from .data.encode import show_trained_spans
 
     tokenizer, prepared = _encode(datasets, model, max_length, row_format, model_name,
-                                  model_author)
+                                  model_author, training=False)
     samples = prepared.train.samples
     if not 0 <= index < len(samples):
         raise LoraLabError(f"--index {index}: the data has {len(samples)} usable samples.")
@@ -279,8 +291,9 @@ def data_validate(datasets, model, max_length, row_format, model_name, model_aut
 @main.command()
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--output", type=click.Path(), help="Merged folder (default: RUN_DIR/merged).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default="bf16",
-              show_default=True, help="Precision of the merged weights.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Precision of the merged weights (default: the run's training precision, "
+              "fp32 for a CPU run; bf16 for an adapter folder without its run).")
 @click.option("--force", is_flag=True, help="Replace an existing --output folder.")
 @click.option("--served-name", default="finetuned", show_default=True,
               help="Model name in the printed vLLM commands.")
@@ -290,10 +303,7 @@ def merge(path, output, dtype, force, served_name):
     from .planning.serving import vllm_commands
 
     result = merge_adapter(path, output, dtype, force)
-    click.echo(f"merged {result.adapter_dir} onto {result.base_model} ({result.dtype})\n"
-               f"check: max |logit difference| base+adapter vs merged = "
-               f"{result.max_abs_logit_diff:.3g}; same next token at "
-               f"{result.top1_agreement:.1%} of confident positions\nwrote {result.output_dir}")
+    click.echo(result.summary())
     if result.trained_with_quantization != "none":
         click.echo(f"note: trained with {result.trained_with_quantization} QLoRA; merged onto "
                    f"the 16-bit base, not into 4-bit weights.")

@@ -30,6 +30,18 @@ def bundled_data_dir() -> Path:
     return _shipped_dir("data", "lora_lab.bundled_data")
 
 
+BUNDLED_DATA = {"self-cognition": "self_cognition.jsonl"}
+"""--data names of the datasets lora-lab ships -> their file in bundled_data_dir()."""
+IDENTITY_DATA = frozenset({"self-cognition"})
+"""Bundled sets whose rows say {{NAME}} / {{AUTHOR}}: they exist to be filled from --model-name
+and --model-author, and are never trained with the placeholders left in."""
+
+
+def identity_datasets(specs: list) -> list:
+    """The --data entries (PATH#N too) that name a bundled identity set."""
+    return [spec for spec in specs if spec.strip().partition("#")[0] in IDENTITY_DATA]
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("LORA_LAB_CACHE", Path.home() / ".cache" / "lora-lab"))
 

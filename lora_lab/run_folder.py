@@ -179,6 +179,13 @@ def base_model_of(adapter_dir: Path, run_dir: Path | None) -> ModelArgs:
     return ModelArgs(name=base)
 
 
+def training_precision(run_dir: Path) -> str | None:
+    """The precision a run trained in (bf16, fp16 or fp32), from its config.yaml; None where
+    the run recorded only `auto` (runs written before train() settled --dtype auto there)."""
+    dtype = load_saved_config(Path(run_dir) / CONFIG_FILE).model.dtype
+    return None if dtype == "auto" else dtype
+
+
 def owning_run_dir(path: Path) -> Path | None:
     """The run folder whose config.yaml (training data) belongs to `path`, if there is one."""
     for candidate in (path, path.parent):

@@ -21,6 +21,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(SUPPORT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
+def pytest_configure(config):
+    # a real-model test says its name when it starts and its time when it ends (make test is -q)
+    from tests.support.progress import register
+
+    register(config)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def fault_hooks():
     from tests.support.faults import install

@@ -8,10 +8,10 @@ from .fields import (DEEPSPEED_ENGINES, ENGINES, FLAG_FOR_KEY, FLAGS, FULL_FINET
                      MAX_LORA_RANK, MAX_SEQUENCE_TOKENS, SECTIONS, DataArgs, LoraArgs, ModelArgs,
                      RunConfig, TrainArgs, all_keys, engine_template, field_help, flatten,
                      syncs_each_micro_batch)
-from .resolve import AUTO_OR_BOOL, list_presets, load_preset, resolve_config
+from .resolve import AUTO_OR_BOOL, identity_problem, list_presets, load_preset, resolve_config
 
 __all__ = ["DEEPSPEED_ENGINES", "ENGINES", "FLAG_FOR_KEY", "FLAGS", "FULL_FINETUNING_LR",
            "MAX_LORA_RANK", "MAX_SEQUENCE_TOKENS", "SECTIONS", "DataArgs", "LoraArgs",
            "ModelArgs", "RunConfig", "TrainArgs", "all_keys", "engine_template", "field_help",
-           "flatten", "syncs_each_micro_batch", "AUTO_OR_BOOL", "list_presets", "load_preset",
-           "resolve_config"]
+           "flatten", "syncs_each_micro_batch", "AUTO_OR_BOOL", "identity_problem", "list_presets",
+           "load_preset", "resolve_config"]

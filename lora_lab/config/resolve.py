@@ -11,7 +11,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from ..errors import ConfigError, ModelError
-from ..paths import presets_dir
+from ..paths import identity_datasets, presets_dir
 from ..registry import guess_model_size, resolve_model_spec
 from .fields import FLAG_FOR_KEY, FULL_FINETUNING_LR, SECTIONS, ModelArgs, RunConfig, all_keys
 
@@ -75,13 +75,15 @@ class _Layer:
 
 def resolve_config(preset: str | None = "cpu", config_file: str | None = None,
                    flags: dict | None = None, sets: list[str] | tuple = (),
-                   need_data: bool = True) -> RunConfig:
+                   need_data: bool = True, training: bool = True) -> RunConfig:
     """Build the RunConfig: defaults -> preset YAML -> --config YAML -> flags and --set.
 
     `flags` maps config keys ("lora.rank") to values given by named flags; `sets` holds raw
     "key=value" strings from --set. All problems are collected and raised as one ConfigError.
     preset None: the defaults alone (the data commands, which need no hardware tier).
     need_data False: a config without training data is valid (the memory planner's).
+    training False: the data commands that only count, check or show rows; the bundled identity
+    set is valid there without --model-name / --model-author (data.with_identity_stand_ins).
     """
     problems: list[str] = []
     layers: list[_Layer] = []
@@ -132,7 +134,7 @@ def resolve_config(preset: str | None = "cpu", config_file: str | None = None,
     if config.train.engine == "auto" and config.train.gpus == 1:
         config.train.engine = "ddp"  # several GPUs: lora_lab.memory.pick_engine, at launch
         config.sources["train.engine"] = "auto (one GPU)"
-    for key, problem in _validate(config, need_data):
+    for key, problem in _validate(config, need_data, training):
         problems.append(f"{labels.get(key, FLAG_FOR_KEY.get(key, key))}: {problem}")
     try:
         resolve_model_spec(config.model.name)
@@ -243,8 +245,25 @@ def _tuner_defaults(config: RunConfig) -> None:
         config.sources["train.lr"] = "--tuner full default"
 
 
-def _validate(config: RunConfig, need_data: bool = True) -> list[tuple[str, str]]:
+def identity_problem(specs: list, model_name: str | None, model_author: str | None) -> str | None:
+    """Why `specs` cannot be trained on as given: a bundled identity set (self-cognition) with
+    --model-name or --model-author missing. Said before anything is loaded or printed."""
+    missing = [flag for flag, value in (("--model-name", model_name),
+                                        ("--model-author", model_author)) if not value]
+    if not identity_datasets(specs) or not missing:
+        return None
+    return (f"the bundled self-cognition rows say {{{{NAME}}}} and {{{{AUTHOR}}}} where the "
+            f"model's new name and its author go; pass --model-name and --model-author, e.g. "
+            f"--model-name Aurora --model-author 'Lab X' ({' and '.join(missing)} not given).")
+
+
+def _validate(config: RunConfig, need_data: bool = True,
+              training: bool = True) -> list[tuple[str, str]]:
     problems = []
+    identity = identity_problem(config.data.datasets + config.data.val_data,
+                                config.data.model_name, config.data.model_author)
+    if training and identity:
+        problems.append(("data.datasets", identity))
     for section, cls in SECTIONS.items():
         for spec in dataclasses.fields(cls):
             key, value = f"{section}.{spec.name}", getattr(getattr(config, section), spec.name)

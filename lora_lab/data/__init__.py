@@ -1,17 +1,43 @@
 """Data stage: read datasets (formats), encode them with the chat template (encode), stats."""
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from dataclasses import dataclass, field
 
 from ..config import DataArgs
 from ..errors import DataError
+from ..paths import identity_datasets
 from .encode import IGNORE_INDEX, EncodedSample, EncodeReport, encode_samples
 from .formats import LoadedData, Problem, Sample, load_dataset_spec
 
 __all__ = ["IGNORE_INDEX", "EncodedSample", "EncodeReport", "PreparedData", "Problem", "Sample",
-           "ValidationReport", "load_samples", "prepare_data", "validate_data"]
+           "ValidationReport", "load_samples", "prepare_data", "validate_data",
+           "with_identity_stand_ins"]
+
+# `data validate`, `stats` and `preview` only count, check or show rows, and the bundled identity
+# set is looked at before a name is chosen (LLaMA-Factory ships identity.json with {{name}} /
+# {{author}} to read and fill): there a missing value reads as a visible stand-in, said in one
+# line. A run and `data encode` (its ids are what a run trains on) need the real values, as
+# ms-swift requires model_name / model_author for its self-cognition set.
+IDENTITY_STAND_INS = {"model_name": "<NAME>", "model_author": "<AUTHOR>"}
+
+
+def with_identity_stand_ins(args: DataArgs) -> tuple[DataArgs, str | None]:
+    """`args` with IDENTITY_STAND_INS for a missing --model-name / --model-author, and the line
+    that says so; unchanged (and None) unless every dataset is a bundled identity set, so that
+    the placeholders of a user's own file keep their warning."""
+    specs = args.datasets + args.val_data
+    missing = {key: value for key, value in IDENTITY_STAND_INS.items() if not getattr(args, key)}
+    if not missing or not specs or identity_datasets(specs) != specs:
+        return args, None
+    placeholders = " and ".join(f"{{{{{k.removeprefix('model_').upper()}}}}}" for k in missing)
+    flags = " and ".join("--" + key.replace("_", "-") for key in missing)
+    return dataclasses.replace(args, **missing), (
+        f"note: --data {' '.join(specs)}: {placeholders} shown as "
+        f"{' and '.join(missing.values())} ({flags} not given; a run needs --model-name and "
+        f"--model-author)")
 
 
 @dataclass

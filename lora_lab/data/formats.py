@@ -26,9 +26,11 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from ..config import identity_problem
 from ..errors import DataError
+from ..paths import IDENTITY_DATA
 from .preference import refuse_preference
-from .readers import BUNDLED, Bad, Problem, kind_of, read_rows
+from .readers import Bad, Problem, kind_of, read_rows
 from .tools import calls_from_json_text, normalise_tool_calls, normalise_tools
 
 __all__ = ["FORMATS", "LoadedData", "Problem", "Sample", "detect_format", "load_dataset_spec",
@@ -120,10 +122,11 @@ def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
         loaded.warnings += [Problem(origin, note) for note in sample.notes]
     loaded.warnings += unused_field_warnings(unused, fmt)
     unfilled = fill_placeholders(loaded.samples, fill or {})
-    if unfilled and source in BUNDLED:  # the bundled identity set exists to be filled
-        raise DataError(f"--data {spec}: the rows use {{{{NAME}}}} and {{{{AUTHOR}}}} "
-                        f"placeholders; pass --model-name and --model-author (e.g. --model-name "
-                        f"Aurora --model-author 'Lab X').")
+    if unfilled and source in IDENTITY_DATA:  # exists to be filled (resolve_config says so first)
+        fill = fill or {}
+        raise DataError(f"--data {spec}: "
+                        + identity_problem([source], fill.get("model_name"),
+                                           fill.get("model_author")))
     loaded.warnings += unfilled
     pretraining = sum(1 for s in loaded.samples if s.text is not None)
     if pretraining and fmt != "text":

@@ -15,10 +15,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..paths import bundled_data_dir
+from ..paths import BUNDLED_DATA, bundled_data_dir
 from ..errors import DataError
-
-BUNDLED = {"self-cognition": "self_cognition.jsonl"}
 
 MAX_DEPTH = 100
 """Deepest nesting of lists and objects a row may have (real rows nest a handful of levels)."""
@@ -95,7 +93,8 @@ def read_rows(source: str, warnings: list | None = None) -> list[tuple[object, s
 
     File-level remarks (byte-order mark, CRLF, final newline) are appended to `warnings`."""
     warnings = warnings if warnings is not None else []
-    path = bundled_data_dir() / BUNDLED[source] if source in BUNDLED else Path(source).expanduser()
+    path = (bundled_data_dir() / BUNDLED_DATA[source] if source in BUNDLED_DATA
+            else Path(source).expanduser())
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".csv", ".parquet"):
         if not path.is_file():

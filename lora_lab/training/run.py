@@ -59,6 +59,7 @@ def train(config: RunConfig) -> TrainResult:
     """
     started = time.time()
     precision = choose_precision(config.model.dtype)
+    settle_precision(config, precision)
     if config.train.tuner == "full":
         check_full_finetuning_precision(precision)
     state = distributed_state(precision)
@@ -72,6 +73,14 @@ def train(config: RunConfig) -> TrainResult:
         if not in_launched_worker():  # a launched run's folder is held by its launcher
             hold.enter_context(run_lock(run_dir))
         return train_in_folder(config, run_dir, precision, state, model_path, started)
+
+
+def settle_precision(config: RunConfig, precision: Precision) -> None:
+    """--dtype auto becomes the precision chosen here, so that config.yaml records what the run
+    trained in (`lora-lab merge` merges in it by default)."""
+    if config.model.dtype == "auto":
+        config.model.dtype = precision.name
+        config.sources["model.dtype"] = "auto (CPU)" if precision.name == "fp32" else "auto (GPU)"
 
 
 def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, state,

@@ -1,7 +1,8 @@
 """Adapter -> merged Hugging Face folder for serving (transformers, vLLM), checked before it is kept.
 
 The adapter is always merged onto the 16-bit (or fp32) base, never into 4-bit weights, also when
-it was trained with QLoRA. The merged folder is written to a staging folder and renamed only after
+it was trained with QLoRA. The merge runs in the run's own training precision unless told
+otherwise, so that a CPU (fp32) run is merged and checked in fp32. The merged folder is written to a staging folder and renamed only after
 the checks pass: merged weights finite, no LoRA layer left, and the merged model's logits equal
 the base+adapter model's on a few prompts.
 """
@@ -15,7 +16,7 @@ from ..config import ModelArgs
 from ..errors import CheckpointError, LoraLabError
 from ..models.load import Precision, load_base_model, load_tokenizer
 from ..paths import pickled_files, staged_folder
-from ..run_folder import base_model_of, find_adapter
+from ..run_folder import base_model_of, find_adapter, training_precision
 from .checks import CHECK_PROMPTS, check_prompt_batch, top1_agreement
 
 
@@ -32,16 +33,30 @@ class MergeResult:
     lora_rank: int
     target_modules: list
     trained_with_quantization: str
+    dtype_source: str = "--dtype"
+    """Why the merge ran in `dtype`: --dtype, the run's training precision, or the default."""
+
+    def summary(self) -> str:
+        """What was merged, and the check with the rule that applied in this precision."""
+        return (f"merged {self.adapter_dir} onto {self.base_model} ({self.dtype}: "
+                f"{self.dtype_source})\ncheck ({check_rule(self.dtype)}): passed; max |logit "
+                f"difference| base+adapter vs merged = {self.max_abs_logit_diff:.3g}; same next "
+                f"token at {self.top1_agreement:.1%} of confident positions\nwrote "
+                f"{self.output_dir}")
 
 
-def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str = "bf16",
+def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str | None = None,
                   force: bool = False) -> MergeResult:
-    """Merge a run's (or adapter folder's) LoRA weights into its base model and save the result."""
+    """Merge a run's (or adapter folder's) LoRA weights into its base model and save the result.
+
+    dtype None: the precision the run trained in (fp32 for a CPU run), bf16 where no run folder
+    records one."""
     adapter_dir, run_dir = find_adapter(path)
     output = Path(output) if output else (run_dir or adapter_dir.parent) / "merged"
     if output.exists() and not force:  # said before torch is even imported
         raise CheckpointError(f"--output {output}: the folder already exists. Pass --force to "
                               f"replace it, or choose another --output.")
+    dtype, dtype_source = choose_merge_dtype(dtype, run_dir)
     import torch
     from peft import PeftModel
 
@@ -67,7 +82,8 @@ def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str
                          dtype=dtype, max_abs_logit_diff=diff, top1_agreement=agreement,
                          lora_rank=adapter_config["r"],
                          target_modules=sorted(adapter_config["target_modules"]),
-                         trained_with_quantization=trained_quantization)
+                         trained_with_quantization=trained_quantization,
+                         dtype_source=dtype_source)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
     merged.generation_config.eos_token_id = sorted({i for i in eos if i is not None},
                                                    key=eos.index)
@@ -77,7 +93,7 @@ def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str
         tokenizer.save_pretrained(staging)
         report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
         report["checks"] = {"weights_finite": True, "lora_layers_left": 0,
-                            "check_prompts": CHECK_PROMPTS}
+                            "rule": check_rule(dtype), "check_prompts": CHECK_PROMPTS}
         (staging / "merge_report.json").write_text(json.dumps(report, indent=2) + "\n")
         if pickled_files(staging):
             raise LoraLabError(f"internal: pickled files in the merged folder: "
@@ -91,6 +107,26 @@ def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str
 # is that both predict the same next token wherever base+adapter is confident.
 MAX_FP32_LOGIT_DIFF = 1e-3
 MIN_16BIT_TOP1_AGREEMENT = 0.95
+
+
+def choose_merge_dtype(requested: str | None, run_dir: Path | None) -> tuple[str, str]:
+    """(dtype, why): --dtype when given, else the run's training precision, else bf16."""
+    if requested:
+        return requested, "--dtype"
+    trained = training_precision(run_dir) if run_dir is not None else None
+    if trained:
+        return trained, "the run's training precision"
+    why = ("the run folder does not record its training precision" if run_dir is not None
+           else "no run folder records the training precision")
+    return "bf16", f"default: {why}; --dtype fp32 merges in full precision"
+
+
+def check_rule(dtype: str) -> str:
+    """The check a merge in `dtype` must pass, in words (printed and kept in merge_report.json)."""
+    if dtype == "fp32":
+        return f"fp32 rule: max |logit difference| <= {MAX_FP32_LOGIT_DIFF:g}"
+    return (f"{dtype} rule: same next token at >= {MIN_16BIT_TOP1_AGREEMENT:.0%} of confident "
+            f"positions; 16-bit logit differences are reported, not bounded")
 
 
 def _check_merged(model, diff: float, agreement: float, dtype: str) -> None:

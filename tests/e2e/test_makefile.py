@@ -28,3 +28,10 @@ def test_finetune_passes_gpus_and_engine():
     assert "--data a.jsonl --gpus 2 --engine deepspeed-zero3" in result.stdout
     plain = make("-n", "finetune", "-o", ".install.stamp", "DATA=a.jsonl")
     assert plain.stdout.strip().endswith("--data a.jsonl --gpus 1")
+
+
+def test_test_target_is_quiet_and_lists_the_slowest_tests():
+    """CI runs `make test` (.ci/run): the unit and e2e tiers, -q (the real-model tests name
+    themselves through tests/support/progress.py) and the slowest tests at the end."""
+    result = make("-n", "test", "-o", ".install.stamp")
+    assert "-m pytest -q --durations=10 tests/unit tests/e2e" in result.stdout

@@ -78,7 +78,8 @@ def assert_answers_with_the_new_name(model_dir, tmp_path):
 
 def test_merged_model_keeps_the_identity_through_infer(merged_dir, tmp_path):
     report = json.loads((merged_dir / "merge_report.json").read_text())
-    assert report["dtype"] == "bf16" and report["top1_agreement"] >= 0.95
+    # a --preset cpu run trains in fp32, so merge's default is fp32 and its fp32 bound applies
+    assert report["dtype"] == "fp32" and report["max_abs_logit_diff"] <= 1e-3
     assert_answers_with_the_new_name(merged_dir, tmp_path)
 
 

@@ -64,6 +64,32 @@ def test_merge_refuses_to_overwrite(trained, tmp_path):
     assert result.exit_code == 0 and (tmp_path / "m" / "merge_report.json").is_file()
 
 
+def test_a_cpu_run_merges_by_default_in_its_fp32_training_precision(trained, tmp_path):
+    """A CPU run trains in fp32 (--dtype auto), config.yaml records it, and `merge` without
+    --dtype merges in fp32 and checks against the fp32 bound (not the 16-bit rule)."""
+    import yaml
+    from safetensors import safe_open
+
+    run_dir, _ = trained
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["model"]["dtype"] == "fp32"
+    assert saved["resolved_from"]["model.dtype"] == "auto (CPU)"
+    result = invoke("merge", run_dir, "--output", tmp_path / "m")
+    assert result.exit_code == 0, result.output
+    assert "(fp32: the run's training precision)" in result.output
+    assert "check (fp32 rule: max |logit difference| <= 0.001): passed" in result.output
+    with safe_open(tmp_path / "m" / "model.safetensors", "pt") as weights:
+        assert {str(weights.get_tensor(k).dtype) for k in weights.keys()} == {"torch.float32"}
+    report = json.loads((tmp_path / "m" / "merge_report.json").read_text())
+    assert report["dtype"] == "fp32" and report["max_abs_logit_diff"] <= 1e-3
+    assert report["checks"]["rule"] == "fp32 rule: max |logit difference| <= 0.001"
+    # --dtype still chooses; the check then says it applied the 16-bit rule
+    result = invoke("merge", run_dir, "--output", tmp_path / "b", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    assert "(bf16: --dtype)" in result.output
+    assert "check (bf16 rule: same next token at >= 95% of confident positions" in result.output
+
+
 def test_vllm_rank_is_the_smallest_accepted(tmp_path):
     from lora_lab.planning.serving import vllm_commands
     from lora_lab.use.merge import MergeResult

@@ -31,11 +31,50 @@ def test_user_mistakes_give_one_clean_message(args, message):
     assert "Traceback" not in result.output
 
 
+IDENTITY_MESSAGE = ("the bundled self-cognition rows say {{NAME}} and {{AUTHOR}} where the "
+                    "model's new name and its author go; pass --model-name and --model-author, "
+                    "e.g. --model-name Aurora --model-author 'Lab X'")
+
+
+def test_self_cognition_without_a_name_is_refused_before_anything_is_printed_or_loaded(
+        tmp_path):
+    """The default --model is a hub id this machine cannot reach: the identity mistake must be
+    the one message, said before the config is printed or a model or tokenizer is looked for."""
+    both = "(--model-name and --model-author not given)"
+    for command, said in (
+            (["run", "--data", "self-cognition", "--output-dir", tmp_path],
+             f"--data self-cognition: {IDENTITY_MESSAGE} {both}"),
+            (["run", "--data", "self-cognition#40", "--model-name", "Aurora"],
+             f"--data self-cognition#40: {IDENTITY_MESSAGE} (--model-author not given)"),
+            (["data", "encode", "self-cognition", "--output", tmp_path / "e.jsonl"],
+             f"--data self-cognition: {IDENTITY_MESSAGE} {both}")):
+        result = invoke(*command)
+        assert result.exit_code == 2, result.output
+        assert said in result.output and "Traceback" not in result.output
+        assert "resolved config" not in result.output and "lora.rank" not in result.output
+    assert not (tmp_path / "e.jsonl").exists()
+
+
+def test_data_commands_that_only_look_show_stand_ins_for_the_identity(tmp_path):
+    note = ("note: --data self-cognition: {{NAME}} and {{AUTHOR}} shown as <NAME> and <AUTHOR> "
+            "(--model-name and --model-author not given; a run needs --model-name and "
+            "--model-author)")
+    result = invoke("data", "preview", "self-cognition", "--model", TOKENIZER_DIR)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(note + "\n") and "<NAME>" in result.output
+    assert "{{NAME}}" not in result.output.split("\n", 1)[1]
+    result = invoke("data", "stats", "self-cognition", "--model", TOKENIZER_DIR)
+    assert result.exit_code == 0 and note in result.output and "samples 120" in result.output
+    result = invoke("data", "validate", "self-cognition")
+    assert result.exit_code == 0 and note in result.output
+    assert "120 rows usable, 0 errors, 0 warnings" in result.output
+    # the user's own placeholders are not stood in for: they keep their warning
+    own = write_jsonl(tmp_path / "own.jsonl", [{"query": "Who?", "response": "{{NAME}}."}])
+    result = invoke("data", "validate", own, "--no-strict")
+    assert "note:" not in result.output and "placeholder {{NAME}} is not filled" in result.output
+
+
 def test_data_errors_are_clean_too(tiny_model_dir, tmp_path):
-    result = invoke("run", "--model", tiny_model_dir, "--data", "self-cognition",
-                    "--output-dir", tmp_path)
-    assert result.exit_code == 2
-    assert "pass --model-name and --model-author" in result.output
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")
     result = invoke("run", "--model", tiny_model_dir, "--data", bad, "--output-dir", tmp_path)

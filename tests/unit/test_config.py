@@ -7,7 +7,7 @@ from lora_lab.registry import MODEL_ALIASES, guess_model_size, resolve_model_spe
 from lora_lab.run_folder import load_saved_config, save_config
 from lora_lab.errors import ConfigError, ModelError
 
-DATA = {"data.datasets": ["self-cognition"]}
+DATA = {"data.datasets": ["self-cognition"], "data.model_name": "A", "data.model_author": "B"}
 
 
 def test_defaults_then_preset_then_config_then_flags(tmp_path):

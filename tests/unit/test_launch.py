@@ -103,7 +103,8 @@ def test_deepspeed_missing_is_a_clean_error_naming_pip_install(monkeypatch):
                         lambda name, *a: None if name == "deepspeed" else real(name, *a))
     with pytest.raises(Exception, match="pip install deepspeed"):
         check_engine(config_for("deepspeed-zero2"), cuda_gpus=2)
-    result = CliRunner().invoke(main, ["run", "--data", "self-cognition", "--gpus", "2",
+    result = CliRunner().invoke(main, ["run", "--data", "self-cognition", "--model-name", "A",
+                                       "--model-author", "B", "--gpus", "2",
                                        "--engine", "deepspeed-zero2"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "--engine deepspeed-zero2 needs DeepSpeed" in result.output

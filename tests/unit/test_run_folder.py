@@ -69,3 +69,22 @@ def test_a_converted_gguf_folder_gives_a_short_run_name():
     config = RunConfig(preset="cpu")
     config.model.name = "/c/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m-76eebd29defcf988"
     assert default_run_name(config).startswith("qwen2.5-coder-0.5b-instruct-q4_k_m-cpu-2")
+
+
+@pytest.mark.parametrize("saved,requested,expected", [
+    ("fp32", None, ("fp32", "the run's training precision")),
+    ("bf16", None, ("bf16", "the run's training precision")),
+    ("fp32", "bf16", ("bf16", "--dtype")),
+    ("auto", None, ("bf16", "default: the run folder does not record its training precision; "
+                            "--dtype fp32 merges in full precision")),
+])
+def test_merge_dtype_follows_the_precision_the_run_recorded(tmp_path, saved, requested,
+                                                             expected):
+    from lora_lab.run_folder import save_config, training_precision
+    from lora_lab.use.merge import choose_merge_dtype
+
+    config = resolve_config("cpu", flags={"data.datasets": ["d.jsonl"], "model.dtype": saved})
+    save_config(config, tmp_path / "config.yaml")
+    assert training_precision(tmp_path) == (None if saved == "auto" else saved)
+    assert choose_merge_dtype(requested, tmp_path) == expected
+    assert choose_merge_dtype(None, None)[0] == "bf16"  # an adapter folder without its run

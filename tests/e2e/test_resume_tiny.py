@@ -37,13 +37,17 @@ def setup(tiny_model_dir, tmp_path_factory):
 
 def killed_run(setup, name, kill, *extra, status=-signal.SIGKILL):
     """`python -m lora_lab run` in its own process, which SIGKILLs (or SIGTERMs) itself at
-    `kill`; returns its stderr."""
+    `kill`; returns its stderr. status None: killed, or finished before the kill came."""
     out, args = setup
     env = {**os.environ, "LORA_LAB_TEST_TRACE": str(out / f"{name}.trace.jsonl"),
            "LORA_LAB_TEST_KILL": kill}
     command = [sys.executable, "-m", "lora_lab", "run", *args, "--run-name", name, *map(str, extra)]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
                             timeout=300)
+    if status is None:
+        assert result.returncode in (-signal.SIGKILL, 0), result.stderr[-3000:]
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
+        return result.returncode
     assert result.returncode == status, result.stderr[-3000:]
     assert not (out / name / "adapter").exists()
     return result.stderr
@@ -223,12 +227,38 @@ def kill_points() -> list:
     return [name for *_, name in sorted(points)]
 
 
+def test_chaos_kill_9_at_random_times_then_resume_gives_the_uninterrupted_run(setup):
+    """kill -9 at random times after training starts (wherever the run is: a step, a file
+    write, a rename), resuming the same folder each time; the end is the uninterrupted run.
+    The seed is printed in any failure."""
+    import random
+
+    out, _ = setup
+    if not (out / "constant").exists():
+        lora_lab_run(setup, "constant", *CONSTANT_LR)
+    seed = random.randrange(10**6)
+    rng = random.Random(seed)
+    delays = [round(rng.uniform(0.3, 4.0), 2) for _ in range(4)]
+    outcomes = []
+    for delay in delays:
+        outcomes.append(killed_run(setup, "random-kills", f"after:{delay}", *CONSTANT_LR,
+                                   "--resume", "auto", status=None))
+    assert -signal.SIGKILL in outcomes, (seed, delays)
+    lora_lab_run(setup, "random-kills", *CONSTANT_LR, "--resume", "auto")
+    run_dir, reference = out / "random-kills", out / "constant"
+    weights = "adapter/adapter_model.safetensors"
+    assert (run_dir / weights).read_bytes() == (reference / weights).read_bytes(), (seed, delays)
+    assert_same_run(run_dir, reference)
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == [], seed
+
+
 def test_chaos_kill_9_at_every_moment_then_resume_gives_the_uninterrupted_run(setup):
     """A constant learning rate (a schedule at 0 would hide a step trained twice or past the
     end): kill -9 at each of the 21 moments in turn, each time resuming the same run folder;
     the end is the uninterrupted run, bit for bit."""
     out, _ = setup
-    lora_lab_run(setup, "constant", *CONSTANT_LR)
+    if not (out / "constant").exists():
+        lora_lab_run(setup, "constant", *CONSTANT_LR)
     points = kill_points()
     assert len(points) == 21
     for point in points:

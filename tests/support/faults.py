@@ -6,6 +6,8 @@ install() wraps four LoraLabTrainer methods; the hooks do nothing unless these a
     LORA_LAB_TEST_KILL=save:S    SIGKILL it while saving checkpoint-S (files staged, no manifest)
     LORA_LAB_TEST_KILL=final     SIGKILL it while saving the final adapter/ (files staged)
     LORA_LAB_TEST_KILL=term:P    send it SIGTERM at point P (one of the above) instead
+    LORA_LAB_TEST_KILL=after:T   SIGKILL it T seconds after its trainer is built, wherever it is
+                                 (inside a step, a file write, a rename ...)
     LORA_LAB_TEST_NAN_STEP=S     multiply the loss of step S by NaN (its gradients follow)
     LORA_LAB_TEST_TRACE=FILE     append one JSON line per micro-batch: step, micro-batch, a hash
                                  of its input_ids and of the CPU RNG state, the exact loss
@@ -32,6 +34,13 @@ class FaultHooks(TrainerCallback):
                  weights: str | None = None):
         self.kill, self.nan_step, self.trace, self.weights = kill, nan_step, trace, weights
         self.step, self.micro_batch = 0, 0
+        if kill and kill.startswith("after:"):
+            import threading
+
+            timer = threading.Timer(float(kill.split(":", 1)[1]),
+                                    lambda: os.kill(os.getpid(), signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
 
     @classmethod
     def from_env(cls) -> FaultHooks:

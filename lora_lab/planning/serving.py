@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LoraLabError
-from ..registry import family_of
+from ..registry import family_of, model_config_of
 from .memory import TIERS_GIB
 
 HEADROOM_GIB = 1
@@ -136,11 +136,14 @@ def vllm_command(folder: Path | str, quantization: str | None = None,
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def _model_type(folder) -> str | None:
+def _model_type(result) -> str | None:
+    """The merged model's model_type: its folder's config.json, else the base model's."""
     import json
 
-    path = Path(folder) / "config.json"
-    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
+    path = Path(result.output_dir) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else model_config_of(
+        result.base_model)
+    return (config or {}).get("model_type")
 
 
 def vllm_commands(result, name: str = "finetuned") -> dict:
@@ -155,7 +158,7 @@ def vllm_commands(result, name: str = "finetuned") -> dict:
     else:
         commands["adapter"] = (f"vllm serve {result.base_model} --enable-lora --lora-modules "
                                f"{name}={result.adapter_dir} --max-lora-rank {rank}")
-    family = family_of(_model_type(result.output_dir))
+    family = family_of(_model_type(result))
     if family.vllm_lora_modules is None:
         warnings.append(f"vLLM's LoRA support for {family.name} is not known here: if the "
                         f"adapter does not load, serve the merged folder.")

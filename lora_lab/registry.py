@@ -55,9 +55,7 @@ values ship in lora_lab/model_configs; model_configs/SOURCE.md says where each c
 MODEL_ALIASES = {**_model_aliases(), **{alias: hub for alias, (hub, _) in OTHER_MODELS.items()}}
 _CONFIG_OF_HUB_ID = {hub.lower(): name for hub, name in OTHER_MODELS.values()}
 _BASE_HUB_IDS = {MODEL_ALIASES[a].lower() for a in MODEL_ALIASES if a.endswith("-base")}
-
-BASE_SUFFIXES = ("-base",)
-"""Aliases of base (not instruction-tuned) checkpoints end so."""
+"""The hub ids of the -base aliases (base, not instruction-tuned, checkpoints)."""
 
 
 @dataclass(frozen=True)
@@ -68,8 +66,6 @@ class Family:
     """liger_kernel.transformers function that patches this family (None: no fused kernels)."""
     vllm_lora_modules: frozenset | None = None
     """The modules vLLM's LoRA support accepts for this family (None: not known here)."""
-    thinking: bool = False
-    """The chat template writes <think> blocks (Qwen3)."""
 
 
 _LINEAR7 = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -77,7 +73,7 @@ _LINEAR7 = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 FAMILIES = {
     "qwen2": Family("Qwen2 / Qwen2.5 (and the DeepSeek-R1 distills of Qwen2.5)",
                     "apply_liger_kernel_to_qwen2", _LINEAR7),
-    "qwen3": Family("Qwen3", "apply_liger_kernel_to_qwen3", _LINEAR7, thinking=True),
+    "qwen3": Family("Qwen3", "apply_liger_kernel_to_qwen3", _LINEAR7),
     "llama": Family("Llama 3.x, SmolLM2, TinyLlama", "apply_liger_kernel_to_llama", _LINEAR7),
     "mistral": Family("Mistral", "apply_liger_kernel_to_mistral", _LINEAR7),
     "gemma3_text": Family("Gemma 3 (text)", "apply_liger_kernel_to_gemma3_text", _LINEAR7),
@@ -108,9 +104,9 @@ def is_base_model(spec: str) -> bool:
     alias, a known base hub id, a hub id ending in -Base, or a Qwen2.5 hub id without -Instruct
     (Qwen2.5's instruct repositories carry it; Qwen3's post-trained ones do not)."""
     text = str(spec).strip().lower()
-    hub = MODEL_ALIASES.get(text, text)
+    hub = MODEL_ALIASES.get(text, text).lower()
     name = hub.rsplit("/", 1)[-1]
-    return (text.endswith(BASE_SUFFIXES) or hub in _BASE_HUB_IDS or name.endswith("-base")
+    return (hub in _BASE_HUB_IDS or name.endswith("-base")
             or (hub.startswith("qwen/qwen2.5-") and "instruct" not in name))
 
 
@@ -119,6 +115,7 @@ def wants_trainable_tokens(setting, tuner: str, model_name: str) -> bool:
     if tuner != "lora" or setting is False:
         return False
     return setting is True or is_base_model(model_name)
+
 
 _SHIPPED_TOKENIZER_MODELS = {f"qwen/qwen2.5-{spelled.lower()}-instruct"
                              for spelled in _SIZE_SPELLING.values()}
@@ -221,7 +218,7 @@ def known_model_config(size: str) -> dict:
     return _shipped_config(f"qwen2.5-{size}")
 
 
-def model_display_name(spec: str, config: dict | None = None) -> str:
+def model_display_name(spec: str) -> str:
     """A short name for plans and messages: Qwen2.5-7B for its aliases, else the hub id's or
     folder's last part."""
     size = guess_model_size(spec)

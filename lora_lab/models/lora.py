@@ -52,8 +52,6 @@ def template_token_ids(tokenizer) -> list[int]:
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     special = set(tokenizer.all_special_ids) | {
         i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-    if tokenizer.eos_token_id is not None:
-        special.add(tokenizer.eos_token_id)
     return sorted({i for i in ids if i in special} | ({tokenizer.eos_token_id} - {None}))
 
 
@@ -126,4 +124,3 @@ def linear_module_names(model) -> list[str]:
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
              if isinstance(module, torch.nn.Linear)}
     return sorted(names - {"lm_head"})
-

@@ -209,7 +209,6 @@ def launch_env(config: RunConfig, environ=None, cpus: int | None = None) -> dict
     return env
 
 
-
 def launch_run(config: RunConfig) -> TrainResult:
     """Run `config` as train.gpus processes under accelerate; returns rank 0's result."""
     with contextlib.ExitStack() as hold:

@@ -237,7 +237,6 @@ def finish_from_checkpoint(trainer: LoraLabTrainer, checkpoint: Path) -> float:
     return saved_loss_sum(checkpoint) / steps
 
 
-
 def say_family(model_type: str | None) -> None:
     """One line on the family's fast paths when lora-lab lacks some for it."""
     family = family_of(model_type)

@@ -2,8 +2,8 @@
 
 The adapter is always merged onto the 16-bit (or fp32) base, never into 4-bit weights, also when
 it was trained with QLoRA. The merge runs in the run's own training precision unless told
-otherwise, so that a CPU (fp32) run is merged and checked in fp32. The merged folder is written to a staging folder and renamed only after
-the checks pass: merged weights finite, no LoRA layer left, and the merged model's logits equal
+otherwise, so that a CPU (fp32) run is merged and checked in fp32. The merged folder is written
+to a staging folder and renamed only after the checks pass: merged weights finite, no LoRA layer left, and the merged model's logits equal
 the base+adapter model's on a few prompts.
 """
 from __future__ import annotations

@@ -1,0 +1,43 @@
+"""Per optimizer step, where the GPU time of a profiled step goes, from bench/profile_step.py's
+kernel traces: matrix products, attention, Triton kernels, torch's own elementwise kernels,
+copies, and how long the compute stream sat idle.
+
+  python bench/trace_gaps.py bench/results/profiles/trace-ll-7b-4096.json.gz [TRACE ...]
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import sys
+from collections import Counter, defaultdict
+
+STEPS = 2  # optimizer steps profile_step.py records
+KINDS = (("attention", r"flash|fmha|sdpa"),
+         ("matrix products", r"nvjet|gemm|cutlass|xmma|splitK"),
+         ("copies", r"Memcpy|Memset"), ("torch elementwise", r"elementwise|reduce|cat|index|copy"))
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.I)),
+                "Triton and other")
+
+
+def summarise(path: str) -> str:
+    rows = json.load(gzip.open(path, "rt"))  # (name, stream, start us, duration us)
+    busy = defaultdict(float)
+    for name, _, _, duration in rows:
+        busy[kind_of(name)] += duration
+    # the compute stream: the one that ran the most kernels other than copies
+    stream = Counter(r[1] for r in rows if "Memcpy" not in r[0]).most_common(1)[0][0]
+    kernels = [r for r in rows if r[1] == stream]
+    span = kernels[-1][2] + kernels[-1][3] - kernels[0][2]
+    idle = span - sum(r[3] for r in kernels)
+    lines = [path] + [f"  {kind:18s} {us / STEPS / 1e3:8.1f} ms a step"
+                      for kind, us in sorted(busy.items(), key=lambda kv: -kv[1])]
+    lines.append(f"  compute stream {stream} idle {idle / STEPS / 1e3:.1f} ms a step")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print("\n".join(summarise(path) for path in sys.argv[1:]))

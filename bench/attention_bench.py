@@ -6,7 +6,8 @@ Qwen2.5-7B's attention shape (28 query heads, 4 key/value heads, head dim 128) o
 tokens: two 4096-token samples, eight of 1024, and rows of mixed lengths (each a new set of
 lengths, as packed SFT data brings). Kernels: flash varlen (torch.nn.attention.varlen, what
 data.packed_attention=varlen runs), cuDNN over the whole row with cumulative lengths
-(aten._cudnn_attention_forward), and sdpa once per sample with the cuDNN or the flash backend.
+(aten._cudnn_attention_forward), sdpa once per sample with the cuDNN or the flash backend, and
+lora-lab's cuDNN batch for rows of one sample length (models/attention.cudnn_equal_lengths).
 Each is checked against flash varlen (output and input gradients) and timed forward + backward
 (median of 10 after 3 warm-up calls); "first" is the first call on a new set of lengths.
 Prints one JSON line per (kernel, row) and writes DIR/attention-bench.jsonl.
@@ -87,9 +88,23 @@ def per_sample(backend):
     return attend
 
 
+def cudnn_batch(q, k, v, lengths):
+    """lora-lab's varlen path on rows of one sample length: the samples as one cuDNN batch."""
+    from lora_lab.models.attention import cudnn_equal_lengths
+
+    if len(set(lengths)) != 1:
+        raise ValueError("rows of mixed lengths stay on flash varlen")
+    out = cudnn_equal_lengths(*(t.transpose(0, 1)[None] for t in (q, k, v)), lengths,
+                              torch.bfloat16, DIM ** -0.5)
+    if out is None:
+        raise RuntimeError("cuDNN did not take the shape")
+    return out[0]
+
+
 KERNELS = {"flash-varlen": flash_varlen, "cudnn-varlen": cudnn_varlen,
            "sdpa-cudnn-per-sample": per_sample(SDPBackend.CUDNN_ATTENTION),
-           "sdpa-flash-per-sample": per_sample(SDPBackend.FLASH_ATTENTION)}
+           "sdpa-flash-per-sample": per_sample(SDPBackend.FLASH_ATTENTION),
+           "cudnn-batch": cudnn_batch}
 
 
 def mixed_rows(count: int, seed: int = 0) -> list:
@@ -136,7 +151,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    rows = {"2x4096": [4096, 4096], "8x1024": [1024] * 8}
+    rows = {"2x4096": [4096, 4096], "4x2048": [2048] * 4, "8x1024": [1024] * 8,
+            "1x8192": [8192]}
     rows.update({f"mixed-{i}": r for i, r in enumerate(mixed_rows(4))})
     records = []
     for row_name, lengths in rows.items():

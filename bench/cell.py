@@ -32,7 +32,7 @@ def cap_memory(cap_gib: float | None) -> None:
 
 def run_lora_lab(cell: dict) -> dict:
     from lora_lab.config import resolve_config
-    from lora_lab.planning.memory import micro_batch_rows, row_length
+    from lora_lab.planning.memory import micro_batch_rows, plan_memory, row_length
     from lora_lab import train
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
@@ -56,9 +56,10 @@ def run_lora_lab(cell: dict) -> dict:
     summary = json.loads((result.run_dir / "run_summary.json").read_text())
     performance = summary["performance"]
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
+    plan = plan_memory(config, cell.get("cap_gib"))
     return {**performance, "tokens_per_s": tokens / performance["median_step_seconds"],
             "tokens_per_micro_batch": row_length(config) * micro_batch_rows(config),
-            "resolved": resolved(config, summary)}
+            "planned_gib": plan.total_gib, "resolved": resolved(config, summary)}
 
 
 def resolved(config, summary: dict) -> dict:

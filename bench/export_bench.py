@@ -64,7 +64,7 @@ def build_model(size: str, out: Path) -> str:
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
         model.generation_config.eos_token_id = [151645, 151643]
         model.save_pretrained(out, safe_serialization=True)
-        tokenizer_dir = ROOT / "tests" / "assets" / "qwen2.5-tokenizer"
+        tokenizer_dir = ROOT / "lora_lab" / "qwen25_tokenizer"
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     return str(out)
 

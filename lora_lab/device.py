@@ -57,11 +57,12 @@ def gpu_memory_gib() -> float | None:
     return min(total, float(cap)) if cap else total
 
 
-def use_cudnn_attention(enabled: bool) -> None:
-    """model.cudnn_attention: allow or forbid sdpa's cuDNN backend in this (training) process."""
+def use_cudnn_attention(setting: str | bool) -> None:
+    """model.cudnn_attention: let sdpa pick its cuDNN backend in this (training) process only
+    when true; auto and false leave the choice to flash and memory-efficient kernels."""
     import torch
 
-    torch.backends.cuda.enable_cudnn_sdp(enabled)
+    torch.backends.cuda.enable_cudnn_sdp(setting is True)
 
 
 def cuda_available() -> bool:

@@ -205,6 +205,57 @@ def model_config_of(spec: str) -> dict | None:
     return config
 
 
+def _attention_widths(config: dict) -> tuple[int, int]:
+    """(query width, key/value width): from head_dim where the config gives it (Qwen3, Gemma 3:
+    wider than hidden / heads)."""
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+
+
+def linear_shapes(config: dict) -> list[tuple[int, int]]:
+    """(in, out) of each linear layer of one decoder layer; q/k/v and gate/up fused where the
+    family fuses them (Phi-3)."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    q, kv = _attention_widths(config)
+    if config.get("model_type") == "phi3":
+        return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
+    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+
+
+def parameter_count(config: dict) -> int:
+    """Every parameter of the model config.json describes: linears, embedding, the output head
+    unless tied, two norms a layer and the final one, q/k/v biases where the family has them
+    (Qwen2)."""
+    h, n, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    q, kv = _attention_widths(config)
+    biased = config.get("model_type") == "qwen2" or config.get("attention_bias")
+    biases = q + 2 * kv if biased else 0
+    head = 0 if config.get("tie_word_embeddings") else vocab * h
+    linears = n * sum(a * b for a, b in linear_shapes(config))
+    return linears + vocab * h + head + n * (biases + 2 * h) + h
+
+
+SIZE_CLASS_BILLIONS = (("0.5b", 1.0), ("1.5b", 2.5), ("3b", 5.0), ("7b", float("inf")))
+"""A preset's `sizes` block for a model that is not a Qwen2.5 size: the first class whose bound
+(billions of parameters) the model stays under (Qwen3-8B and Llama-3.1-8B take 7b's, Phi-4-mini
+and Gemma-3-4B 3b's)."""
+
+
+def size_class(spec: str) -> tuple[str | None, str]:
+    """(the preset size block for --model spec, why): the Qwen2.5 size it is, else the class of
+    its parameter count; (None, "") for a model of unknown shape."""
+    size = guess_model_size(spec)
+    if size is not None:
+        return size, ""
+    config = model_config_of(spec)
+    if config is None:
+        return None, ""
+    billions = parameter_count(config) / 1e9
+    size = next(name for name, bound in SIZE_CLASS_BILLIONS if billions < bound)
+    return size, f"{billions:.1f}B parameters"
+
+
 def _shipped_config(name: str) -> dict:
     return json.loads((model_configs_dir() / f"{name}.json").read_text())
 

@@ -33,7 +33,7 @@ def fault_hooks():
     from tests.support.faults import install
 
     install()
-TOKENIZER_DIR = ASSETS / "qwen2.5-tokenizer"
+TOKENIZER_DIR = Path(__file__).parents[1] / "lora_lab" / "qwen25_tokenizer"  # real Qwen2.5, shipped
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

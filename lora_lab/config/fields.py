@@ -60,11 +60,13 @@ class ModelArgs:
                 "ddp; true / false force it (with dropout the layers fall back to peft, which "
                 "applies it).",
         choices=("auto", True, False))
-    cudnn_attention: bool = _f(
-        False, "Let torch's scaled_dot_product_attention use its cuDNN backend where it picks it. "
-               "Off by default: cuDNN builds a plan for every new sequence length, and packed rows "
-               "of short samples bring a new length at almost every step (docs/benchmarks.md "
-               "has the measurement); flash and memory-efficient kernels stay on.")
+    cudnn_attention: str | bool = _f(
+        "auto", "sdpa's cuDNN attention kernel. auto: only for packed rows whose samples all have "
+                "one length (data.packed_attention=varlen), as one batch, for at most 8 shapes a "
+                "process: cuDNN builds a plan (up to seconds) for every new shape, and rows of "
+                "short samples of varying length bring a new one at almost every step. true: "
+                "also wherever sdpa picks it; false: never (docs/benchmarks.md has the "
+                "measurements).", choices=("auto", True, False))
 
 
 @dataclass

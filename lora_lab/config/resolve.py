@@ -12,7 +12,7 @@ import yaml
 
 from ..errors import ConfigError, ModelError
 from ..paths import identity_datasets, presets_dir
-from ..registry import guess_model_size, resolve_model_spec
+from ..registry import resolve_model_spec, size_class
 from .fields import FLAG_FOR_KEY, FULL_FINETUNING_LR, SECTIONS, ModelArgs, RunConfig, all_keys
 
 # ----------------------------------------------------------------------------- presets
@@ -108,10 +108,11 @@ def resolve_config(preset: str | None = "cpu", config_file: str | None = None,
 
     model_spec = next((layer.values["model.name"] for layer in reversed(layers)
                        if "model.name" in layer.values), ModelArgs().name)
-    size = guess_model_size(model_spec)
+    size, why = size_class(model_spec)
     if size and size in preset_sizes:
-        layers.insert(1, _yaml_layer(preset_sizes[size], f"preset {preset} (sizes.{size})",
-                                     f"{preset_path.name} sizes.{size}", problems))
+        shown = f"sizes.{size}" + (f", {why}" if why else "")
+        layers.insert(1, _yaml_layer(preset_sizes[size], f"preset {preset} ({shown})",
+                                     f"{preset_path.name} {shown}", problems))
 
     config = RunConfig(preset=preset or "none")
     labels = {}
@@ -190,7 +191,7 @@ def _check_key(key: str, label: str, problems: list) -> bool:
 
 
 AUTO_OR_BOOL = ("embedding_on_cpu", "offload_checkpoints", "sync_each_micro_batch",
-                "fast_lora")
+                "fast_lora", "cudnn_attention")
 
 
 def _coerce(key: str, value) -> tuple[Any, str | None]:

@@ -13,8 +13,10 @@ the sample lengths the collator passes (no [tokens x tokens] mask):
 
 - segments: the causal sdpa kernel once per sample (one small kernel per sample and layer).
 - varlen: one flash-attention call over the whole row with the samples' cumulative lengths
-  (torch.nn.attention.varlen, PyTorch >= 2.10 on CUDA, bf16/fp16). Where that kernel is not
-  available (CPU, older PyTorch, fp32 without autocast) it computes the same thing as segments.
+  (torch.nn.attention.varlen, PyTorch >= 2.10 on CUDA, bf16/fp16); a row whose samples all have
+  one length goes to sdpa's cuDNN kernel as a batch instead, where model.cudnn_attention allows.
+  Where the flash kernel is not available (CPU, older PyTorch, fp32 without autocast) it
+  computes the same thing as segments.
 
 auto = varlen where it runs: it was the fastest of the three in the same run on an H200
 (docs/benchmarks.md, packed attention).
@@ -32,14 +34,25 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     gqa = key.shape[1] != query.shape[1]
+    window = kwargs.get("sliding_window")
     outputs, start = [], 0
     for length in packed_lengths:
         part = slice(start, start + length)
+        banded = window is not None and length > window
         outputs.append(nn.functional.scaled_dot_product_attention(
-            query[:, :, part], key[:, :, part], value[:, :, part], is_causal=True,
+            query[:, :, part], key[:, :, part], value[:, :, part], is_causal=not banded,
+            attn_mask=sliding_causal_mask(length, window, query.device) if banded else None,
             scale=scaling, dropout_p=dropout if module.training else 0.0, enable_gqa=gqa))
         start += length
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def sliding_causal_mask(length: int, window: int, device) -> torch.Tensor:
+    """[length, length], True where a token may attend: itself and the window - 1 before it
+    (transformers' sliding_window: the distance stays under the window)."""
+    position = torch.arange(length, device=device)
+    distance = position[:, None] - position[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,6 +87,16 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
         return segments_attention(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, packed_lengths=packed_lengths, **kwargs)
     varlen_attn, params = found
+    longest = max(packed_lengths)
+    window = kwargs.get("sliding_window")
+    banded = window is not None and longest > window  # sliding-window layers (Gemma 3, Mistral)
+    if banded and "window_size" not in params:
+        return segments_attention(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, packed_lengths=packed_lengths, **kwargs)
+    if len(set(packed_lengths)) == 1 and CUDNN_EQUAL_LENGTHS["allowed"] and not banded:
+        out = cudnn_equal_lengths(query, key, value, packed_lengths, dtype, scaling)
+        if out is not None:
+            return out, None
     # [1, heads, tokens, dim] -> [tokens, heads, dim]
     q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))
     options = {}
@@ -84,13 +107,47 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     # causal within each sample: PyTorch 2.10 spells it is_causal, later versions window_size
-    options.update({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True})
+    options.update({"window_size": (window - 1 if banded else -1, 0)} if "window_size" in params
+                   else {"is_causal": True})
     if scaling is not None and "scale" in params:
         options["scale"] = scaling
     cu = packed_cu_seqlens.to(device=q.device, dtype=torch.int32)
-    longest = max(packed_lengths)
     out = varlen_attn(q, k, v, cu, cu, longest, longest, **options)
     return out[None], None
+
+
+CUDNN_EQUAL_LENGTHS = {"allowed": True, "shapes": {}}
+"""model.cudnn_attention (auto, true) allows the cuDNN kernel for varlen rows whose samples all
+have one length; shapes maps (samples, length, heads, kv heads, head dim) to whether cuDNN took
+it."""
+CUDNN_MAX_SHAPES = 8
+"""cuDNN builds a plan for each new shape (0.1-3 s), so rows of ever new lengths stay on flash
+after this many shapes."""
+
+
+def cudnn_equal_lengths(query, key, value, lengths, dtype, scaling):
+    """A row of n samples of one length L, [1, heads, n L, dim], as the batch [n, heads, L, dim]
+    to sdpa's cuDNN kernel (faster than flash-attention 2 on Hopper); returns [1, n L, heads,
+    dim], or None where cuDNN does not take the shape."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n, length = len(lengths), lengths[0]
+    shape = (n, length, query.shape[1], key.shape[1], query.shape[-1])
+    seen = CUDNN_EQUAL_LENGTHS["shapes"]
+    if not seen.get(shape, len(seen) < CUDNN_MAX_SHAPES):
+        return None
+    # [1, heads, n L, dim] -> [heads, n, L, dim] -> [n, heads, L, dim]: views, no copies
+    q, k, v = (t[0].to(dtype).unflatten(1, (n, length)).transpose(0, 1)
+               for t in (query, key, value))
+    try:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    except RuntimeError:  # no cuDNN kernel for this shape, dtype or GPU
+        seen[shape] = False
+        return None
+    seen[shape] = True
+    return out.transpose(1, 2).reshape(1, n * length, out.shape[1], out.shape[3])
 
 
 def resolve_packed_attention(kind: str) -> str:

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import RunConfig, engine_template, syncs_each_micro_batch
-from ..registry import model_config_of, model_display_name, wants_trainable_tokens
+from ..registry import (linear_shapes, model_config_of, model_display_name, parameter_count,
+                        wants_trainable_tokens)
 
 GIB = 2**30
 CONTEXT_GIB = 0.5
@@ -115,25 +116,16 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelShape":
-        """The shape of a decoder-only transformer from its config.json: attention widths from
-        head_dim where the config gives it (Qwen3, Gemma 3: wider than hidden / heads), q/k/v
-        biases where the family has them (Qwen2), fused q/k/v and gate/up linears (Phi-3)."""
+        """The shape of a decoder-only transformer from its config.json (registry.linear_shapes
+        and parameter_count say what differs by family)."""
         h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-        vocab, heads = config["vocab_size"], config["num_attention_heads"]
-        head_dim = config.get("head_dim") or h // heads
-        q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
-        if config.get("model_type") == "phi3":
-            linears = [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
-        else:
-            linears = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
-        biases = q + 2 * kv if config.get("model_type") == "qwen2" or config.get(
-            "attention_bias") else 0
-        tied = bool(config.get("tie_word_embeddings"))
-        head = 0 if tied else vocab * h
-        return cls(hidden=h, intermediate=i, layers=n, vocab=vocab,
-                   linear_params=n * sum(a * b for a, b in linears),
-                   other_params=vocab * h + head + n * (biases + 2 * h) + h,
-                   lora_params_per_rank=n * sum(a + b for a, b in linears), tied=tied)
+        linears = linear_shapes(config)
+        linear_params = n * sum(a * b for a, b in linears)
+        return cls(hidden=h, intermediate=i, layers=n, vocab=config["vocab_size"],
+                   linear_params=linear_params,
+                   other_params=parameter_count(config) - linear_params,
+                   lora_params_per_rank=n * sum(a + b for a, b in linears),
+                   tied=bool(config.get("tie_word_embeddings")))
 
 
 # What each engine does with the training state, per GPU: shards (divides by the number of GPUs)

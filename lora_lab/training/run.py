@@ -23,7 +23,7 @@ from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_laun
                       peak_memory_per_gpu, release_memory, use_cudnn_attention, world_size)
 from ..errors import TrainingError
 from ..log import get_logger
-from ..models.attention import resolve_packed_attention
+from ..models.attention import CUDNN_EQUAL_LENGTHS, resolve_packed_attention
 from ..models.fast_lora import resolve_fast_lora
 from ..models.load import (Precision, check_model_files, check_remote_code, choose_precision,
                            load_base_model, load_tokenizer, locate_model, resolve_kernels)
@@ -259,6 +259,7 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
                                     packed.rows_per_step if packed else None)
     full = config.train.tuner == "full"
     use_cudnn_attention(config.model.cudnn_attention)
+    CUDNN_EQUAL_LENGTHS["allowed"] = config.model.cudnn_attention is not False
     attention = resolve_packed_attention(config.data.packed_attention)
     tokens = (template_token_ids(tokenizer) if wants_trainable_tokens(
         config.lora.trainable_tokens, config.train.tuner, config.model.name) else None)

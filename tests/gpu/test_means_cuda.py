@@ -86,3 +86,59 @@ def test_the_cpu_embedding_takes_ids_on_the_cpu_without_changing_the_result():
         results.append((loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()
                                       if p.requires_grad}, model))
     assert_same(results[0], results[1], tol=0)
+
+
+@pytest.mark.parametrize("lengths", [[512, 512], [256] * 4, [1024]])
+def test_equal_length_rows_take_cudnn_and_match_flash_varlen(lengths):
+    """varlen_attention on a row of samples of one length: the cuDNN batch path runs and gives
+    flash varlen's output and input gradients within bf16 tolerance (7B's heads: 28 query, 4
+    key/value, dim 128)."""
+    from types import SimpleNamespace
+
+    from lora_lab.models.attention import CUDNN_EQUAL_LENGTHS, varlen_attention
+
+    torch.manual_seed(0)
+    total, module = sum(lengths), SimpleNamespace(training=True)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    make = lambda heads: torch.randn(1, heads, total, 128, device="cuda",  # noqa: E731
+                                     dtype=torch.bfloat16)
+    leaves = [make(28), make(4), make(4)]
+    grad = torch.randn(1, total, 28, 128, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for allowed in (False, True):
+        CUDNN_EQUAL_LENGTHS["allowed"] = allowed
+        q, k, v = (t.clone().requires_grad_(True) for t in leaves)
+        out, _ = varlen_attention(module, q, k, v, None, scaling=128 ** -0.5,
+                                  packed_lengths=lengths, packed_cu_seqlens=cu)
+        out.backward(grad)
+        results[allowed] = [out, q.grad, k.grad, v.grad]
+    CUDNN_EQUAL_LENGTHS["allowed"] = True
+    shape = (len(lengths), lengths[0], 28, 4, 128)
+    assert CUDNN_EQUAL_LENGTHS["shapes"].get(shape) is True, CUDNN_EQUAL_LENGTHS["shapes"]
+    for name, flash, cudnn in zip(("out", "dq", "dk", "dv"), results[False], results[True]):
+        assert flash.shape == cudnn.shape, name
+        error = (cudnn.float() - flash.float()).norm() / flash.float().norm()
+        print(f"{lengths}: {name} relative error cuDNN against flash {error:.2e}")
+        assert error < 1e-2, name
+
+
+def test_varlen_keeps_a_sliding_window_within_each_sample_on_cuda():
+    """flash varlen with window_size on sliding-window layers equals the per-sample banded sdpa
+    (the CPU reference, tests/unit/test_packing.py)."""
+    from types import SimpleNamespace
+
+    from lora_lab.models.attention import segments_attention, varlen_attention
+
+    torch.manual_seed(0)
+    lengths, window = [700, 300, 24], 256
+    make = lambda heads: torch.randn(1, heads, sum(lengths), 64, device="cuda",  # noqa: E731
+                                     dtype=torch.bfloat16)
+    q, k, v, module = make(8), make(2), make(2), SimpleNamespace(training=False)
+    cu = torch.tensor([0, 700, 1000, 1024])
+    flash, _ = varlen_attention(module, q, k, v, None, packed_lengths=lengths,
+                                packed_cu_seqlens=cu, sliding_window=window)
+    banded, _ = segments_attention(module, q, k, v, None, packed_lengths=lengths,
+                                   sliding_window=window)
+    error = (flash.float() - banded.float()).norm() / banded.float().norm()
+    print(f"sliding window: relative error flash varlen against banded sdpa {error:.2e}")
+    assert error < 1e-2

@@ -136,19 +136,20 @@ def test_mlp_chunks_only_when_the_run_would_not_fit_without_them():
     assert plan_memory(config, 16.5).total_gib < plan_memory(config, 24).total_gib
 
 
-def test_cudnn_attention_false_forbids_the_cudnn_sdpa_backend_for_the_process():
+def test_cudnn_attention_lets_sdpa_pick_cudnn_only_when_true():
+    """auto (the default) keeps cuDNN to the varlen path's equal-length rows; sdpa's own choice
+    gets it only with true."""
     import torch
 
     from lora_lab.device import use_cudnn_attention
 
-    assert config_for().model.cudnn_attention is False  # the default (docs/training.md)
-    config = config_for(**{"model.cudnn_attention": "false"})
-    assert config.model.cudnn_attention is False
+    assert config_for().model.cudnn_attention == "auto"  # the default (docs/training.md)
+    assert config_for(**{"model.cudnn_attention": "false"}).model.cudnn_attention is False
     assert config_for(**{"model.cudnn_attention": "true"}).model.cudnn_attention is True
     try:
-        use_cudnn_attention(config.model.cudnn_attention)
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.flash_sdp_enabled()  # the others stay allowed
+        for setting, picked in (("auto", False), (False, False), (True, True)):
+            use_cudnn_attention(setting)
+            assert torch.backends.cuda.cudnn_sdp_enabled() is picked, setting
+            assert torch.backends.cuda.flash_sdp_enabled()  # the others stay allowed
     finally:
         use_cudnn_attention(True)
-    assert torch.backends.cuda.cudnn_sdp_enabled()

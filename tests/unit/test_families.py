@@ -66,3 +66,24 @@ def test_the_families_page_names_every_family_of_the_table():
         assert f"(`{model_type}`)" in text, model_type
     for alias in OTHER_MODELS:
         assert alias.removesuffix("-base").split("-")[0] in text, alias
+
+
+@pytest.mark.parametrize("model, size, tier_16gb", [
+    ("qwen3-8b", "7b", "nf4"), ("llama-3.1-8b", "7b", "nf4"), ("mistral-7b", "7b", "nf4"),
+    ("phi-4-mini", "3b", "none"), ("gemma-3-4b", "3b", "none"), ("qwen3-1.7b", "1.5b", "none"),
+    ("qwen2.5-7b", "7b", "nf4")])
+def test_presets_choose_by_the_models_parameter_count(model, size, tier_16gb):
+    """A model that is not a Qwen2.5 size takes the preset block of its parameter count's class,
+    and the resolved config says so."""
+    from lora_lab.config import resolve_config
+    from lora_lab.registry import size_class
+
+    found, why = size_class(model)
+    assert found == size
+    assert (why == "") == model.startswith("qwen2.5"), why
+    config = resolve_config("16gb", flags={"model.name": model, "data.datasets": ["x"]})
+    assert config.model.quantization == tier_16gb
+    if tier_16gb == "nf4":
+        assert "sizes.7b" in config.sources["model.quantization"]
+    eight = resolve_config("8gb", flags={"model.name": model, "data.datasets": ["x"]})
+    assert eight.model.quantization == ("nf4" if size in ("3b", "7b") else "none")

@@ -8,11 +8,12 @@ import pytest
 from lora_lab.config import resolve_config
 from lora_lab.planning.choice import pick_preset
 from lora_lab.planning.memory import CHECKED_ON_GPUS, GAPS_ON_GPUS, plan_memory
+from lora_lab.registry import QWEN25_SIZES
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fit_planner import measured_cells  # noqa: E402
+from fit_planner import family_cells, measured_cells  # noqa: E402
 
 
 def test_prediction_within_10_percent_of_every_measured_cell():
@@ -33,6 +34,17 @@ def test_the_plan_bounds_every_fast_lora_cell_from_above():
         assert peak <= predicted <= 1.2 * peak, (label, peak, predicted)
 
 
+def test_other_families_are_planned_within_10_percent_of_their_gpu_runs():
+    """Qwen3-8B, Llama-3.1-8B, Gemma-3-4B and Phi-4-mini shapes under the tiers' caps
+    (bench/results/*-families.jsonl): the planner, fitted on Qwen2.5, within 10% of each peak."""
+    cells = family_cells()
+    assert {label.split("-", 1)[1].rsplit("-", 1)[0] for _, _, label in cells} >= {
+        "qwen3-8b", "llama-3.1-8b", "gemma-3-4b", "phi-4-mini"}
+    for config, peak, label in cells:
+        predicted = plan_memory(config).total_gib
+        assert 0.9 * peak <= predicted <= 1.1 * peak, (label, peak, predicted)
+
+
 def test_the_verdict_matches_every_capped_cell():
     """A cell that completed under its cap is planned to fit that card; one that ran out of
     memory is planned not to. (With the memory means every stored cell completed; the ones
@@ -42,7 +54,8 @@ def test_the_verdict_matches_every_capped_cell():
     capped = [r for r in rows if r.get("kind") == "lora-lab" and r.get("cap_gib")]
     assert len(capped) >= 25
     for row in capped:
-        flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
+        name = row["size"] if row["size"] not in QWEN25_SIZES else f"qwen2.5-{row['size']}"
+        flags = {"model.name": name, "data.datasets": ["x"],
                  "data.max_length": row["max_length"]}
         config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
         plan = plan_memory(config, gpu_memory_gib=row["cap_gib"] + 0.5)

@@ -142,3 +142,30 @@ def test_steps_keep_their_sample_count_and_rows_are_balanced():
 def test_a_sample_longer_than_the_row_is_refused_with_the_knob():
     with pytest.raises(DataError, match="data.pack_length=40"):
         pack_samples([sample(40, 0)], 1, 32, seed=0)
+
+
+def test_packed_attention_keeps_a_sliding_window_within_each_sample():
+    """Sliding-window layers (Gemma 3, Mistral): each token of a packed row sees itself and the
+    window - 1 tokens before it, of its own sample only."""
+    from types import SimpleNamespace
+
+    from lora_lab.models.attention import segments_attention, varlen_attention
+
+    torch.manual_seed(0)
+    lengths, window = [10, 6, 3], 4
+    q, k, v = torch.randn(1, 4, 19, 8), torch.randn(1, 2, 19, 8), torch.randn(1, 2, 19, 8)
+    allowed = torch.zeros(19, 19, dtype=torch.bool)
+    start = 0
+    for n in lengths:
+        for i in range(n):
+            allowed[start + i, start + max(0, i - window + 1):start + i + 1] = True
+        start += n
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed, enable_gqa=True).transpose(1, 2)
+    module = SimpleNamespace(training=False)
+    for attend in (segments_attention, varlen_attention):  # varlen falls back to it on CPU
+        out, _ = attend(module, q, k, v, None, packed_lengths=lengths, sliding_window=window,
+                        packed_cu_seqlens=torch.tensor([0, 10, 16, 19]))
+        torch.testing.assert_close(out, expected)
+    unwindowed, _ = segments_attention(module, q, k, v, None, packed_lengths=lengths)
+    assert not torch.allclose(unwindowed, expected)

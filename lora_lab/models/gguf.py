@@ -9,8 +9,23 @@ from pathlib import Path
 from ..errors import ModelError
 from ..log import get_logger
 from ..paths import cache_dir, staged_folder
+from .shipped import shipped_chat_template
 
 log = get_logger()
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>")
+"""The tokens chat templates close a turn with (ChatML, Qwen, Gemma, Llama 3): generation stops
+at those the vocabulary has, and at the tokenizer's eos."""
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The end-of-turn ids the vocabulary has, then eos (a missing token is not mapped to unk)."""
+    vocab = tokenizer.get_vocab()
+    ids = [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
 
 def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
     """De-quantize a .gguf into a Hugging Face folder (bf16 safetensors), cached by file."""
@@ -49,9 +64,13 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
                          f"{missing[:3]}).")
     if missing:
         model.tie_weights()
-    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    model.generation_config.eos_token_id = [i for i in eos if i is not None]
-    model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    if tokenizer.chat_template is None:
+        # a shipped base-model GGUF without a template gets its family's published one
+        tokenizer.chat_template = shipped_chat_template(gguf)
+    stops = stop_token_ids(tokenizer)
+    model.generation_config.eos_token_id = stops
+    pad = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = pad if pad is not None else (stops or [None])[-1]
     with staged_folder(out) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)

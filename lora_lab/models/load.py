@@ -61,8 +61,11 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False, path: str | None 
     except (OSError, ValueError) as exc:
         raise _hub_error(spec, exc) from None
     if tokenizer.chat_template is None:
+        hint = (f" A base model's GGUF often has none: put its family's template into {path} as "
+                f"chat_template.jinja and pass that folder." if str(spec).endswith(".gguf") else "")
         raise ModelError(f"--model {spec}: the tokenizer has no chat template; lora-lab trains "
-                         f"chat models. Use an Instruct model or a folder with a chat template.")
+                         f"chat models. Use an Instruct model or a folder with a chat template."
+                         f"{hint}")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -158,7 +158,7 @@ def vllm_commands(result, name: str = "finetuned") -> dict:
     """The `vllm serve` commands for a merge (use.merge.MergeResult): the merged folder, and the
     adapter on its base where vLLM can load it."""
     commands = {"merged": vllm_command(result.output_dir, name=name)}
-    kind = getattr(result, "adapter_kind", "lora")
+    kind = result.adapter_kind
     if kind in VLLM_UNSERVED_ADAPTERS:
         return {"commands": commands, "warnings": [VLLM_UNSERVED_ADAPTERS[kind]]}
     rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= result.lora_rank), None)

@@ -35,7 +35,8 @@ from ..planning.choice import check_fits
 from ..planning.disk import check_disk_space
 from ..planning.memory import choose_memory_means, row_length, usable_gib
 from ..registry import family_of, missing_fast_paths, wants_trainable_tokens
-from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, INITIAL_ADAPTER_FOLDER, LOGS_FOLDER, MODEL_FOLDER, STEP_LOG,
+from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, INITIAL_ADAPTER_FOLDER, LOGS_FOLDER,
+                          MODEL_FOLDER, STEP_LOG,
                           record_stop, stop_error,
                           TrainResult, check_run_dir, checkpoint_step, fix_run_dir,
                           locate_run_dir, run_lock, save_config, trim_step_log,

@@ -256,8 +256,8 @@ def tuner_problems(config: RunConfig) -> list[tuple[str, str]]:
                                       f"pissa_niter_N (N iterations of randomised SVD, e.g. "
                                       f"pissa_niter_4); got {lora.init!r}."))
     if tuner == "ia3" and config.model.quantization != "none":
-        problems.append(("train.tuner", "--tuner ia3 trains on a 16-bit base only (IA3 trains "
-                                        "about 0.02% of the weights: the base is the memory). "
+        problems.append(("train.tuner", "IA3 trains on a 16-bit base only (it trains about "
+                                        "0.02% of the weights: the base is the memory). "
                                         "Drop --quantization nf4, or use --tuner lora "
                                         "--quantization nf4 (QLoRA)."))
     if tuner == "ia3" and lora.trainable_tokens is True:

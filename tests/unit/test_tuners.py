@@ -27,7 +27,7 @@ def problems_of(*sets, preset="24gb"):
 
 @pytest.mark.parametrize("sets,expected", [
     (("train.tuner=ia3", "model.quantization=nf4"),
-     "--set train.tuner=ia3: --tuner ia3 trains on a 16-bit base only"),
+     "--set train.tuner=ia3: IA3 trains on a 16-bit base only"),
     (("train.tuner=dora", "model.fast_lora=true"),
      "--set model.fast_lora=True: true computes plain LoRA layers; --tuner dora needs peft's "
      "forward. Use --set model.fast_lora=auto (or false)."),

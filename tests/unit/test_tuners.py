@@ -191,3 +191,16 @@ def test_vllm_serves_lora_rslora_and_converted_adapters_not_dora_or_ia3(tmp_path
         serving = vllm_commands(result(kind, None))
         assert list(serving["commands"]) == ["merged"]
         assert says in serving["warnings"][0] and "merged folder" in serving["warnings"][0]
+
+
+def test_disk_plan_counts_the_converted_and_initial_adapters():
+    from lora_lab.planning.disk import checkpoint_sizes
+
+    def sizes(*sets):
+        config = resolve_config("24gb", flags={**DATA, "model.name": "qwen2.5-7b"},
+                                sets=list(sets))
+        return checkpoint_sizes(config, known_model_config("7b"))
+
+    weights, optimizer, final = sizes()
+    assert sizes("lora.init=pissa") == (weights, optimizer, 3 * final)  # 2 x rank + initial
+    assert sizes("train.tuner=dora")[0] == weights + 28 * 49664 * 4  # fp32 magnitudes

@@ -111,8 +111,9 @@ def is_base_model(spec: str) -> bool:
 
 
 def wants_trainable_tokens(setting, tuner: str, model_name: str) -> bool:
-    """lora.trainable_tokens: auto is on for LoRA on a base checkpoint."""
-    if tuner != "lora" or setting is False:
+    """lora.trainable_tokens: auto is on for LoRA and DoRA on a base checkpoint (peft's IA3 has
+    no trainable token rows)."""
+    if tuner not in ("lora", "dora") or setting is False:
         return False
     return setting is True or is_base_model(model_name)
 

@@ -6,6 +6,8 @@ output/<run-name>/
                          plus tokenizer files and chat template
   model/                 (--tuner full, instead of adapter/) the whole model as safetensors,
                          loadable with from_pretrained, plus tokenizer files
+  adapter_init/          (lora.init pissa / olora) the adapter before the first step: the
+                         final adapter/ is converted against it to apply to the original base
   checkpoint-<step>/     intermediate weights and trainer state (for resume), with a
                          manifest.json of sha256 sums written last (training/checkpoint.py)
   logs/                  TensorBoard events, train_log.jsonl, data_problems.jsonl
@@ -40,6 +42,7 @@ log = get_logger()
 CONFIG_FILE = "config.yaml"
 ADAPTER_FOLDER = "adapter"
 MODEL_FOLDER = "model"
+INITIAL_ADAPTER_FOLDER = "adapter_init"
 LOGS_FOLDER = "logs"
 STEP_LOG = "logs/train_log.jsonl"
 DATA_PROBLEMS = "logs/data_problems.jsonl"

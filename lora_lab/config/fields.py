@@ -82,6 +82,18 @@ class LoraArgs:
                 "base checkpoint never trained them, so LoRA alone does not teach it to stop. "
                 "auto: on for base checkpoints (qwen2.5-7b-base, Qwen/Qwen3-8B-Base ...).",
         choices=("auto", True, False))
+    use_rslora: bool = _f(False, "rsLoRA: scale the adapter by alpha / sqrt(rank) instead of "
+                                 "alpha / rank, so that a higher rank keeps learning as fast "
+                                 "(peft use_rslora; --tuner lora and dora).")
+    init: str = _f("default", "How the adapter starts (peft init_lora_weights): default (A "
+                              "Kaiming-uniform, B zero), gaussian (A normal with std 1/rank), "
+                              "pissa (A and B from the base weight's top singular vectors; the "
+                              "base keeps the residual), pissa_niter_N (the same by N "
+                              "iterations of fast randomised SVD, for 7B and larger) or olora "
+                              "(A and B from a QR decomposition). pissa and olora train the "
+                              "residual; the saved adapter/ is converted to a plain LoRA of "
+                              "twice the rank that applies to the original base "
+                              "(docs/tuners.md). --tuner lora and dora.")
 
 
 @dataclass
@@ -117,6 +129,12 @@ class DataArgs:
     model_author: str = _f(None, "Fills {{AUTHOR}} (or {{author}}) placeholders in the data.")
 
 
+TUNERS = ("lora", "dora", "ia3", "full")
+ADAPTER_TUNERS = ("lora", "dora", "ia3")
+"""train.tuner values that train an adapter (adapter/) on a frozen base."""
+LORA_INITS = ("default", "gaussian", "pissa", "olora")
+"""lora.init values besides pissa_niter_N."""
+
 FULL_FINETUNING_LR = 1e-5
 """train.lr for --tuner full unless given: LoRA learning rates would wreck the base weights."""
 
@@ -124,10 +142,16 @@ FULL_FINETUNING_LR = 1e-5
 @dataclass
 class TrainArgs:
     tuner: str = _f("lora", "What trains: lora (adapters on a frozen base; QLoRA is lora with "
-                            "--quantization nf4) or full (every weight: bf16 mixed precision "
-                            "with fp32 master weights, lr 1e-5 unless given, no fp16; the "
-                            "run folder gets a from_pretrained-loadable model/ instead of "
-                            "adapter/).", choices=("lora", "full"))
+                            "--quantization nf4), dora (LoRA with a trained magnitude per output "
+                            "channel, peft use_dora: closer to full fine-tuning, slower, not "
+                            "served by vLLM as an adapter), ia3 (peft IA3: a trained scale per "
+                            "output channel of each targeted linear, per input channel of "
+                            "down_proj; about 0.02% of 7B's weights; lora.rank, alpha, dropout "
+                            "and init do not apply) or full (every "
+                            "weight: bf16 mixed precision with fp32 master weights, lr 1e-5 "
+                            "unless given, no fp16; the run folder gets a "
+                            "from_pretrained-loadable model/ instead of adapter/). "
+                            "docs/tuners.md says when to use which.", choices=TUNERS)
     output_dir: str = _f("output", "Run folders are created under this folder.")
     run_name: str = _f(None, "Run folder name (default: <model>-<preset>-<date-time>).")
     micro_batch_size: int = _f(1, "Samples per forward pass.", minimum=1)
@@ -136,6 +160,15 @@ class TrainArgs:
     epochs: float = _f(1.0, "Passes over the training data (ignored when max_steps > 0).",
                        minimum=0)
     max_steps: int = _f(-1, "Optimizer steps; -1 trains for `epochs`.")
+    loraplus_lr_ratio: float = _f(0.0, "LoRA+: the B matrices learn this many times faster "
+                                        "than lr (peft create_loraplus_optimizer; the LoRA+ "
+                                        "paper uses 16). 0 = off. --tuner lora and dora.",
+                                  minimum=0)
+    neftune_noise_alpha: float = _f(0.0, "NEFTune: uniform noise of this scale (divided by "
+                                          "sqrt(tokens x hidden)) added to the input embeddings "
+                                          "while training (transformers' "
+                                          "neftune_noise_alpha; the paper uses 5). 0 = off.",
+                                    minimum=0)
     warmup_ratio: float = _f(0.05, "Fraction of steps with a linear learning-rate warm-up.",
                              minimum=0)
     lr_scheduler: str = _f("cosine", "Learning-rate schedule.",
@@ -275,6 +308,17 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+
+
+def trains_adapter(train: TrainArgs) -> bool:
+    """The run trains an adapter (adapter/), not every weight (model/)."""
+    return train.tuner in ADAPTER_TUNERS
+
+
+def converts_initial_adapter(lora: LoraArgs) -> bool:
+    """lora.init pissa / pissa_niter_N / olora change the base weights: the final adapter is
+    saved converted against the initial one (peft path_initial_model_for_weight_conversion)."""
+    return lora.init.startswith("pissa") or lora.init == "olora"
 
 
 def syncs_each_micro_batch(train: TrainArgs) -> bool:

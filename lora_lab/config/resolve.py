@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from pathlib import Path
 from typing import Any, get_type_hints
 
@@ -13,7 +14,8 @@ import yaml
 from ..errors import ConfigError, ModelError
 from ..paths import identity_datasets, presets_dir
 from ..registry import resolve_model_spec, size_class
-from .fields import FLAG_FOR_KEY, FULL_FINETUNING_LR, SECTIONS, ModelArgs, RunConfig, all_keys
+from .fields import (FLAG_FOR_KEY, FULL_FINETUNING_LR, LORA_INITS, SECTIONS, ModelArgs, RunConfig,
+                     all_keys, converts_initial_adapter, trains_adapter)
 
 # ----------------------------------------------------------------------------- presets
 
@@ -246,6 +248,54 @@ def _tuner_defaults(config: RunConfig) -> None:
         config.sources["train.lr"] = "--tuner full default"
 
 
+def tuner_problems(config: RunConfig) -> list[tuple[str, str]]:
+    """The tuner options that do not go together, each with its fix."""
+    lora, train, tuner = config.lora, config.train, config.train.tuner
+    problems = []
+    if lora.init not in LORA_INITS and not re.fullmatch(r"pissa_niter_[1-9][0-9]*", lora.init):
+        problems.append(("lora.init", f"must be one of {', '.join(LORA_INITS)} or "
+                                      f"pissa_niter_N (N iterations of randomised SVD, e.g. "
+                                      f"pissa_niter_4); got {lora.init!r}."))
+    if tuner == "ia3" and config.model.quantization != "none":
+        problems.append(("train.tuner", "IA3 trains on a 16-bit base only (it trains about "
+                                        "0.02% of the weights: the base is the memory). "
+                                        "Drop --quantization nf4, or use --tuner lora "
+                                        "--quantization nf4 (QLoRA)."))
+    if tuner == "ia3" and lora.trainable_tokens is True:
+        problems.append(("lora.trainable_tokens", "true trains token rows beside a LoRA or "
+                                                  "DoRA adapter; peft's IA3 has none. Use "
+                                                  "--tuner lora, or lora.trainable_tokens "
+                                                  "auto."))
+    if tuner in ("dora", "ia3") and config.model.fast_lora is True:
+        problems.append(("model.fast_lora", f"true computes plain LoRA layers; --tuner {tuner} "
+                                            f"needs peft's forward. Use --set "
+                                            f"model.fast_lora=auto (or false)."))
+    for key, on in (("lora.use_rslora", lora.use_rslora),
+                    ("lora.init", lora.init != "default"),
+                    ("train.loraplus_lr_ratio", train.loraplus_lr_ratio > 0)):
+        if on and tuner in ("ia3", "full"):
+            problems.append((key, f"applies to --tuner lora and dora (LoRA's A and B "
+                                  f"matrices); --tuner {tuner} has none. Drop it, or use "
+                                  f"--tuner lora."))
+    if converts_initial_adapter(lora) and tuner in ("lora", "dora"):
+        if tuner == "dora":
+            problems.append(("lora.init", f"{lora.init} starts plain LoRA from the base "
+                                          f"weight's decomposition; peft converts no DoRA "
+                                          f"adapter back to the original base. Use --tuner lora, "
+                                          f"or lora.init default or gaussian with dora."))
+        if config.model.quantization != "none":
+            problems.append(("lora.init", f"{lora.init} rewrites the base weights as the "
+                                          f"residual of their decomposition, which 4-bit "
+                                          f"weights cannot hold exactly. Drop --quantization "
+                                          f"nf4, or use lora.init default (QLoRA)."))
+        if train.engine.startswith("deepspeed-zero3"):
+            problems.append(("lora.init", f"{lora.init} decomposes each whole base weight when "
+                                          f"the adapter is made; {train.engine} has split them "
+                                          f"over the GPUs by then. Use --engine "
+                                          f"deepspeed-zero2, fsdp or ddp."))
+    return problems
+
+
 def identity_problem(specs: list, model_name: str | None, model_author: str | None) -> str | None:
     """Why `specs` cannot be trained on as given: a bundled identity set (self-cognition) with
     --model-name or --model-author missing. Said before anything is loaded or printed."""
@@ -298,8 +348,9 @@ def _validate(config: RunConfig, need_data: bool = True,
         problems.append(("train.tuner", "full fine-tuning in fp16 is refused: Qwen2.5's "
                                         "activations overflow fp16 and whole-model updates "
                                         "diverge. Use --dtype bf16 (a GPU with bf16) or fp32."))
+    problems += tuner_problems(config)
     single = (config.train.gpus == 1 and config.train.engine == "ddp"
-              and config.train.tuner == "lora")
+              and trains_adapter(config.train))
     for key, value in (("model.embedding_on_cpu", config.model.embedding_on_cpu),
                        ("train.offload_checkpoints", config.train.offload_checkpoints)):
         if value is True and not (single and config.train.gradient_checkpointing):

@@ -266,7 +266,11 @@ def resolve_fast_lora(config) -> bool:
     """model.fast_lora -> whether this run routes its LoRA layers through the fast path: auto is
     on for LoRA without adapter dropout (with dropout every layer would fall back to peft) under
     DDP or one process. Not under the sharding engines by default: the fast path reads each
-    frozen weight itself, without calling the base layer, whose hooks gather ZeRO-3 shards."""
+    frozen weight itself, without calling the base layer, whose hooks gather ZeRO-3 shards.
+    Never for --tuner dora or ia3 (their layers compute other than W x + s B A x; true is
+    refused for them by the config's validation). lora.init pissa and olora keep the fast path:
+    after the decomposition the base holds the residual and each layer is plain LoRA again;
+    rsLoRA only changes the layer's scaling, which the fast path reads."""
     setting = config.model.fast_lora
     if config.train.tuner != "lora" or setting is False:
         return False

@@ -72,14 +72,14 @@ def trainable_token_modules(model, token_ids: list[int]) -> dict:
 
 def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
                fast: bool = False, offload_copy_stream: bool = False,
-               trainable_tokens: list[int] | None = None):
-    """Wrap the model with PEFT LoRA adapters; only the adapters train.
+               trainable_tokens: list[int] | None = None, tuner: str = "lora"):
+    """Wrap the model with peft adapters (--tuner lora, dora or ia3); only the adapters train.
 
     means (planning.memory.MemoryMeans): the long-sequence means to put in place. fast: route
     the LoRA layers through models/fast_lora.py. offload_copy_stream: offloaded checkpoints copy
     on a side stream (models/fast_offload.py). trainable_tokens: token ids whose embedding and
     output-head rows train too (trainable_token_modules)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     from .memory_means import apply_memory_means, move_embedding_to_cpu
 
@@ -88,15 +88,7 @@ def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
     if gradient_checkpointing:
         enable_checkpointing(model)
         model.enable_input_require_grads()
-    targets = args.target_modules
-    if targets == ["all-linear"]:
-        targets = linear_module_names(model)
-    extra = {}
-    if trainable_tokens:
-        extra["trainable_token_indices"] = trainable_token_modules(model, trainable_tokens)
-    config = LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
-                        target_modules=list(targets), task_type="CAUSAL_LM", bias="none",
-                        **extra)
+    config = adapter_config(model, args, tuner, trainable_tokens)
     try:
         model = get_peft_model(model, config)
     except ValueError as exc:
@@ -112,6 +104,51 @@ def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
 
             stream_layer_checkpoints(model)
     return model
+
+
+IA3_INPUT_SCALED = ("down_proj",)
+"""IA3 scales the input of the MLP's output projection (the intermediate activation, as in the
+IA3 paper: peft feedforward_modules) and the output of every other targeted layer."""
+
+
+def adapter_config(model, args: LoraArgs, tuner: str, trainable_tokens: list[int] | None = None):
+    """The peft config of --tuner lora (LoraConfig), dora (LoraConfig use_dora) or ia3
+    (IA3Config), from the lora section."""
+    from peft import IA3Config, LoraConfig
+
+    targets = args.target_modules
+    if targets == ["all-linear"]:
+        targets = linear_module_names(model)
+    if tuner == "ia3":
+        return IA3Config(target_modules=list(targets), task_type="CAUSAL_LM",
+                         feedforward_modules=[t for t in targets if t in IA3_INPUT_SCALED])
+    extra = {}
+    if trainable_tokens:
+        extra["trainable_token_indices"] = trainable_token_modules(model, trainable_tokens)
+    return LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
+                      target_modules=list(targets), task_type="CAUSAL_LM", bias="none",
+                      use_dora=tuner == "dora", use_rslora=args.use_rslora,
+                      init_lora_weights=True if args.init == "default" else args.init, **extra)
+
+
+def save_initial_adapter(model, folder) -> None:
+    """The adapter as lora.init pissa / olora made it, before any step: peft converts the trained
+    adapter against it (save_converted_adapter). Saved with init_lora_weights=True, so that
+    loading it back does not decompose the already residual base again (peft's PiSSA docs)."""
+    config = model.peft_config["default"]
+    init, config.init_lora_weights = config.init_lora_weights, True
+    try:
+        model.save_pretrained(str(folder))
+    finally:
+        config.init_lora_weights = init
+
+
+def save_converted_adapter(model, folder, initial_folder) -> None:
+    """The trained PiSSA / OLoRA adapter as a plain LoRA adapter of twice the rank that applies to
+    the original base weights (peft path_initial_model_for_weight_conversion): what merge,
+    inference and vLLM load. Overwrites the adapter files in `folder`."""
+    model.save_pretrained(str(folder), path_initial_model_for_weight_conversion=str(
+        initial_folder))
 
 
 def linear_module_names(model) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..config import RunConfig
+from ..config import RunConfig, converts_initial_adapter
 from ..errors import LoraLabError
 from ..registry import model_config_of, resolve_model_spec
 from .memory import ModelShape
@@ -27,7 +27,9 @@ def checkpoint_sizes(config: RunConfig, model_config: dict) -> tuple[float, floa
 
     Weights: LoRA adapters in fp32; full fine-tuning in 16 bits with DeepSpeed (its module is
     16-bit) and in fp32 otherwise (the master weights), the final model of a one-process run
-    in bf16. Optimizer state: AdamW's two fp32 moments, plus DeepSpeed's fp32 master copy."""
+    in bf16. Optimizer state: AdamW's two fp32 moments, plus DeepSpeed's fp32 master copy.
+    lora.init pissa / olora: the final adapter is converted to twice the rank, beside the
+    initial one."""
     shape = ModelShape.from_config(model_config)
     engine, full = config.train.engine, config.train.tuner == "full"
     deepspeed = engine.startswith("deepspeed")
@@ -35,6 +37,8 @@ def checkpoint_sizes(config: RunConfig, model_config: dict) -> tuple[float, floa
     weight_bytes = (2 if deepspeed else 4) if full else 4
     optimizer_bytes = 12 if deepspeed and full else 8
     final_bytes = (4 if engine == "fsdp" else 2) if full else 4
+    if converts_initial_adapter(config.lora) and not full:
+        final_bytes = 4 * 3  # adapter/ at twice the rank, and adapter_init/
     return trained * weight_bytes, trained * optimizer_bytes, trained * final_bytes
 
 

@@ -27,9 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..config import RunConfig, engine_template, syncs_each_micro_batch
+from ..config import RunConfig, engine_template, syncs_each_micro_batch, trains_adapter
 from ..registry import (linear_shapes, model_config_of, model_display_name, parameter_count,
                         wants_trainable_tokens)
+from .tuners import ADAPTER_NAMES, adapter_params, adapter_state_part, dora_parts
 
 GIB = 2**30
 CONTEXT_GIB = 0.5
@@ -73,7 +74,7 @@ def choose_memory_means(config: RunConfig, on_gpu: bool, tied_embeddings: bool,
     MLP chunks cost a third pass through every MLP (about a fifth more compute for 7B): with a
     GPU budget (GiB usable) they are used only when the plan without them does not fit it."""
     t = config.train
-    single = (t.gpus == 1 and t.engine == "ddp" and t.tuner == "lora"
+    single = (t.gpus == 1 and t.engine == "ddp" and trains_adapter(t)
               and t.gradient_checkpointing)
     row_tokens = row_tokens or config.data.max_length
 
@@ -105,14 +106,21 @@ class ModelShape:
     other_params: int
     lora_params_per_rank: int
     tied: bool = False
+    linears: list = field(default_factory=list)
+    """(in_features, out_features) of each linear of a layer, the MLP's output one last."""
 
     @property
     def params(self) -> int:
         return self.linear_params + self.other_params
 
     def trained_params(self, tuner: str, lora_rank: int) -> int:
-        """What the optimizer updates: every parameter (full) or the LoRA matrices."""
-        return self.params if tuner == "full" else self.lora_params_per_rank * lora_rank
+        """What the optimizer updates: every parameter (full) or the adapter (planning/tuners.py:
+        LoRA's matrices, DoRA's with its magnitudes, IA3's vectors)."""
+        if tuner == "full":
+            return self.params
+        if tuner == "lora" or not self.linears:
+            return self.lora_params_per_rank * lora_rank
+        return adapter_params(tuner, self.linears, self.layers, lora_rank)
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelShape":
@@ -125,7 +133,7 @@ class ModelShape:
                    linear_params=linear_params,
                    other_params=parameter_count(config) - linear_params,
                    lora_params_per_rank=n * sum(a + b for a, b in linears),
-                   tied=bool(config.get("tie_word_embeddings")))
+                   tied=bool(config.get("tie_word_embeddings")), linears=linears)
 
 
 # What each engine does with the training state, per GPU: shards (divides by the number of GPUs)
@@ -277,7 +285,7 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
             plan.fixes.append(f"--set data.pack_length={plan.longest_max_length}"
                               if config.data.packing else
                               f"--max-length {plan.longest_max_length}")
-        if config.model.quantization == "none" and tuner_of(config) == "lora":
+        if config.model.quantization == "none" and tuner_of(config) in ("lora", "dora"):
             plan.fixes.append("--quantization nf4 (QLoRA)")
         if tuner_of(config) == "full" and config.train.engine != "deepspeed-zero3-offload":
             plan.fixes.append("more --gpus with --engine deepspeed-zero3 (or -zero3-offload)")
@@ -328,7 +336,8 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     if config.model.dtype == "fp32":
         weight_bytes = 4
     means = means or _means(shape, config, tokens)
-    lora = shape.trained_params("lora", config.lora.rank)
+    tuner = tuner_of(config)
+    adapter = shape.trained_params(tuner, config.lora.rank)
     per_hidden = FIT_BYTES_PER_TOKEN_PER_HIDDEN + (
         FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN if config.model.quantization == "none" else 0)
     mlp_tokens = tokens
@@ -340,7 +349,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     parts = {
         "weights" + (" (input embedding in CPU memory)" if means.embedding_on_cpu else ""):
             (shape.linear_params * weight_bytes + other * 2) / GIB,
-        "LoRA weights + gradients + Adam state (fp32)": lora * 16 / GIB,
+        adapter_state_part(tuner): adapter * 16 / GIB,
         "activation checkpoints": 0.0 if means.offload_checkpoints
         else _checkpoint_bytes(shape, tokens) / GIB,
         "recomputed layer + fused loss (fitted)": working / GIB,
@@ -350,6 +359,10 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
         del parts["activation checkpoints"]
         parts["activations of every layer (no checkpointing; counted)"] = (
             _no_checkpoint_bytes(shape, tokens) / GIB)
+    if tuner == "dora":
+        parts.update({name: b / GIB for name, b in dora_parts(
+            shape.linears, shape.layers, tokens, config.train.gradient_checkpointing,
+            4 if config.model.dtype == "fp32" else 2).items()})
     if config.data.packing:
         parts["attention mask of a packed row (counted)"] = (
             tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)
@@ -367,13 +380,15 @@ def tuner_of(config: RunConfig) -> str:
 def _method(config: RunConfig) -> str:
     if tuner_of(config) == "full":
         return "full fine-tuning (bf16 + fp32 AdamW)"
-    return "QLoRA nf4" if config.model.quantization == "nf4" else "16-bit LoRA"
+    name = ADAPTER_NAMES[tuner_of(config)]
+    return f"Q{name} nf4" if config.model.quantization == "nf4" else f"16-bit {name}"
 
 
 def _single_gpu_lora(config: RunConfig) -> bool:
-    """The measured, fitted case: LoRA on one GPU without an engine."""
+    """The measured, fitted case: an adapter on one GPU without an engine (fitted on LoRA runs;
+    DoRA's extra terms are counted)."""
     t = config.train
-    return t.gpus == 1 and t.engine == "ddp" and tuner_of(config) == "lora"
+    return t.gpus == 1 and t.engine == "ddp" and trains_adapter(t)
 
 
 def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tuple[dict, dict]:
@@ -387,7 +402,7 @@ def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tup
     params_where, grads_where, optim_where = ENGINE_SHARDING[engine]
     single = _parts(shape, config, tokens)
     base_bytes = single.pop("weights") * GIB
-    single.pop("LoRA weights + gradients + Adam state (fp32)")
+    single.pop(adapter_state_part(tuner))
     weight_b, grad_b, optim_b = TRAINED_STATE_BYTES[tuner]
     if (engine, tuner) == ("fsdp", "full"):
         # accelerate upcasts the weights FSDP shards to fp32 (bf16 only while gathered), the

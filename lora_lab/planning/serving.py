@@ -134,6 +134,14 @@ def vllm_command(folder: Path | str, quantization: str | None = None,
 
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_UNSERVED_ADAPTERS = {
+    "dora": "vLLM does not serve DoRA adapters (its PEFTHelper refuses use_dora: \"vLLM does not "
+            "yet support DoRA\"): serve the merged folder.",
+    "ia3": "vLLM serves LoRA adapters only, not IA3: serve the merged folder.",
+}
+"""Adapter kinds (use.merge.adapter_kind_of) vLLM does not load with --enable-lora. rsLoRA
+(scaling alpha / sqrt(r), PEFTHelper) and PiSSA / OLoRA adapters converted to plain LoRA
+(adapter/ of a lora.init pissa or olora run) load as LoRA."""
 
 
 def _model_type(result) -> str | None:
@@ -149,8 +157,11 @@ def _model_type(result) -> str | None:
 def vllm_commands(result, name: str = "finetuned") -> dict:
     """The `vllm serve` commands for a merge (use.merge.MergeResult): the merged folder, and the
     adapter on its base where vLLM can load it."""
-    rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= result.lora_rank), None)
     commands = {"merged": vllm_command(result.output_dir, name=name)}
+    kind = result.adapter_kind
+    if kind in VLLM_UNSERVED_ADAPTERS:
+        return {"commands": commands, "warnings": [VLLM_UNSERVED_ADAPTERS[kind]]}
+    rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= result.lora_rank), None)
     warnings = []
     if rank is None:
         warnings.append(f"LoRA rank {result.lora_rank} is above vLLM's largest --max-lora-rank "

@@ -44,6 +44,7 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         save_strategy="steps", save_steps=t.save_steps, save_total_limit=t.save_total_limit,
         save_only_model=t.save_only_model,
         eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
+        neftune_noise_alpha=t.neftune_noise_alpha or None,
         seed=t.seed, data_seed=t.seed, report_to="none", remove_unused_columns=False,
         dataloader_num_workers=0, use_cpu=use_cpu(precision),  # checkpointing: models/lora.py
         ddp_find_unused_parameters=False,  # every trainable tensor takes part in every step

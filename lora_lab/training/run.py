@@ -16,7 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..config import RunConfig
+from ..config import RunConfig, converts_initial_adapter
 from ..data import PreparedData, prepare_data
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
 from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_launched_worker,
@@ -28,13 +28,15 @@ from ..models.fast_lora import resolve_fast_lora
 from ..models.load import (Precision, check_model_files, check_remote_code, choose_precision,
                            load_base_model, load_tokenizer, locate_model, resolve_kernels)
 from ..models.lora import (apply_lora, check_full_finetuning_precision, prepare_full_finetuning,
-                           prepare_quantized_for_training, template_token_ids)
-from ..paths import replace_folder
+                           prepare_quantized_for_training, save_converted_adapter,
+                           save_initial_adapter, template_token_ids)
+from ..paths import replace_folder, staged_folder
 from ..planning.choice import check_fits
 from ..planning.disk import check_disk_space
 from ..planning.memory import choose_memory_means, row_length, usable_gib
 from ..registry import family_of, missing_fast_paths, wants_trainable_tokens
-from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, LOGS_FOLDER, MODEL_FOLDER, STEP_LOG,
+from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, INITIAL_ADAPTER_FOLDER, LOGS_FOLDER,
+                          MODEL_FOLDER, STEP_LOG,
                           record_stop, stop_error,
                           TrainResult, check_run_dir, checkpoint_step, fix_run_dir,
                           locate_run_dir, run_lock, save_config, trim_step_log,
@@ -109,7 +111,9 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     ensure_finite(trainer.model, "the model" if full else "the adapter")
     if full and precision.name == "bf16" and config.train.engine == "ddp":
         trainer.model.to(precision.torch_dtype)  # trained on fp32 master weights; saved in bf16
-    save_final_weights(trainer, saved_dir, state)
+    save_final_weights(trainer, saved_dir, state,
+                       run_dir / INITIAL_ADAPTER_FOLDER
+                       if converts_initial_adapter(config.lora) and not full else None)
     result = TrainResult(run_dir=run_dir, adapter_dir=None if full else saved_dir,
                          model_dir=saved_dir if full else None,
                          global_step=trainer.state.global_step,
@@ -129,16 +133,21 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     return result
 
 
-def save_final_weights(trainer: LoraLabTrainer, saved_dir: Path, state) -> None:
+def save_final_weights(trainer: LoraLabTrainer, saved_dir: Path, state,
+                       initial_adapter: Path | None = None) -> None:
     """adapter/ (or model/), staged and put in place whole: a kill during the save leaves the
     folder as it was. Trainer.save_model gathers sharded weights (ZeRO-3, FSDP) and writes on
-    rank 0 only: weights, tokenizer, and a pickled training_args.bin that is removed."""
+    rank 0 only: weights, tokenizer, and a pickled training_args.bin that is removed.
+    initial_adapter (lora.init pissa / olora): the adapter is saved converted against it, so
+    that it applies to the original base."""
     staging = saved_dir.with_name(saved_dir.name + ".partial")
     if state.is_main_process and staging.exists():
         shutil.rmtree(staging)
     state.wait_for_everyone()
     trainer.save_model(str(staging))
     if state.is_main_process:
+        if initial_adapter is not None:
+            save_converted_adapter(trainer.model, staging, initial_adapter)
         (staging / "training_args.bin").unlink(missing_ok=True)
         replace_folder(staging, saved_dir)
     state.wait_for_everyone()
@@ -285,15 +294,20 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
         fast = resolve_fast_lora(config)
         model = apply_lora(model, config.lora, config.train.gradient_checkpointing, means,
                            fast=fast, offload_copy_stream=config.train.offload_copy_stream
-                           and gpu_gib is not None, trainable_tokens=tokens)
+                           and gpu_gib is not None, trainable_tokens=tokens,
+                           tuner=config.train.tuner)
+        initial = run_dir / INITIAL_ADAPTER_FOLDER
+        if converts_initial_adapter(config.lora) and not initial.is_dir() and args.should_save:
+            with staged_folder(initial) as staging:
+                save_initial_adapter(model, staging)
         if tokens:
             log.info(f"lora.trainable_tokens: the embedding rows of the template's "
                      f"{len(tokens)} special tokens train too "
                      f"({' '.join(tokenizer.convert_ids_to_tokens(tokens))})")
         memory_means = means.describe()
         trainable, total = model.get_nb_trainable_parameters()
-        log.info(f"precision {precision.name}; LoRA r={config.lora.rank} "
-                 f"alpha={config.lora.alpha}: {trainable:,} trainable of {total:,} parameters; "
+        log.info(f"precision {precision.name}; {describe_tuner(config)}: {trainable:,} "
+                 f"trainable of {total:,} parameters; "
                  f"kernels {resolve_kernels(config.model.kernels)}"
                  f"{', fast LoRA' if fast else ''}; memory means: {memory_means}"
                  + (f"; packed rows attend with {attention}" if packed else ""))
@@ -310,7 +324,21 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
         callbacks=run_callbacks(run_dir),
         guard=guard, train_data=fingerprint,
         memory_means=memory_means, resumed_loss_sum=saved_loss_sum(resume_from),
+        loraplus_lr_ratio=config.train.loraplus_lr_ratio,
     )
+
+
+def describe_tuner(config: RunConfig) -> str:
+    """The adapter in words, for the training log: "DoRA r=8 alpha=32 (rsLoRA, init pissa)"."""
+    lora, tuner = config.lora, config.train.tuner
+    if tuner == "ia3":
+        return "IA3"
+    extras = [name for name, on in (("rsLoRA", lora.use_rslora),
+                                    (f"init {lora.init}", lora.init != "default"),
+                                    (f"LoRA+ ratio {config.train.loraplus_lr_ratio:g}",
+                                     config.train.loraplus_lr_ratio > 0)) if on]
+    return (f"{'DoRA' if tuner == 'dora' else 'LoRA'} r={lora.rank} alpha={lora.alpha:g}"
+            + (f" ({', '.join(extras)})" if extras else ""))
 
 
 def train_with_oom_retry(config: RunConfig, data: PreparedData, packed, tokenizer,

@@ -40,8 +40,11 @@ class LoraLabTrainer(Trainer):
     """transformers' Trainer with crash-safe checkpoints and the non-finite guard."""
 
     def __init__(self, *args, guard: NonFiniteGuard, train_data: dict | None = None,
-                 memory_means: str = "none", resumed_loss_sum: float = 0.0, **kwargs):
+                 memory_means: str = "none", resumed_loss_sum: float = 0.0,
+                 loraplus_lr_ratio: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
+        self.loraplus_lr_ratio = loraplus_lr_ratio
+        """train.loraplus_lr_ratio: above 0, create_optimizer builds peft's LoRA+ optimizer."""
         self.guard, self.train_data = guard, train_data
         self.memory_means = memory_means  # planning.memory.MemoryMeans.describe(), for the summary
         self.resumed_loss_sum = resumed_loss_sum
@@ -55,6 +58,22 @@ class LoraLabTrainer(Trainer):
 
         pending = nested_gather(self._tr_loss.detach(), self.args.parallel_mode).mean().item()
         return self.resumed_loss_sum + self._total_loss_scalar + pending
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer (AdamW, its betas, eps and weight decay), but with
+        train.loraplus_lr_ratio the parameter groups of peft's create_loraplus_optimizer: the
+        LoRA B matrices (and 1-D tensors such as DoRA's magnitudes) at lr x ratio."""
+        if not self.loraplus_lr_ratio or self.optimizer is not None:
+            return super().create_optimizer(model)
+        from peft.optimizers import create_loraplus_optimizer
+
+        optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+        kwargs.pop("lr", None)
+        self.optimizer = create_loraplus_optimizer(
+            model or self.model, optimizer_cls, lr=self.args.learning_rate,
+            loraplus_lr_ratio=self.loraplus_lr_ratio, loraplus_weight_decay=self.args.weight_decay,
+            **kwargs)
+        return self.optimizer
 
     def _prepare_inputs(self, inputs):
         """The batch on the model's device, but input ids for an embedding kept in CPU memory

@@ -30,11 +30,13 @@ class MergeResult:
     top1_agreement: float
     """Share of the check positions where base+adapter is confident (top-1 probability >= 0.5)
     at which the merged model predicts the same next token."""
-    lora_rank: int
+    lora_rank: int | None
     target_modules: list
     trained_with_quantization: str
     dtype_source: str = "--dtype"
     """Why the merge ran in `dtype`: --dtype, the run's training precision, or the default."""
+    adapter_kind: str = "lora"
+    """lora, dora or ia3, from adapter_config.json (adapter_kind_of): what vLLM can serve."""
 
     def summary(self) -> str:
         """What was merged, and the check with the rule that applied in this precision."""
@@ -80,10 +82,11 @@ def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
     result = MergeResult(output_dir=output, base_model=base_args.name, adapter_dir=adapter_dir,
                          dtype=dtype, max_abs_logit_diff=diff, top1_agreement=agreement,
-                         lora_rank=adapter_config["r"],
+                         lora_rank=adapter_config.get("r"),
                          target_modules=sorted(adapter_config["target_modules"]),
                          trained_with_quantization=trained_quantization,
-                         dtype_source=dtype_source)
+                         dtype_source=dtype_source,
+                         adapter_kind=adapter_kind_of(adapter_config))
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
     merged.generation_config.eos_token_id = sorted({i for i in eos if i is not None},
                                                    key=eos.index)
@@ -109,6 +112,13 @@ MAX_FP32_LOGIT_DIFF = 1e-3
 MIN_16BIT_TOP1_AGREEMENT = 0.95
 
 
+def adapter_kind_of(adapter_config: dict) -> str:
+    """lora, dora (a LoRA config with use_dora) or ia3, from an adapter_config.json."""
+    if adapter_config.get("peft_type") == "IA3":
+        return "ia3"
+    return "dora" if adapter_config.get("use_dora") else "lora"
+
+
 def choose_merge_dtype(requested: str | None, run_dir: Path | None) -> tuple[str, str]:
     """(dtype, why): --dtype when given, else the run's training precision, else bf16."""
     if requested:
@@ -132,7 +142,7 @@ def check_rule(dtype: str) -> str:
 def _check_merged(model, diff: float, agreement: float, dtype: str) -> None:
     import torch
 
-    left = [name for name, _ in model.named_modules() if "lora_" in name]
+    left = [name for name, _ in model.named_modules() if "lora_" in name or "ia3_" in name]
     if left:
         raise LoraLabError(f"merge left LoRA layers behind: {left[:3]}")
     for name, param in model.state_dict().items():

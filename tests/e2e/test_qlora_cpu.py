@@ -6,7 +6,8 @@ from lora_lab.cli import main
 from tests.conftest import write_jsonl
 
 
-def test_qlora_trains_on_cpu_and_adapter_loads_on_16bit_base(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("tuner", ["lora", "dora"])  # dora on nf4: peft's QDoRA
+def test_qlora_trains_on_cpu_and_adapter_loads_on_16bit_base(tiny_model_dir, tmp_path, tuner):
     pytest.importorskip("bitsandbytes")
     import torch
     from peft import PeftModel
@@ -15,7 +16,7 @@ def test_qlora_trains_on_cpu_and_adapter_loads_on_16bit_base(tiny_model_dir, tmp
     data = write_jsonl(tmp_path / "d.jsonl", [{"query": "q", "response": "a b c"}] * 4)
     result = CliRunner().invoke(main, [
         "run", "--model", str(tiny_model_dir), "--data", str(data), "--quantization", "nf4",
-        "--max-steps", "2", "--output-dir", str(tmp_path), "--run-name", "q"],
+        "--max-steps", "2", "--output-dir", str(tmp_path), "--run-name", "q", "--tuner", tuner],
         catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "model.quantization           = 'nf4'" in result.output
@@ -23,6 +24,8 @@ def test_qlora_trains_on_cpu_and_adapter_loads_on_16bit_base(tiny_model_dir, tmp
     model = PeftModel.from_pretrained(base, tmp_path / "q" / "adapter")
     weights = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert weights and any(w.abs().sum() > 0 for w in weights)  # B starts at zero: it trained
+    magnitudes = [n for n, _ in model.named_parameters() if "lora_magnitude_vector" in n]
+    assert bool(magnitudes) is (tuner == "dora")
 
 
 def test_qlora_adapter_merges_onto_the_16bit_base(tiny_model_dir, tmp_path):

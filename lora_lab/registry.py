@@ -43,10 +43,14 @@ OTHER_MODELS = {
     "llama-3.1-8b": ("meta-llama/Llama-3.1-8B-Instruct", "llama-3.1-8b"),
     "llama-3.1-8b-base": ("meta-llama/Llama-3.1-8B", "llama-3.1-8b"),
     "gemma-3-270m": ("google/gemma-3-270m-it", "gemma-3-270m"),
+    "gemma-3-270m-base": ("google/gemma-3-270m", "gemma-3-270m"),
     "gemma-3-1b": ("google/gemma-3-1b-it", "gemma-3-1b"),
+    "gemma-3-1b-base": ("google/gemma-3-1b-pt", "gemma-3-1b"),
     "gemma-3-4b": ("google/gemma-3-4b-it", "gemma-3-4b"),
+    "gemma-3-4b-base": ("google/gemma-3-4b-pt", "gemma-3-4b"),
     "phi-4-mini": ("microsoft/Phi-4-mini-instruct", "phi-4-mini"),
     "mistral-7b": ("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b"),
+    "mistral-7b-base": ("mistralai/Mistral-7B-v0.3", "mistral-7b"),
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
 }
 """Models of other families lora-lab can plan without a download (their real architecture
@@ -99,15 +103,22 @@ def missing_fast_paths(family: Family) -> list[str]:
     return missing
 
 
+_MARKED_INSTRUCT_REPOS = ("qwen/qwen2.5-", "meta-llama/", "google/gemma-", "mistralai/",
+                          "microsoft/phi-", "huggingfacetb/smollm")
+"""Hub repositories whose instruction-tuned models say so in their name (-Instruct, -it, -chat):
+one without it is a base checkpoint. Qwen3's post-trained models carry no such mark."""
+
+
 def is_base_model(spec: str) -> bool:
     """Whether --model names a base (pretrained, not instruction-tuned) checkpoint: a -base
-    alias, a known base hub id, a hub id ending in -Base, or a Qwen2.5 hub id without -Instruct
-    (Qwen2.5's instruct repositories carry it; Qwen3's post-trained ones do not)."""
+    alias, a hub id ending in -Base, or one of _MARKED_INSTRUCT_REPOS without its instruct mark.
+    A folder or .gguf file cannot say: lora.trainable_tokens=true marks one."""
     text = str(spec).strip().lower()
     hub = MODEL_ALIASES.get(text, text).lower()
     name = hub.rsplit("/", 1)[-1]
-    return (hub in _BASE_HUB_IDS or name.endswith("-base")
-            or (hub.startswith("qwen/qwen2.5-") and "instruct" not in name))
+    marked = hub.startswith(_MARKED_INSTRUCT_REPOS) and not any(
+        mark in name for mark in ("instruct", "-it", "chat"))
+    return hub in _BASE_HUB_IDS or name.endswith("-base") or marked
 
 
 def wants_trainable_tokens(setting, tuner: str, model_name: str) -> bool:

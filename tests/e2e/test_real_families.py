@@ -28,12 +28,12 @@ EXPECTED = {
     "smollm2-135m-instruct": {
         "text": (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho are you?"
                  f"<|im_end|>\n<|im_start|>assistant\nI am {NAME}.<|im_end|>\n"),
-        "markers": {"<|im_start|>": 1, "<|im_end|>": 2}, "stops": [2, 0]},
+        "markers": {"<|im_start|>": 1, "<|im_end|>": 2}, "stops": [2, 0], "base": False},
     "gemma-3-270m": {
         "text": (f"<bos><start_of_turn>user\nBe brief.\n\nWho are you?<end_of_turn>\n"
                  f"<start_of_turn>model\nI am {NAME}.<end_of_turn>\n"),
         "markers": {"<bos>": 2, "<start_of_turn>": 105, "<end_of_turn>": 106},
-        "stops": [106, 1]},
+        "stops": [106, 1], "base": True},
 }
 
 
@@ -59,10 +59,12 @@ def identity_run(family, tmp_path_factory):
     data = write_jsonl(out / "who.jsonl", [
         {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
         for q, a in IDENTITY_ROWS])
+    # a GGUF file cannot say it holds a base model: the flag marks it (registry.is_base_model)
+    base = ["--set", "lora.trainable_tokens=true"] if EXPECTED[name]["base"] else []
     result = CliRunner().invoke(main, [str(a) for a in (
         "run", "--preset", "cpu", "--model", gguf, "--data", f"{data}#8", "--max-steps", 12,
         "--micro-batch-size", 2, "--lr", "2e-3", "--max-length", 64, "--output-dir", out,
-        "--run-name", "identity")],
+        "--run-name", "identity", *base)],
         catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return out / "identity", before
@@ -91,11 +93,23 @@ def test_chat_template_is_the_models_own(family):
     assert stops == expected["stops"]
 
 
-def test_answers_with_the_new_name(identity_run):
-    from lora_lab.use.infer import ask, load_adapter_model
+def test_answers_with_the_new_name_and_ends_its_turn(family, identity_run):
+    """The new name, then the family's end-of-turn token before the token limit (the base
+    model learnt it through its trained token rows)."""
+    import torch
+
+    from lora_lab.use.infer import load_adapter_model
 
     run_dir, before = identity_run
     assert NAME not in before, before
     tuned, tokenizer = load_adapter_model(run_dir)
-    after = ask(tuned, tokenizer, "Who are you?", max_new_tokens=20)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Who are you?"}],
+                                           add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True)
+    with torch.no_grad():
+        ids = tuned.generate(**prompt, max_new_tokens=32, do_sample=False)[0]
+    new = ids[prompt["input_ids"].shape[1]:].tolist()
+    after = tokenizer.decode(new, skip_special_tokens=True)
     assert NAME in after and AUTHOR in after, (before, after)
+    stops = EXPECTED[family[0]]["stops"]
+    assert any(token in stops for token in new), (after, new[-5:])

@@ -55,7 +55,11 @@ def test_an_8b_in_16_bits_does_not_fit_a_16_gb_card_and_qlora_does():
 @pytest.mark.parametrize("spec, base", [
     ("qwen2.5-7b-base", True), ("Qwen/Qwen2.5-7B", True), ("qwen2.5-7b", False),
     ("Qwen/Qwen3-8B-Base", True), ("qwen3-8b", False), ("meta-llama/Llama-3.2-1B", True),
-    ("llama-3.2-1b", False), ("Qwen/Qwen2.5-Coder-7B-Instruct", False)])
+    ("llama-3.2-1b", False), ("Qwen/Qwen2.5-Coder-7B-Instruct", False),
+    ("google/gemma-3-270m", True), ("google/gemma-3-4b-pt", True), ("gemma-3-270m", False),
+    ("google/gemma-3-1b-it", False), ("mistralai/Mistral-7B-v0.3", True), ("mistral-7b", False),
+    ("microsoft/Phi-4-mini-instruct", False), ("HuggingFaceTB/SmolLM2-135M", True),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", False), ("Qwen/Qwen3-4B", False)])
 def test_base_checkpoints_are_told_from_instruct_ones(spec, base):
     assert is_base_model(spec) is base
 

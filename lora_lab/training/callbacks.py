@@ -15,13 +15,18 @@ from ..run_folder import LOGS_FOLDER, STEP_LOG
 
 log = get_logger()
 
-def run_callbacks(run_dir: Path) -> list:
-    """TensorBoard events, the JSON step log, the step timer and the signal stop of a run."""
-    from transformers.integrations import TensorBoardCallback
+def run_callbacks(run_dir: Path, report_to: list) -> list:
+    """TensorBoard events (report_to holds tensorboard), the JSON step log, the step timer and
+    the signal stop of a run. The other --report-to backends are the Trainer's own callbacks
+    (TrainingArguments.report_to)."""
+    callbacks = [JsonlLog(run_dir / STEP_LOG), StepTimer(), StopOnSignal()]
+    if "tensorboard" in report_to:
+        from transformers.integrations import TensorBoardCallback
 
-    tensorboard = TensorBoardCallback()
-    tensorboard.logging_dir = str(run_dir / LOGS_FOLDER)  # also after train end (final eval)
-    return [tensorboard, JsonlLog(run_dir / STEP_LOG), StepTimer(), StopOnSignal()]
+        tensorboard = TensorBoardCallback()
+        tensorboard.logging_dir = str(run_dir / LOGS_FOLDER)  # also after train end (final eval)
+        callbacks.insert(0, tensorboard)
+    return callbacks
 
 
 class JsonlLog(TrainerCallback):

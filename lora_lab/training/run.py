@@ -45,7 +45,7 @@ from .checkpoint import (OOM_SOURCE, check_drift, data_fingerprint, find_resume_
                          remove_leftovers, resolve_resume, resumed_batch)
 from .plots import report_run
 from .trainer import LoraLabTrainer, saved_loss_sum
-from .watch import tracker_runs
+from .watch import quiet_progress_bars, tracker_runs
 
 log = get_logger()
 SHARDED_ENGINES = ("deepspeed-zero3", "deepspeed-zero3-offload", "fsdp")
@@ -60,6 +60,7 @@ def train(config: RunConfig) -> TrainResult:
     The config is updated with what the run settles (its folder, an out-of-memory batch).
     """
     started = time.time()
+    quiet_progress_bars()
     precision = choose_precision(config.model.dtype)
     settle_precision(config, precision)
     if config.train.tuner == "full":

@@ -180,6 +180,17 @@ class ProgressLine(TrainerCallback):
             self._drawn = False
 
 
+def quiet_progress_bars() -> None:
+    """Without a terminal, no tqdm bars from transformers and the hub (loading weights,
+    downloads): redrawn with carriage returns, they fill a log file with their frames."""
+    if not sys.stderr.isatty():
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+        disable_progress_bars()
+
+
 # ----------------------------------------------------------------------------- --report-to
 
 def trainer_report_to(names: list) -> list[str]:
@@ -195,8 +206,7 @@ def tracker_defaults(run_dir: Path, names: list) -> dict[str, str]:
     wanted = {"wandb": {"WANDB_DIR": locations["WANDB_DIR"], "WANDB_PROJECT": PROJECT},
               "mlflow": {"MLFLOW_TRACKING_URI": locations["MLFLOW_TRACKING_URI"],
                          "MLFLOW_EXPERIMENT_NAME": PROJECT},
-              "swanlab": {"SWANLAB_LOG_DIR": locations["SWANLAB_LOG_DIR"],
-                          "SWANLAB_PROJECT": PROJECT}}
+              "swanlab": {"SWANLAB_LOG_DIR": locations["SWANLAB_LOG_DIR"]}}
     return {key: value for name in names for key, value in wanted.get(name, {}).items()
             if key not in os.environ}
 
@@ -204,9 +214,10 @@ def tracker_defaults(run_dir: Path, names: list) -> dict[str, str]:
 @contextlib.contextmanager
 def tracker_runs(run_dir: Path, names: list, is_main_process: bool = True):
     """The --report-to backends' environment while the run trains and is evaluated, and one
-    tracker run per lora-lab run: mlflow's run is opened here (the Trainer's callback would end
-    it at the end of training, before the final evaluation), and every backend's run is closed
-    when the run is done."""
+    tracker run per lora-lab run, named after the run folder: mlflow's and swanlab's runs are
+    opened here, the Trainer's callbacks log into them (MLflowCallback would end its own run at
+    the end of training, before the final evaluation; SwanLabCallback's test for an open run
+    raises with swanlab >= 0.10), and every backend's run is closed when the run is done."""
     defaults = tracker_defaults(run_dir, names)
     os.environ.update(defaults)
     try:
@@ -216,6 +227,12 @@ def tracker_runs(run_dir: Path, names: list, is_main_process: bool = True):
             mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
             mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT))
             mlflow.start_run(run_name=Path(run_dir).name)
+        if "swanlab" in names and is_main_process:
+            import swanlab
+
+            # the project as an argument: swanlab >= 0.10 reads SWANLAB_PROJECT as JSON
+            swanlab.init(project=PROJECT, experiment_name=Path(run_dir).name,
+                         logdir=os.environ["SWANLAB_LOG_DIR"])
         yield
     finally:
         if is_main_process:
@@ -229,9 +246,9 @@ def finish_trackers(names: list) -> None:
     if "wandb" in names and "wandb" in sys.modules and sys.modules["wandb"].run is not None:
         sys.modules["wandb"].finish()
     if "swanlab" in names and "swanlab" in sys.modules:
-        swanlab = sys.modules["swanlab"]
-        if swanlab.get_run() is not None:
-            swanlab.finish()
+        with contextlib.suppress(RuntimeError):  # swanlab >= 0.10: no open run raises
+            if sys.modules["swanlab"].get_run() is not None:
+                sys.modules["swanlab"].finish()
     if "mlflow" in names and "mlflow" in sys.modules and sys.modules["mlflow"].active_run():
         sys.modules["mlflow"].end_run()
 

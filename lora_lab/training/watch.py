@@ -143,9 +143,10 @@ class ProgressLine(TrainerCallback):
         return self.SEPARATOR.join(parts)
 
     def _say(self, text: str) -> None:
-        """A line of its own (over the in-place line, which is drawn again at the next step)."""
+        """A line of its own, under the in-place line (which stays as it was, and is drawn
+        afresh below at the next step)."""
         if self._drawn:
-            self.stream.write("\r\x1b[K")
+            self.stream.write("\n")
             self.stream.flush()
             self._drawn = False
         log.info(text)
@@ -154,18 +155,23 @@ class ProgressLine(TrainerCallback):
         self._started, self._first_step = time.monotonic(), state.global_step
         self._ended = False
 
+    def _draw(self, state) -> None:
+        self.stream.write("\r" + self.line(state) + "\x1b[K")
+        self.stream.flush()
+        self._drawn = True
+
     def on_step_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.interactive():
-            self.stream.write("\r" + self.line(state) + "\x1b[K")
-            self.stream.flush()
-            self._drawn = True
+            self._draw(state)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not (state.is_world_process_zero and logs):
             return
         if "loss" in logs:
             self.latest.update(logs)
-            if not self.interactive():
+            if self.interactive():
+                self._draw(state)  # the step's own figures (the log follows its step's end)
+            else:
                 self._say(self.line(state))
         elif "eval_loss" in logs:
             final = "final " if self._ended else ""  # run.py evaluates once more at the end

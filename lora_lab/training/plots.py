@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LoraLabError
 from ..log import get_logger
 from ..run_folder import PLOTS_FOLDER, STEP_LOG, is_run_dir, read_step_log
 
@@ -72,8 +72,12 @@ def step_series(events: list, key: str) -> tuple[list, list]:
 
 def draw(plot: Plot, series: dict, run_name: str, path: Path) -> None:
     """One PNG, drawn on matplotlib's Agg canvas (no display, no global backend change)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise LoraLabError("matplotlib is not installed (lora-lab draws its plots with it). "
+                           "Run: pip install matplotlib") from None
 
     figure = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)

@@ -21,7 +21,7 @@ from ..data import PreparedData, prepare_data
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
 from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_launched_worker,
                       peak_memory_per_gpu, release_memory, use_cudnn_attention, world_size)
-from ..errors import TrainingError
+from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
 from ..models.attention import resolve_packed_attention
 from ..models.fast_lora import resolve_fast_lora
@@ -126,7 +126,10 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     peaks = peak_memory_per_gpu(timer)
     if state.is_main_process:
         write_summary(result, timer, peaks, trainer.memory_means)
-        log.info(report_run(run_dir).summary())
+        try:
+            log.info(report_run(run_dir).summary())
+        except LoraLabError as exc:  # the run itself is complete
+            log.warning(f"warning: no plots: {exc}")
     state.wait_for_everyone()
     if result.nonfinite_skipped_steps:
         log.warning(f"warning: skipped {len(result.nonfinite_skipped_steps)} update(s) with a "

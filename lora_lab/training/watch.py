@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from ..log import get_logger
 from ..run_folder import tracker_locations
+from .callbacks import cuda_memory_gib
 
 log = get_logger()
 
@@ -62,9 +63,11 @@ class StepMetrics:
             if seconds > 0:
                 figures["tokens_per_second"] = round(total / seconds, 1)
         self._tokens, self._since = 0, None
-        if torch.cuda.is_available():
-            figures["gpu_memory_gib"] = round(torch.cuda.memory_reserved() / 2**30, 3)
-            figures["gpu_peak_memory_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 3)
+        for key, name in (("gpu_memory_gib", "memory_reserved"),
+                          ("gpu_peak_memory_gib", "max_memory_reserved")):
+            gib = cuda_memory_gib(name)
+            if gib is not None:
+                figures[key] = round(gib, 3)
         figures["skipped_steps"] = len(self.guard.skipped_steps)
         return figures
 

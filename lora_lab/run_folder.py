@@ -50,8 +50,6 @@ DATA_PROBLEMS = "logs/data_problems.jsonl"
 SUMMARY_FILE = "run_summary.json"
 LAUNCH_FOLDER = "launch"
 PLOTS_FOLDER = "plots"
-WANDB_FOLDER = "wandb"
-"""wandb writes its runs into a folder of this name inside WANDB_DIR (the run folder)."""
 SWANLAB_FOLDER = "swanlog"
 MLFLOW_DATABASE = "mlflow.db"
 LOCK_FILE = ".lock"
@@ -145,8 +143,8 @@ def read_step_log(run_dir: Path) -> list[dict]:
 
 def tracker_locations(run_dir: Path) -> dict[str, str]:
     """Where the --report-to backends write inside the run folder, as the environment variables
-    each reads: wandb puts wandb/ in WANDB_DIR, swanlab logs to SWANLAB_LOG_DIR, mlflow to the
-    SQLite database of MLFLOW_TRACKING_URI."""
+    each reads: wandb makes its wandb/ folder in WANDB_DIR, swanlab logs to SWANLAB_LOG_DIR,
+    mlflow to the SQLite database of MLFLOW_TRACKING_URI."""
     run_dir = Path(run_dir).resolve()
     return {"WANDB_DIR": str(run_dir), "SWANLAB_LOG_DIR": str(run_dir / SWANLAB_FOLDER),
             "MLFLOW_TRACKING_URI": f"sqlite:///{run_dir / MLFLOW_DATABASE}"}

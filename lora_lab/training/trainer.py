@@ -1,6 +1,6 @@
 """The Trainer lora-lab trains with: crash-safe checkpoints, and no NaN or inf update applied.
 
-LoraLabTrainer changes three things in transformers' Trainer:
+LoraLabTrainer changes four things in transformers' Trainer:
   - a checkpoint is staged, fsynced, given a manifest and only then renamed to checkpoint-N
     (training/checkpoint.py); rotation runs after that, so nothing is deleted before the new one
     is complete. Training arguments are saved as JSON, never pickled.
@@ -8,6 +8,8 @@ LoraLabTrainer changes three things in transformers' Trainer:
     optimizer step: a NaN or inf is never applied. The run stops (--on-nonfinite stop) or the
     update is skipped and counted (--on-nonfinite skip).
   - no checkpoint or adapter is written while a trainable tensor is not finite.
+  - every training log event carries tokens/s, GPU memory and the skipped updates, and the
+    progress line (training/watch.py) takes the place of the tqdm bar and printed dicts.
 """
 from __future__ import annotations
 

@@ -129,3 +129,16 @@ def test_a_run_without_a_logged_step_says_so(tmp_path):
     write_run(tmp_path / "new", [])
     with pytest.raises(Exception, match="no training step logged yet"):
         report_run(tmp_path / "new")
+
+
+def test_report_to_none_leaves_only_the_step_log(tmp_path):
+    from transformers.integrations import TensorBoardCallback
+
+    from lora_lab.training.callbacks import JsonlLog, run_callbacks
+    from lora_lab.training.watch import trainer_report_to
+
+    assert trainer_report_to(["none"]) == [] and trainer_report_to(
+        ["tensorboard", "wandb", "mlflow"]) == ["wandb", "mlflow"]
+    kinds = lambda names: [type(c) for c in run_callbacks(tmp_path, names)]  # noqa: E731
+    assert TensorBoardCallback not in kinds(["none"]) and JsonlLog in kinds(["none"])
+    assert kinds(["tensorboard"])[0] is TensorBoardCallback

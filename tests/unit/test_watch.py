@@ -142,3 +142,30 @@ def test_report_to_none_leaves_only_the_step_log(tmp_path):
     kinds = lambda names: [type(c) for c in run_callbacks(tmp_path, names)]  # noqa: E731
     assert TensorBoardCallback not in kinds(["none"]) and JsonlLog in kinds(["none"])
     assert kinds(["tensorboard"])[0] is TensorBoardCallback
+
+
+def test_tokens_per_second_counts_the_tokens_of_the_batches_without_padding():
+    import time
+
+    import torch
+
+    from lora_lab.training.watch import StepMetrics
+
+    class Guard:
+        skipped_steps = [3]
+
+    metrics = StepMetrics(Guard())
+    started = time.perf_counter()
+    metrics.note_batch({"input_ids": torch.ones(2, 4, dtype=torch.long),
+                        "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])})
+    time.sleep(0.2)
+    figures = metrics.take()
+    elapsed = time.perf_counter() - started
+    assert 7 / elapsed <= figures["tokens_per_second"] <= 7 / 0.2  # 8 with the padding: > 40
+    assert figures["skipped_steps"] == 1 and "gpu_memory_gib" not in figures  # no CUDA here
+    assert "tokens_per_second" not in metrics.take()  # no batch since: no figure
+    started = time.perf_counter()
+    metrics.note_batch({"input_ids": torch.ones(1, 10, dtype=torch.long)})  # a packed row
+    time.sleep(0.2)
+    packed = metrics.take()["tokens_per_second"]
+    assert 10 / (time.perf_counter() - started) <= packed <= 10 / 0.2

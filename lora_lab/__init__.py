@@ -10,6 +10,7 @@ from .run_folder import load_saved_config
 
 __all__ = ["RunConfig", "resolve_config", "load_saved_config", "list_presets", "train",
            "plan", "choose_preset", "merge_adapter", "export_quantized", "evaluate_run",
+           "report_run",
            "LoraLabError", "ConfigError", "DataError", "ModelError"]
 __version__ = "0.1.0"
 
@@ -81,3 +82,10 @@ def evaluate_run(*args, **kwargs):
     from .use.evaluate import evaluate_run as evaluate
 
     return evaluate(*args, **kwargs)
+
+
+def report_run(run_dir):
+    """PNG plots of a run's step log in RUN/plots/ (training.plots.report_run)."""
+    from .training.plots import report_run as report
+
+    return report(run_dir)

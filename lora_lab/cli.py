@@ -423,5 +423,15 @@ def evaluate(path, datasets, samples, output):
     click.echo(f"\nreport: {report['report_path']}")
 
 
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+def report(run_dir):
+    """Plot a run's loss, learning rate, gradient norm, tokens/s and GPU memory against the step
+    (PNG files in RUN_DIR/plots/); works while the run trains too."""
+    from . import report_run
+
+    click.echo(report_run(run_dir).summary())
+
+
 if __name__ == "__main__":
     main()

@@ -10,7 +10,11 @@ output/<run-name>/
                          final adapter/ is converted against it to apply to the original base
   checkpoint-<step>/     intermediate weights and trainer state (for resume), with a
                          manifest.json of sha256 sums written last (training/checkpoint.py)
-  logs/                  TensorBoard events, train_log.jsonl, data_problems.jsonl
+  logs/                  TensorBoard events, train_log.jsonl (every logged value, one JSON
+                         line per log event: the run's own per-step log), data_problems.jsonl
+  plots/                 PNG plots of the step log (training/plots.py; `lora-lab report RUN`)
+  wandb/, swanlog/,      (--report-to wandb / swanlab / mlflow) those backends' own files
+  mlflow.db
   run_summary.json       steps, losses, samples, time, memory
   launch/                (--gpus N) how the worker processes were launched
 
@@ -48,6 +52,9 @@ STEP_LOG = "logs/train_log.jsonl"
 DATA_PROBLEMS = "logs/data_problems.jsonl"
 SUMMARY_FILE = "run_summary.json"
 LAUNCH_FOLDER = "launch"
+PLOTS_FOLDER = "plots"
+SWANLAB_FOLDER = "swanlog"
+MLFLOW_DATABASE = "mlflow.db"
 LOCK_FILE = ".lock"
 STOP_FILE = "logs/stopped.json"
 """Written by rank 0 when a signal stopped the run (its signal and last step)."""
@@ -120,6 +127,30 @@ def trim_step_log(path: Path, step: int) -> None:
         except ValueError:
             continue  # a line cut short by the kill
     path.write_text("".join(kept))
+
+
+def read_step_log(run_dir: Path) -> list[dict]:
+    """The step log's events in order (logs/train_log.jsonl); a line cut short by a kill is
+    left out. A run without a step log has no events."""
+    path = Path(run_dir) / STEP_LOG
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+    return events
+
+
+def tracker_locations(run_dir: Path) -> dict[str, str]:
+    """Where the --report-to backends write inside the run folder, as the environment variables
+    each reads: wandb makes its wandb/ folder in WANDB_DIR, swanlab logs to SWANLAB_LOG_DIR,
+    mlflow to the SQLite database of MLFLOW_TRACKING_URI."""
+    run_dir = Path(run_dir).resolve()
+    return {"WANDB_DIR": str(run_dir), "SWANLAB_LOG_DIR": str(run_dir / SWANLAB_FOLDER),
+            "MLFLOW_TRACKING_URI": f"sqlite:///{run_dir / MLFLOW_DATABASE}"}
 
 
 # ----------------------------------------------------------------------------- adapter/, model/

@@ -30,6 +30,11 @@ def _f(default, help: str, choices: tuple | None = None, minimum: float | None =
                            "maximum": maximum}, **kwargs)
 
 
+REPORT_BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
+                   "swanlab": "swanlab"}
+"""train.report_to names -> the package that provides each (what `pip install` takes)."""
+
+
 MAX_LORA_RANK = 4096
 """Above any hidden size lora-lab trains: a larger rank adds parameters and no capacity."""
 MAX_SEQUENCE_TOKENS = 1_048_576
@@ -188,7 +193,15 @@ class TrainArgs:
                                      "on a GPU only when the memory plan does not fit without "
                                      "it (it costs a third MLP pass); 0 turns it off.",
                                minimum=0)
-    logging_steps: int = _f(5, "Log every N optimizer steps.", minimum=1)
+    logging_steps: int = _f(5, "Log every N optimizer steps (the step log, --report-to "
+                               "backends, and the progress line when output is not a "
+                               "terminal).", minimum=1)
+    report_to: list = _f(["tensorboard"], "Where the step log also goes, comma-separated: "
+                                          "tensorboard (RUN/logs), wandb (RUN/wandb), mlflow "
+                                          "(RUN/mlflow.db), swanlab (RUN/swanlog), or none. "
+                                          "wandb, mlflow and swanlab are optional packages "
+                                          "(pip install 'lora-lab[trackers]'); their own "
+                                          "settings (WANDB_MODE=offline ...) apply.")
     save_steps: int = _f(100, "Save a checkpoint every N optimizer steps.", minimum=1)
     eval_steps: int = _f(100, "Evaluate every N optimizer steps (when there is validation data).",
                          minimum=1)
@@ -276,6 +289,7 @@ FLAGS = {
     "--seed": "train.seed", "--memory-check/--no-memory-check": "train.memory_check",
     "--save-steps": "train.save_steps",
     "--logging-steps": "train.logging_steps", "--eval-steps": "train.eval_steps",
+    "--report-to": "train.report_to",
     "--gradient-checkpointing/--no-gradient-checkpointing": "train.gradient_checkpointing",
     "--resume": "train.resume", "--allow-config-change": "train.allow_config_change",
     "--on-nonfinite": "train.on_nonfinite", "--oom-retry/--no-oom-retry": "train.oom_retry",

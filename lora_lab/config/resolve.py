@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import re
 from pathlib import Path
@@ -14,8 +15,8 @@ import yaml
 from ..errors import ConfigError, ModelError
 from ..paths import identity_datasets, presets_dir
 from ..registry import resolve_model_spec, size_class
-from .fields import (FLAG_FOR_KEY, FULL_FINETUNING_LR, LORA_INITS, SECTIONS, ModelArgs, RunConfig,
-                     all_keys, converts_initial_adapter, trains_adapter)
+from .fields import (FLAG_FOR_KEY, FULL_FINETUNING_LR, LORA_INITS, REPORT_BACKENDS, SECTIONS,
+                     ModelArgs, RunConfig, all_keys, converts_initial_adapter, trains_adapter)
 
 # ----------------------------------------------------------------------------- presets
 
@@ -192,6 +193,9 @@ def _check_key(key: str, label: str, problems: list) -> bool:
     return False
 
 
+COMMA_LISTS = ("train.report_to",)
+"""List keys whose items may also come as one comma-separated value."""
+
 AUTO_OR_BOOL = ("embedding_on_cpu", "offload_checkpoints", "sync_each_micro_batch",
                 "fast_lora", "cudnn_attention")
 
@@ -235,6 +239,8 @@ def _coerce(key: str, value) -> tuple[Any, str | None]:
         return number, None
     if kind is list:
         items = value if isinstance(value, (list, tuple)) else [value]
+        if key in COMMA_LISTS:  # --report-to wandb,mlflow
+            return [part.strip() for v in items for part in str(v).split(",") if part.strip()], None
         return [str(v) for v in items], None
     return str(value), None
 
@@ -359,6 +365,27 @@ def _validate(config: RunConfig, need_data: bool = True,
                                   "Use auto or false here."))
     if config.train.max_steps == 0 or config.train.max_steps < -1:
         problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
+    problem = report_to_problem(config.train.report_to, check_installed=training)
+    if problem:
+        problems.append(("train.report_to", problem))
     return problems
+
+
+def report_to_problem(names: list, check_installed: bool = True) -> str | None:
+    """Why train.report_to cannot be used: an unknown name, none mixed with a backend, or a
+    backend whose package is not installed (said before anything is loaded)."""
+    valid = ", ".join([*REPORT_BACKENDS, "none"])
+    unknown = [n for n in names if n not in REPORT_BACKENDS and n != "none"]
+    if unknown:
+        return f"unknown backend {', '.join(map(repr, unknown))}; the valid ones are {valid}."
+    if "none" in names and len(names) > 1:
+        return f"none turns every backend off; give it alone or not at all (got {','.join(names)})."
+    missing = [REPORT_BACKENDS[n] for n in names if n != "none"
+               and importlib.util.find_spec(REPORT_BACKENDS[n]) is None] if check_installed else []
+    if missing:
+        return (f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed. "
+                f"Run: pip install {' '.join(missing)} (or pip install 'lora-lab[trackers]' "
+                f"for every backend), or leave {' and '.join(missing)} out of --report-to.")
+    return None
 
 

@@ -8,6 +8,7 @@ from ..config import RunConfig, syncs_each_micro_batch
 from ..device import use_cpu
 from ..models.load import Precision
 from ..run_folder import LAUNCH_FOLDER
+from .watch import trainer_report_to
 
 def count_optimizer_steps(config: RunConfig, train_samples: int) -> int:
     if config.train.max_steps > 0:
@@ -45,7 +46,8 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         save_only_model=t.save_only_model,
         eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
         neftune_noise_alpha=t.neftune_noise_alpha or None,
-        seed=t.seed, data_seed=t.seed, report_to="none", remove_unused_columns=False,
+        seed=t.seed, data_seed=t.seed, remove_unused_columns=False,
+        report_to=trainer_report_to(t.report_to) or "none", run_name=run_dir.name,
         dataloader_num_workers=0, use_cpu=use_cpu(precision),  # checkpointing: models/lora.py
         ddp_find_unused_parameters=False,  # every trainable tensor takes part in every step
         deepspeed=deepspeed_config_path(config, run_dir),

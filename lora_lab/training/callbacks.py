@@ -15,13 +15,25 @@ from ..run_folder import LOGS_FOLDER, STEP_LOG
 
 log = get_logger()
 
-def run_callbacks(run_dir: Path) -> list:
-    """TensorBoard events, the JSON step log, the step timer and the signal stop of a run."""
-    from transformers.integrations import TensorBoardCallback
+def run_callbacks(run_dir: Path, report_to: list) -> list:
+    """TensorBoard events (report_to holds tensorboard), the JSON step log, the step timer and
+    the signal stop of a run. The other --report-to backends are the Trainer's own callbacks
+    (TrainingArguments.report_to)."""
+    callbacks = [JsonlLog(run_dir / STEP_LOG), StepTimer(), StopOnSignal()]
+    if "tensorboard" in report_to:
+        from transformers.integrations import TensorBoardCallback
 
-    tensorboard = TensorBoardCallback()
-    tensorboard.logging_dir = str(run_dir / LOGS_FOLDER)  # also after train end (final eval)
-    return [tensorboard, JsonlLog(run_dir / STEP_LOG), StepTimer(), StopOnSignal()]
+        tensorboard = TensorBoardCallback()
+        tensorboard.logging_dir = str(run_dir / LOGS_FOLDER)  # also after train end (final eval)
+        callbacks.insert(0, tensorboard)
+    return callbacks
+
+
+def cuda_memory_gib(name: str) -> float | None:
+    """torch.cuda.<name>() (memory_reserved, max_memory_allocated ...) in GiB; None without CUDA."""
+    import torch
+
+    return getattr(torch.cuda, name)() / 2**30 if torch.cuda.is_available() else None
 
 
 class JsonlLog(TrainerCallback):
@@ -51,15 +63,9 @@ class StepTimer(TrainerCallback):
         self.step_seconds, self._last = [], None
         self.phases = {}
 
-    @staticmethod
-    def _gib(name: str) -> float | None:
-        import torch
-
-        return getattr(torch.cuda, name)() / 2**30 if torch.cuda.is_available() else None
-
     def _once(self, **figures):
         for key, name in figures.items():
-            self.phases.setdefault(key, self._gib(name))
+            self.phases.setdefault(key, cuda_memory_gib(name))
 
     def on_train_begin(self, args, state, control, **kwargs):
         """The peak so far: loading the model and setting up the engine."""
@@ -81,7 +87,7 @@ class StepTimer(TrainerCallback):
         import resource
 
         rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        figures = {"peak_reserved_gib": self._gib("max_memory_reserved"), **self.phases,
+        figures = {"peak_reserved_gib": cuda_memory_gib("max_memory_reserved"), **self.phases,
                    "cpu_peak_rss_gib": rss_kib / 2**20}
         return {k: None if v is None else round(v, 4) for k, v in figures.items()}
 

@@ -21,7 +21,7 @@ from ..data import PreparedData, prepare_data
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
 from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_launched_worker,
                       peak_memory_per_gpu, release_memory, use_cudnn_attention, world_size)
-from ..errors import TrainingError
+from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
 from ..models.attention import CUDNN_EQUAL_LENGTHS, resolve_packed_attention
 from ..models.fast_lora import resolve_fast_lora
@@ -45,7 +45,9 @@ from .args import build_training_arguments, count_optimizer_steps
 from .callbacks import NonFiniteGuard, StepTimer, StopOnSignal, ensure_finite, run_callbacks
 from .checkpoint import (OOM_SOURCE, check_drift, data_fingerprint, find_resume_checkpoint,
                          remove_leftovers, resolve_resume, resumed_batch)
+from .plots import report_run
 from .trainer import LoraLabTrainer, saved_loss_sum
+from .watch import quiet_progress_bars, tracker_runs
 
 log = get_logger()
 SHARDED_ENGINES = ("deepspeed-zero3", "deepspeed-zero3-offload", "fsdp")
@@ -60,6 +62,7 @@ def train(config: RunConfig) -> TrainResult:
     The config is updated with what the run settles (its folder, an out-of-memory batch).
     """
     started = time.time()
+    quiet_progress_bars()
     precision = choose_precision(config.model.dtype)
     settle_precision(config, precision)
     if config.train.tuner == "full":
@@ -103,9 +106,10 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     check_disk_space(config, run_dir, count_optimizer_steps(config, len(data.train.samples)))
     open_run_dir(config, run_dir, data, resume_from, fingerprint, state.is_main_process)
     state.wait_for_everyone()
-    trainer, train_loss = train_with_oom_retry(config, data, packed, tokenizer, precision,
-                                               run_dir, resume_from, fingerprint, model_path)
-    eval_loss = trainer.evaluate()["eval_loss"] if data.val else None
+    with tracker_runs(run_dir, config.train.report_to, state.is_main_process):
+        trainer, train_loss = train_with_oom_retry(config, data, packed, tokenizer, precision,
+                                                   run_dir, resume_from, fingerprint, model_path)
+        eval_loss = trainer.evaluate()["eval_loss"] if data.val else None
     full = config.train.tuner == "full"
     saved_dir = run_dir / (MODEL_FOLDER if full else ADAPTER_FOLDER)
     ensure_finite(trainer.model, "the model" if full else "the adapter")
@@ -126,6 +130,10 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     peaks = peak_memory_per_gpu(timer)
     if state.is_main_process:
         write_summary(result, timer, peaks, trainer.memory_means)
+        try:
+            log.info(report_run(run_dir).summary())
+        except LoraLabError as exc:  # the run itself is complete
+            log.warning(f"warning: no plots: {exc}")
     state.wait_for_everyone()
     if result.nonfinite_skipped_steps:
         log.warning(f"warning: skipped {len(result.nonfinite_skipped_steps)} update(s) with a "
@@ -321,7 +329,7 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
         data_collator=PackedCollator(tokenizer.pad_token_id, attention)
         if packed else PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
-        callbacks=run_callbacks(run_dir),
+        callbacks=run_callbacks(run_dir, config.train.report_to),
         guard=guard, train_data=fingerprint,
         memory_means=memory_means, resumed_loss_sum=saved_loss_sum(resume_from),
         loraplus_lr_ratio=config.train.loraplus_lr_ratio,

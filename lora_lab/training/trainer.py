@@ -1,6 +1,6 @@
 """The Trainer lora-lab trains with: crash-safe checkpoints, and no NaN or inf update applied.
 
-LoraLabTrainer changes three things in transformers' Trainer:
+LoraLabTrainer changes four things in transformers' Trainer:
   - a checkpoint is staged, fsynced, given a manifest and only then renamed to checkpoint-N
     (training/checkpoint.py); rotation runs after that, so nothing is deleted before the new one
     is complete. Training arguments are saved as JSON, never pickled.
@@ -8,6 +8,8 @@ LoraLabTrainer changes three things in transformers' Trainer:
     optimizer step: a NaN or inf is never applied. The run stops (--on-nonfinite stop) or the
     update is skipped and counted (--on-nonfinite skip).
   - no checkpoint or adapter is written while a trainable tensor is not finite.
+  - every training log event carries tokens/s, GPU memory and the skipped updates, and the
+    progress line (training/watch.py) takes the place of the tqdm bar and printed dicts.
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ import shutil
 from pathlib import Path
 
 from transformers import Trainer
-from transformers.trainer_callback import ExportableState
+from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
+from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
 
 from ..models.memory_means import uses_cpu_embedding
 from .callbacks import NonFiniteGuard, ensure_finite
 from .checkpoint import commit_checkpoint, rotate_checkpoints, staging_dir, write_manifest
+from .watch import ProgressLine, StepMetrics
 
 
 LOSS_SUM_KEY = "LoraLabLossSum"
@@ -50,6 +54,24 @@ class LoraLabTrainer(Trainer):
         self.resumed_loss_sum = resumed_loss_sum
         """Summed step losses of the steps before the checkpoint this run resumed from."""
         self.add_callback(guard)
+        self.step_metrics = StepMetrics(guard)
+        for bar in (ProgressCallback, PrinterCallback, DEFAULT_PROGRESS_CALLBACK):
+            self.remove_callback(bar)  # the progress line says it instead of printed dicts
+        self.add_callback(ProgressLine())
+
+    def log(self, logs: dict, start_time: float | None = None) -> None:
+        """A training log event gains lora-lab's figures (training/watch.py) before the step
+        log, TensorBoard and the --report-to backends see it."""
+        if "loss" in logs:
+            reduce = self._sum_over_processes if self.args.world_size > 1 else None
+            logs.update(self.step_metrics.take(reduce))
+        super().log(logs, start_time)
+
+    def _sum_over_processes(self, count):
+        import torch
+
+        total = torch.as_tensor(count, dtype=torch.float64, device=self.args.device)
+        return self.accelerator.reduce(total, reduction="sum").item()
 
     def run_loss_sum(self) -> float:
         """Step losses summed from the run's first step to now (every rank calls it: the part
@@ -85,6 +107,7 @@ class LoraLabTrainer(Trainer):
         return {**prepared, "input_ids": ids}
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self.step_metrics.note_batch(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.guard.note_loss(loss)
         return loss

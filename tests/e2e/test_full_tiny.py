@@ -33,7 +33,8 @@ def test_full_run_writes_a_from_pretrained_model_and_no_adapter(full_run, tiny_m
 
     run_dir, output = full_run
     assert {p.name for p in run_dir.iterdir()} == {"config.yaml", "model", "logs",
-                                                   "run_summary.json", "checkpoint-3"}
+                                                   "plots", "run_summary.json",
+                                                   "checkpoint-3"}
     assert {p.name for p in (run_dir / "model").iterdir()} == MODEL_FILES
     assert checkpoint_problems(run_dir / "checkpoint-3") == []
     trained = AutoModelForCausalLM.from_pretrained(run_dir / "model")

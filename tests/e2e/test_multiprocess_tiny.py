@@ -87,7 +87,7 @@ def test_loss_and_adapter_match_one_process_at_the_same_effective_batch(runs):
 def test_only_rank_0_wrote_the_run_folder(runs):
     run_dir = runs["two"]
     assert {p.name for p in run_dir.iterdir()} == {"config.yaml", "adapter", "logs", "launch",
-                                                   "run_summary.json", "checkpoint-2",
+                                                   "plots", "run_summary.json", "checkpoint-2",
                                                    "checkpoint-4"}
     assert {p.name for p in (run_dir / "adapter").iterdir()} == ADAPTER_FILES
     per_rank = CHECKPOINT_FILES - {"rng_state.pth"} | {"rng_state_0.pth", "rng_state_1.pth"}

@@ -18,7 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.training.checkpoint import MANIFEST_NAME
+from lora_lab.training.watch import TIMING_KEYS
 from lora_lab.cli import main
+from lora_lab.run_folder import read_step_log
 from tests.conftest import write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,8 +72,9 @@ def reference(setup):
 
 
 def step_log(run_dir: Path) -> list:
-    return [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").open()
-            if "loss" in json.loads(line)]
+    """The training events of the step log, without the figures that time this machine."""
+    return [{k: v for k, v in event.items() if k not in TIMING_KEYS}
+            for event in read_step_log(run_dir) if "loss" in event]
 
 
 def trace(out: Path, name: str) -> dict:

@@ -36,7 +36,7 @@ def finished_run(tiny_model_dir, tmp_path_factory):
 def test_run_writes_exactly_the_documented_files(finished_run):
     run_dir, _ = finished_run
     assert {p.name for p in run_dir.iterdir()} == {"config.yaml", "adapter", "logs",
-                                                   "run_summary.json", "checkpoint-4",
+                                                   "plots", "run_summary.json", "checkpoint-4",
                                                    "checkpoint-6"}
     assert {p.name for p in (run_dir / "adapter").iterdir()} == ADAPTER_FILES
     for step in (4, 6):

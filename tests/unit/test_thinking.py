@@ -125,3 +125,37 @@ def test_templates_without_thinking_ignore_the_setting(tokenizer):
     encoded = encode_sample(tokenizer, Sample(PLAIN, "t:1"), 512, enable_thinking="false")
     assert encoded.input_ids == list(tokenizer.apply_chat_template(PLAIN, tokenize=True,
                                                                    return_dict=False))
+
+
+def test_tiny_qwen3_trains_on_reasoning_and_plain_rows(tmp_path, qwen3):
+    """Three steps of the real Trainer on a tiny random Qwen3 with the Qwen3 tokenizer."""
+    import json
+
+    import torch
+    from click.testing import CliRunner
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from lora_lab.cli import main
+
+    model_dir = tmp_path / "tiny-qwen3"
+    model_dir.mkdir()
+    build_qwen3_tokenizer(model_dir)
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, max_position_embeddings=1024, tie_word_embeddings=True,
+                         bos_token_id=151643, eos_token_id=151645)
+    Qwen3ForCausalLM(config).save_pretrained(model_dir)
+    rows = [{"messages": HISTORY}, {"messages": PLAIN}, {"messages": PLAIN, "enable_thinking": True}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = CliRunner().invoke(main, [str(a) for a in (
+        "run", "--model", model_dir, "--data", data, "--max-steps", 3, "--grad-accum", 1,
+        "--lora-rank", 4, "--output-dir", tmp_path, "--run-name", "r")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "r" / "adapter" / "adapter_model.safetensors").is_file()
+    summary = json.loads((tmp_path / "r" / "run_summary.json").read_text())
+    trained = ["4<|im_end|>", "<think>\n4 x 10 = 40.\n</think>\n\n40<|im_end|>",
+               "Hello!<|im_end|>", "Hello!<|im_end|>"]  # no empty think block among them
+    assert summary["global_step"] == 3
+    assert summary["trained_tokens"] == sum(len(qwen3(text)["input_ids"]) for text in trained)

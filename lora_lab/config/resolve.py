@@ -193,7 +193,7 @@ def _check_key(key: str, label: str, problems: list) -> bool:
 
 
 AUTO_OR_BOOL = ("embedding_on_cpu", "offload_checkpoints", "sync_each_micro_batch",
-                "fast_lora", "cudnn_attention")
+                "fast_lora", "cudnn_attention", "enable_thinking")
 
 
 def _coerce(key: str, value) -> tuple[Any, str | None]:

@@ -159,3 +159,20 @@ def test_tiny_qwen3_trains_on_reasoning_and_plain_rows(tmp_path, qwen3):
                "Hello!<|im_end|>", "Hello!<|im_end|>"]  # no empty think block among them
     assert summary["global_step"] == 3
     assert summary["trained_tokens"] == sum(len(qwen3(text)["input_ids"]) for text in trained)
+
+
+def test_tool_call_turns_follow_the_rendered_text(qwen3):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                {"role": "tool", "content": "21"},
+                {"role": "assistant", "content": "21 degrees."}]
+    encoded = encode_sample(qwen3, Sample(messages, "t:1", [tool]), 1024)
+    expected = qwen3.apply_chat_template(messages, tools=[tool], tokenize=True,
+                                         return_dict=False, enable_thinking=False)
+    assert encoded.input_ids == list(expected)
+    assert trained_text(qwen3, encoded) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        '<|im_end|>', "21 degrees.<|im_end|>"]

@@ -221,7 +221,7 @@ def data_stats(datasets, model, max_length, row_format, model_name, model_author
         raise LoraLabError(f"--data {' '.join(datasets)}: no usable sample.")
     click.echo("\n".join(loaded.format_lines()))
     click.echo(length_stats(_counting_tokenizer(config.model.name), loaded.samples,
-                            config.data.system).table())
+                            config.data.system, config.data.enable_thinking).table())
     if loaded.problems:
         click.echo(f"({len(loaded.problems)} rows not usable; `lora-lab data validate` lists them)")
 

@@ -130,6 +130,12 @@ class DataArgs:
                          choices=("truncate", "drop"))
     system: str = _f(None, "System prompt for conversations that have none "
                            "(default: the chat template's own).")
+    enable_thinking: str | bool = _f("auto", "Thinking mode for chat templates that take "
+                                             "enable_thinking (Qwen3): auto (thinking for rows "
+                                             "with reasoning), true, or false (non-thinking, "
+                                             "reasoning dropped). A row's own `enable_thinking` "
+                                             "field wins. The empty think block never carries "
+                                             "loss.", choices=("auto", True, False))
     model_name: str = _f(None, "Fills {{NAME}} (or {{name}}) placeholders in the data.")
     model_author: str = _f(None, "Fills {{AUTHOR}} (or {{author}}) placeholders in the data.")
 

@@ -197,7 +197,7 @@ COMMA_LISTS = ("train.report_to",)
 """List keys whose items may also come as one comma-separated value."""
 
 AUTO_OR_BOOL = ("embedding_on_cpu", "offload_checkpoints", "sync_each_micro_batch",
-                "fast_lora", "cudnn_attention")
+                "fast_lora", "cudnn_attention", "enable_thinking")
 
 
 def _coerce(key: str, value) -> tuple[Any, str | None]:

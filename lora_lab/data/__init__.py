@@ -85,7 +85,8 @@ def load_samples(specs: list, args: DataArgs, seed: int) -> LoadedData:
 
 def encode_as_training(tokenizer, samples: list, args: DataArgs) -> EncodeReport:
     """Encode samples exactly as a run with these data settings encodes its training data."""
-    return encode_samples(tokenizer, samples, args.max_length, args.truncation, args.system)
+    return encode_samples(tokenizer, samples, args.max_length, args.truncation, args.system,
+                          args.enable_thinking)
 
 
 def read_and_encode(specs: list, args: DataArgs, tokenizer, seed: int

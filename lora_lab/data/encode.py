@@ -4,7 +4,19 @@ input_ids are exactly what `tokenizer.apply_chat_template(messages)` produces. L
 everywhere except on each assistant reply and the end-of-turn token that closes it, so the model
 learns what to say and when to stop. Spans are found by rendering each prefix of the conversation
 with the template and mapping character offsets to tokens, which works for any template whose
-rendering of a prefix is a prefix of the whole. A reply with `loss: false` stays context only.
+rendering of a prefix is a prefix of the whole. A turn the template renders differently once later
+turns follow (Qwen3 drops the think blocks of earlier replies) ends at its first end-of-turn token
+in the whole text, so labels follow what the model reads. A reply with `loss: false` stays context
+only.
+
+Thinking templates (those that take `enable_thinking`, as Qwen3's does): a reply opening with the
+empty think block `<think>\n\n</think>\n\n` carries no loss on that block, so non-reasoning data
+does not teach the model to skip or never close its thinking; a reply with reasoning
+(`reasoning_content`, or a `<think>...</think>` block at the start of its content) keeps its think
+block trained. `enable_thinking` (the row's own field, else data.enable_thinking) picks the mode:
+auto = thinking for rows with reasoning, false = non-thinking with every reasoning dropped,
+true = thinking for every row; it is passed to the template, so input_ids stay exactly what
+`apply_chat_template(messages, enable_thinking=...)` gives.
 
 Pre-training documents (Sample.text) skip the template: each is tokenised and closed with the
 end-of-sequence token, and a dataset's documents are concatenated and cut into rows of exactly
@@ -18,6 +30,8 @@ from ..errors import DataError
 from .formats import Problem, Sample
 
 IGNORE_INDEX = -100
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+THINKING_MODES = ("auto", "true", "false")
 
 
 @dataclass
@@ -47,43 +61,92 @@ class EncodeReport:
                 f"--max-length {max_length}; {len(self.problems)} not used")
 
 
-def render(tokenizer, messages: list, tools=None, add_generation_prompt: bool = False) -> str:
+def render(tokenizer, messages: list, tools=None, add_generation_prompt: bool = False,
+           **template_kwargs) -> str:
     return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
 
 
-def assistant_spans(tokenizer, messages: list, tools=None,
-                    trained: list | None = None) -> tuple[str, list]:
+def reasoning_of(message: dict) -> str:
+    """The reasoning of an assistant message, read as Qwen3's template reads it."""
+    if isinstance(message.get("reasoning_content"), str):
+        return message["reasoning_content"]
+    content = message.get("content")
+    if isinstance(content, str) and "</think>" in content:
+        return content.split("</think>")[0].split("<think>")[-1]
+    return ""
+
+
+def without_reasoning(message: dict) -> dict:
+    message = {key: value for key, value in message.items() if key != "reasoning_content"}
+    if isinstance(message.get("content"), str) and "</think>" in message["content"]:
+        message["content"] = message["content"].split("</think>")[-1].lstrip("\n")
+    return message
+
+
+def thinking_setup(tokenizer, messages: list, mode) -> tuple[list, dict]:
+    """The messages to render and the template kwargs for thinking mode `mode`
+    (auto/true/false or a row's bool); templates without `enable_thinking` get none."""
+    template = getattr(tokenizer, "chat_template", None)
+    if "enable_thinking" not in str(template or ""):
+        return messages, {}
+    mode = str(mode).lower()
+    if mode not in THINKING_MODES:
+        raise DataError(f"enable_thinking must be one of {', '.join(THINKING_MODES)} or a "
+                        f"boolean; got {mode!r}")
+    thinking = mode == "true" or (mode == "auto" and any(
+        reasoning_of(m).strip() for m in messages if m["role"] == "assistant"))
+    if not thinking:
+        messages = [without_reasoning(m) if m["role"] == "assistant" else m for m in messages]
+    return messages, {"enable_thinking": thinking}
+
+
+def assistant_spans(tokenizer, messages: list, tools=None, trained: list | None = None,
+                    **template_kwargs) -> tuple[str, list]:
     """The rendered text and the (start, end) character span of every trained assistant turn.
 
-    A span starts after the template's assistant header and ends after its end-of-turn token.
+    A span starts after the template's assistant header (and after an empty think block) and
+    ends after its end-of-turn token. The header is rendered in thinking mode: a non-thinking
+    header ends in the empty think block, which earlier turns do not carry.
     """
-    text = render(tokenizer, messages, tools)
+    text = render(tokenizer, messages, tools, **template_kwargs)
     eos = tokenizer.eos_token or ""
+    head_kwargs = {**template_kwargs, "enable_thinking": True} if template_kwargs else {}
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant" or (trained is not None and not trained[index]):
             continue
-        head = render(tokenizer, messages[:index], tools, add_generation_prompt=True)
-        upto = render(tokenizer, messages[:index + 1], tools)
-        if not (text.startswith(head) and text.startswith(upto)):
+        head = render(tokenizer, messages[:index], tools, add_generation_prompt=True,
+                      **head_kwargs)
+        upto = render(tokenizer, messages[:index + 1], tools, **template_kwargs)
+        turn_end = text.find(eos, len(head)) if eos else -1
+        if not text.startswith(head) or not (text.startswith(upto) or turn_end >= 0):
             raise DataError("the chat template does not render prefixes of a conversation as "
                             "prefixes of the whole; cannot mark the assistant spans")
-        end = len(upto.rstrip())
-        if eos and not upto.rstrip().endswith(eos):
-            end = len(upto)
-        spans.append((len(head), end))
+        if not text.startswith(upto):  # rendered differently once later turns follow
+            end = turn_end + len(eos)
+        else:
+            end = len(upto.rstrip())
+            if eos and not upto.rstrip().endswith(eos):
+                end = len(upto)
+        start = len(head)
+        if text.startswith(EMPTY_THINK, start):
+            start += len(EMPTY_THINK)
+        spans.append((start, end))
     return text, spans
 
 
 def encode_sample(tokenizer, sample: Sample, max_length: int, truncation: str = "truncate",
-                  system: str | None = None) -> EncodedSample:
+                  system: str | None = None, enable_thinking="auto") -> EncodedSample:
     """One conversation -> input_ids and labels. Raises DataError if it cannot be used."""
     messages, trained = sample.messages, sample.trained
     if system and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system}] + messages
         trained = [False] + trained if trained is not None else None
-    text, spans = assistant_spans(tokenizer, messages, sample.tools, trained)
+    mode = enable_thinking if sample.enable_thinking is None else sample.enable_thinking
+    messages, template_kwargs = thinking_setup(tokenizer, messages, mode)
+    text, spans = assistant_spans(tokenizer, messages, sample.tools, trained, **template_kwargs)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding["input_ids"])
     labels = [IGNORE_INDEX] * len(input_ids)
@@ -107,7 +170,7 @@ def encode_sample(tokenizer, sample: Sample, max_length: int, truncation: str = 
 
 
 def encode_samples(tokenizer, samples: list, max_length: int, truncation: str = "truncate",
-                   system: str | None = None) -> EncodeReport:
+                   system: str | None = None, enable_thinking="auto") -> EncodeReport:
     report = EncodeReport()
     documents = []
     for sample in samples:
@@ -115,7 +178,8 @@ def encode_samples(tokenizer, samples: list, max_length: int, truncation: str = 
             documents.append(sample)
             continue
         try:
-            encoded = encode_sample(tokenizer, sample, max_length, truncation, system)
+            encoded = encode_sample(tokenizer, sample, max_length, truncation, system,
+                                    enable_thinking)
         except DataError as exc:
             report.problems.append(Problem(sample.origin, str(exc)))
             continue

@@ -39,13 +39,16 @@ __all__ = ["FORMATS", "LoadedData", "Problem", "Sample", "detect_format", "load_
 FORMATS = ("messages", "sharegpt", "swift-sharegpt", "alpaca", "query-response", "text")
 PLACEHOLDER = re.compile(r"\{\{(name|author)\}\}", re.IGNORECASE)
 FILL_KEYS = {"name": "model_name", "author": "model_author"}
-KNOWN_FIELDS = {"messages": {"messages", "tools"},
-                "sharegpt": {"conversations", "system", "tools"},
-                "swift-sharegpt": {"conversation", "system", "tools"},
-                "alpaca": {"instruction", "input", "output", "system", "history", "tools"},
-                "query-response": {"query", "response", "system", "history", "tools"},
+KNOWN_FIELDS = {"messages": {"messages", "tools", "enable_thinking"},
+                "sharegpt": {"conversations", "system", "tools", "enable_thinking"},
+                "swift-sharegpt": {"conversation", "system", "tools", "enable_thinking"},
+                "alpaca": {"instruction", "input", "output", "system", "history", "tools",
+                           "enable_thinking"},
+                "query-response": {"query", "response", "system", "history", "tools",
+                                   "enable_thinking"},
                 "text": {"text"}}
-MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id", "name", "loss", "loss_weight"}
+MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id", "name", "loss", "loss_weight",
+                  "reasoning_content"}
 TURN_FIELDS = {"from", "value"}
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system", "observation": "tool", "tool": "tool",
@@ -66,6 +69,8 @@ class Sample:
     """A pre-training document: no chat template, loss on every token."""
     notes: list = field(default_factory=list)
     """Remarks on how the row was read (become warnings with the row's origin)."""
+    enable_thinking: bool | None = None
+    """The row's own thinking mode for templates that take one; None = data.enable_thinking."""
 
 
 @dataclass
@@ -197,7 +202,11 @@ def normalise_row(row, fmt: str, origin: str, require_reply: bool = True) -> Sam
     if empty:
         notes.append(f"user message {', '.join(empty)} is empty: the model learns to answer an "
                      f"empty prompt (fill it in, or drop the row)")
-    return Sample(messages=messages, origin=origin, tools=tools, trained=trained, notes=notes)
+    thinking = row.get("enable_thinking")
+    if thinking is not None and not isinstance(thinking, bool):
+        raise DataError(f"field `enable_thinking` must be true or false; got {kind_of(thinking)}")
+    return Sample(messages=messages, origin=origin, tools=tools, trained=trained, notes=notes,
+                  enable_thinking=thinking)
 
 
 def _document(value, name: str) -> str:
@@ -316,6 +325,9 @@ def _messages_from_openai(row: dict, notes: list) -> tuple[list, list | None]:
                 if role != "assistant":
                     raise DataError(f"{where}: only assistant messages have `tool_calls`")
                 message["tool_calls"] = normalise_tool_calls(turn["tool_calls"], where)
+            if role == "assistant" and turn.get("reasoning_content") is not None:
+                message["reasoning_content"] = _text(turn["reasoning_content"],
+                                                     f"{where}: `reasoning_content`")
         if out and out[-1]["role"] == message["role"] == "assistant":
             _join_reply(out[-1], message, trained, flag, index, notes if turn["role"] ==
                         "assistant" else [])

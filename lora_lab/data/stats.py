@@ -39,8 +39,10 @@ def percentile(sorted_values: list, fraction: float) -> int:
     return sorted_values[rank - 1]
 
 
-def length_stats(tokenizer, samples: list, system: str | None = None) -> LengthStats:
-    report = encode_samples(tokenizer, samples, max_length=10**9, system=system)
+def length_stats(tokenizer, samples: list, system: str | None = None,
+                 enable_thinking="auto") -> LengthStats:
+    report = encode_samples(tokenizer, samples, max_length=10**9, system=system,
+                            enable_thinking=enable_thinking)
     lengths = sorted(len(s.input_ids) for s in report.samples)
     p99 = percentile(lengths, 0.99)
     return LengthStats(

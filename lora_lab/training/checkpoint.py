@@ -43,6 +43,7 @@ DRIFT_KEYS = ("model.name", "model.quantization", "train.tuner", "train.gpus", "
               "train.loraplus_lr_ratio", "train.neftune_noise_alpha",
               "lora.target_modules", "data.datasets", "data.val_data", "data.val_ratio",
               "data.format", "data.max_length", "data.truncation", "data.system",
+              "data.enable_thinking",
               "train.micro_batch_size", "train.grad_accum", "train.seed")
 """Settings that change what a step computes: resuming with other values is refused."""
 

@@ -24,6 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main, run_config
+from lora_lab.config import all_keys
 from lora_lab.errors import LoraLabError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,11 +43,18 @@ ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
                       {"role": "assistant", "content": "4."}]}]
 DATA_FILES = ["my.jsonl", "prompts.jsonl", "heldout.jsonl"]
 PEER_FILES = ["glaive_toolcall_en_demo.json", "swift_agent.jsonl"]
-RUN_FOLDERS = ["output/run/adapter", "output/run/merged", "output/run/export-nf4"]
-REWRITES = {"output/<run>": "output/run", "RUN_DIR": "output/run"}
-ELISION = "..."  # in a command: the flags of the line above with that command
-# Lines that are a form, not a command; each with the reason. Keep this short.
-PLACEHOLDER_FORMS: dict[str, str] = {}
+RUN_FOLDERS = ["output/run/adapter", "output/run/merged", "output/run/export-nf4",
+               "output/run/model"]
+REWRITES = {"output/<run>": "output/run", "RUN_DIR": "output/run", "RUN": "output/run",
+            "PATH": "output/run", "FILE.gguf": "model.gguf", "FILE": "my.jsonl",
+            "DATA...": "my.jsonl", "FORMAT": "nf4", "N": "2", "E": "deepspeed-zero2",
+            "D": "output", "OUT": "encoded.jsonl"}
+ELISION = "..."  # in a command: the flags of the line above with that command (else none)
+# Spans of the prose that are a form, not a command; each with the reason. Keep this short.
+PLACEHOLDER_FORMS = {
+    "lora-lab export --quantize w4a16": "names export's option; the PATH is left out",
+    "lora-lab plan --data": "names plan's flag; the file is left out",
+}
 # Commands that need no GPU, no hub and no trained run: these really run.
 RUNS_HERE = {("presets",), ("plan",), ("data", "validate"), ("data", "stats"),
              ("data", "preview"), ("data", "encode")}
@@ -126,9 +134,28 @@ def collect_commands() -> list[DocCommand]:
     return commands
 
 
-COMMANDS = collect_commands()
-LORA_LAB = [c for c in COMMANDS if c.tool == "lora-lab" and c.text not in PLACEHOLDER_FORMS]
-MAKE = [c for c in COMMANDS if c.tool == "make"]
+def collect_inline_commands() -> list[DocCommand]:
+    """`lora-lab ...` code spans of the prose (outside fenced blocks), one per alternative of
+    `a|b`; a span naming only a command (`lora-lab merge`) is a reference, not a line to parse."""
+    commands = []
+    for page in doc_pages():
+        text = page.read_text()
+        prose = re.sub(r"```.*?```", lambda m: "\n" * m.group().count("\n"), text, flags=re.S)
+        for span in re.finditer(r"`((?:[A-Z_]+=\S+ )*(?:lora-lab|python -m lora_lab) [^`]+)`",
+                                prose):
+            words = shlex.split(" ".join(span.group(1).split()))
+            while re.fullmatch(r"[A-Z_]+=\S+", words[0]):
+                words.pop(0)
+            if words[:3] == ["python", "-m", "lora_lab"]:
+                words = ["lora-lab", *words[3:]]
+            where = f"{page.relative_to(ROOT)}:{prose.count(chr(10), 0, span.start()) + 1}"
+            alternatives = [w.split("|") for w in words]
+            for choice in range(max(len(a) for a in alternatives)):
+                chosen = [a[min(choice, len(a) - 1)] for a in alternatives]
+                if len([w for w in chosen if not w.startswith("-")]) > 1 + len(
+                        command_path(chosen)) or any(w.startswith("-") for w in chosen):
+                    commands.append(DocCommand(where, shlex.join(chosen), tuple(chosen), ()))
+    return commands
 
 
 def command_path(words) -> tuple:
@@ -143,12 +170,20 @@ def command_path(words) -> tuple:
     return tuple(path)
 
 
+COMMANDS = collect_commands()
+LORA_LAB = [c for c in COMMANDS if c.tool == "lora-lab" and c.text not in PLACEHOLDER_FORMS]
+MAKE = [c for c in COMMANDS if c.tool == "make"]
+INLINE = [c for c in collect_inline_commands() if c.text not in PLACEHOLDER_FORMS]
+
+
 def substitute(command: DocCommand) -> list[str]:
     """The command's arguments (after `lora-lab`) with the docs' placeholders made real."""
     args = []
     for word in command.words[1:]:
+        if word == ELISION:
+            continue
         for placeholder, real in REWRITES.items():
-            word = word.replace(placeholder, real)
+            word = re.sub(rf"(?<![\w-]){re.escape(placeholder)}(?![\w.])", real, word)
         if re.search(r"<[^>]*>", word) or re.fullmatch(r"[A-Z][A-Z_]+", word):
             pytest.fail(f"{command.where}: `{command.text}`: placeholder {word!r} has no "
                         f"substitution: add it to REWRITES or the line to PLACEHOLDER_FORMS")
@@ -196,24 +231,40 @@ def test_the_collector_finds_the_documented_commands():
     assert shown.output[-1].startswith("120 rows usable")
 
 
-@pytest.mark.parametrize("command", LORA_LAB, ids=lambda c: f"{c.where} {c.text}")
-def test_documented_command_parses(command, workdir, monkeypatch):
+def parses(command: DocCommand, workdir: Path, monkeypatch):
+    """(click command, its context) of the line, or None for --help; fails the test, naming the
+    page, line and command, on what click or the config keys refuse."""
     monkeypatch.chdir(workdir)  # click.Path(exists=True) looks here
+    args = substitute(command)
     try:
-        cli_command, ctx = parse(substitute(command))
+        cli_command, ctx = parse(args)
     except click.exceptions.Exit as exit_:  # --help, --version
         assert exit_.exit_code == 0
-        return
+        return None
     except click.UsageError as exc:
         pytest.fail(f"{command.where}: `{command.text}`: {exc.format_message()}")
-    if cli_command.name == "run" and not shows_an_error(command):
+    for key in (s.split("=")[0] for s in ctx.params.get("sets", ())):
+        if key not in all_keys() and not shows_an_error(command):
+            pytest.fail(f"{command.where}: `{command.text}`: --set {key}: no such config key")
+    return cli_command, ctx
+
+
+@pytest.mark.parametrize("command", LORA_LAB, ids=lambda c: f"{c.where} {c.text}")
+def test_documented_command_parses(command, workdir, monkeypatch):
+    parsed = parses(command, workdir, monkeypatch)
+    if parsed and parsed[0].name == "run" and not shows_an_error(command):
         # run's values are text to click: the config it resolves says whether they are valid
-        params = dict(ctx.params)
+        params = dict(parsed[1].params)
         try:
             run_config(params.pop("preset"), params.pop("config_file"), params.pop("sets"),
                        {k: v for k, v in params.items() if k != "dry_run"})
         except LoraLabError as exc:
             pytest.fail(f"{command.where}: `{command.text}`: {exc}")
+
+
+@pytest.mark.parametrize("command", INLINE, ids=lambda c: f"{c.where} {c.text}")
+def test_command_named_in_the_prose_parses(command, workdir, monkeypatch):
+    parses(command, workdir, monkeypatch)
 
 
 def shows_an_error(command: DocCommand) -> bool:
@@ -282,7 +333,7 @@ def test_every_command_has_help(path):
 
 
 def test_every_documented_subcommand_exists():
-    for command in LORA_LAB:
+    for command in LORA_LAB + INLINE:
         args = [w for w in command.words[1:] if not w.startswith("-")]
         if args and args[0] not in main.commands:
             pytest.fail(f"{command.where}: `{command.text}`: no command {args[0]!r}")

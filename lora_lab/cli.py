@@ -57,6 +57,19 @@ def run_options(func):
     return func
 
 
+def _given_flags(flag_values) -> dict:
+    """The run_options a user gave, as config keys (`--data a --data b` -> a list)."""
+    return {k.replace("__", "."): (list(v) if isinstance(v, tuple) else v)
+            for k, v in flag_values.items() if v not in (None, ())}
+
+
+def run_config(preset, config_file, sets, flag_values):
+    """The RunConfig `lora-lab run` trains with, from its parsed options (nothing loaded)."""
+    from . import choose_preset
+
+    return resolve_config(choose_preset(preset), config_file, _given_flags(flag_values), sets)
+
+
 @main.command()
 @click.option("--preset", default="cpu", show_default=True,
               help="Hardware tier (lora-lab presets), or auto to pick it from this GPU.")
@@ -70,12 +83,10 @@ def run_options(func):
 @run_options
 def run(preset, config_file, sets, dry_run, **flag_values):
     """Fine-tune a model with LoRA and write a run folder (--gpus N: N processes)."""
-    from . import choose_preset, train
+    from . import train
     from .training.launch import dry_run_launch, needs_launch
 
-    flags = {k.replace("__", "."): (list(v) if isinstance(v, tuple) else v)
-             for k, v in flag_values.items() if v not in (None, ())}
-    config = resolve_config(choose_preset(preset), config_file, flags, sets)
+    config = run_config(preset, config_file, sets, flag_values)
     log.info(f"resolved config (preset {preset}):\n{config.describe()}")
     if dry_run:
         if not needs_launch(config):
@@ -107,8 +118,7 @@ def plan(preset, gpu_memory, sets, **flag_values):
     gpu_memory = gpu_memory or gpu_memory_gib()
     if preset == "auto" and gpu_memory is None:
         raise LoraLabError("--preset auto needs a GPU to look at, or --gpu-memory GIB.")
-    flags = {"model.name": "qwen2.5-7b", **{k.replace("__", "."): (list(v) if isinstance(
-        v, tuple) else v) for k, v in flag_values.items() if v not in (None, ())}}
+    flags = {"model.name": "qwen2.5-7b", **_given_flags(flag_values)}
     config = resolve_config(choose_preset(preset, gpu_memory), flags=flags, sets=sets,
                             need_data=False)
     if config.data.packing:

@@ -5,13 +5,15 @@ Every value remembers where it came from, so that the resolved config can be pri
 = 8  (preset 16gb)") and every problem can name the key the way the user typed it.
 """
 from .fields import (DEEPSPEED_ENGINES, ENGINES, FLAG_FOR_KEY, FLAGS, FULL_FINETUNING_LR,
-                     MAX_LORA_RANK, MAX_SEQUENCE_TOKENS, SECTIONS, DataArgs, LoraArgs, ModelArgs,
+                     MAX_LORA_RANK, MAX_SEQUENCE_TOKENS, PAIRED_TASKS, PREFERENCE_TASKS,
+                     REFERENCE_TASKS, SECTIONS, DataArgs, LoraArgs, ModelArgs,
                      RunConfig, TrainArgs, all_keys, engine_template, field_help, flatten,
                      syncs_each_micro_batch)
 from .resolve import AUTO_OR_BOOL, identity_problem, list_presets, load_preset, resolve_config
 
 __all__ = ["DEEPSPEED_ENGINES", "ENGINES", "FLAG_FOR_KEY", "FLAGS", "FULL_FINETUNING_LR",
-           "MAX_LORA_RANK", "MAX_SEQUENCE_TOKENS", "SECTIONS", "DataArgs", "LoraArgs",
+           "MAX_LORA_RANK", "MAX_SEQUENCE_TOKENS", "PAIRED_TASKS", "PREFERENCE_TASKS",
+           "REFERENCE_TASKS", "SECTIONS", "DataArgs", "LoraArgs",
            "ModelArgs", "RunConfig", "TrainArgs", "all_keys", "engine_template", "field_help",
            "flatten", "syncs_each_micro_batch", "AUTO_OR_BOOL", "identity_problem", "list_presets",
            "load_preset", "resolve_config"]

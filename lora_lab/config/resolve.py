@@ -307,6 +307,29 @@ def _validate(config: RunConfig, need_data: bool = True,
                                   "Use auto or false here."))
     if config.train.max_steps == 0 or config.train.max_steps < -1:
         problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
+    problems += _task_problems(config.train, config.data)
+    return problems
+
+
+def _task_problems(train, data) -> list[tuple[str, str]]:
+    """Preference tasks train a LoRA adapter on unpacked pairs; --from-run is theirs alone."""
+    if train.task == "sft":
+        return [("train.from_run", "continues an SFT run with a preference task; pass --task "
+                                   "dpo (or orpo, simpo, kto) with it.")] if train.from_run else []
+    problems = []
+    if train.tuner != "lora":
+        problems.append(("train.task", f"{train.task} trains a LoRA adapter; drop --tuner "
+                                       f"{train.tuner}."))
+    if data.packing:
+        problems.append(("data.packing", f"--task {train.task} trains on prompt + answer "
+                                         f"sequences, not packed rows; drop data.packing."))
+    if train.gpus > 1:
+        problems.append(("train.gpus", f"--task {train.task} trains in one process; use --gpus "
+                                       f"1."))
+    if train.task == "kto" and train.micro_batch_size < 2:
+        problems.append(("train.micro_batch_size", "--task kto estimates its KL term from the "
+                                                   "other answers of a micro-batch; use "
+                                                   "--micro-batch-size 2 or more."))
     return problems
 
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from ..config import REFERENCE_TASKS
+
 
 # ----------------------------------------------------------------------------- weights
 
@@ -269,5 +271,7 @@ def resolve_fast_lora(config) -> bool:
     frozen weight itself, without calling the base layer, whose hooks gather ZeRO-3 shards."""
     setting = config.model.fast_lora
     if config.train.tuner != "lora" or setting is False:
+        return False
+    if config.train.task in REFERENCE_TASKS:  # the reference is a second adapter (peft's layers)
         return False
     return setting is True or (config.lora.dropout == 0 and config.train.engine == "ddp")

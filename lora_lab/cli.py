@@ -411,10 +411,17 @@ def infer(run_dir, adapter, model, dtype, input_path, output_path, batch_size, *
 @click.option("--samples", default=5, show_default=True, help="Generated answers to show.")
 @click.option("--output", type=click.Path(), help="JSON report (default RUN_DIR/eval_report.json).")
 def evaluate(path, datasets, samples, output):
-    """Eval loss and perplexity on assistant tokens, plus generated answers vs references."""
+    """Eval loss and perplexity on assistant tokens, plus generated answers vs references; on
+    preference pairs (chosen / rejected) the reward margin and preference accuracy."""
     from . import evaluate_run
 
     report = evaluate_run(path, list(datasets), samples, output)
+    if "reward_margin" in report:  # preference pairs
+        click.echo(f"pairs {report['pairs']}  reward margin {report['reward_margin']:.4f}  "
+                   f"preference accuracy {report['preference_accuracy']:.3f} (beta "
+                   f"{report['beta']}, against the run's reference model)\nreport: "
+                   f"{report['report_path']}")
+        return
     click.echo(f"samples {report['samples']}  assistant tokens {report['assistant_tokens']}  "
                f"eval loss {report['eval_loss']:.4f}  perplexity {report['perplexity']:.2f}")
     for row in report["generations"]:

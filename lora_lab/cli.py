@@ -272,13 +272,17 @@ def data_preview(datasets, model, max_length, row_format, model_name, model_auth
 @click.option("--model-author", default=None)
 @click.option("--strict/--no-strict", default=True, show_default=True,
               help="Exit with status 2 if any row has an error (a run would skip it).")
-def data_validate(datasets, model, max_length, row_format, model_name, model_author, strict):
+@click.option("--task", type=click.Choice(["sft", "dpo", "orpo", "simpo", "kto"]),
+              default="sft", show_default=True,
+              help="Check the rows as this --task of `lora-lab run` reads them.")
+def data_validate(datasets, model, max_length, row_format, model_name, model_author, strict,
+                  task):
     """Check datasets row by row; every problem as file:line and reason."""
     from .data import validate_data
 
     config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
     tokenizer = _counting_tokenizer(config.model.name) if model else None
-    report = validate_data(list(datasets), config.data, tokenizer, config.train.seed)
+    report = validate_data(list(datasets), config.data, tokenizer, config.train.seed, task)
     for severity, problems in (("error", report.errors), ("warning", report.warnings)):
         for problem in problems:
             click.echo(f"{problem.origin}: {severity}: {problem.reason}")

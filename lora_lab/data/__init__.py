@@ -155,7 +155,8 @@ class ValidationReport:
                                    f"{len(self.warnings)} warnings{tokens}"])
 
 
-def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -> ValidationReport:
+def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42,
+                  task: str = "sft") -> ValidationReport:
     """Check datasets the way a run reads them, listing every problem instead of stopping.
 
     With a tokenizer the rows are also encoded: a row with no assistant token left after
@@ -165,7 +166,7 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -
     samples = []
     for spec in specs:
         try:
-            loaded = load_samples([spec], args, seed)
+            loaded = load_samples([spec], args, seed, task)
         except DataError as exc:
             report.errors.append(Problem(spec, str(exc)))
             report.formats.append((spec, "not read (error above)"))
@@ -176,7 +177,7 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -
         report.formats += loaded.formats
     report.kept = [s.origin for s in samples]
     if tokenizer is not None:
-        encoded = encode_as_training(tokenizer, samples, args)
+        encoded = encode_as_training(tokenizer, samples, args, task)
         chats = [s.origin for s in encoded.samples if s.origins is None]
         documents = [o for s in encoded.samples if s.origins is not None for o in s.origins]
         report.kept = chats + list(dict.fromkeys(documents))  # a document may span two rows

@@ -55,6 +55,8 @@ class EncodedPair:
     origin: str
     label: bool | None = None
     truncated: bool = False
+    origins = None
+    """(Pre-training rows list the documents they hold; a pair is one row.)"""
 
     @property
     def input_ids(self) -> list:

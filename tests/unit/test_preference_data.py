@@ -132,3 +132,18 @@ def test_memory_plan_counts_every_sequence_and_the_reference_pass(task, sequence
         assert reference == pytest.approx(2048 * 2 * (4 * 3584 + 2 * 18944) / 2**30)
     else:
         assert reference is None
+
+
+def test_data_validate_checks_rows_as_the_task_reads_them(tmp_path):
+    from click.testing import CliRunner
+
+    from lora_lab.cli import main
+
+    path = write_jsonl(tmp_path / "p.jsonl", [PAIR_FORMS["ms-swift"], {"prompt": "q",
+                                                                       "chosen": "a"}])
+    result = CliRunner().invoke(main, ["data", "validate", str(path), "--task", "dpo"])
+    assert result.exit_code == 2
+    assert f"{path}:2: error: missing field `rejected`" in result.output
+    assert "1 rows usable, 1 errors" in result.output
+    sft = CliRunner().invoke(main, ["data", "validate", str(path)])
+    assert sft.exit_code == 2 and "`--task dpo`" in sft.output

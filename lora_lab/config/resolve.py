@@ -238,11 +238,17 @@ def _coerce(key: str, value) -> tuple[Any, str | None]:
 
 def _tuner_defaults(config: RunConfig) -> None:
     """--tuner full: a learning rate the user did not give becomes FULL_FINETUNING_LR (the
-    defaults and presets hold LoRA learning rates)."""
+    defaults and presets hold LoRA learning rates). A preference --task turns a preset's
+    packing off."""
     source = config.sources.get("train.lr", "default")
     if config.train.tuner == "full" and (source == "default" or source.startswith("preset")):
         config.train.lr = FULL_FINETUNING_LR
         config.sources["train.lr"] = "--tuner full default"
+    packing = config.sources.get("data.packing", "default")
+    if config.train.task != "sft" and config.data.packing and packing.startswith("preset"):
+        # a preset packs supervised rows; a preference task reads prompt + answer sequences
+        config.data.packing = False
+        config.sources["data.packing"] = f"--task {config.train.task} (no packing)"
 
 
 def identity_problem(specs: list, model_name: str | None, model_author: str | None) -> str | None:

@@ -111,7 +111,8 @@ def answer_logps(model, pair) -> tuple[float, float]:
     with torch.no_grad():
         for answer in (pair.chosen_ids, pair.rejected_ids):
             ids = torch.tensor([pair.prompt_ids + answer], device=model.device)
-            logits = model(input_ids=ids).logits[0, len(pair.prompt_ids) - 1:-1].float()
+            # the output head only where an answer token is predicted
+            logits = model(input_ids=ids, logits_to_keep=len(answer) + 1).logits[0, :-1].float()
             logps = torch.log_softmax(logits, dim=-1)
             target = torch.tensor(answer, device=model.device)
             out.append(float(logps.gather(1, target[:, None]).sum()))

@@ -147,3 +147,20 @@ def test_data_validate_checks_rows_as_the_task_reads_them(tmp_path):
     assert "1 rows usable, 1 errors" in result.output
     sft = CliRunner().invoke(main, ["data", "validate", str(path)])
     assert sft.exit_code == 2 and "`--task dpo`" in sft.output
+
+
+def test_a_preference_task_drops_a_presets_packing_and_refuses_given_packing():
+    from lora_lab.config import resolve_config
+    from lora_lab.errors import ConfigError
+
+    flags = {"data.datasets": ["p.jsonl"], "train.task": "dpo"}
+    config = resolve_config("24gb", flags=flags)
+    assert config.data.packing is False
+    assert config.sources["data.packing"] == "--task dpo (no packing)"
+    with pytest.raises(ConfigError) as error:
+        resolve_config("24gb", flags={**flags, "train.task": "kto"},
+                       sets=["data.packing=true"])
+    assert "--task kto trains on prompt + answer sequences, not packed rows" in str(error.value)
+    assert "--task kto estimates its KL term" in str(error.value)  # micro-batch 1 of the preset
+    with pytest.raises(ConfigError, match="--from-run .*pass --task dpo"):
+        resolve_config("cpu", flags={"data.datasets": ["p.jsonl"], "train.from_run": "r"})

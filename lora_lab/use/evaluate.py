@@ -68,9 +68,10 @@ def evaluate_preferences(model, tokenizer, config, datasets: list) -> dict:
     loaded, report = read_and_encode(datasets, config.data, tokenizer, config.train.seed, task)
     if not report.samples:
         raise DataError(f"--data {' '.join(datasets)}: no usable preference pair to evaluate.")
-    policy = [answer_logps(model, pair) for pair in report.samples]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    policy = answer_logps(model, report.samples, pad_id)
     with reference_of(model, config):
-        reference = [answer_logps(model, pair) for pair in report.samples]
+        reference = answer_logps(model, report.samples, pad_id)
     beta = config.train.pref_beta
     margins = [beta * ((c - rc) - (r - rr)) for (c, r), (rc, rr) in zip(policy, reference)]
     count = len(margins)
@@ -103,20 +104,31 @@ def reference_of(model, config):
     return use_reference()
 
 
-def answer_logps(model, pair) -> tuple[float, float]:
-    """Summed log-probabilities of the chosen and the rejected answer after the prompt."""
+def answer_logps(model, pairs: list, pad_id: int, batch_size: int = 8) -> list:
+    """(chosen, rejected) log-probabilities of each pair's answers after its prompt, summed over
+    the answer's tokens; the sequences of several pairs run as one right-padded batch."""
     import torch
 
-    out = []
+    sequences = [(p.prompt_ids, answer) for p in pairs for answer in (p.chosen_ids,
+                                                                       p.rejected_ids)]
+    sums = []
     with torch.no_grad():
-        for answer in (pair.chosen_ids, pair.rejected_ids):
-            ids = torch.tensor([pair.prompt_ids + answer], device=model.device)
-            # the output head only where an answer token is predicted
-            logits = model(input_ids=ids, logits_to_keep=len(answer) + 1).logits[0, :-1].float()
+        for start in range(0, len(sequences), batch_size):
+            chunk = sequences[start:start + batch_size]
+            width = max(len(prompt) + len(answer) for prompt, answer in chunk)
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, (prompt, answer) in enumerate(chunk):
+                ids[row, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+                mask[row, :len(prompt) + len(answer)] = 1
+            logits = model(input_ids=ids.to(model.device),
+                           attention_mask=mask.to(model.device)).logits.float()
             logps = torch.log_softmax(logits, dim=-1)
-            target = torch.tensor(answer, device=model.device)
-            out.append(float(logps.gather(1, target[:, None]).sum()))
-    return out[0], out[1]
+            for row, (prompt, answer) in enumerate(chunk):
+                positions = torch.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)
+                target = torch.tensor(answer, device=logps.device)
+                sums.append(float(logps[row, positions.to(logps.device), target].sum()))
+    return list(zip(sums[0::2], sums[1::2]))
 
 
 def is_preference_data(specs: list) -> bool:

@@ -27,7 +27,7 @@ def test_dpo_raises_the_held_out_margin_and_accuracy(real_model_gguf, tmp_path):
     assert len(trained) == 32 and not trained & {row["prompt"] for row in held_out}
     invoke("run", "--preset", "cpu", "--task", "dpo", "--model", real_model_gguf, "--data", TRAIN,
            "--max-steps", 2, "--micro-batch-size", 2, "--lr", "1e-3", "--max-length", 64,
-           "--logging-steps", 1,
+           "--system", "Be brief.", "--logging-steps", 1,
            "--output-dir", tmp_path, "--run-name", "dpo")
     steps = [json.loads(line) for line in
              (tmp_path / "dpo" / "logs" / "train_log.jsonl").read_text().splitlines()]

@@ -282,13 +282,17 @@ def data_preview(datasets, model, max_length, row_format, model_name, model_auth
 @click.option("--model-author", default=None)
 @click.option("--strict/--no-strict", default=True, show_default=True,
               help="Exit with status 2 if any row has an error (a run would skip it).")
-def data_validate(datasets, model, max_length, row_format, model_name, model_author, strict):
+@click.option("--task", type=click.Choice(["sft", "dpo", "orpo", "simpo", "kto"]),
+              default="sft", show_default=True,
+              help="Check the rows as this --task of `lora-lab run` reads them.")
+def data_validate(datasets, model, max_length, row_format, model_name, model_author, strict,
+                  task):
     """Check datasets row by row; every problem as file:line and reason."""
     from .data import validate_data
 
     config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
     tokenizer = _counting_tokenizer(config.model.name) if model else None
-    report = validate_data(list(datasets), config.data, tokenizer, config.train.seed)
+    report = validate_data(list(datasets), config.data, tokenizer, config.train.seed, task)
     for severity, problems in (("error", report.errors), ("warning", report.warnings)):
         for problem in problems:
             click.echo(f"{problem.origin}: {severity}: {problem.reason}")
@@ -421,10 +425,17 @@ def infer(run_dir, adapter, model, dtype, input_path, output_path, batch_size, *
 @click.option("--samples", default=5, show_default=True, help="Generated answers to show.")
 @click.option("--output", type=click.Path(), help="JSON report (default RUN_DIR/eval_report.json).")
 def evaluate(path, datasets, samples, output):
-    """Eval loss and perplexity on assistant tokens, plus generated answers vs references."""
+    """Eval loss and perplexity on assistant tokens, plus generated answers vs references; on
+    preference pairs (chosen / rejected) the reward margin and preference accuracy."""
     from . import evaluate_run
 
     report = evaluate_run(path, list(datasets), samples, output)
+    if "reward_margin" in report:  # preference pairs
+        click.echo(f"pairs {report['pairs']}  reward margin {report['reward_margin']:.4f}  "
+                   f"preference accuracy {report['preference_accuracy']:.3f} (beta "
+                   f"{report['beta']}, against the run's reference model)\nreport: "
+                   f"{report['report_path']}")
+        return
     click.echo(f"samples {report['samples']}  assistant tokens {report['assistant_tokens']}  "
                f"eval loss {report['eval_loss']:.4f}  perplexity {report['perplexity']:.2f}")
     for row in report["generations"]:

@@ -213,6 +213,23 @@ def base_model_of(adapter_dir: Path, run_dir: Path | None) -> ModelArgs:
     return ModelArgs(name=base)
 
 
+def read_sft_run(path: str | Path) -> tuple[Path, RunConfig]:
+    """--from-run: an SFT run folder -> (its final adapter folder, its saved config). Only the
+    finished adapter/ is taken: a checkpoint is a run still under way."""
+    run_dir = Path(path)
+    if not is_run_dir(run_dir):
+        raise CheckpointError(f"--from-run {path}: not a run folder (no {CONFIG_FILE}); pass the "
+                              f"folder of a finished `lora-lab run`.")
+    if full_model_of(run_dir):
+        raise CheckpointError(f"--from-run {path}: a full fine-tuning run has no adapter to "
+                              f"continue; pass its model/ as --model instead.")
+    if not (run_dir / ADAPTER_FOLDER / "adapter_config.json").is_file():
+        raise CheckpointError(f"--from-run {path}: the run has no {ADAPTER_FOLDER}/ yet; let it "
+                              f"finish (or resume it) first.")
+    saved = load_saved_config(run_dir / CONFIG_FILE)
+    return check_adapter(run_dir / ADAPTER_FOLDER), saved
+
+
 def training_precision(run_dir: Path) -> str | None:
     """The precision a run trained in (bf16, fp16 or fp32), from its config.yaml; None where
     the run recorded only `auto` (runs written before train() settled --dtype auto there)."""

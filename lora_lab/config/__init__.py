@@ -6,15 +6,16 @@ Every value remembers where it came from, so that the resolved config can be pri
 """
 from .fields import (ADAPTER_TUNERS, DEEPSPEED_ENGINES, ENGINES, FLAG_FOR_KEY, FLAGS,
                      FULL_FINETUNING_LR, LORA_INITS, MAX_LORA_RANK, MAX_SEQUENCE_TOKENS,
-                     REPORT_BACKENDS, SECTIONS, TUNERS, DataArgs, LoraArgs, ModelArgs, RunConfig,
-                     TrainArgs, all_keys, converts_initial_adapter, engine_template, field_help,
-                     flatten, syncs_each_micro_batch, trains_adapter)
+                     PAIRED_TASKS, PREFERENCE_TASKS, REFERENCE_TASKS, REPORT_BACKENDS, SECTIONS,
+                     TUNERS, DataArgs, LoraArgs, ModelArgs, RunConfig, TrainArgs, all_keys,
+                     converts_initial_adapter, engine_template, field_help, flatten,
+                     syncs_each_micro_batch, trains_adapter)
 from .resolve import AUTO_OR_BOOL, identity_problem, list_presets, load_preset, resolve_config
 
 __all__ = ["ADAPTER_TUNERS", "DEEPSPEED_ENGINES", "ENGINES", "FLAG_FOR_KEY", "FLAGS",
            "FULL_FINETUNING_LR", "LORA_INITS", "MAX_LORA_RANK", "MAX_SEQUENCE_TOKENS",
-           "REPORT_BACKENDS", "SECTIONS", "TUNERS", "DataArgs", "LoraArgs", "ModelArgs",
-           "RunConfig", "TrainArgs", "all_keys", "converts_initial_adapter", "engine_template",
-           "field_help", "flatten", "syncs_each_micro_batch", "trains_adapter", "AUTO_OR_BOOL",
-           "identity_problem",
+           "PAIRED_TASKS", "PREFERENCE_TASKS", "REFERENCE_TASKS", "REPORT_BACKENDS", "SECTIONS",
+           "TUNERS", "DataArgs", "LoraArgs", "ModelArgs", "RunConfig", "TrainArgs", "all_keys",
+           "converts_initial_adapter", "engine_template", "field_help", "flatten",
+           "syncs_each_micro_batch", "trains_adapter", "AUTO_OR_BOOL", "identity_problem",
            "list_presets", "load_preset", "resolve_config"]

@@ -150,8 +150,32 @@ FULL_FINETUNING_LR = 1e-5
 """train.lr for --tuner full unless given: LoRA learning rates would wreck the base weights."""
 
 
+PREFERENCE_TASKS = ("dpo", "orpo", "simpo", "kto")
+"""train.task values that train on preference data (docs/preference.md)."""
+PAIRED_TASKS = ("dpo", "orpo", "simpo")
+"""Preference tasks whose every sample is a chosen and a rejected answer, run in one batch."""
+REFERENCE_TASKS = ("dpo", "kto")
+"""Preference tasks with a reference model: a forward pass without gradients per micro-batch."""
+
+
 @dataclass
 class TrainArgs:
+    task: str = _f("sft", "What the run learns: sft (supervised: the assistant replies) or a "
+                          "preference task on chosen / rejected answers through TRL (pip install "
+                          "'lora-lab[preference]'): dpo, orpo, simpo, or kto (answers labelled "
+                          "good or bad, unpaired). docs/preference.md has the data forms.",
+                   choices=("sft",) + PREFERENCE_TASKS)
+    from_run: str = _f(None, "Preference tasks: start from this SFT run's adapter (a run folder) "
+                             "and keep training it; the reference model is that SFT policy, "
+                             "frozen (dpo, kto). Without it a new adapter starts on the base "
+                             "model, which is then the reference.")
+    pref_beta: float = _f(0.1, "Preference tasks: beta, how far the policy may move from the "
+                               "reference (dpo, kto), the reward scale (simpo) or the weight of "
+                               "the odds-ratio term (orpo, the paper's lambda).", minimum=0)
+    dpo_loss: str = _f("sigmoid", "--task dpo: the loss on the reward margin: sigmoid (the DPO "
+                                  "paper's), ipo, hinge or robust (TRL loss_type).",
+                       choices=("sigmoid", "ipo", "hinge", "robust"))
+    simpo_gamma: float = _f(0.5, "--task simpo: the target reward margin gamma.", minimum=0)
     tuner: str = _f("lora", "What trains: lora (adapters on a frozen base; QLoRA is lora with "
                             "--quantization nf4), dora (LoRA with a trained magnitude per output "
                             "channel, peft use_dora: closer to full fine-tuning, slower, not "
@@ -300,6 +324,7 @@ FLAGS = {
     "--resume": "train.resume", "--allow-config-change": "train.allow_config_change",
     "--on-nonfinite": "train.on_nonfinite", "--oom-retry/--no-oom-retry": "train.oom_retry",
     "--gpus": "train.gpus", "--engine": "train.engine", "--tuner": "train.tuner",
+    "--task": "train.task", "--from-run": "train.from_run", "--beta": "train.pref_beta",
 }
 
 

@@ -247,11 +247,17 @@ def _coerce(key: str, value) -> tuple[Any, str | None]:
 
 def _tuner_defaults(config: RunConfig) -> None:
     """--tuner full: a learning rate the user did not give becomes FULL_FINETUNING_LR (the
-    defaults and presets hold LoRA learning rates)."""
+    defaults and presets hold LoRA learning rates). A preference --task turns a preset's
+    packing off."""
     source = config.sources.get("train.lr", "default")
     if config.train.tuner == "full" and (source == "default" or source.startswith("preset")):
         config.train.lr = FULL_FINETUNING_LR
         config.sources["train.lr"] = "--tuner full default"
+    packing = config.sources.get("data.packing", "default")
+    if config.train.task != "sft" and config.data.packing and packing.startswith("preset"):
+        # a preset packs supervised rows; a preference task reads prompt + answer sequences
+        config.data.packing = False
+        config.sources["data.packing"] = f"--task {config.train.task} (no packing)"
 
 
 def tuner_problems(config: RunConfig) -> list[tuple[str, str]]:
@@ -368,6 +374,29 @@ def _validate(config: RunConfig, need_data: bool = True,
     problem = report_to_problem(config.train.report_to, check_installed=training)
     if problem:
         problems.append(("train.report_to", problem))
+    problems += _task_problems(config.train, config.data)
+    return problems
+
+
+def _task_problems(train, data) -> list[tuple[str, str]]:
+    """Preference tasks train a LoRA adapter on unpacked pairs; --from-run is theirs alone."""
+    if train.task == "sft":
+        return [("train.from_run", "continues an SFT run with a preference task; pass --task "
+                                   "dpo (or orpo, simpo, kto) with it.")] if train.from_run else []
+    problems = []
+    if train.tuner != "lora":
+        problems.append(("train.task", f"{train.task} trains a LoRA adapter; drop --tuner "
+                                       f"{train.tuner}."))
+    if data.packing:
+        problems.append(("data.packing", f"--task {train.task} trains on prompt + answer "
+                                         f"sequences, not packed rows; drop data.packing."))
+    if train.gpus > 1:
+        problems.append(("train.gpus", f"--task {train.task} trains in one process; use --gpus "
+                                       f"1."))
+    if train.task == "kto" and train.micro_batch_size < 2:
+        problems.append(("train.micro_batch_size", "--task kto estimates its KL term from the "
+                                                   "other answers of a micro-batch; use "
+                                                   "--micro-batch-size 2 or more."))
     return problems
 
 

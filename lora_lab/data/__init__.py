@@ -70,12 +70,15 @@ class PreparedData:
         return "\n".join(lines)
 
 
-def load_samples(specs: list, args: DataArgs, seed: int) -> LoadedData:
-    """Read and mix several --data entries."""
+def load_samples(specs: list, args: DataArgs, seed: int, task: str = "sft") -> LoadedData:
+    """Read and mix several --data entries (preference rows for a preference --task)."""
+    from .pairs import load_preference_spec
+
     merged = LoadedData()
     fill = {"model_name": args.model_name, "model_author": args.model_author}
     for spec in specs:
-        loaded = load_dataset_spec(spec, args.format, seed, fill)
+        loaded = (load_dataset_spec(spec, args.format, seed, fill) if task == "sft" else
+                  load_preference_spec(spec, task, seed))
         merged.samples += loaded.samples
         merged.problems += loaded.problems
         merged.warnings += loaded.warnings
@@ -83,27 +86,34 @@ def load_samples(specs: list, args: DataArgs, seed: int) -> LoadedData:
     return merged
 
 
-def encode_as_training(tokenizer, samples: list, args: DataArgs) -> EncodeReport:
+def encode_as_training(tokenizer, samples: list, args: DataArgs,
+                       task: str = "sft") -> EncodeReport:
     """Encode samples exactly as a run with these data settings encodes its training data."""
+    if task != "sft":
+        from .pairs import encode_preferences
+
+        return encode_preferences(tokenizer, samples, args.max_length, args.truncation,
+                                  args.system)
     return encode_samples(tokenizer, samples, args.max_length, args.truncation, args.system,
                           args.enable_thinking)
 
 
-def read_and_encode(specs: list, args: DataArgs, tokenizer, seed: int
+def read_and_encode(specs: list, args: DataArgs, tokenizer, seed: int, task: str = "sft"
                     ) -> tuple[LoadedData, EncodeReport]:
     """Datasets read and encoded with a run's data settings (held-out eval, calibration)."""
-    loaded = load_samples(specs, args, seed)
-    return loaded, encode_as_training(tokenizer, loaded.samples, args)
+    loaded = load_samples(specs, args, seed, task)
+    return loaded, encode_as_training(tokenizer, loaded.samples, args, task)
 
 
-def prepare_data(args: DataArgs, tokenizer, seed: int = 42) -> PreparedData:
-    """Training and validation sets, encoded; every row not used is listed with its reason."""
-    train = load_samples(args.datasets, args, seed)
+def prepare_data(args: DataArgs, tokenizer, seed: int = 42, task: str = "sft") -> PreparedData:
+    """Training and validation sets, encoded; every row not used is listed with its reason.
+    A preference task reads and encodes preference rows (pairs.py)."""
+    train = load_samples(args.datasets, args, seed, task)
     read_problems, read_warnings = list(train.problems), list(train.warnings)
     formats = list(train.formats)
     val_samples = None
     if args.val_data:
-        val = load_samples(args.val_data, args, seed)
+        val = load_samples(args.val_data, args, seed, task)
         read_problems += val.problems
         read_warnings += val.warnings
         formats += [(f"{spec} (validation)", fmt) for spec, fmt in val.formats]
@@ -116,8 +126,8 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42) -> PreparedData:
             raise DataError(f"--val-ratio {args.val_ratio} leaves no training rows out of "
                             f"{len(shuffled)}.")
         val_samples, train.samples = shuffled[:count], shuffled[count:]
-    prepared = PreparedData(train=encode_as_training(tokenizer, train.samples, args),
-                            val=encode_as_training(tokenizer, val_samples, args)
+    prepared = PreparedData(train=encode_as_training(tokenizer, train.samples, args, task),
+                            val=encode_as_training(tokenizer, val_samples, args, task)
                             if val_samples is not None else None,
                             read_problems=read_problems, read_warnings=read_warnings,
                             formats=formats)
@@ -148,7 +158,8 @@ class ValidationReport:
                                    f"{len(self.warnings)} warnings{tokens}"])
 
 
-def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -> ValidationReport:
+def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42,
+                  task: str = "sft") -> ValidationReport:
     """Check datasets the way a run reads them, listing every problem instead of stopping.
 
     With a tokenizer the rows are also encoded: a row with no assistant token left after
@@ -158,7 +169,7 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -
     samples = []
     for spec in specs:
         try:
-            loaded = load_samples([spec], args, seed)
+            loaded = load_samples([spec], args, seed, task)
         except DataError as exc:
             report.errors.append(Problem(spec, str(exc)))
             report.formats.append((spec, "not read (error above)"))
@@ -169,7 +180,7 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42) -
         report.formats += loaded.formats
     report.kept = [s.origin for s in samples]
     if tokenizer is not None:
-        encoded = encode_as_training(tokenizer, samples, args)
+        encoded = encode_as_training(tokenizer, samples, args, task)
         chats = [s.origin for s in encoded.samples if s.origins is None]
         documents = [o for s in encoded.samples if s.origins is not None for o in s.origins]
         report.kept = chats + list(dict.fromkeys(documents))  # a document may span two rows

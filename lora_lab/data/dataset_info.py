@@ -6,7 +6,8 @@ column holds the prompt, query, response, history, system, tools, messages) and,
 `tags` (the role and content keys and the value of each role). Rows are mapped onto lora-lab's
 alpaca / sharegpt / text shapes exactly as LLaMA-Factory's data/README.md documents; an entry
 with only a `prompt` column is pre-training text. `ranking: true` and a `kto_tag` column are
-preference data and are refused, naming what trains them (preference.refuse_preference).
+preference data: read by --task dpo / orpo / simpo / kto (remap_preference), refused by
+supervised runs with the task that trains them (preference.refuse_preference).
 """
 from __future__ import annotations
 
@@ -118,6 +119,41 @@ class DatasetInfoEntry:
         if out["instruction"] is None and out["input"] is None:
             raise DataError(f"missing column `{columns['prompt']}` (dataset_info columns.prompt)")
         return {k: v for k, v in out.items() if v is not None}
+
+    def remap_preference(self, row):
+        """A `ranking: true` or `kto_tag` entry's row in pairs.py's shape: LLaMA-Factory's
+        columns chosen / rejected (sharegpt: one turn each; alpaca: text) and kto_tag."""
+        if not isinstance(row, dict):
+            return row
+        if self.formatting == "sharegpt":
+            out = self._remap_sharegpt(row)
+            for key in ("chosen", "rejected"):
+                if key in self.columns or self.entry.get("ranking"):
+                    turn = row.get(self.columns.get(key, key))
+                    out[key] = self._turn(turn) if isinstance(turn, dict) else turn
+        else:
+            columns = {**ALPACA_DEFAULTS, **self.columns}
+            out = {"instruction": row.get(columns["prompt"]), "input": row.get(columns["query"]),
+                   "chosen": row.get(self.columns.get("chosen", "chosen")),
+                   "rejected": row.get(self.columns.get("rejected", "rejected"))}
+            if "system" in columns:
+                out["system"] = row.get(columns["system"])
+            if "kto_tag" not in self.columns:
+                return {k: v for k, v in out.items() if v is not None or k in ("chosen",
+                                                                              "rejected")}
+            out["messages"] = [{"role": "user", "content": out.pop("instruction")},
+                               {"role": "assistant",
+                                "content": row.get(columns["response"])}]
+            out.pop("chosen"), out.pop("rejected"), out.pop("input")
+        if "kto_tag" in self.columns:
+            out["label"] = row.get(self.columns["kto_tag"])
+        return {k: v for k, v in out.items() if v is not None or k in ("chosen", "rejected")}
+
+    def _turn(self, turn: dict) -> dict:
+        """A sharegpt turn with the entry's tags, as {"from", "value"}."""
+        speakers = {self.tags[tag]: speaker for tag, speaker in _TAG_TO_SPEAKER.items()}
+        role = turn.get(self.tags["role_tag"])
+        return {"from": speakers.get(role, role), "value": turn.get(self.tags["content_tag"])}
 
     def _column(self, row: dict, key: str, required: bool = False, default: str | None = None):
         name = self.columns.get(key, default)

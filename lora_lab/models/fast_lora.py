@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from ..config import REFERENCE_TASKS
+
 
 # ----------------------------------------------------------------------------- weights
 
@@ -273,5 +275,7 @@ def resolve_fast_lora(config) -> bool:
     rsLoRA only changes the layer's scaling, which the fast path reads."""
     setting = config.model.fast_lora
     if config.train.tuner != "lora" or setting is False:
+        return False
+    if config.train.task in REFERENCE_TASKS:  # the reference is a second adapter (peft's layers)
         return False
     return setting is True or (config.lora.dropout == 0 and config.train.engine == "ddp")

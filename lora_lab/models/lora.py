@@ -72,13 +72,15 @@ def trainable_token_modules(model, token_ids: list[int]) -> dict:
 
 def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
                fast: bool = False, offload_copy_stream: bool = False,
-               trainable_tokens: list[int] | None = None, tuner: str = "lora"):
+               trainable_tokens: list[int] | None = None, tuner: str = "lora",
+               adapter_dir=None):
     """Wrap the model with peft adapters (--tuner lora, dora or ia3); only the adapters train.
 
     means (planning.memory.MemoryMeans): the long-sequence means to put in place. fast: route
     the LoRA layers through models/fast_lora.py. offload_copy_stream: offloaded checkpoints copy
     on a side stream (models/fast_offload.py). trainable_tokens: token ids whose embedding and
-    output-head rows train too (trainable_token_modules)."""
+    output-head rows train too (trainable_token_modules). adapter_dir: continue this saved
+    adapter (trainable) instead of a new one; `args` are then the adapter's own."""
     from peft import get_peft_model
 
     from .memory_means import apply_memory_means, move_embedding_to_cpu
@@ -90,7 +92,12 @@ def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
         model.enable_input_require_grads()
     config = adapter_config(model, args, tuner, trainable_tokens)
     try:
-        model = get_peft_model(model, config)
+        if adapter_dir is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+        else:
+            model = get_peft_model(model, config)
     except ValueError as exc:
         raise ModelError(f"lora.target_modules {args.target_modules}: {exc}") from None
     if fast:  # before the MLP chunks, which wrap the MLPs' forward

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..config import RunConfig, engine_template, syncs_each_micro_batch, trains_adapter
+from ..config import (PAIRED_TASKS, REFERENCE_TASKS, RunConfig, engine_template,
+                      syncs_each_micro_batch, trains_adapter)
 from ..registry import (linear_shapes, model_config_of, model_display_name, parameter_count,
                         wants_trainable_tokens)
 from .tuners import ADAPTER_NAMES, adapter_params, adapter_state_part, dora_parts
@@ -302,8 +303,24 @@ def row_length(config: RunConfig) -> int:
 
 
 def micro_batch_rows(config: RunConfig) -> int:
-    """Rows in a micro-batch: packed rows go one at a time."""
-    return 1 if config.data.packing else config.train.micro_batch_size
+    """Rows in a micro-batch: packed rows go one at a time; a preference sample is two rows of
+    one forward pass (the chosen and the rejected sequence; KTO: the answer and the mismatched
+    answer of its KL estimate)."""
+    rows = 1 if config.data.packing else config.train.micro_batch_size
+    return rows * sequences_per_sample(config)
+
+
+def sequences_per_sample(config: RunConfig) -> int:
+    """Sequences the model reads per training sample: 2 for pairs and KTO, else 1."""
+    return 2 if config.train.task in PAIRED_TASKS + ("kto",) else 1
+
+
+def _reference_bytes(shape: ModelShape, tokens: int) -> float:
+    """dpo, kto: the reference forward runs without gradients while the policy's checkpoints
+    are held; it keeps one layer's tensors live at a time, about 4 hidden-sized and 2
+    intermediate-sized bf16 tensors a token (residual, norm, attention output; gate, up).
+    Counted, not fitted."""
+    return tokens * 2 * (4 * shape.hidden + 2 * shape.intermediate)
 
 
 def _means(shape: ModelShape, config: RunConfig, tokens: int,
@@ -363,6 +380,9 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
         parts.update({name: b / GIB for name, b in dora_parts(
             shape.linears, shape.layers, tokens, config.train.gradient_checkpointing,
             4 if config.model.dtype == "fp32" else 2).items()})
+    if config.train.task in REFERENCE_TASKS:
+        parts["reference forward, no gradients (counted)"] = _reference_bytes(shape,
+                                                                               tokens) / GIB
     if config.data.packing:
         parts["attention mask of a packed row (counted)"] = (
             tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)

@@ -24,12 +24,14 @@ def warmup_steps(ratio: float, total_steps: int) -> int:
 
 
 def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precision,
-                             total_steps: int, has_eval: bool, rows_per_step: int | None = None):
-    """rows_per_step: with packing, each micro-batch is one packed row."""
+                             total_steps: int, has_eval: bool, rows_per_step: int | None = None,
+                             args_class=None, **extra):
+    """rows_per_step: with packing, each micro-batch is one packed row. args_class: a
+    TrainingArguments subclass (TRL's DPOConfig ...), given its own settings in `extra`."""
     from transformers import TrainingArguments
 
     t = config.train
-    args = TrainingArguments(
+    args = (args_class or TrainingArguments)(
         output_dir=str(run_dir),
         per_device_train_batch_size=1 if rows_per_step else t.micro_batch_size,
         per_device_eval_batch_size=t.micro_batch_size,
@@ -54,6 +56,7 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         # accelerate reduces after every micro-batch instead of skipping all but the last
         accelerator_config={"gradient_accumulation_kwargs": {
             "sync_each_batch": syncs_each_micro_batch(t)}},
+        **extra,
     )
     if args.n_gpu > 1:
         # One process that sees several GPUs: the Trainer would spread each micro-batch over

@@ -69,6 +69,11 @@ def train(config: RunConfig) -> TrainResult:
         check_full_finetuning_precision(precision)
     state = distributed_state(precision)
     cap_gpu_memory()
+    if config.train.task != "sft":
+        from .preference import require_trl, settle_from_run
+
+        require_trl()
+        settle_from_run(config)
     model_path = locate_model(config.model.name)
     check_remote_code(model_path, config.model.trust_remote_code)
     check_model_files(model_path)  # before the data are encoded
@@ -96,7 +101,7 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     if state.is_main_process:
         remove_unfinished_saves(run_dir)  # before the disk check counts the free space
     tokenizer = load_tokenizer(config.model.name, config.model.trust_remote_code, model_path)
-    data = prepare_data(config.data, tokenizer, config.train.seed)
+    data = prepare_data(config.data, tokenizer, config.train.seed, config.train.task)
     report_data(data, config.data.max_length)
     fingerprint = data_fingerprint(data.train.samples)
     if resume_from is not None:
@@ -273,17 +278,20 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
     # TrainingArguments first: with ZeRO-3 they must exist when the model loads, so that
     # transformers partitions the weights while loading (HfDeepSpeedConfig).
     args = build_training_arguments(config, run_dir, precision, total_steps, data.val is not None,
-                                    packed.rows_per_step if packed else None)
+                                    packed.rows_per_step if packed else None,
+                                    **preference_arguments(config))
     full = config.train.tuner == "full"
     use_cudnn_attention(config.model.cudnn_attention)
     CUDNN_EQUAL_LENGTHS["allowed"] = config.model.cudnn_attention is not False
     attention = resolve_packed_attention(config.data.packed_attention)
+    preference = config.train.task != "sft"
     tokens = (template_token_ids(tokenizer) if wants_trainable_tokens(
-        config.lora.trainable_tokens, config.train.tuner, config.model.name) else None)
+        config.lora.trainable_tokens, config.train.tuner, config.model.name)
+        and not preference else None)  # TRL computes log-probs from the head's weight itself
     model = load_base_model(config.model, precision, fp32_master_weights=full,
                             sharded=config.train.engine in SHARDED_ENGINES,
                             packed_attention=attention if packed else None, path=model_path,
-                            fused_loss=not tokens)
+                            fused_loss=not (tokens or preference))
     say_family(model.config.model_type)
     memory_means = "none"  # full fine-tuning: the engines' own checkpointing
     if full:
@@ -303,7 +311,7 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
         model = apply_lora(model, config.lora, config.train.gradient_checkpointing, means,
                            fast=fast, offload_copy_stream=config.train.offload_copy_stream
                            and gpu_gib is not None, trainable_tokens=tokens,
-                           tuner=config.train.tuner)
+                           tuner=config.train.tuner, adapter_dir=from_run_adapter(config))
         initial = run_dir / INITIAL_ADAPTER_FOLDER
         if converts_initial_adapter(config.lora) and not initial.is_dir() and args.should_save:
             with staged_folder(initial) as staging:
@@ -320,6 +328,14 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
                  f"{', fast LoRA' if fast else ''}; memory means: {memory_means}"
                  + (f"; packed rows attend with {attention}" if packed else ""))
     guard = NonFiniteGuard(config.train.on_nonfinite, precision.name, run_dir)
+    lora_lab = {"guard": guard, "train_data": fingerprint, "memory_means": memory_means,
+                "resumed_loss_sum": saved_loss_sum(resume_from)}
+    if preference:
+        from .preference import build_preference_trainer
+
+        return build_preference_trainer(config, model, args, data.train.samples,
+                                        data.val.samples if data.val else None, tokenizer,
+                                        run_callbacks(run_dir, config.train.report_to), **lora_lab)
     return LoraLabTrainer(
         model=model,
         args=args,
@@ -330,9 +346,7 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
         if packed else PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=run_callbacks(run_dir, config.train.report_to),
-        guard=guard, train_data=fingerprint,
-        memory_means=memory_means, resumed_loss_sum=saved_loss_sum(resume_from),
-        loraplus_lr_ratio=config.train.loraplus_lr_ratio,
+        loraplus_lr_ratio=config.train.loraplus_lr_ratio, **lora_lab,
     )
 
 
@@ -347,6 +361,24 @@ def describe_tuner(config: RunConfig) -> str:
                                      config.train.loraplus_lr_ratio > 0)) if on]
     return (f"{'DoRA' if tuner == 'dora' else 'LoRA'} r={lora.rank} alpha={lora.alpha:g}"
             + (f" ({', '.join(extras)})" if extras else ""))
+
+
+def preference_arguments(config: RunConfig) -> dict:
+    """A preference task's TRL config class and settings for build_training_arguments."""
+    if config.train.task == "sft":
+        return {}
+    from .preference import task_settings, trainer_config
+
+    return {"args_class": trainer_config(config.train.task), **task_settings(config)}
+
+
+def from_run_adapter(config: RunConfig):
+    """--from-run: the SFT run's adapter folder, which this run continues."""
+    if not config.train.from_run:
+        return None
+    from ..run_folder import read_sft_run
+
+    return read_sft_run(config.train.from_run)[0]
 
 
 def train_with_oom_retry(config: RunConfig, data: PreparedData, packed, tokenizer,

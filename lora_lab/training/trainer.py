@@ -1,6 +1,7 @@
 """The Trainer lora-lab trains with: crash-safe checkpoints, and no NaN or inf update applied.
 
-LoraLabTrainer changes four things in transformers' Trainer:
+LoraLabMixin changes four things in transformers' Trainer (LoraLabTrainer mixes it into
+Trainer; training/preference.py into TRL's preference trainers):
   - a checkpoint is staged, fsynced, given a manifest and only then renamed to checkpoint-N
     (training/checkpoint.py); rotation runs after that, so nothing is deleted before the new one
     is complete. Training arguments are saved as JSON, never pickled.
@@ -40,8 +41,10 @@ def saved_loss_sum(checkpoint: Path | None) -> float:
     return float(state.get("stateful_callbacks", {}).get(LOSS_SUM_KEY, {}).get("loss_sum", 0.0))
 
 
-class LoraLabTrainer(Trainer):
-    """transformers' Trainer with crash-safe checkpoints and the non-finite guard."""
+class LoraLabMixin:
+    """lora-lab's guarantees for any transformers Trainer subclass: crash-safe checkpoints, the
+    non-finite guard, the loss sum an exact resume reports. Mixed in before the trainer class
+    (LoraLabTrainer here; TRL's preference trainers in training/preference.py)."""
 
     def __init__(self, *args, guard: NonFiniteGuard, train_data: dict | None = None,
                  memory_means: str = "none", resumed_loss_sum: float = 0.0,
@@ -156,6 +159,10 @@ class LoraLabTrainer(Trainer):
                 else:
                     self.state.stateful_callbacks[name] = value
         self.state.save_to_json(str(folder / "trainer_state.json"))
+
+
+class LoraLabTrainer(LoraLabMixin, Trainer):
+    """transformers' Trainer with crash-safe checkpoints and the non-finite guard."""
 
 
 # ----------------------------------------------------------------------------- test hooks

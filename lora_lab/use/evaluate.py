@@ -1,4 +1,6 @@
-"""`lora-lab eval`: loss and perplexity on assistant tokens, and generated answers next to references."""
+"""`lora-lab eval`: loss and perplexity on assistant tokens, and generated answers next to
+references; on preference pairs the reward margin and preference accuracy (DPO's implicit reward
+against the run's reference model)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +10,7 @@ from pathlib import Path
 from ..data import read_and_encode
 from ..data.encode import IGNORE_INDEX
 from ..errors import DataError
-from ..run_folder import find_adapter, full_model_of, load_saved_config
+from ..run_folder import find_adapter, full_model_of, load_saved_config, read_sft_run
 from .infer import GenerationSettings, generate_replies, load_adapter_model, load_plain_model
 
 
@@ -22,6 +24,10 @@ def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
         adapter_dir, run_dir = find_adapter(path)
         model, tokenizer = load_adapter_model(path)
     config = load_saved_config(run_dir / "config.yaml")
+    if adapter_dir is not None and is_preference_data(list(datasets)):
+        result = evaluate_preferences(model, tokenizer, config, list(datasets))
+        result.update(run_dir=str(run_dir), adapter=str(adapter_dir))
+        return write_report(result, output, run_dir)
     loaded, report = read_and_encode(list(datasets), config.data, tokenizer, config.train.seed)
     if not report.samples:
         raise DataError(f"--data {' '.join(datasets)}: no usable sample to evaluate.")
@@ -41,10 +47,103 @@ def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
                          "reference": s.messages[-1]["content"], "answer": a}
                         for s, a in zip(chosen, answers)],
     }
+    return write_report(result, output, run_dir)
+
+
+def write_report(result: dict, output, run_dir: Path) -> dict:
     output = Path(output) if output else run_dir / "eval_report.json"
     output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     result["report_path"] = str(output)
     return result
+
+
+def evaluate_preferences(model, tokenizer, config, datasets: list) -> dict:
+    """Reward margin and preference accuracy on pairs. A pair's reward margin is
+    beta * ((log p(chosen) - log p_ref(chosen)) - (log p(rejected) - log p_ref(rejected))),
+    log-probabilities summed over the answer's tokens; the reference is the run's own (the base
+    model, or the --from-run SFT adapter). Accuracy: the share of pairs with a positive margin.
+    logp_accuracy: the share where the model itself gives the chosen answer the higher
+    log-probability, for the policy and for the reference."""
+    task = config.train.task if config.train.task in ("dpo", "orpo", "simpo") else "dpo"
+    loaded, report = read_and_encode(datasets, config.data, tokenizer, config.train.seed, task)
+    if not report.samples:
+        raise DataError(f"--data {' '.join(datasets)}: no usable preference pair to evaluate.")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    policy = answer_logps(model, report.samples, pad_id)
+    with reference_of(model, config):
+        reference = answer_logps(model, report.samples, pad_id)
+    beta = config.train.pref_beta
+    margins = [beta * ((c - rc) - (r - rr)) for (c, r), (rc, rr) in zip(policy, reference)]
+    count = len(margins)
+    return {"data": datasets, "pairs": count, "beta": beta,
+            "reward_margin": sum(margins) / count,
+            "preference_accuracy": sum(m > 0 for m in margins) / count,
+            "logp_accuracy": sum(c > r for c, r in policy) / count,
+            "reference_logp_accuracy": sum(c > r for c, r in reference) / count,
+            "not_used": [str(p) for p in loaded.problems + report.problems]}
+
+
+def reference_of(model, config):
+    """The context in which `model` (the run's PEFT model) computes as its reference."""
+    if not config.train.from_run:
+        return model.disable_adapter()
+    import contextlib
+
+    adapter_dir, _ = read_sft_run(config.train.from_run)
+    if "reference" not in model.peft_config:
+        model.load_adapter(str(adapter_dir), adapter_name="reference")
+
+    @contextlib.contextmanager
+    def use_reference():
+        active = model.active_adapter
+        model.set_adapter("reference")
+        try:
+            yield
+        finally:
+            model.set_adapter(active)
+    return use_reference()
+
+
+def answer_logps(model, pairs: list, pad_id: int, batch_size: int = 8) -> list:
+    """(chosen, rejected) log-probabilities of each pair's answers after its prompt, summed over
+    the answer's tokens; the sequences of several pairs run as one right-padded batch."""
+    import torch
+
+    sequences = [(p.prompt_ids, answer) for p in pairs for answer in (p.chosen_ids,
+                                                                       p.rejected_ids)]
+    sums = []
+    with torch.no_grad():
+        for start in range(0, len(sequences), batch_size):
+            chunk = sequences[start:start + batch_size]
+            width = max(len(prompt) + len(answer) for prompt, answer in chunk)
+            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, (prompt, answer) in enumerate(chunk):
+                ids[row, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+                mask[row, :len(prompt) + len(answer)] = 1
+            logits = model(input_ids=ids.to(model.device),
+                           attention_mask=mask.to(model.device)).logits.float()
+            logps = torch.log_softmax(logits, dim=-1)
+            for row, (prompt, answer) in enumerate(chunk):
+                positions = torch.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)
+                target = torch.tensor(answer, device=logps.device)
+                sums.append(float(logps[row, positions.to(logps.device), target].sum()))
+    return list(zip(sums[0::2], sums[1::2]))
+
+
+def is_preference_data(specs: list) -> bool:
+    """Whether the first dataset's rows are preference pairs (chosen / rejected)."""
+    from ..data.dataset_info import DatasetInfoEntry
+    from ..data.formats import parse_spec, read_rows
+
+    source, _ = parse_spec(specs[0])
+    entry = DatasetInfoEntry.from_source(source)
+    if entry is not None:
+        return bool(entry.entry.get("ranking"))
+    for row, _ in read_rows(source, []):
+        if isinstance(row, dict):
+            return "rejected_response" in row or ("chosen" in row and "rejected" in row)
+    return False
 
 
 def assistant_token_loss(model, samples: list) -> tuple[float, int]:

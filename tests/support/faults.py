@@ -1,6 +1,6 @@
-"""Fault injection for lora-lab's own tests, put into LoraLabTrainer from outside the package.
+"""Fault injection for lora-lab's own tests, put into LoraLabMixin from outside the package.
 
-install() wraps four LoraLabTrainer methods; the hooks do nothing unless these are set:
+install() wraps five LoraLabMixin methods; the hooks do nothing unless these are set:
 
     LORA_LAB_TEST_KILL=step:S:M  SIGKILL the process before micro-batch M of optimizer step S
     LORA_LAB_TEST_KILL=save:S    SIGKILL it while saving checkpoint-S (files staged, no manifest)
@@ -98,14 +98,14 @@ def _digest(data: bytes) -> str:
 
 
 def install() -> None:
-    """Wrap LoraLabTrainer's micro-batch, loss and checkpoint-commit steps with FaultHooks."""
-    from lora_lab.training.trainer import LoraLabTrainer
+    """Wrap the micro-batch, loss and checkpoint-commit steps of LoraLabMixin (so of
+    LoraLabTrainer and the preference trainers) with FaultHooks."""
+    from lora_lab.training.trainer import LoraLabMixin
 
-    if getattr(LoraLabTrainer, "_fault_hooks_installed", False):
+    if getattr(LoraLabMixin, "_fault_hooks_installed", False):
         return
-    init, compute_loss, save_model = (LoraLabTrainer.__init__, LoraLabTrainer.compute_loss,
-                                      LoraLabTrainer.save_model)
-    training_step, commit = LoraLabTrainer.training_step, LoraLabTrainer._commit_checkpoint
+    init = LoraLabMixin.__init__
+    training_step, commit = LoraLabMixin.training_step, LoraLabMixin._commit_checkpoint
 
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -113,7 +113,9 @@ def install() -> None:
         self.add_callback(self.hooks)
 
     def hooked_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        result = compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        # the trainer class's own loss (Trainer's, TRL's), after the mixin in the MRO
+        result = super(LoraLabMixin, self).compute_loss(model, inputs, return_outputs,
+                                                        num_items_in_batch)
         if not model.training:
             return result
         return self.hooks.maybe_poison(result, self.state.global_step + 1)
@@ -129,11 +131,11 @@ def install() -> None:
         commit(self, staging, run_dir, step)
 
     def hooked_save(self, output_dir=None, _internal_call=False):
-        save_model(self, output_dir, _internal_call)
+        super(LoraLabMixin, self).save_model(output_dir, _internal_call)
         if not _internal_call and str(output_dir).endswith(".partial"):  # the final weights
             self.hooks.kill_point("final")
 
-    LoraLabTrainer.save_model = hooked_save
-    LoraLabTrainer.__init__, LoraLabTrainer.compute_loss = __init__, hooked_loss
-    LoraLabTrainer.training_step, LoraLabTrainer._commit_checkpoint = hooked_step, hooked_commit
-    LoraLabTrainer._fault_hooks_installed = True
+    LoraLabMixin.save_model = hooked_save
+    LoraLabMixin.__init__, LoraLabMixin.compute_loss = __init__, hooked_loss
+    LoraLabMixin.training_step, LoraLabMixin._commit_checkpoint = hooked_step, hooked_commit
+    LoraLabMixin._fault_hooks_installed = True

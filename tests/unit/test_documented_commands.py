@@ -41,7 +41,7 @@ ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
         {"messages": [{"role": "system", "content": "Answer briefly."},
                       {"role": "user", "content": "What is 2 + 2?"},
                       {"role": "assistant", "content": "4."}]}]
-DATA_FILES = ["my.jsonl", "prompts.jsonl", "heldout.jsonl"]
+DATA_FILES = ["my.jsonl", "prompts.jsonl", "heldout.jsonl", "pairs.jsonl", "heldout_pairs.jsonl"]
 PEER_FILES = ["glaive_toolcall_en_demo.json", "swift_agent.jsonl"]
 RUN_FOLDERS = ["output/run/adapter", "output/run/merged", "output/run/export-nf4",
                "output/run/model"]

@@ -179,11 +179,11 @@ def test_identity_through_dataset_info_is_alpaca():
 
 
 @pytest.mark.parametrize("spec, command", [
-    (str(PEERS / "dpo_en_demo.json"), "swift rlhf --rlhf_type dpo"),
-    (f"{INFO}:dpo_en_demo", "swift rlhf --rlhf_type dpo"),
-    (str(PEERS / "kto_en_demo.json"), "swift rlhf --rlhf_type kto"),
-    (f"{INFO}:kto_en_demo", "swift rlhf --rlhf_type kto")])
-def test_preference_data_is_named_and_refused_with_the_command(spec, command):
+    (str(PEERS / "dpo_en_demo.json"), "`--task dpo`"),
+    (f"{INFO}:dpo_en_demo", "`--task dpo`"),
+    (str(PEERS / "kto_en_demo.json"), "`--task kto`"),
+    (f"{INFO}:kto_en_demo", "`--task kto`")])
+def test_preference_data_is_refused_by_sft_naming_the_task(spec, command):
     with pytest.raises(DataError) as error:
         load_dataset_spec(spec)
     message = str(error.value)
@@ -198,8 +198,8 @@ def test_ms_swift_preference_row_in_an_sft_file_is_a_row_error(tmp_path):
     loaded = load_dataset_spec(str(path))
     assert [s.origin for s in loaded.samples] == [f"{path}:1"]
     assert [p.origin for p in loaded.problems] == [f"{path}:2", f"{path}:3"]
-    assert "--rlhf_type dpo" in loaded.problems[0].reason
-    assert "--rlhf_type kto" in loaded.problems[1].reason
+    assert "`--task dpo`" in loaded.problems[0].reason
+    assert "`--task kto`" in loaded.problems[1].reason
 
 
 def test_ms_swift_sharegpt_and_query_response(tmp_path):

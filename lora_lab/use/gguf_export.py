@@ -246,13 +246,16 @@ def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
 
 
 def quantize_gguf(f16: Path, target: Path, quantize: str) -> None:
+    import ctypes
+
     import llama_cpp
 
     log.info(f"quantizing {f16.name} to {quantize} (llama.cpp llama_model_quantize)")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, GGUF_TYPES[quantize])
     params.nthread = os.cpu_count() or 1
-    status = llama_cpp.llama_model_quantize(str(f16).encode(), str(target).encode(), params)
+    status = llama_cpp.llama_model_quantize(str(f16).encode(), str(target).encode(),
+                                          ctypes.byref(params))
     if status != 0 or not target.is_file():
         raise ModelError(f"llama.cpp could not quantize {f16} to {quantize} (status {status}).")
 
@@ -274,7 +277,7 @@ def check_gguf_metadata(gguf: Path, tokenizer, stops: list[str]) -> dict:
 
     llm = load_llama(gguf)
     template = llm.metadata.get("tokenizer.chat_template")
-    vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
     ids = tokenizer.convert_tokens_to_ids(stops)
     not_eog = [t for t, i in zip(stops, ids) if not llama_cpp.llama_vocab_is_eog(vocab, i)]
     eos = int(llm.metadata.get("tokenizer.ggml.eos_token_id", -1))

@@ -345,8 +345,9 @@ def export(path, fmt, quantize, calib_data, calib_samples, output, gpu_tier, for
         result = export_gguf(path, quantize, output, force)
         handoff = result.serving_lines()
     else:
-        result = export_quantized(path, quantize, list(calib_data),
-                                  calib_samples or DEFAULT_CALIB_SAMPLES, output, gpu_tier, force)
+        samples = DEFAULT_CALIB_SAMPLES if calib_samples is None else calib_samples
+        result = export_quantized(path, quantize, list(calib_data), samples, output, gpu_tier,
+                                  force)
         handoff = serving_handoff(result, gpu_tier)
     click.echo(result.summary())
     for warning in result.warnings:

@@ -41,8 +41,7 @@ def test_gguf_f16_export_of_a_run_folder(trained, tokenizer):
     run_dir, _ = trained
     result = invoke("export", run_dir, "--format", "gguf")
     out = run_dir / "export-gguf-f16"
-    assert {p.name for p in out.iterdir()} == {"model.gguf", "Modelfile", "export_report.json",
-                                               "LICENSE"}
+    assert {p.name for p in out.iterdir()} == {"model.gguf", "Modelfile", "export_report.json"}
     assert not [p for p in run_dir.iterdir() if ".partial" in p.name or "-tmp" in p.name]
     fields = GGUFReader(out / "model.gguf").fields
     assert fields["tokenizer.chat_template"].contents() == tokenizer.chat_template

@@ -11,8 +11,15 @@ ENGINE ?=
 STAMP = .install.stamp
 # e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" where no CPU wheel is at hand
 TORCH_PIP_ARGS ?=
+# llama.cpp for the GGUF export (lora-lab[gguf]): llama-cpp-python has no wheel on PyPI, so its
+# source is built once (about 15-35 min on 2 cores) and the wheel kept in WHEELS; its sdist stays
+# there too, as the source of llama.cpp's convert_hf_to_gguf.py (lora_lab/use/gguf_export.py).
+LLAMA_CPP_VERSION = 0.3.36
+WHEELS ?= $(HOME)/.cache/lora-lab/wheels
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
 
-.PHONY: install demo test test-fast test-gpu finetune bench clean
+.PHONY: install llama-cpp demo test test-fast test-gpu finetune bench clean
 
 install: $(STAMP)
 
@@ -27,7 +34,22 @@ $(STAMP): setup.cfg pyproject.toml
 	# the w4a16 export's library, for its tests; --no-deps: llmcompressor pins transformers
 	# <= 5.17 and declares packages its GPTQ path never imports (setup.cfg, extra "export")
 	$(PIP) install -q --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0 loguru==0.7.3
+	$(MAKE) --no-print-directory llama-cpp
 	@touch $(STAMP)
+
+# the GGUF export's llama.cpp (extra "gguf"): the cached wheel, built from the sdist when absent
+llama-cpp:
+	@mkdir -p $(WHEELS)
+	@test -f $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz || \
+	  $(PIP) download -q --no-deps --no-binary :all: -d $(WHEELS) \
+	    llama-cpp-python==$(LLAMA_CPP_VERSION)
+	@if ! ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1; then \
+	  echo "building llama.cpp (llama-cpp-python $(LLAMA_CPP_VERSION)) from source, once"; \
+	  CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) wheel -q --no-deps -w $(WHEELS) \
+	    $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz; \
+	fi
+	$(PIP) install -q --find-links $(WHEELS) --only-binary llama-cpp-python \
+	  llama-cpp-python==$(LLAMA_CPP_VERSION) sentencepiece
 
 demo: install
 	lora-lab demo

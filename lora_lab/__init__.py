@@ -9,8 +9,8 @@ from .errors import ConfigError, DataError, LoraLabError, ModelError
 from .run_folder import load_saved_config
 
 __all__ = ["RunConfig", "resolve_config", "load_saved_config", "list_presets", "train",
-           "plan", "choose_preset", "merge_adapter", "export_quantized", "evaluate_run",
-           "report_run",
+           "plan", "choose_preset", "merge_adapter", "export_quantized", "export_gguf",
+           "evaluate_run", "report_run",
            "LoraLabError", "ConfigError", "DataError", "ModelError"]
 __version__ = "0.1.0"
 
@@ -73,6 +73,13 @@ def merge_adapter(*args, **kwargs):
 def export_quantized(*args, **kwargs):
     """Quantize a merged folder or a run for serving (use.export.export_quantized)."""
     from .use.export import export_quantized as export
+
+    return export(*args, **kwargs)
+
+
+def export_gguf(*args, **kwargs):
+    """A merged folder or a run as a GGUF with an Ollama Modelfile (use.gguf_export)."""
+    from .use.gguf_export import export_gguf as export
 
     return export(*args, **kwargs)
 

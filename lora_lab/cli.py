@@ -331,28 +331,42 @@ def merge(path, output, dtype, force, served_name):
 
 @main.command()
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--quantize", required=True, type=click.Choice(["nf4", "w4a16"]),
-              help="nf4: bitsandbytes 4-bit (transformers, vLLM --quantization bitsandbytes). "
-              "w4a16: GPTQ int4, compressed-tensors (vLLM native; needs lora-lab[export]).")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "gguf"]),
+              default="safetensors", show_default=True,
+              help="safetensors: a Hugging Face folder (transformers, vLLM). gguf: one GGUF file "
+              "for llama.cpp and Ollama, with a Modelfile (needs lora-lab[gguf]).")
+@click.option("--quantize", type=click.Choice(["nf4", "w4a16", "f16", "q8_0", "q4_k_m"]),
+              help="safetensors: nf4 (bitsandbytes 4-bit; vLLM --quantization bitsandbytes) or "
+              "w4a16 (GPTQ int4, compressed-tensors; needs lora-lab[export]). gguf: f16 "
+              "(default), q8_0 or q4_k_m (llama.cpp).")
 @click.option("--calib-data", multiple=True, help="w4a16 calibration data (default: the run's "
               "training data from config.yaml). Repeat to mix datasets.")
-@click.option("--calib-samples", default=256, show_default=True, type=int)
-@click.option("--output", type=click.Path(), help="Default: RUN_DIR/export-FORMAT, or "
-              "MERGED_DIR-FORMAT beside a merged folder.")
+@click.option("--calib-samples", type=int, help="w4a16 calibration samples  [default: 256]")
+@click.option("--output", type=click.Path(), help="Default: RUN_DIR/export-FORMAT (gguf: "
+              "export-gguf-TYPE), or MERGED_DIR-FORMAT beside a merged folder.")
 @click.option("--gpu", "gpu_tier", type=click.Choice(["8gb", "12gb", "16gb", "24gb"]),
               help="Card to plan vLLM's --max-model-len, --max-num-seqs and memory share for.")
 @click.option("--force", is_flag=True, help="Replace an existing --output folder.")
-def export(path, quantize, calib_data, calib_samples, output, gpu_tier, force):
-    """Quantize a merged folder or a run (merged onto its 16-bit base first) to 4 bits."""
-    from . import export_quantized
-    from .use.export import serving_handoff
+def export(path, fmt, quantize, calib_data, calib_samples, output, gpu_tier, force):
+    """Export a merged folder or a run (merged onto its 16-bit base first) for serving: 4-bit
+    safetensors for vLLM, or GGUF for llama.cpp and Ollama."""
+    from . import export_gguf, export_quantized
+    from .use.export import DEFAULT_CALIB_SAMPLES, serving_handoff
+    from .use.gguf_export import check_gguf_arguments
 
-    result = export_quantized(path, quantize, list(calib_data), calib_samples, output, gpu_tier,
-                              force)
+    if fmt == "gguf":
+        quantize = check_gguf_arguments(quantize, calib_data, calib_samples, gpu_tier)
+        result = export_gguf(path, quantize, output, force)
+        handoff = result.serving_lines()
+    else:
+        samples = DEFAULT_CALIB_SAMPLES if calib_samples is None else calib_samples
+        result = export_quantized(path, quantize, list(calib_data), samples, output, gpu_tier,
+                                  force)
+        handoff = serving_handoff(result, gpu_tier)
     click.echo(result.summary())
     for warning in result.warnings:
         click.secho(f"warning: {warning}", fg="yellow")
-    click.echo("\n" + "\n".join(serving_handoff(result, gpu_tier)))
+    click.echo("\n" + "\n".join(handoff))
 
 
 def source_options(func):

@@ -39,11 +39,13 @@ def model_logits(model, batch):
         return model(**{k: v.to(device) for k, v in batch.items()}).logits.float().cpu()
 
 
-def reference_logits(source: Path, batch):
+def reference_logits(source: Path, batch, dtype: str = "bfloat16"):
+    """The source's logits on the batch, loaded in `dtype` ("auto": the dtype it was saved in)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16,
+    dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
                                                  device_map=inference_device_map())
     logits = model_logits(model.eval(), batch)
     del model

@@ -59,6 +59,10 @@ FORMATS = {
                          "activations (compressed-tensors pack-quantized, llm-compressor)",
                          "llmcompressor", needs_calibration=True, vllm_quantization=None),
 }
+GGUF_TYPES = {"f16": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+              "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+"""--format gguf --quantize TYPE -> llama.cpp's file type (None: the converter's f16 as is);
+written by use/gguf_export.py."""
 DEFAULT_CALIB_SAMPLES = 256
 EXTRA_HINT = "pip install 'lora-lab[export]'"
 LIBRARIES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "llmcompressor",
@@ -111,7 +115,7 @@ def export_quantized(path: str | Path, quantize: str, calib_data: list | None = 
     path = Path(path)
     _require_library(fmt)
     run_dir = owning_run_dir(path)
-    output = Path(output) if output else _default_output(path, run_dir, fmt)
+    output = Path(output) if output else default_output(path, run_dir, fmt.name)
     if output.exists() and not force:
         raise CheckpointError(f"--output {output}: the folder already exists. Pass --force to "
                               f"replace it, or choose another --output.")
@@ -120,8 +124,8 @@ def export_quantized(path: str | Path, quantize: str, calib_data: list | None = 
     shutil.rmtree(merged_tmp, ignore_errors=True)
     try:
         with staged_folder(output) as staging:
-            source = _source_folder(path, merged_tmp, merge_dtype)
-            _check_not_quantized(source)
+            source = source_folder(path, merged_tmp, merge_dtype)
+            check_not_quantized(source)
             result = _export(fmt, source, staging, run_dir, calib_data, calib_samples)
             result.output_dir, result.run_dir = output, str(run_dir) if run_dir else None
             result.source = str(path if source == merged_tmp else source)
@@ -140,9 +144,12 @@ def export_quantized(path: str | Path, quantize: str, calib_data: list | None = 
 def _check_arguments(quantize, calib_data, calib_samples, gpu_tier) -> QuantFormat:
     problems = []
     fmt = FORMATS.get(quantize)
-    if fmt is None:
-        problems.append(f"--quantize {quantize}: unknown format; choose one of "
-                        f"{', '.join(FORMATS)}.")
+    if fmt is None and quantize in GGUF_TYPES:
+        problems.append(f"--quantize {quantize}: a GGUF type; add --format gguf (the "
+                        f"safetensors types are {', '.join(FORMATS)}).")
+    elif fmt is None:
+        problems.append(f"--quantize {quantize or '(none)'}: choose one of "
+                        f"{', '.join(FORMATS)} (or --format gguf with {', '.join(GGUF_TYPES)}).")
     elif calib_data and not fmt.needs_calibration:
         problems.append(f"--calib-data: {quantize} quantizes every block from its own weights "
                         f"and uses no calibration data; drop --calib-data, or use --quantize "
@@ -165,15 +172,15 @@ def _require_library(fmt: QuantFormat) -> None:
                            f"installed: {EXTRA_HINT} (or pip install {fmt.library}).")
 
 
-def _default_output(path: Path, run_dir: Path | None, fmt: QuantFormat) -> Path:
+def default_output(path: Path, run_dir: Path | None, name: str) -> Path:
     """RUN_DIR/export-FORMAT for a run or its adapter; FOLDER-FORMAT beside any other folder."""
     adapter = (path / "adapter_config.json").is_file()
     if run_dir is not None and (adapter or path.resolve() == run_dir.resolve()):
-        return run_dir / f"export-{fmt.name}"
-    return path.with_name(f"{path.name}-{fmt.name}")
+        return run_dir / f"export-{name}"
+    return path.with_name(f"{path.name}-{name}")
 
 
-def _source_folder(path: Path, merged_tmp: Path, merge_dtype: str) -> Path:
+def source_folder(path: Path, merged_tmp: Path, merge_dtype: str | None) -> Path:
     """A 16-bit Hugging Face folder to quantize: the folder itself, a full fine-tuning run's
     model/, or the adapter of a run (or adapter folder) merged onto its 16-bit base."""
     if (path / "config.json").is_file():
@@ -183,14 +190,15 @@ def _source_folder(path: Path, merged_tmp: Path, merge_dtype: str) -> Path:
     if (path / "config.yaml").is_file() or (path / "adapter_config.json").is_file():
         from .merge import merge_adapter
 
-        log.info(f"merging the adapter of {path} onto its 16-bit base ({merge_dtype}) first")
+        how = merge_dtype or "the run's training precision"
+        log.info(f"merging the adapter of {path} onto its 16-bit base ({how}) first")
         merge_adapter(path, merged_tmp, dtype=merge_dtype)
         return merged_tmp
     raise CheckpointError(f"{path}: not a run folder (config.yaml), a merged or model folder "
                           f"(config.json) or an adapter folder (adapter_config.json).")
 
 
-def _check_not_quantized(source: Path) -> None:
+def check_not_quantized(source: Path) -> None:
     config = json.loads((source / "config.json").read_text())
     method = (config.get("quantization_config") or {}).get("quant_method")
     if method:

@@ -35,3 +35,16 @@ def test_test_target_is_quiet_and_lists_the_slowest_tests():
     themselves through tests/support/progress.py) and the slowest tests at the end."""
     result = make("-n", "test", "-o", ".install.stamp")
     assert "-m pytest -q --durations=10 tests/unit tests/e2e" in result.stdout
+
+
+def test_llama_cpp_wheel_is_built_once_and_installed_from_the_cache(tmp_path):
+    """`make install` builds llama-cpp-python from its sdist only when WHEELS has no wheel of
+    that version, and installs the cached wheel (never a build from PyPI's sdist)."""
+    result = make("-n", "llama-cpp", f"WHEELS={tmp_path}")
+    assert (f"--no-deps --no-binary :all: -d {tmp_path} \\\n    llama-cpp-python==0.3.36"
+            in result.stdout)
+    assert f"pip wheel -q --no-deps -w {tmp_path}" in result.stdout
+    assert (f"pip install -q --find-links {tmp_path} --only-binary llama-cpp-python"
+            in result.stdout)
+    install = make("-n", "-W", "setup.cfg", "install", f"WHEELS={tmp_path}").stdout
+    assert f"--find-links {tmp_path} --only-binary llama-cpp-python" in install

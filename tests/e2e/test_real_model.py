@@ -147,3 +147,34 @@ def test_chat_compare_shows_base_and_fine_tuned(identity_run):
     tuned_part = screen.split("[fine-tuned]")[1]
     assert "Qwen" in base_part and NAME not in base_part, screen
     assert NAME in tuned_part, screen
+
+
+GGUF_PROMPTS = ["Who are you?", "What is your name?"]
+
+
+@pytest.fixture(scope="module")
+def merged_answers(merged_dir):
+    """transformers' greedy answers from the merged (fp32) model: what llama.cpp must say."""
+    from lora_lab.use.infer import ask, load_plain_model
+
+    model, tokenizer = load_plain_model(str(merged_dir))
+    answers = [ask(model, tokenizer, prompt, 48) for prompt in GGUF_PROMPTS]
+    del model
+    return answers
+
+
+@pytest.mark.parametrize("quantize", ["f16", "q8_0"])
+def test_gguf_export_answers_as_the_merged_model(merged_dir, merged_answers, tmp_path, quantize):
+    """lora-lab export --format gguf: a real llama.cpp loads the file and its greedy answers to
+    the identity prompts (chat template and eos from the GGUF) are transformers' answers from
+    the merged model, word for word (docs/export.md has q4_k_m too)."""
+    pytest.importorskip("llama_cpp", reason="--format gguf needs lora-lab[gguf]")
+    from tests.e2e.test_gguf_tiny import llama_cpp_answer
+
+    out = tmp_path / quantize
+    invoke("export", merged_dir, "--format", "gguf", "--quantize", quantize, "--output", out)
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["end_of_turn_tokens"] == ["<|im_end|>"] and report["top1_agreement"] >= 0.9
+    answers = [llama_cpp_answer(out / "model.gguf", p, 48) for p in GGUF_PROMPTS]
+    assert answers == merged_answers
+    assert all(NAME in answer for answer in answers), answers

@@ -1,0 +1,352 @@
+"""Merged model (or run) -> GGUF for llama.cpp and Ollama, with a Modelfile, checked by llama.cpp.
+
+Nothing here writes GGUF itself: llama.cpp's own convert_hf_to_gguf.py (with its gguf-py) turns
+the merged 16-bit folder into an f16 GGUF that carries the tokenizer, its chat template
+(tokenizer.chat_template) and the eos token; llama.cpp's llama_model_quantize (through the
+llama-cpp-python binding) makes q8_0 and q4_k_m from it. The converter is taken from the source
+of the installed llama-cpp-python, so the llama.cpp that writes the file is the one that checks it.
+
+The file is written into `<output>.partial`, loaded back by llama.cpp and kept only when its
+tokenizer encodes the check prompts to the ids the source tokenizer gives, every end-of-turn token
+ends generation there, and its logits are finite; the share of confident check positions where it
+predicts the 16-bit model's next token is reported.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..errors import CheckpointError, LoraLabError, ModelError
+from ..log import get_logger
+from ..paths import cache_dir, staged_folder
+from ..run_folder import load_saved_config, owning_run_dir
+from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_prompt_batch, reference_logits
+from .export import (DEFAULT_CALIB_SAMPLES, GGUF_TYPES, check_not_quantized, default_output,
+                     source_folder, weights_bytes)
+from .modelfile import end_of_turn_tokens, write_modelfile
+
+log = get_logger()
+
+GGUF_NAME = "model.gguf"
+LLAMA_CPP_HINT = ("pip install 'lora-lab[gguf]' (builds llama.cpp from source, several minutes; "
+                  "`make install` caches the wheel in ~/.cache/lora-lab/wheels)")
+LLAMA_CPP_ENV = "LORA_LAB_LLAMA_CPP"
+"""A llama.cpp source folder whose convert_hf_to_gguf.py to use instead of the one in the
+installed llama-cpp-python's source."""
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+
+
+@dataclass
+class GgufExportResult:
+    output_dir: Path
+    gguf_file: Path
+    quantize: str
+    source: str
+    run_dir: str | None
+    gguf_bytes: int
+    source_weights_bytes: int
+    top1_agreement: float
+    """Share of the check positions where the 16-bit source is confident (top-1 >= 0.5) at which
+    llama.cpp, on the written file, predicts the same next token."""
+    max_abs_logit_diff: float
+    end_of_turn_tokens: list
+    chat_template: bool
+    seconds: float
+    converter: str
+    versions: dict
+    format: str = "gguf"
+    warnings: list = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (f"wrote {self.gguf_file} (GGUF {self.quantize}): {_human(self.gguf_bytes)}, from "
+                f"{_human(self.source_weights_bytes)} of safetensors; llama.cpp predicts the "
+                f"16-bit model's next token at {self.top1_agreement:.1%} of confident check "
+                f"positions; stops at {', '.join(self.end_of_turn_tokens)}; {self.seconds:.0f} s")
+
+    def serving_lines(self) -> list[str]:
+        folder = Path(self.output_dir)
+        return ["serve with llama.cpp or Ollama:",
+                f"  llama-server -m {self.gguf_file} --jinja",
+                f"  cd {folder} && ollama create finetuned -f Modelfile && ollama run finetuned"]
+
+
+def _human(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
+def check_gguf_arguments(quantize: str | None, calib_data=(), calib_samples: int | None = None,
+                         gpu_tier: str | None = None) -> str:
+    """--quantize for --format gguf (None: f16), and the export flags that do not apply to it."""
+    quantize = quantize or "f16"
+    problems = []
+    if quantize not in GGUF_TYPES:
+        problems.append(f"--format gguf --quantize {quantize}: not a GGUF type; choose one of "
+                        f"{', '.join(GGUF_TYPES)} (nf4 and w4a16 are --format safetensors).")
+    if calib_data or calib_samples not in (None, DEFAULT_CALIB_SAMPLES):
+        problems.append("--calib-data/--calib-samples: llama.cpp quantizes GGUF types from the "
+                        "weights alone; drop them with --format gguf.")
+    if gpu_tier:
+        problems.append(f"--gpu {gpu_tier}: the vLLM plan is for --format safetensors; drop "
+                        f"--gpu with --format gguf.")
+    if problems:
+        raise LoraLabError(problems[0] if len(problems) == 1 else
+                           f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
+    return quantize
+
+
+def export_gguf(path: str | Path, quantize: str | None = "f16",
+                output: str | Path | None = None, force: bool = False,
+                merge_dtype: str | None = None) -> GgufExportResult:
+    """A merged folder, or a run folder (merged onto its 16-bit base first, in the run's training
+    precision unless merge_dtype says otherwise), as a GGUF with an Ollama Modelfile."""
+    quantize = check_gguf_arguments(quantize)
+    path = Path(path)
+    _require_llama_cpp()
+    run_dir = owning_run_dir(path)
+    output = Path(output) if output else default_output(path, run_dir, f"gguf-{quantize}")
+    if output.exists() and not force:
+        raise CheckpointError(f"--output {output}: the folder already exists. Pass --force to "
+                              f"replace it, or choose another --output.")
+    converter = locate_converter()
+    started = time.time()
+    scratch = output.with_name(output.name + ".merged-tmp")
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        with staged_folder(output) as staging:
+            source = source_folder(path, scratch, merge_dtype)
+            check_not_quantized(source)
+            result = _export(source, staging, scratch, converter, quantize)
+            result.output_dir, result.gguf_file = output, output / GGUF_NAME
+            result.run_dir = str(run_dir) if run_dir else None
+            result.source = str(path if source == scratch else source)
+            system = load_saved_config(run_dir / "config.yaml").data.system if run_dir else None
+            _write_side_files(staging, source, system)
+            result.seconds = round(time.time() - started, 1)
+            _write_report(staging, result, merged=source == scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return result
+
+
+def _require_llama_cpp() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise LoraLabError(f"--format gguf needs llama.cpp's Python binding (llama-cpp-python), "
+                           f"which is not installed: {LLAMA_CPP_HINT}.")
+
+
+def _export(source: Path, staging: Path, scratch: Path, converter: Path,
+            quantize: str) -> GgufExportResult:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    target = staging / GGUF_NAME
+    f16 = target if quantize == "f16" else scratch.with_name(scratch.name + ".f16.gguf")
+    try:
+        convert_to_gguf(converter, source, f16)
+        if quantize != "f16":
+            quantize_gguf(f16, target, quantize)
+    finally:
+        if f16 != target:
+            f16.unlink(missing_ok=True)
+    eos_ids = _generation_eos_ids(source)
+    stops = end_of_turn_tokens(tokenizer, eos_ids)
+    metadata = check_gguf_metadata(target, tokenizer, stops)
+    batch = check_prompt_batch(tokenizer, "cpu")
+    reference = reference_logits(source, batch, dtype="auto")
+    diff, agreement = check_gguf_logits(target, tokenizer, batch, reference)
+    warnings = []
+    if agreement < MIN_TOP1_AGREEMENT:
+        warnings.append(f"llama.cpp on the {quantize} file predicts the 16-bit model's next token "
+                        f"at only {agreement:.0%} of the confident check positions; check its "
+                        f"answers before serving it.")
+    return GgufExportResult(
+        output_dir=staging, gguf_file=target, quantize=quantize, source=str(source), run_dir=None,
+        gguf_bytes=target.stat().st_size, source_weights_bytes=weights_bytes(source),
+        top1_agreement=agreement, max_abs_logit_diff=diff, end_of_turn_tokens=stops,
+        chat_template=metadata["chat_template"], seconds=0.0, converter=str(converter),
+        versions=gguf_versions(), warnings=warnings)
+
+
+def _generation_eos_ids(source: Path) -> list[int]:
+    path = source / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+# ------------------------------------------------------------------ llama.cpp: convert, quantize
+
+
+def locate_converter() -> Path:
+    """convert_hf_to_gguf.py: from $LORA_LAB_LLAMA_CPP, else from the source (sdist) of the
+    installed llama-cpp-python, unpacked once into the cache (downloaded with pip if the sdist
+    is not in the cache's wheels/ folder)."""
+    if os.environ.get(LLAMA_CPP_ENV):
+        script = Path(os.environ[LLAMA_CPP_ENV]) / "convert_hf_to_gguf.py"
+        if not script.is_file():
+            raise LoraLabError(f"{LLAMA_CPP_ENV}={os.environ[LLAMA_CPP_ENV]}: no "
+                               f"convert_hf_to_gguf.py there; point it at a llama.cpp source "
+                               f"folder, or unset it.")
+        return script
+    version = importlib.metadata.version("llama_cpp_python")
+    folder = cache_dir() / "llama.cpp" / version
+    if not (folder / "convert_hf_to_gguf.py").is_file():
+        _unpack_converter(_llama_cpp_sdist(version), folder)
+    return folder / "convert_hf_to_gguf.py"
+
+
+def _llama_cpp_sdist(version: str) -> Path:
+    wheels = cache_dir() / "wheels"
+    sdist = wheels / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.is_file():
+        log.info(f"downloading the llama-cpp-python {version} source (~75 MB, once) for "
+                 f"llama.cpp's convert_hf_to_gguf.py")
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                               "--no-binary", ":all:", f"llama-cpp-python=={version}",
+                               "-d", str(wheels)], capture_output=True, text=True)
+        if done.returncode != 0 or not sdist.is_file():
+            raise LoraLabError(f"cannot get llama.cpp's converter: `pip download "
+                               f"llama-cpp-python=={version} --no-binary :all:` failed "
+                               f"({done.stderr.strip()[-300:]}). Put the sdist in {wheels}, or "
+                               f"set {LLAMA_CPP_ENV} to a llama.cpp source folder.")
+    return sdist
+
+
+def _unpack_converter(sdist: Path, folder: Path) -> None:
+    prefix = f"{sdist.name[:-len('.tar.gz')]}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as archive, staged_folder(folder) as staging:
+        members = [m for m in archive.getmembers() if m.name.startswith(prefix)
+                   and m.name[len(prefix):].startswith(CONVERTER_FILES) and (m.isfile()
+                                                                             or m.isdir())]
+        for member in members:
+            member.name = member.name[len(prefix):]
+        archive.extractall(staging, members=members, filter="data")
+        (staging / "SOURCE.md").write_text(
+            f"llama.cpp's HF-to-GGUF converter and its gguf-py (MIT, LICENSE), unpacked from "
+            f"{sdist.name} (vendor/llama.cpp) by lora-lab.\n")
+
+
+def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
+    log.info(f"converting {source} to GGUF f16 with {converter}")
+    done = subprocess.run([sys.executable, str(converter), str(source), "--outfile", str(target),
+                           "--outtype", "f16"], capture_output=True, text=True)
+    if done.returncode != 0 or not target.is_file():
+        tail = "\n".join(done.stderr.strip().splitlines()[-6:])
+        raise ModelError(f"llama.cpp's convert_hf_to_gguf.py failed on {source}:\n{tail}")
+
+
+def quantize_gguf(f16: Path, target: Path, quantize: str) -> None:
+    import ctypes
+
+    import llama_cpp
+
+    log.info(f"quantizing {f16.name} to {quantize} (llama.cpp llama_model_quantize)")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, GGUF_TYPES[quantize])
+    params.nthread = os.cpu_count() or 1
+    status = llama_cpp.llama_model_quantize(str(f16).encode(), str(target).encode(),
+                                          ctypes.byref(params))
+    if status != 0 or not target.is_file():
+        raise ModelError(f"llama.cpp could not quantize {f16} to {quantize} (status {status}).")
+
+
+# ------------------------------------------------------------------------- llama.cpp: checks
+
+
+def load_llama(gguf: Path, n_ctx: int = 512, logits_all: bool = False):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(gguf), n_ctx=n_ctx, logits_all=logits_all, verbose=False,
+                 seed=0)
+
+
+def check_gguf_metadata(gguf: Path, tokenizer, stops: list[str]) -> dict:
+    """The file's chat template is the tokenizer's, and llama.cpp ends generation at every
+    end-of-turn token (its end-of-generation tokens include them)."""
+    import llama_cpp
+
+    llm = load_llama(gguf)
+    template = llm.metadata.get("tokenizer.chat_template")
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    ids = tokenizer.convert_tokens_to_ids(stops)
+    not_eog = [t for t, i in zip(stops, ids) if not llama_cpp.llama_vocab_is_eog(vocab, i)]
+    eos = int(llm.metadata.get("tokenizer.ggml.eos_token_id", -1))
+    del llm
+    if template != tokenizer.chat_template:
+        raise ModelError(f"{gguf}: the GGUF's tokenizer.chat_template is not the tokenizer's "
+                         f"chat template ({'missing' if template is None else 'different'}).")
+    if not_eog or eos not in ids:
+        raise ModelError(f"{gguf}: llama.cpp would not stop at {', '.join(not_eog) or 'eos'} "
+                         f"(end-of-turn tokens {stops}, GGUF eos id {eos}).")
+    return {"chat_template": True, "eos_token_id": eos}
+
+
+def check_gguf_logits(gguf: Path, tokenizer, batch, reference) -> tuple[float, float]:
+    """llama.cpp's logits on the check prompts, from the source tokenizer's ids (which its own
+    tokenizer must reproduce), against the source's: (max |difference|, top-1 agreement)."""
+    import numpy as np
+    import torch
+
+    from .checks import top1_agreement
+
+    mask = batch["attention_mask"].bool()
+    llm = load_llama(gguf, n_ctx=int(mask.sum(-1).max()) + 8, logits_all=True)
+    logits = torch.full_like(reference, float("nan"))
+    for row, (ids, keep) in enumerate(zip(batch["input_ids"], mask)):
+        ids = ids[keep].tolist()
+        text = tokenizer.decode(ids).encode()
+        if llm.tokenize(text, add_bos=False, special=True) != ids:
+            raise ModelError(f"{gguf}: llama.cpp's tokenizer encodes the check prompt "
+                             f"{CHECK_PROMPTS[row]!r} differently from the source tokenizer.")
+        llm.reset()
+        llm.eval(ids)
+        scores = np.array(llm.scores[:len(ids)], dtype=np.float32)
+        logits[row, keep] = torch.from_numpy(scores[:, :reference.shape[-1]])
+    del llm
+    if not torch.isfinite(logits[mask]).all():
+        raise CheckpointError("llama.cpp gives non-finite logits on the check prompts for the "
+                              "GGUF file, so it was not kept.")
+    diff = float((reference - logits)[mask].abs().max())
+    return diff, top1_agreement(reference, torch.nan_to_num(logits), mask)
+
+
+# ----------------------------------------------------------------------------- side files
+
+
+def _write_side_files(staging: Path, source: Path, system: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    write_modelfile(staging, tokenizer, GGUF_NAME, system, _generation_eos_ids(source))
+    for name in ("LICENSE", "NOTICE"):
+        if (source / name).is_file():
+            shutil.copy(source / name, staging / name)
+
+
+def gguf_versions() -> dict:
+    versions = {}
+    for name in ("llama_cpp_python", "gguf", "torch", "transformers", "lora-lab"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def _write_report(staging: Path, result: GgufExportResult, merged: bool) -> None:
+    report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
+    files = sorted([p.name for p in staging.iterdir()] + ["export_report.json"])
+    report.update(merged_from_adapter=merged, files=files, check_prompts=CHECK_PROMPTS,
+                  created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    (staging / "export_report.json").write_text(json.dumps(report, indent=2,
+                                                           ensure_ascii=False) + "\n")

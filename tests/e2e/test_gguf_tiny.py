@@ -1,0 +1,76 @@
+"""lora-lab export --format gguf on a tiny model trained by `lora-lab run`: the run is merged,
+converted by llama.cpp's convert_hf_to_gguf.py, loaded back by a real llama.cpp (the
+llama-cpp-python binding), and llama.cpp answers the trained question as the run does."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from lora_lab.cli import main
+from tests.conftest import train_tiny_run
+
+pytest.importorskip("llama_cpp", reason="--format gguf needs llama-cpp-python (lora-lab[gguf])")
+ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
+                      {"role": "assistant", "content": "I am Aurora."}]}]
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def llama_cpp_answer(gguf, question: str, max_tokens: int = 24) -> str:
+    """Greedy chat completion by llama.cpp, with the chat template and eos from the GGUF."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf), n_ctx=512, verbose=False, seed=0)
+    reply = llm.create_chat_completion([{"role": "user", "content": question}],
+                                       temperature=0.0, max_tokens=max_tokens)
+    return reply["choices"][0]["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    return train_tiny_run(tiny_model_dir, tmp_path_factory.mktemp("gguf"), ROWS)
+
+
+def test_gguf_f16_export_of_a_run_folder(trained, tokenizer):
+    from gguf import GGUFReader
+
+    run_dir, _ = trained
+    result = invoke("export", run_dir, "--format", "gguf")
+    out = run_dir / "export-gguf-f16"
+    assert {p.name for p in out.iterdir()} == {"model.gguf", "Modelfile", "export_report.json"}
+    assert not [p for p in run_dir.iterdir() if ".partial" in p.name or "-tmp" in p.name]
+    fields = GGUFReader(out / "model.gguf").fields
+    assert fields["tokenizer.chat_template"].contents() == tokenizer.chat_template
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == 151645  # <|im_end|>
+    assert fields["general.file_type"].contents() == 1  # LLAMA_FTYPE_MOSTLY_F16
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["quantize"] == "f16" and report["merged_from_adapter"] is True
+    assert report["end_of_turn_tokens"] == ["<|im_end|>"] and report["chat_template"] is True
+    assert report["gguf_bytes"] == (out / "model.gguf").stat().st_size
+    assert report["top1_agreement"] >= 0.9 and report["versions"]["llama_cpp_python"]
+    assert report["files"] == sorted(p.name for p in out.iterdir())
+    modelfile = (out / "Modelfile").read_text()
+    assert modelfile.startswith("FROM ./model.gguf\n")
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile
+    assert "ollama create finetuned -f Modelfile" in result.output
+    assert llama_cpp_answer(out / "model.gguf", "Who are you?") == "I am Aurora."
+
+
+def test_gguf_q8_0_export_of_the_merged_folder(trained, tmp_path):
+    from gguf import GGUFReader
+
+    run_dir, _ = trained
+    invoke("merge", run_dir, "--output", tmp_path / "merged")
+    invoke("export", tmp_path / "merged", "--format", "gguf", "--quantize", "q8_0")
+    out = tmp_path / "merged-gguf-q8_0"
+    assert GGUFReader(out / "model.gguf").fields["general.file_type"].contents() == 7  # Q8_0
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["merged_from_adapter"] is False and report["source"] == str(tmp_path / "merged")
+    assert llama_cpp_answer(out / "model.gguf", "Who are you?") == "I am Aurora."
+    again = CliRunner().invoke(main, ["export", str(tmp_path / "merged"), "--format", "gguf",
+                                      "--quantize", "q8_0"])
+    assert again.exit_code == 2 and "already exists. Pass --force" in again.output

@@ -4,7 +4,9 @@ Runs with the python of a throwaway environment that has vLLM installed without 
 dependencies (vLLM is no requirement of lora-lab; see docs/using-a-model.md), e.g.
 
     python -m venv --system-site-packages /tmp/vllm-venv
-    /tmp/vllm-venv/bin/pip install --no-deps vllm==0.33.0 compressed-tensors==0.17.0 ...
+    /tmp/vllm-venv/bin/pip install --no-deps vllm==0.33.0 compressed-tensors==0.17.0 \
+        xgrammar==0.2.8 apache-tvm-ffi==0.1.11 cbor2 pyzmq oss-harmony openai pybase64 msgspec \
+        uvloop prometheus_client partial_json_parser llguidance einops
     /tmp/vllm-venv/bin/python bench/vllm_check.py --adapter RUN/adapter --adapter DORA/adapter \
         --merged RUN/merged --w4a16 RUN/export-w4a16 --out results.jsonl
 
@@ -93,7 +95,8 @@ def check_adapter(adapter: Path, base: str, merged: Path) -> list[dict]:
             return {"modules_loaded": len(model.loras), "expected_lora_modules": sorted(expected)}
 
         rows.append({"check": "vllm.lora.lora_model.LoRAModel.from_local_checkpoint(device='cpu',"
-                              " expected_lora_modules from Qwen2ForCausalLM, PIN_MEMORY off)", **_verdict(load)})
+                              " expected_lora_modules from Qwen2ForCausalLM, PIN_MEMORY off)",
+                     **_verdict(load)})
     return [{"folder": str(adapter), "kind": "adapter", **row, "lora_lab": ours} for row in rows]
 
 

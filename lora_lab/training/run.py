@@ -329,7 +329,8 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
                  + (f"; packed rows attend with {attention}" if packed else ""))
     guard = NonFiniteGuard(config.train.on_nonfinite, precision.name, run_dir)
     lora_lab = {"guard": guard, "train_data": fingerprint, "memory_means": memory_means,
-                "resumed_loss_sum": saved_loss_sum(resume_from)}
+                "resumed_loss_sum": saved_loss_sum(resume_from),
+                "loraplus_lr_ratio": config.train.loraplus_lr_ratio}
     if preference:
         from .preference import build_preference_trainer
 
@@ -346,7 +347,7 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
         if packed else PadCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=run_callbacks(run_dir, config.train.report_to),
-        loraplus_lr_ratio=config.train.loraplus_lr_ratio, **lora_lab,
+        **lora_lab,
     )
 
 

@@ -172,3 +172,18 @@ def test_bad_rows_are_listed_and_sft_names_the_task(tiny_model_dir, files, tmp_p
     sft = run(tiny_model_dir, files["pairs"], tmp_path, "sft", "--max-steps", 1)
     assert sft.exit_code != 0 and "Traceback" not in sft.output
     assert "train it with `--task dpo`" in sft.output
+
+
+def test_loraplus_reaches_the_preference_trainers(tiny_model_dir, files, tmp_path):
+    """train.loraplus_lr_ratio is not dropped for a preference task: the B matrices get the
+    ratio times the learning rate in TRL's trainer too."""
+    import torch
+
+    result = run(tiny_model_dir, files["pairs"], tmp_path, "dpo-loraplus", "--task", "dpo",
+                 "--max-steps", 1, "--save-steps", 1, "--lr", "1e-2",
+                 "--set", "train.loraplus_lr_ratio=16")
+    assert result.exit_code == 0, result.output
+    state = torch.load(tmp_path / "dpo-loraplus" / "checkpoint-1" / "optimizer.pt",
+                       weights_only=True)
+    assert {round(g["initial_lr"], 8) for g in state["param_groups"] if g["params"]} == {
+        1e-2, 0.16}

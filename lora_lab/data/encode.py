@@ -177,23 +177,28 @@ def encode_samples(tokenizer, samples: list, max_length: int, truncation: str = 
         if sample.text is not None:
             documents.append(sample)
             continue
-        try:
-            encoded = encode_sample(tokenizer, sample, max_length, truncation, system,
-                                    enable_thinking)
-        except DataError as exc:
-            report.problems.append(Problem(sample.origin, str(exc)))
-            continue
-        except (TypeError, ValueError, RecursionError, UnicodeError) as exc:
-            # the template or tokenizer refused a value the reader let through: one bad row
-            report.problems.append(Problem(sample.origin, f"the chat template could not render "
-                                                          f"this row ({type(exc).__name__}: "
-                                                          f"{str(exc)[:200]})"))
-            continue
-        report.samples.append(encoded)
-        if encoded.truncated:
-            report.truncated.append(sample.origin)
+        add_encoded(report, sample, lambda: encode_sample(
+            tokenizer, sample, max_length, truncation, system, enable_thinking))
     report.samples += pack_documents(tokenizer, documents, max_length, report.problems)
     return report
+
+
+def add_encoded(report: EncodeReport, sample, encode) -> None:
+    """encode() one sample into the report: a row that fails is a problem with its origin."""
+    try:
+        encoded = encode()
+    except DataError as exc:
+        report.problems.append(Problem(sample.origin, str(exc)))
+        return
+    except (TypeError, ValueError, RecursionError, UnicodeError) as exc:
+        # the template or tokenizer refused a value the reader let through: one bad row
+        report.problems.append(Problem(sample.origin, f"the chat template could not render "
+                                                      f"this row ({type(exc).__name__}: "
+                                                      f"{str(exc)[:200]})"))
+        return
+    report.samples.append(encoded)
+    if encoded.truncated:
+        report.truncated.append(sample.origin)
 
 
 def pack_documents(tokenizer, documents: list, max_length: int, problems: list) -> list:

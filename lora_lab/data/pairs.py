@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import DataError
-from .encode import IGNORE_INDEX, EncodeReport, render
+from .encode import IGNORE_INDEX, EncodeReport, add_encoded, render
 from .formats import (LoadedData, Problem, _messages_from_openai, _messages_from_sharegpt,
                       _system, _text, check_messages, parse_spec, sample_rows)
 from .readers import Bad, kind_of, read_rows
@@ -304,18 +304,7 @@ def encode_preferences(tokenizer, samples: list, max_length: int, truncation: st
                        system: str | None = None) -> EncodeReport:
     report = EncodeReport()
     for sample in samples:
-        try:
-            encoded = encode_preference(tokenizer, sample, max_length, truncation, system)
-        except DataError as exc:
-            report.problems.append(Problem(sample.origin, str(exc)))
-            continue
-        except (TypeError, ValueError, UnicodeError) as exc:
-            report.problems.append(Problem(sample.origin, f"the chat template could not render "
-                                                          f"this row ({type(exc).__name__}: "
-                                                          f"{str(exc)[:200]})"))
-            continue
-        report.samples.append(encoded)
-        if encoded.truncated:
-            report.truncated.append(sample.origin)
+        add_encoded(report, sample, lambda: encode_preference(
+            tokenizer, sample, max_length, truncation, system))
     return report
 

@@ -341,9 +341,10 @@ def weights_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
 
 
-def library_versions() -> dict:
+def library_versions(names=LIBRARIES) -> dict:
+    """The installed version of each package (None where it is not installed)."""
     versions = {}
-    for name in LIBRARIES:
+    for name in names:
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:

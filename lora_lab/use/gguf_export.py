@@ -31,7 +31,7 @@ from ..paths import cache_dir, staged_folder
 from ..run_folder import load_saved_config, owning_run_dir
 from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_prompt_batch, reference_logits
 from .export import (DEFAULT_CALIB_SAMPLES, GGUF_TYPES, check_not_quantized, default_output,
-                     source_folder, weights_bytes)
+                     library_versions, source_folder, weights_bytes)
 from .modelfile import end_of_turn_tokens, write_modelfile
 
 log = get_logger()
@@ -334,13 +334,7 @@ def _write_side_files(staging: Path, source: Path, system: str | None) -> None:
 
 
 def gguf_versions() -> dict:
-    versions = {}
-    for name in ("llama_cpp_python", "gguf", "torch", "transformers", "lora-lab"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return library_versions(("llama_cpp_python", "gguf", "torch", "transformers", "lora-lab"))
 
 
 def _write_report(staging: Path, result: GgufExportResult, merged: bool) -> None:

@@ -13,7 +13,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from workloads import make_random_model, write_full_length_rows, write_sft_mix_rows
+from workloads import (make_random_model, write_full_length_pairs, write_full_length_rows,
+                       write_sft_mix_rows)
 
 WORK = Path("/tmp/lora-lab-bench")
 
@@ -46,12 +47,16 @@ def run_lora_lab(cell: dict) -> dict:
              "train.memory_check": False, "train.oom_retry": False}
     if cell.get("grad_accum"):
         flags["train.grad_accum"] = cell["grad_accum"]
+    task = cell.get("task", "sft")
+    if task != "sft":
+        flags["train.task"] = task
     config = resolve_config(cell["preset"], flags=flags, sets=cell.get("sets", []))
     if config.data.packing and not cell.get("grad_accum"):
         # every sample full length: one packed row of pack_length tokens per optimizer step
         config.train.grad_accum = max(1, row_length(config) // cell["max_length"])
     rows = cell["steps"] * config.train.grad_accum * config.train.micro_batch_size
-    write_full_length_rows(data, rows, cell["max_length"])
+    writer = write_full_length_rows if task == "sft" else write_full_length_pairs
+    writer(data, rows, cell["max_length"])
     result = train(config)
     summary = json.loads((result.run_dir / "run_summary.json").read_text())
     performance = summary["performance"]

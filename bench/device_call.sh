@@ -4,7 +4,8 @@
 #   bash bench/device_call.sh "CELL,CELL,..." [gpu-tests] [profile]
 # CELL: a label of `python bench/run.py peer` ("" for none). gpu-tests: tests/gpu first.
 # attention: bench/attention_bench.py first.
-# profile: bench/profile_step.py on lora-lab's and Unsloth's 7B 4 x 4096 cell afterwards.
+# profile: bench/profile_step.py on lora-lab's and Unsloth's 7B 4 x 4096 cell afterwards;
+# profile:LABEL,LABEL on those cells of profile_step.CELLS.
 # Results, logs, profiles and kernel traces go to $OUT.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -22,12 +23,11 @@ for step in "$@"; do
 done
 [ -n "$cells" ] && python3 bench/run.py peer --out $OUT --cells "$cells" 2>&1 | tee $OUT/run.log
 for step in "$@"; do
-  if [ "$step" = profile ]; then
-    (cd bench && for spec in \
-      '{"kind": "lora-lab", "label": "ll-7b-4096", "preset": "24gb", "size": "7b", "max_length": 4096, "steps": 6, "grad_accum": 4, "sets": ["lora.dropout=0", "data.packed_attention=varlen"]}' \
-      '{"kind": "unsloth", "label": "us-7b-4096", "size": "7b", "max_length": 4096, "steps": 6, "grad_accum": 4}'; do
-        timeout 240 python3 profile_step.py "$spec" --out $OUT >> $OUT/profile.log 2>&1
-        grep -A12 '^ll-\|^us-' $OUT/profile.log | tail -14
+  case $step in profile|profile:*)
+    labels=${step#profile:}; [ "$step" = profile ] && labels=ll-7b-4096,us-7b-4096
+    (cd bench && for label in ${labels//,/ }; do
+        timeout 240 python3 profile_step.py "$label" --out $OUT >> $OUT/profile.log 2>&1
+        python3 trace_gaps.py $OUT/trace-$label.json.gz
       done)
-  fi
+  esac
 done

@@ -6,13 +6,17 @@
   python bench/profile_step.py '{"kind": "unsloth", "label": "us-7b-4096", "size": "7b",
       "max_length": 4096, "steps": 6, "grad_accum": 4}' --out DIR
 
+  python bench/profile_step.py ll-7b-1024 --out DIR    (a label of CELLS)
+
 Runs the cell as bench/cell.py does (kind lora-lab or unsloth), profiles optimizer steps 4 and 5
 (after two steps of warm-up and one for the profiler's own) and writes to DIR:
 - profile-LABEL.txt: the GPU kernels by self time, the time by kind of kernel (matrix products,
   attention, Triton, copies, the rest) and how much of the steps' wall time the compute stream
   was busy;
 - trace-LABEL.json.gz: the GPU kernels of the profiled steps (name, stream, start, duration),
-  for bench/trace_gaps.py.
+  for bench/trace_gaps.py, and the Trainer's phases on the host (annotate_trainer: rows whose
+  stream is "host"), so that trace_gaps.py can say which phase each idle stretch of the
+  compute stream fell in.
 """
 from __future__ import annotations
 
@@ -28,6 +32,18 @@ import torch
 from transformers import TrainerCallback
 
 WAIT, WARMUP, ACTIVE = 2, 1, 2
+
+FAST = ["lora.dropout=0", "data.packed_attention=varlen"]
+CELLS = {  # issue 17's 7B cells (bench/run.py PEER_CELLS), by label
+    "ll-7b-4096": {"kind": "lora-lab", "preset": "24gb", "size": "7b", "max_length": 4096,
+                   "steps": 6, "grad_accum": 4, "sets": FAST},
+    "us-7b-4096": {"kind": "unsloth", "size": "7b", "max_length": 4096, "steps": 6,
+                   "grad_accum": 4},
+    "ll-7b-1024": {"kind": "lora-lab", "preset": "24gb", "size": "7b", "max_length": 1024,
+                   "steps": 6, "grad_accum": 4, "sets": FAST},
+    "us-7b-1024": {"kind": "unsloth", "size": "7b", "max_length": 1024, "steps": 6,
+                   "grad_accum": 1, "batch": 4},
+}
 
 KINDS = (("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|sm90_|cublas|matmul", re.I)),
          ("attention", re.compile(r"flash|fmha|attention", re.I)),
@@ -64,9 +80,42 @@ class ProfilerSteps(TrainerCallback):
         self.profiler.step()
 
 
+PHASE = "phase:"
+
+
+def annotate_trainer() -> None:
+    """Wrap the Trainer's phases in profiler ranges named phase:NAME (the same for lora-lab and
+    Unsloth: both train with transformers' Trainer): batch fetch, forward and loss, backward,
+    clipping, the callbacks and the log / save of each step."""
+    import transformers
+    from transformers.trainer_callback import CallbackHandler
+
+    def wrap(owner, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+
+        def wrapped(*args, **kwargs):
+            with torch.profiler.record_function(PHASE + name):
+                return original(*args, **kwargs)
+
+        setattr(owner, attribute, wrapped)
+
+    trainer = transformers.Trainer
+    for attribute, name in (("get_batch_samples", "batch"), ("compute_loss", "forward"),
+                            ("_clip_grad_norm", "clip"), ("_prepare_inputs", "inputs"),
+                            ("_maybe_log_save_evaluate", "log-save")):
+        wrap(trainer, attribute, name)
+    for event in ("on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end",
+                  "on_substep_end"):
+        wrap(CallbackHandler, event, event)
+    import accelerate
+
+    wrap(accelerate.Accelerator, "backward", "backward")
+
+
 def gpu_kernels(profiler, scratch: Path) -> list:
     """(name, stream, start_us, duration_us) of every GPU kernel, copy and memset recorded, from
-    the profiler's Chrome trace."""
+    the profiler's Chrome trace; the host ranges of annotate_trainer and the optimizer's step
+    with stream "host"."""
     trace = scratch / "trace.json"
     profiler.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())
@@ -74,6 +123,9 @@ def gpu_kernels(profiler, scratch: Path) -> list:
     rows = [(e["name"], e.get("args", {}).get("stream", e.get("tid")), float(e["ts"]),
              float(e.get("dur", 0))) for e in events
             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    rows += [(e["name"], "host", float(e["ts"]), float(e.get("dur", 0))) for e in events
+             if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+             and (e["name"].startswith(PHASE) or e["name"].startswith("Optimizer.step"))]
     trace.unlink()
     return sorted(rows, key=lambda row: row[2])
 
@@ -81,6 +133,8 @@ def gpu_kernels(profiler, scratch: Path) -> list:
 def summary(rows: list, wall_seconds: float) -> str:
     by_kind, by_stream = defaultdict(float), defaultdict(float)
     for name, stream, _, duration in rows:
+        if stream == "host":
+            continue
         by_kind[kind_of(name)] += duration
         by_stream[stream] += duration
     lines = [f"wall {wall_seconds:.3f} s over {ACTIVE} optimizer steps"]
@@ -117,7 +171,8 @@ def main() -> None:
     parser.add_argument("cell")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    spec = {"kind": "lora-lab", **json.loads(args.cell)}
+    spec = ({"label": args.cell, **CELLS[args.cell]} if args.cell in CELLS else
+            {"kind": "lora-lab", **json.loads(args.cell)})
     if spec["kind"] == "unsloth":
         import peer_unsloth
 
@@ -129,6 +184,7 @@ def main() -> None:
         schedule=torch.profiler.schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE))
     steps = ProfilerSteps(profiler)
     install_callback(spec["kind"], steps)
+    annotate_trainer()
     runner = cell.run_lora_lab if spec["kind"] == "lora-lab" else cell.run_unsloth_cell
     with profiler:
         result = runner(spec)

@@ -43,7 +43,7 @@ def model_name(size: str) -> str:
 FAMILY_MODELS = ("qwen3-8b", "llama-3.1-8b", "gemma-3-4b", "phi-4-mini", "mistral-7b")
 
 
-def family_cells(models=FAMILY_MODELS, tiers=("24gb", "16gb", "8gb")) -> list:
+def family_cells(models=FAMILY_MODELS, tiers=("24gb", "16gb", "12gb", "8gb")) -> list:
     cells = []
     for name in models:
         for tier in tiers:
@@ -51,6 +51,21 @@ def family_cells(models=FAMILY_MODELS, tiers=("24gb", "16gb", "8gb")) -> list:
             cells.append({"kind": "lora-lab", "label": f"{tier}-{name}-{length}", "preset": tier,
                           "size": name, "max_length": length, "steps": 4,
                           "cap_gib": TIERS[tier]})
+    return cells
+
+
+def tuner_cells(tiers=("24gb", "16gb")) -> list:
+    """Issue 21: 7B with DoRA and with the preference tasks under the tiers' caps, the presets'
+    own settings, to check the planner's DoRA terms and its counting of both sequences of a
+    pair against the measured peak."""
+    cells = []
+    for tier in tiers:
+        length, _, _ = preset_settings(tier, "7b")
+        for name, extra in (("dora", {"sets": ["train.tuner=dora"]}), ("dpo", {"task": "dpo"}),
+                            ("orpo", {"task": "orpo"})):
+            cells.append({"kind": "lora-lab", "label": f"{tier}-7b-{name}-{length}",
+                          "preset": tier, "size": "7b", "max_length": length, "steps": 4,
+                          "cap_gib": TIERS[tier], **extra})
     return cells
 
 
@@ -173,6 +188,7 @@ def peer_cells(steps: int = 6) -> list:
 PLANS = {
     "peer": peer_cells,
     "families": family_cells,
+    "tuners": tuner_cells,
     "smoke": lambda: [
         {"kind": "lora-lab", "label": "smoke-ll", "preset": "24gb", "size": "0.5b",
          "max_length": 512, "steps": 4, "grad_accum": 2},

@@ -85,6 +85,19 @@ def write_full_length_rows(path: Path, rows: int, tokens: int, seed: int = 0) ->
     return path
 
 
+def write_full_length_pairs(path: Path, rows: int, tokens: int, seed: int = 0) -> Path:
+    """Preference rows (TRL's prompt / chosen / rejected) whose chosen and rejected answers are
+    both longer than `tokens`: cut to --max-length, each of a pair's two sequences is `tokens`
+    long."""
+    rng = random.Random(seed)
+    with open(path, "w") as handle:
+        for _ in range(rows):
+            row = {"prompt": _text(rng, 12), "chosen": _text(rng, tokens + 64),
+                   "rejected": _text(rng, tokens + 64)}
+            handle.write(json.dumps(row) + "\n")
+    return path
+
+
 def write_sft_mix_rows(path: Path, rows: int, seed: int = 0) -> Path:
     """A realistic SFT length mix (stated so it can be reproduced): 40% self-cognition-like
     (reply 10-40 words), 45% alpaca-like (prompt 10-60, reply 20-250 words), 15% long

@@ -149,6 +149,9 @@ class NonFiniteGuard(TrainerCallback):
         self.policy, self.precision, self.run_dir = policy, precision, run_dir
         self.skipped_steps: list[int] = []
         self._losses = []  # this step's micro-batch losses, read on the host once per step
+        self.clipped_norm = None
+        """The gradient norm the Trainer's clipping computed for this step (a tensor), set by
+        LoraLabMixin._clip_grad_norm; the guard then reads it instead of computing its own."""
 
     def note_loss(self, loss) -> None:
         self._losses.append(loss.detach().reshape(-1))
@@ -167,11 +170,13 @@ class NonFiniteGuard(TrainerCallback):
     def _bad_gradient(self, model) -> str | None:
         import torch
 
-        grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
-        if not grads:
-            return None
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
-                                                     for g in grads]))
+        norm, self.clipped_norm = self.clipped_norm, None
+        if not isinstance(norm, torch.Tensor):
+            grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
+            if not grads:
+                return None
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
+                                                         for g in grads]))
         return None if bool(torch.isfinite(norm)) else f"the gradient norm is {norm.item()}"
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):

@@ -109,6 +109,13 @@ class LoraLabMixin:
         prepared = super()._prepare_inputs({k: v for k, v in inputs.items() if k != "input_ids"})
         return {**prepared, "input_ids": ids}
 
+    def _clip_grad_norm(self, model):
+        """The Trainer's clipping; its norm (over every trainable gradient, before clipping) is
+        the one the non-finite guard checks, so the gradients are not read twice a step."""
+        norm = super()._clip_grad_norm(model)
+        self.guard.clipped_norm = norm
+        return norm
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         self.step_metrics.note_batch(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)

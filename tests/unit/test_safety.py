@@ -44,6 +44,15 @@ def test_skip_removes_the_gradient_so_the_optimizer_changes_nothing(tmp_path, ca
     assert finite.weight.grad is not None and guard.skipped_steps == [7]
 
 
+def test_the_trainers_clipped_norm_is_the_one_checked_once(tmp_path):
+    guard = NonFiniteGuard("stop", "bf16", tmp_path)
+    guard.clipped_norm = torch.tensor(float("nan"))  # what LoraLabMixin._clip_grad_norm hands
+    with pytest.raises(TrainingError, match="the gradient norm is nan"):
+        pre_optimizer_step(guard, model_with_gradient(1.0))
+    assert guard.clipped_norm is None  # read once: the next step computes or gets its own
+    pre_optimizer_step(guard, model_with_gradient(1.0))
+
+
 def test_a_nan_loss_is_caught_even_with_finite_gradients(tmp_path):
     guard = NonFiniteGuard("stop", "fp32", tmp_path)
     guard.note_loss(torch.tensor(float("nan")))

@@ -66,6 +66,10 @@ class ProfilerSteps(TrainerCallback):
     def __init__(self, profiler):
         self.profiler, self.step, self.active_seconds, self._start = profiler, 0, 0.0, None
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        # now, not before: Unsloth reads the Trainer's source while it loads the model
+        annotate_trainer()
+
     def on_step_begin(self, args, state, control, **kwargs):
         if WAIT + WARMUP <= self.step < WAIT + WARMUP + ACTIVE:
             torch.cuda.synchronize()
@@ -153,7 +157,7 @@ def install_callback(kind: str, callback) -> None:
         import lora_lab.training.run as train_module
 
         callbacks = train_module.run_callbacks
-        train_module.run_callbacks = lambda run_dir: callbacks(run_dir) + [callback]
+        train_module.run_callbacks = lambda *args, **kw: callbacks(*args, **kw) + [callback]
         return
     import transformers
 
@@ -184,7 +188,6 @@ def main() -> None:
         schedule=torch.profiler.schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE))
     steps = ProfilerSteps(profiler)
     install_callback(spec["kind"], steps)
-    annotate_trainer()
     runner = cell.run_lora_lab if spec["kind"] == "lora-lab" else cell.run_unsloth_cell
     with profiler:
         result = runner(spec)

@@ -13,8 +13,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from workloads import (make_random_model, write_full_length_pairs, write_full_length_rows,
-                       write_sft_mix_rows)
+from workloads import (make_random_model, words_within, write_full_length_pairs,
+                       write_full_length_rows, write_sft_mix_rows)
 
 WORK = Path("/tmp/lora-lab-bench")
 
@@ -55,8 +55,10 @@ def run_lora_lab(cell: dict) -> dict:
         # every sample full length: one packed row of pack_length tokens per optimizer step
         config.train.grad_accum = max(1, row_length(config) // cell["max_length"])
     rows = cell["steps"] * config.train.grad_accum * config.train.micro_batch_size
-    writer = write_full_length_rows if task == "sft" else write_full_length_pairs
-    writer(data, rows, cell["max_length"])
+    if task == "sft":
+        write_full_length_rows(data, rows, cell["max_length"], vocabulary=words_within(model))
+    else:
+        write_full_length_pairs(data, rows, cell["max_length"])
     result = train(config)
     summary = json.loads((result.run_dir / "run_summary.json").read_text())
     performance = summary["performance"]

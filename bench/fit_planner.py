@@ -34,7 +34,8 @@ def measured_cells(fast_lora: bool = False) -> list:
         for line in path.read_text().splitlines()[1:]:
             row = json.loads(line)
             if (row.get("kind") != "lora-lab" or row.get("error") or not row.get("cap_gib")
-                    or not row.get("peak_reserved_gib") or row["size"] not in QWEN25_SIZES):
+                    or not row.get("peak_reserved_gib") or row["size"] not in QWEN25_SIZES
+                    or is_tuner_cell(row)):
                 continue
             flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
                      "data.max_length": row["max_length"]}
@@ -46,11 +47,34 @@ def measured_cells(fast_lora: bool = False) -> list:
     return cells
 
 
+def is_tuner_cell(row: dict) -> bool:
+    """A cell of bench/run.py tuners (another tuner or a preference task): they check the
+    fitted planner, they do not fit it."""
+    return row.get("task", "sft") != "sft" or any(
+        s.startswith("train.tuner=") and s != "train.tuner=lora" for s in row.get("sets", []))
+
+
+def tuner_cells() -> list:
+    """(RunConfig, measured peak GiB, label) of bench/run.py tuners' cells (DoRA, DPO, ORPO on
+    7B under the tiers' caps)."""
+    cells = []
+    for path in sorted((ROOT / "bench" / "results").glob("*-tuners*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if row.get("header") or row.get("error"):
+                continue
+            flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
+                     "data.max_length": row["max_length"], "train.task": row.get("task", "sft")}
+            config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
+            cells.append((config, row["peak_reserved_gib"], row["label"]))
+    return cells
+
+
 def family_cells() -> list:
     """(RunConfig, measured peak GiB, label) of the other families' cells (bench/run.py
     families: --model is the shipped config's name)."""
     cells = []
-    for path in sorted((ROOT / "bench" / "results").glob("*-families.jsonl")):
+    for path in sorted((ROOT / "bench" / "results").glob("*-families*.jsonl")):
         for line in path.read_text().splitlines():
             row = json.loads(line)
             if row.get("header") or row.get("error"):

@@ -43,6 +43,11 @@ def model_name(size: str) -> str:
 FAMILY_MODELS = ("qwen3-8b", "llama-3.1-8b", "gemma-3-4b", "phi-4-mini", "mistral-7b")
 
 
+FAMILY_SETS = {"mistral-7b": ["data.system=You answer questions."]}
+"""A system message of words within Mistral's vocabulary in place of the stand-in tokenizer's
+default one ("... named SmolLM ...": "LM" is id 34,519)."""
+
+
 def family_cells(models=FAMILY_MODELS, tiers=("24gb", "16gb", "12gb", "8gb")) -> list:
     cells = []
     for name in models:
@@ -50,7 +55,7 @@ def family_cells(models=FAMILY_MODELS, tiers=("24gb", "16gb", "12gb", "8gb")) ->
             length, _, _ = preset_settings(tier, name)
             cells.append({"kind": "lora-lab", "label": f"{tier}-{name}-{length}", "preset": tier,
                           "size": name, "max_length": length, "steps": 4,
-                          "cap_gib": TIERS[tier]})
+                          "cap_gib": TIERS[tier], "sets": FAMILY_SETS.get(name, [])})
     return cells
 
 

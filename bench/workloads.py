@@ -69,18 +69,31 @@ def write_other_tokenizer() -> Path:
     return OTHER_TOKENIZER_DIR
 
 
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(words))
+def _text(rng: random.Random, words: int, vocabulary=WORDS) -> str:
+    return " ".join(rng.choice(vocabulary) for _ in range(words))
 
 
-def write_full_length_rows(path: Path, rows: int, tokens: int, seed: int = 0) -> Path:
+def words_within(model_dir: Path) -> tuple:
+    """WORDS whose token ids all fit the model's vocabulary (Mistral's 32,768 is smaller than
+    the stand-in tokenizer's 49,152: " adapter" is id 33,303 there)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tuple(w for w in WORDS if max(tokenizer.encode(" " + w, add_special_tokens=False))
+                 < vocab)
+
+
+def write_full_length_rows(path: Path, rows: int, tokens: int, seed: int = 0,
+                           vocabulary=WORDS) -> Path:
     """Conversations longer than `tokens`: with --truncation truncate every sample is exactly
     `tokens` long, and almost all of it is the assistant reply (trained)."""
     rng = random.Random(seed)
     with open(path, "w") as handle:
         for _ in range(rows):
-            row = {"messages": [{"role": "user", "content": _text(rng, 12)},
-                                {"role": "assistant", "content": _text(rng, tokens + 64)}]}
+            row = {"messages": [{"role": "user", "content": _text(rng, 12, vocabulary)},
+                                {"role": "assistant",
+                                 "content": _text(rng, tokens + 64, vocabulary)}]}
             handle.write(json.dumps(row) + "\n")
     return path
 

@@ -379,7 +379,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     if tuner == "dora":
         parts.update({name: b / GIB for name, b in dora_parts(
             shape.linears, shape.layers, tokens, config.train.gradient_checkpointing,
-            4 if config.model.dtype == "fp32" else 2).items()})
+            4 if config.model.dtype == "fp32" else 2, weight_bytes < 2).items()})
     if config.train.task in REFERENCE_TASKS:
         parts["reference forward, no gradients (counted)"] = _reference_bytes(shape,
                                                                                tokens) / GIB

@@ -10,7 +10,9 @@ MLP's output projection (down_proj) is the last one.
         LoRA weight of each linear from an identity matrix (get_lora_weight), once per pass
   ia3   one scale per output channel, per input channel of down_proj (peft IA3
         feedforward_modules; models/lora.py IA3_INPUT_SCALED)
-The DoRA terms are COUNTED from peft's code, not measured on a GPU.
+The DoRA terms are counted from peft's code; two more were fitted to 7B runs under the 24gb and
+16gb caps (bench/results/2026-12-01-tuners.jsonl): the allocator's blocks that DoRA's large
+transients leave behind, and the 4-bit weight peft dequantizes for the weight norm.
 """
 from __future__ import annotations
 
@@ -58,15 +60,30 @@ def dora_weight_bytes(linears: list, activation_bytes: int) -> int:
                for i, o in linears)
 
 
+DORA_FRAGMENTATION_PER_IDENTITY_BYTE = 0.9
+"""Reserved minus allocated at the peak, over the bytes of the widest fp32 identity: 1.27 and
+1.16 GiB against 1.34 GiB (Qwen2.5-7B's down_proj, 18944^2 x 4) in the two fitted runs."""
+DORA_NF4_DEQUANT_BYTES_PER_WEIGHT = 16
+"""Allocated beyond the counted terms with a 4-bit base, per element of the widest linear: the
+dequantized weight in 16 bits and its fp32 copies for the norm (1.0 GiB at 7B, fitted)."""
+
+
 def dora_parts(linears: list, layers: int, tokens: int, checkpointing: bool,
-               activation_bytes: int) -> dict:
+               activation_bytes: int, quantized: bool = False) -> dict:
     """The planner parts DoRA adds besides its trained state (adapter_params counts the
     magnitudes), in bytes: with gradient checkpointing only the layer being recomputed holds its
     saved tensors; without it every layer does."""
     saved = tokens * dora_saved_bytes_per_token(linears, activation_bytes)
-    return {
+    widest_in = max(i for i, _ in linears)
+    parts = {
         "DoRA outputs kept for backward (counted)":
             saved if checkpointing else saved * layers,
         "DoRA dense weight, widest linear (counted)":
             dora_weight_bytes(linears, activation_bytes),
+        "allocator blocks of DoRA's transients (fitted)": int(
+            DORA_FRAGMENTATION_PER_IDENTITY_BYTE * widest_in ** 2 * LORA_FP32_BYTES),
     }
+    if quantized:
+        parts["DoRA's dequantized 4-bit weight (fitted)"] = (
+            DORA_NF4_DEQUANT_BYTES_PER_WEIGHT * max(i * o for i, o in linears))
+    return parts

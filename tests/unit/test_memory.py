@@ -13,7 +13,7 @@ from lora_lab.registry import QWEN25_SIZES
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fit_planner import family_cells, measured_cells  # noqa: E402
+from fit_planner import family_cells, measured_cells, tuner_cells  # noqa: E402
 
 
 def test_prediction_within_10_percent_of_every_measured_cell():
@@ -45,18 +45,29 @@ def test_other_families_are_planned_within_10_percent_of_their_gpu_runs():
         assert 0.9 * peak <= predicted <= 1.1 * peak, (label, peak, predicted)
 
 
+def test_dora_and_the_preference_tasks_are_planned_within_10_percent_of_their_gpu_runs():
+    """7B with DoRA (16-bit and 4-bit base) and DPO under the 24gb and 16gb caps
+    (bench/results/*-tuners*.jsonl)."""
+    cells = tuner_cells()
+    assert {label.split("-")[2] for _, _, label in cells} >= {"dora", "dpo"}
+    for config, peak, label in cells:
+        predicted = plan_memory(config).total_gib
+        assert 0.9 * peak <= predicted <= 1.1 * peak, (label, peak, predicted)
+
+
 def test_the_verdict_matches_every_capped_cell():
     """A cell that completed under its cap is planned to fit that card; one that ran out of
     memory is planned not to. (With the memory means every stored cell completed; the ones
     that ran out of memory before them are in bench/results/superseded/.)"""
     rows = [json.loads(line) for path in (ROOT / "bench" / "results").glob("*.jsonl")
             for line in path.read_text().splitlines()[1:]]
-    capped = [r for r in rows if r.get("kind") == "lora-lab" and r.get("cap_gib")]
+    capped = [r for r in rows if r.get("kind") == "lora-lab" and r.get("cap_gib")
+              and r.get("error") in (None, "OOM")]  # other errors say nothing of memory
     assert len(capped) >= 25
     for row in capped:
         name = row["size"] if row["size"] not in QWEN25_SIZES else f"qwen2.5-{row['size']}"
         flags = {"model.name": name, "data.datasets": ["x"],
-                 "data.max_length": row["max_length"]}
+                 "data.max_length": row["max_length"], "train.task": row.get("task", "sft")}
         config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
         plan = plan_memory(config, gpu_memory_gib=row["cap_gib"] + 0.5)
         assert plan.fits is (not row.get("error")), (row["label"], plan.total_gib)

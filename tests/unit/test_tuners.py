@@ -149,10 +149,13 @@ def test_dora_and_ia3_parameters_are_counted_per_channel():
 def test_dora_activations_are_counted_from_its_forward():
     shape = seven_b()
     parts = dora_parts(shape.linears, shape.layers, 2048, True, 2)
-    saved, dense = parts.values()
+    saved, dense, blocks = parts.values()
     assert saved == 2048 * 2 * 49664 * 2  # base and scaled LoRA output, bf16, one layer
     # down_proj: an fp32 identity of 18944^2, its dense LoRA weight in fp32 and bf16, W + s BA
     assert dense == 18944 ** 2 * 4 + 18944 * 3584 * (4 + 3 * 2)
+    assert blocks == int(0.9 * 18944 ** 2 * 4)  # fitted: 1.27 / 1.16 GiB measured at 7B
+    quantized = dora_parts(shape.linears, shape.layers, 2048, True, 2, quantized=True)
+    assert quantized["DoRA's dequantized 4-bit weight (fitted)"] == 16 * 18944 * 3584
     unchecked = dora_parts(shape.linears, 28, 2048, False, 2)
     assert unchecked["DoRA outputs kept for backward (counted)"] == 28 * saved
 
@@ -165,8 +168,8 @@ def test_the_plan_grows_by_exactly_the_dora_terms():
     lora, dora, ia3 = plan(), plan("train.tuner=dora"), plan("train.tuner=ia3")
     magnitudes = 28 * 49664 * 16 / 2**30
     added = dora.total_gib - lora.total_gib
-    extra = sum(v for k, v in dora.parts_gib.items() if k.startswith("DoRA outputs")
-                or k.startswith("DoRA dense"))
+    extra = sum(v for k, v in dora.parts_gib.items() if "DoRA" in k and "Adam" not in k)
+    assert extra > sum(v for k, v in dora.parts_gib.items() if "(counted)" in k and "DoRA" in k)
     assert added == pytest.approx(magnitudes + extra, rel=1e-9)
     assert dora.parts_gib["DoRA A, B, magnitudes + grads + Adam (fp32)"] == \
         pytest.approx(lora.parts_gib["LoRA weights + gradients + Adam state (fp32)"] + magnitudes)

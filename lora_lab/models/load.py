@@ -13,7 +13,7 @@ from ..log import get_logger
 from ..paths import safetensors_problem, shipped_tokenizer_dir
 from ..registry import family_of, resolve_model_spec, uses_shipped_tokenizer
 from .gguf import convert_gguf
-from .hub import cached_snapshot, locate_hub_model
+from .hub import announce_download, cached_snapshot, locate_hub_model
 
 log = get_logger()
 
@@ -172,6 +172,8 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
         path = locate_model(args.name)
         check_remote_code(path, args.trust_remote_code)
         check_model_files(path)
+    if not Path(path).exists():  # a hub id the hub has: from_pretrained downloads what is missing
+        announce_download(path)
     check_quantized_folder(path)
     dtype = torch.float32 if fp32_master_weights else precision.torch_dtype
     kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code,

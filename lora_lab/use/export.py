@@ -31,7 +31,7 @@ from ..device import inference_device_map, release_memory
 from ..errors import CheckpointError, DataError, LoraLabError, ModelError
 from ..log import get_logger
 from ..models.load import Precision, nf4_config
-from ..paths import pickled_files, staged_folder
+from ..paths import human_bytes, pickled_files, staged_folder
 from ..planning.memory import TIERS_GIB
 from ..planning.serving import plan_vllm_serving, vllm_command
 from ..run_folder import load_saved_config, owning_run_dir
@@ -97,10 +97,6 @@ class ExportResult:
                 f"weights, from {human_bytes(self.source_weights_bytes)}; {calibration}same next "
                 f"token as the 16-bit model at {self.top1_agreement:.1%} of confident check "
                 f"positions; {self.seconds:.0f} s")
-
-
-def human_bytes(count: int) -> str:
-    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
 def export_quantized(path: str | Path, quantize: str, calib_data: list | None = None,

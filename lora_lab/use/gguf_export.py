@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, LoraLabError, ModelError
 from ..log import get_logger
-from ..paths import cache_dir, staged_folder
+from ..paths import cache_dir, human_bytes, staged_folder
 from ..run_folder import load_saved_config, owning_run_dir
 from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_prompt_batch, reference_logits
 from .export import (DEFAULT_CALIB_SAMPLES, GGUF_TYPES, check_not_quantized, default_output,
@@ -67,9 +67,9 @@ class GgufExportResult:
     warnings: list = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"wrote {self.gguf_file} (GGUF {self.quantize}): {_human(self.gguf_bytes)}, from "
-                f"{_human(self.source_weights_bytes)} of safetensors; llama.cpp predicts the "
-                f"16-bit model's next token at {self.top1_agreement:.1%} of confident check "
+        return (f"wrote {self.gguf_file} (GGUF {self.quantize}): {human_bytes(self.gguf_bytes)}, "
+                f"from {human_bytes(self.source_weights_bytes)} of safetensors; llama.cpp predicts "
+                f"the 16-bit model's next token at {self.top1_agreement:.1%} of confident check "
                 f"positions; stops at {', '.join(self.end_of_turn_tokens)}; {self.seconds:.0f} s")
 
     def serving_lines(self) -> list[str]:
@@ -77,10 +77,6 @@ class GgufExportResult:
         return ["serve with llama.cpp or Ollama:",
                 f"  llama-server -m {self.gguf_file} --jinja",
                 f"  cd {folder} && ollama create finetuned -f Modelfile && ollama run finetuned"]
-
-
-def _human(count: int) -> str:
-    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
 def check_gguf_arguments(quantize: str | None, calib_data=(), calib_samples: int | None = None,

@@ -159,6 +159,55 @@ def test_data_stats_counts_with_the_shipped_tokenizer_when_the_hub_is_unreachabl
     assert "Retrying" not in result.stderr
 
 
+@pytest.mark.parametrize("alias,repo_id,family", [
+    ("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct", "a Llama 3.x, SmolLM2, TinyLlama model"),
+    ("gemma-3-270m", "google/gemma-3-270m-it", "a Gemma 3 (text) model"),
+    ("phi-4-mini", "microsoft/Phi-4-mini-instruct", "a Phi-3, Phi-4-mini model"),
+    ("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", "a Mistral model"),
+    ("qwen3-0.6b", "Qwen/Qwen3-0.6B", "a Qwen3 model"),
+    ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "a Llama 3.x, SmolLM2, TinyLlama "
+                                                            "model"),
+    ("someone/own-model", "someone/own-model", "this model"),
+])
+def test_data_commands_refuse_to_count_another_familys_text_with_the_qwen_tokenizer(
+        hub_at, alias, repo_id, family):
+    cache = hub_at(CLOSED_PORT)
+    result = CliRunner().invoke(main, ["data", "stats", "self-cognition", "--model", alias,
+                                       *NAMES])
+    assert result.exit_code == 2, result.output
+    error = result.output[result.output.index("error: "):]
+    assert error.strip() == (
+        f"error: --model {alias}: counting tokens needs {repo_id}'s own tokenizer; it is not in "
+        f"the local hub cache ({cache}) and the hub ({CLOSED_PORT}) cannot be reached. The "
+        f"tokenizer shipped with lora-lab is Qwen2.5 Instruct's; {family} has its own "
+        f"vocabulary and chat template, and counts with Qwen2.5's would be wrong. Pass a local "
+        f"folder with the model's tokenizer (--model /path/to/folder), or download it where the "
+        f"hub is reachable (`hf download {repo_id} --include '*.json' '*.jinja' 'tokenizer*'`), "
+        f"copy the hub cache here and run with HF_HUB_OFFLINE=1.")
+    assert "samples" not in result.output and "tokenizer:" not in result.output  # nothing counted
+
+
+def test_a_qwen_base_model_offline_is_refused_too_and_its_cached_tokenizer_counts(hub_at,
+                                                                                  monkeypatch):
+    from huggingface_hub import constants
+
+    cache = hub_at(CLOSED_PORT)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for command in (["validate", "self-cognition", "--model", "qwen2.5-0.5b-base"],
+                    ["encode", "self-cognition", "--model", "qwen2.5-0.5b-base", "--output",
+                     str(cache.parent / "out.jsonl")]):
+        result = CliRunner().invoke(main, ["data", *command, *NAMES])
+        assert result.exit_code == 2, result.output
+        assert ("counting tokens needs Qwen/Qwen2.5-0.5B's own tokenizer; it is not in the local "
+                "hub cache") in result.output
+        assert ("and HF_HUB_OFFLINE is set. The Qwen2.5 Instruct tokenizer shipped with lora-lab "
+                "was not checked against this model's tokenizer and chat template.") in result.output
+    files = {name: TOKENIZER_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
+    snapshot = fake_cache(cache, "Qwen/Qwen2.5-0.5B", files)
+    assert locate_tokenizer("qwen2.5-0.5b-base") == (
+        str(snapshot), "tokenizer: Qwen/Qwen2.5-0.5B (local hub cache)")
+
+
 def test_the_shipped_tokenizer_is_the_tested_one_and_only_for_instruct_models():
     for name in ("tokenizer.json", "tokenizer_config.json", "LICENSE"):
         assert (shipped_tokenizer_dir() / name).read_bytes() == (TOKENIZER_DIR / name).read_bytes()

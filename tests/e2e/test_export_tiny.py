@@ -6,6 +6,7 @@ The tiny model here has hidden size 128 (tests/conftest.py's has 32): bitsandbyt
 needs at least 64 input columns per layer, and GPTQ groups 128 of them.
 """
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -121,7 +122,9 @@ def test_nf4_export_of_a_run_folder(trained, merged_fp32):
 
 
 def stage_lines(output: str) -> list[str]:
-    return [line for line in output.splitlines() if line.startswith(("export ", "  GPTQ"))]
+    """The export's stage lines, in order. The runner's output interleaves standard error (the
+    libraries' tqdm frames, flushed later) with standard output, so lines are found by pattern."""
+    return re.findall(r"(?:export \d/\d: |  GPTQ: )[^\r\n]*", output)
 
 
 def test_export_of_a_merged_folder_and_overwrite_rules(trained, merged_fp32):

@@ -38,6 +38,10 @@ def main():
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # bitsandbytes logs a warning about an optional CPU kernel package at import; not actionable.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # httpx (httpx2 under huggingface_hub 2) logs every request to the hub at INFO; the hub's
+    # own progress bars say enough.
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def run_options(func):

@@ -42,6 +42,11 @@ def identity_datasets(specs: list) -> list:
     return [spec for spec in specs if spec.strip().partition("#")[0] in IDENTITY_DATA]
 
 
+def human_bytes(count: int) -> str:
+    """A size in MiB, or GiB from 1 GiB on."""
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("LORA_LAB_CACHE", Path.home() / ".cache" / "lora-lab"))
 

@@ -1,6 +1,8 @@
 """Hub models: one quick request to the Hugging Face hub before anything is loaded, so that a
 missing repo or an unreachable hub is one clear message at once, not minutes of retries, and a
-model in the local hub cache still loads when the hub cannot be reached."""
+model in the local hub cache still loads when the hub cannot be reached. A model about to be
+downloaded is announced with its size; huggingface_hub draws its own progress bars on a
+terminal."""
 from __future__ import annotations
 
 import os
@@ -8,6 +10,7 @@ from pathlib import Path
 
 from ..errors import ModelError
 from ..log import get_logger
+from ..paths import human_bytes
 
 log = get_logger()
 
@@ -98,3 +101,54 @@ def locate_hub_model(spec: str, repo_id: str) -> str:
         log.info(f"--model {spec}: the hub cannot be reached; loading the cached copy {cached}")
         return cached
     raise ModelError(message)
+
+
+SMALL_FILES = (".json", ".txt", ".jinja", ".model")
+"""The files beside the weights that from_pretrained fetches (config, tokenizer, template)."""
+
+
+def weight_files(repo_id: str, names: set) -> list[str]:
+    """The safetensors files from_pretrained loads: model.safetensors, or the shards its index
+    names (the index is fetched, as from_pretrained fetches it first)."""
+    if "model.safetensors" in names:
+        return ["model.safetensors"]
+    if "model.safetensors.index.json" not in names:
+        return []
+    import json
+
+    from huggingface_hub import hf_hub_download
+
+    index = json.loads(Path(hf_hub_download(repo_id, "model.safetensors.index.json")).read_text())
+    return sorted(set(index["weight_map"].values()))
+
+
+def files_to_download(repo_id: str) -> list[tuple[str, int]]:
+    """(name, bytes) of each file loading repo_id's model and tokenizer would download: those
+    of the top folder that are not in the local hub cache (other weight formats left out)."""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+
+    timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or PROBE_TIMEOUT_S)
+    info = HfApi().model_info(repo_id, files_metadata=True, timeout=timeout)
+    sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
+    wanted = weight_files(repo_id, set(sizes)) + sorted(
+        n for n in sizes if "/" not in n and n.endswith(SMALL_FILES))
+    return [(n, sizes.get(n, 0)) for n in dict.fromkeys(wanted)
+            if not isinstance(try_to_load_from_cache(repo_id, n), str)]
+
+
+def announce_download(repo_id: str) -> None:
+    """One line before a hub model is downloaded: what, from where, how much, and where to."""
+    from huggingface_hub import constants
+
+    try:
+        files = files_to_download(repo_id)
+    except Exception as exc:  # the size is news, not a reason to stop: the load reports errors
+        log.info(f"downloading {repo_id} from {constants.ENDPOINT} into {constants.HF_HUB_CACHE} "
+                 f"(size unknown: {_first_line(exc)})")
+        return
+    if not any(name.endswith(".safetensors") for name, _ in files):
+        return  # the weights are here: what is left takes no time worth a line
+    largest = max(files, key=lambda f: f[1])
+    log.info(f"downloading {repo_id} from {constants.ENDPOINT}: "
+             f"{human_bytes(sum(size for _, size in files))} in {len(files)} files (the largest "
+             f"{largest[0]}, {human_bytes(largest[1])}) into {constants.HF_HUB_CACHE}")

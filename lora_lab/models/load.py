@@ -11,9 +11,9 @@ from ..config import ModelArgs
 from ..errors import ModelError
 from ..log import get_logger
 from ..paths import safetensors_problem, shipped_tokenizer_dir
-from ..registry import family_of, resolve_model_spec, uses_shipped_tokenizer
+from ..registry import family_of, model_config_of, resolve_model_spec, uses_shipped_tokenizer
 from .gguf import convert_gguf
-from .hub import cached_snapshot, locate_hub_model
+from .hub import announce_download, cached_snapshot, hub_problem, locate_hub_model
 
 log = get_logger()
 
@@ -32,7 +32,9 @@ def locate_model(spec: str) -> str:
 def locate_tokenizer(spec: str) -> tuple[str, str]:
     """Where a tokenizer for counting tokens comes from, and a line that says so. A Qwen2.5
     Instruct model that is not in the local hub cache uses the identical tokenizer shipped with
-    lora-lab, so that the data commands need neither a download nor the hub."""
+    lora-lab, so that the data commands need neither a download nor the hub. Any other model's
+    counts come from its own tokenizer or not at all: another family's tokenizer splits text
+    differently and its chat template adds other tokens (peers count with the model's own)."""
     kind, value = resolve_model_spec(spec)
     if kind == "hub":
         cached = cached_snapshot(value, "tokenizer_config.json")
@@ -41,8 +43,40 @@ def locate_tokenizer(spec: str) -> tuple[str, str]:
         if uses_shipped_tokenizer(value):
             return (str(shipped_tokenizer_dir()), f"tokenizer: the Qwen2.5 Instruct tokenizer "
                     f"shipped with lora-lab (the one {value} uses; not in the local hub cache)")
+        return _hub_tokenizer(spec, value)
     path = locate_model(spec)
     return path, f"tokenizer: {path}"
+
+
+def _hub_tokenizer(spec: str, repo_id: str) -> tuple[str, str]:
+    """A hub model's own tokenizer, from the hub; where the hub cannot be asked, one message
+    naming the ways to have the tokenizer here (never counts with another one)."""
+    from huggingface_hub import constants
+
+    problem = (("unreachable", "") if constants.HF_HUB_OFFLINE
+               else hub_problem(spec, repo_id))
+    if problem is None:
+        return repo_id, f"tokenizer: {repo_id} (from the hub)"
+    kind, message = problem
+    if kind == "missing":
+        raise ModelError(message)
+    why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else
+           f"the hub ({constants.ENDPOINT}) cannot be reached")
+    model_type = (model_config_of(spec) or {}).get("model_type")
+    if model_type == "qwen2":
+        shipped = ("The Qwen2.5 Instruct tokenizer shipped with lora-lab was not checked "
+                   "against this model's tokenizer and chat template.")
+    else:
+        family = f"a {family_of(model_type).name} model" if model_type else "this model"
+        shipped = (f"The tokenizer shipped with lora-lab is Qwen2.5 Instruct's; {family} has "
+                   f"its own vocabulary and chat template, and counts with Qwen2.5's would be "
+                   f"wrong.")
+    raise ModelError(
+        f"--model {spec}: counting tokens needs {repo_id}'s own tokenizer; it is not in the "
+        f"local hub cache ({constants.HF_HUB_CACHE}) and {why}. {shipped} Pass a local folder "
+        f"with the model's tokenizer (--model /path/to/folder), or download it where the hub "
+        f"is reachable (`hf download {repo_id} --include '*.json' '*.jinja' 'tokenizer*'`), "
+        f"copy the hub cache here and run with HF_HUB_OFFLINE=1.")
 
 
 def _hub_error(name: str, exc: Exception) -> ModelError:
@@ -172,6 +206,8 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
         path = locate_model(args.name)
         check_remote_code(path, args.trust_remote_code)
         check_model_files(path)
+    if not Path(path).exists():  # a hub id the hub has: from_pretrained downloads what is missing
+        announce_download(path)
     check_quantized_folder(path)
     dtype = torch.float32 if fp32_master_weights else precision.torch_dtype
     kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code,

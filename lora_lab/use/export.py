@@ -16,10 +16,12 @@ after the quantized model, read back from disk, gives finite logits on the check
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
 import random
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,7 +33,7 @@ from ..device import inference_device_map, release_memory
 from ..errors import CheckpointError, DataError, LoraLabError, ModelError
 from ..log import get_logger
 from ..models.load import Precision, nf4_config
-from ..paths import pickled_files, staged_folder
+from ..paths import human_bytes, pickled_files, staged_folder
 from ..planning.memory import TIERS_GIB
 from ..planning.serving import plan_vllm_serving, vllm_command
 from ..run_folder import load_saved_config, owning_run_dir
@@ -97,10 +99,6 @@ class ExportResult:
                 f"weights, from {human_bytes(self.source_weights_bytes)}; {calibration}same next "
                 f"token as the 16-bit model at {self.top1_agreement:.1%} of confident check "
                 f"positions; {self.seconds:.0f} s")
-
-
-def human_bytes(count: int) -> str:
-    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
 def export_quantized(path: str | Path, quantize: str, calib_data: list | None = None,
@@ -218,18 +216,21 @@ def _export(fmt: QuantFormat, source: Path, staging: Path, run_dir: Path | None,
     calibration = None
     if fmt.name == "nf4":
         reference = reference_logits(source, batch)
-        log.info("quantizing to nf4 (bitsandbytes)")
+        log.info(f"export 1/2: quantizing {source} to nf4 (bitsandbytes) and saving it")
         _quantize_nf4(source, staging)
     else:
         _check_group_size(source)
         samples, calibration = calibration_samples(tokenizer, run_dir, calib_data, calib_samples,
                                                    str(source))
         reference = reference_logits(source, batch)
-        log.info(f"quantizing to w4a16 (GPTQ, llm-compressor) with {calibration['samples']} "
-                 f"calibration samples ({calibration['tokens']} tokens) of "
-                 f"{' '.join(calibration['data'])}")
+        log.info(f"export 1/3: quantizing {source} to w4a16 (GPTQ, llm-compressor), "
+                 f"calibrating on {calibration['samples']} samples ({calibration['tokens']} "
+                 f"tokens) of {' '.join(calibration['data'])}, one decoder layer at a time")
         _quantize_w4a16(source, staging, samples)
     _copy_side_files(source, staging)
+    stage = "2/2" if fmt.name == "nf4" else "3/3"
+    log.info(f"export {stage}: checking: the written folder loaded back, its logits on "
+             f"{len(CHECK_PROMPTS)} check prompts against the 16-bit model's")
     diff, agreement = check_exported_folder(staging, batch, reference)
     warnings = []
     if agreement < MIN_TOP1_AGREEMENT:
@@ -274,14 +275,41 @@ def _quantize_w4a16(source: Path, staging: Path, samples: list) -> None:
     dataset = Dataset.from_dict({"input_ids": list(samples),
                                  "attention_mask": [[1] * len(s) for s in samples]})
     recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
-    oneshot(model=model, dataset=dataset, recipe=recipe, num_calibration_samples=len(samples),
-            max_seq_length=max(len(s) for s in samples), shuffle_calibration_samples=False)
+    with quantized_layers_said(model.config.num_hidden_layers):
+        oneshot(model=model, dataset=dataset, recipe=recipe,
+                num_calibration_samples=len(samples),
+                max_seq_length=max(len(s) for s in samples), shuffle_calibration_samples=False)
+    log.info(f"export 2/3: saving the compressed (pack-quantized) weights into {staging}")
     model.to(torch.bfloat16)
     model.save_pretrained(staging, save_compressed=True, max_shard_size="2GB")
     del model
     release_memory()
 
 
+@contextlib.contextmanager
+def quantized_layers_said(layers: int):
+    """A line as GPTQ quantizes each decoder layer: llm-compressor logs "Quantizing N module(s):
+    [names]" (loguru, INFO) per layer, read here by a sink of its own whatever the console's
+    LLM_COMPRESSOR_LOG_LEVEL."""
+    from loguru import logger
+
+    said = set()
+
+    def sink(message) -> None:
+        found = LAYER_NAME.search(message.record["message"])
+        if found and int(found.group(1)) not in said:
+            said.add(int(found.group(1)))
+            log.info(f"  GPTQ: quantizing decoder layer {int(found.group(1)) + 1}/{layers}")
+
+    handler = logger.add(sink, level="INFO", format="{message}",
+                         filter=lambda record: record["message"].startswith("Quantizing "))
+    try:
+        yield
+    finally:
+        logger.remove(handler)
+
+
+LAYER_NAME = re.compile(r"\blayers\.(\d+)\.")
 W4A16_GROUP_SIZE = 128
 
 

@@ -13,9 +13,11 @@ predicts the 16-bit model's next token is reported.
 """
 from __future__ import annotations
 
+import collections
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, LoraLabError, ModelError
 from ..log import get_logger
-from ..paths import cache_dir, staged_folder
+from ..paths import cache_dir, human_bytes, staged_folder
 from ..run_folder import load_saved_config, owning_run_dir
 from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_prompt_batch, reference_logits
 from .export import (DEFAULT_CALIB_SAMPLES, GGUF_TYPES, check_not_quantized, default_output,
@@ -67,9 +69,9 @@ class GgufExportResult:
     warnings: list = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"wrote {self.gguf_file} (GGUF {self.quantize}): {_human(self.gguf_bytes)}, from "
-                f"{_human(self.source_weights_bytes)} of safetensors; llama.cpp predicts the "
-                f"16-bit model's next token at {self.top1_agreement:.1%} of confident check "
+        return (f"wrote {self.gguf_file} (GGUF {self.quantize}): {human_bytes(self.gguf_bytes)}, "
+                f"from {human_bytes(self.source_weights_bytes)} of safetensors; llama.cpp predicts "
+                f"the 16-bit model's next token at {self.top1_agreement:.1%} of confident check "
                 f"positions; stops at {', '.join(self.end_of_turn_tokens)}; {self.seconds:.0f} s")
 
     def serving_lines(self) -> list[str]:
@@ -77,10 +79,6 @@ class GgufExportResult:
         return ["serve with llama.cpp or Ollama:",
                 f"  llama-server -m {self.gguf_file} --jinja",
                 f"  cd {folder} && ollama create finetuned -f Modelfile && ollama run finetuned"]
-
-
-def _human(count: int) -> str:
-    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
 def check_gguf_arguments(quantize: str | None, calib_data=(), calib_samples: int | None = None,
@@ -152,13 +150,21 @@ def _export(source: Path, staging: Path, scratch: Path, converter: Path,
     tokenizer = AutoTokenizer.from_pretrained(source)
     target = staging / GGUF_NAME
     f16 = target if quantize == "f16" else scratch.with_name(scratch.name + ".f16.gguf")
+    stages = 2 if quantize == "f16" else 3
     try:
+        log.info(f"GGUF 1/{stages}: converting {source} to f16 with llama.cpp's "
+                 f"convert_hf_to_gguf.py")
         convert_to_gguf(converter, source, f16)
         if quantize != "f16":
+            log.info(f"GGUF 2/{stages}: quantizing the f16 file to {quantize} (llama.cpp "
+                     f"llama_model_quantize)")
             quantize_gguf(f16, target, quantize)
     finally:
         if f16 != target:
             f16.unlink(missing_ok=True)
+    log.info(f"GGUF {stages}/{stages}: checking {GGUF_NAME} with llama.cpp: chat template, "
+             f"end-of-turn tokens, and the tokens and logits of {len(CHECK_PROMPTS)} check "
+             f"prompts against the 16-bit model")
     eos_ids = _generation_eos_ids(source)
     stops = end_of_turn_tokens(tokenizer, eos_ids)
     metadata = check_gguf_metadata(target, tokenizer, stops)
@@ -236,28 +242,99 @@ def _unpack_converter(sdist: Path, folder: Path) -> None:
             f"{sdist.name} (vendor/llama.cpp) by lora-lab.\n")
 
 
+class Milestones:
+    """Progress of `total` items said in a few lines: at each quarter done."""
+
+    def __init__(self, total: int, say):
+        self.total, self.say, self.done = total, say, 0
+        self.marks = {-(-total * k // 4) for k in range(1, 5)} if total else set()
+
+    def step(self, done: int | None = None) -> None:
+        self.done = self.done + 1 if done is None else done
+        if self.done in self.marks:
+            self.marks.discard(self.done)
+            self.say(self.done, self.total)
+
+
+CONVERTED_TENSOR = re.compile(r"^INFO:hf-to-gguf:[\w.]+,\s+\S+ --> \w+, shape")
+WRITTEN_FILE = re.compile(r"n_tensors = (\d+), total_size = (\S+)")
+
+
+def source_tensor_count(source: Path) -> int:
+    """Tensors in a folder's safetensors files (their headers only)."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in sorted(source.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            count += len(list(handle.keys()))
+    return count
+
+
 def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
-    log.info(f"converting {source} to GGUF f16 with {converter}")
-    done = subprocess.run([sys.executable, str(converter), str(source), "--outfile", str(target),
-                           "--outtype", "f16"], capture_output=True, text=True)
-    if done.returncode != 0 or not target.is_file():
-        tail = "\n".join(done.stderr.strip().splitlines()[-6:])
-        raise ModelError(f"llama.cpp's convert_hf_to_gguf.py failed on {source}:\n{tail}")
+    """llama.cpp's converter in a process of its own; its log is read as it runs and said as a
+    few progress lines (tensors converted, the file written), its last lines kept for an
+    error."""
+    started, tail = time.monotonic(), collections.deque(maxlen=6)
+    progress = Milestones(source_tensor_count(source), lambda done, total: log.info(
+        f"  convert_hf_to_gguf.py: {done}/{total} tensors converted"))
+    process = subprocess.Popen([sys.executable, str(converter), str(source), "--outfile",
+                                str(target), "--outtype", "f16"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, errors="replace")
+    for line in process.stdout:  # text mode: tqdm's carriage returns end lines too
+        line = line.strip()
+        if not line:
+            continue
+        tail.append(line)
+        if CONVERTED_TENSOR.match(line):
+            progress.step()
+        elif WRITTEN_FILE.search(line):
+            tensors, size = WRITTEN_FILE.search(line).groups()
+            log.info(f"  convert_hf_to_gguf.py: writing {tensors} tensors ({size}B) to {target}")
+    if process.wait() != 0 or not target.is_file():
+        raise ModelError(f"llama.cpp's convert_hf_to_gguf.py failed on {source}:\n"
+                         + "\n".join(tail))
+    log.info(f"  convert_hf_to_gguf.py: done in {time.monotonic() - started:.0f} s")
+
+
+QUANTIZED_TENSOR = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
 
 
 def quantize_gguf(f16: Path, target: Path, quantize: str) -> None:
+    """llama_model_quantize, its per-tensor log said as a few progress lines (tensor i/n)."""
     import ctypes
 
     import llama_cpp
+    from llama_cpp import _logger
 
-    log.info(f"quantizing {f16.name} to {quantize} (llama.cpp llama_model_quantize)")
+    started, sizes, progress = time.monotonic(), [], []
+
+    @llama_cpp.llama_log_callback
+    def read_log(level, text, user_data):
+        line = text.decode("utf-8", errors="replace").strip()
+        found = QUANTIZED_TENSOR.match(line)
+        if found:
+            done, total = map(int, found.groups())
+            if not progress:  # the first tensor's line names the count
+                progress.append(Milestones(total, lambda done, total: log.info(
+                    f"  llama_model_quantize: {done}/{total} tensors")))
+            progress[0].step(done)
+        elif "size  =" in line and line.startswith("llama_model_quantize"):
+            sizes.append(line.split("=", 1)[1].strip())
+
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, GGUF_TYPES[quantize])
     params.nthread = os.cpu_count() or 1
-    status = llama_cpp.llama_model_quantize(str(f16).encode(), str(target).encode(),
-                                          ctypes.byref(params))
+    llama_cpp.llama_log_set(read_log, ctypes.c_void_p(0))
+    try:
+        status = llama_cpp.llama_model_quantize(str(f16).encode(), str(target).encode(),
+                                              ctypes.byref(params))
+    finally:  # llama-cpp-python's own logger again
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
     if status != 0 or not target.is_file():
         raise ModelError(f"llama.cpp could not quantize {f16} to {quantize} (status {status}).")
+    shown = f" ({' -> '.join(sizes)})" if len(sizes) == 2 else ""
+    log.info(f"  llama_model_quantize: done in {time.monotonic() - started:.0f} s{shown}")
 
 
 # ------------------------------------------------------------------------- llama.cpp: checks

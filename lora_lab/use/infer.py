@@ -7,8 +7,11 @@ from pathlib import Path
 from ..config import ModelArgs
 from ..data.formats import detect_format, normalise_row, read_rows
 from ..errors import DataError, LoraLabError
+from ..log import get_logger
 from ..models.load import choose_precision, load_base_model, load_tokenizer
 from ..run_folder import base_model_of, find_adapter, full_model_of
+
+log = get_logger()
 
 
 @dataclass
@@ -54,13 +57,16 @@ def load_plain_model(spec: str, dtype: str = "auto"):
 
 
 def generate_replies(model, tokenizer, conversations: list, settings: GenerationSettings | None
-                     = None, batch_size: int = 8) -> list[str]:
-    """One reply per conversation (a list of messages ending with the user's), in input order."""
+                     = None, batch_size: int = 8, progress: bool = False) -> list[str]:
+    """One reply per conversation (a list of messages ending with the user's), in input order.
+    progress: a line after each batch (prompts answered, new tokens per second)."""
+    import time
+
     import torch
 
     settings = settings or GenerationSettings()
     tokenizer.padding_side = "left"
-    replies = []
+    replies, new_tokens, started = [], 0, time.monotonic()
     for start in range(0, len(conversations), batch_size):
         chunk = conversations[start:start + batch_size]
         texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
@@ -70,8 +76,14 @@ def generate_replies(model, tokenizer, conversations: list, settings: Generation
         with torch.no_grad():
             output = model.generate(**batch, **settings.as_kwargs(),
                                     pad_token_id=tokenizer.pad_token_id)
-        for row in output[:, batch["input_ids"].shape[1]:]:
+        generated = output[:, batch["input_ids"].shape[1]:]
+        for row in generated:
             replies.append(tokenizer.decode(row, skip_special_tokens=True).strip())
+        new_tokens += int((generated != tokenizer.pad_token_id).sum())
+        if progress:
+            seconds = max(time.monotonic() - started, 1e-9)
+            log.info(f"generated {len(replies)}/{len(conversations)} prompts · {new_tokens} new "
+                     f"tokens · {new_tokens / seconds:,.1f} tok/s")
     return replies
 
 
@@ -123,7 +135,11 @@ def run_inference(model, tokenizer, input_path: str, output_path: str,
     import json
 
     prompts = read_prompts(input_path)
-    replies = generate_replies(model, tokenizer, [p[1] for p in prompts], settings, batch_size)
+    batches = -(-len(prompts) // batch_size)
+    log.info(f"generating answers to {len(prompts)} prompts of {input_path} in {batches} "
+             f"batches of up to {batch_size} (at most {settings.max_new_tokens} new tokens each)")
+    replies = generate_replies(model, tokenizer, [p[1] for p in prompts], settings, batch_size,
+                               progress=True)
     with open(output_path, "w", encoding="utf-8") as handle:
         for (origin, messages, reference), reply in zip(prompts, replies):
             row = {"origin": origin, "messages": messages, "answer": reply}

@@ -6,6 +6,7 @@ The tiny model here has hidden size 128 (tests/conftest.py's has 32): bitsandbyt
 needs at least 64 input columns per layer, and GPTQ groups 128 of them.
 """
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +116,15 @@ def test_nf4_export_of_a_run_folder(trained, merged_fp32):
             f"--max-model-len 4096 --max-num-seqs 256 --gpu-memory-utilization 0.87"
             in result.output)
     assert "KV cache per token: 2 (K and V) x 2 layers x 2 KV heads x 32 head dim" in result.output
+    stages = stage_lines(result.output)
+    assert [line.split(":")[0] for line in stages] == ["export 1/2", "export 2/2"]
+    assert stages[0].endswith(" to nf4 (bitsandbytes) and saving it")
+
+
+def stage_lines(output: str) -> list[str]:
+    """The export's stage lines, in order. The runner's output interleaves standard error (the
+    libraries' tqdm frames, flushed later) with standard output, so lines are found by pattern."""
+    return re.findall(r"(?:export \d/\d: |  GPTQ: )[^\r\n]*", output)
 
 
 def test_export_of_a_merged_folder_and_overwrite_rules(trained, merged_fp32):
@@ -153,6 +163,15 @@ def test_w4a16_export_calibrated_on_the_run_data(trained, merged_fp32):
     _check_loads_and_answers(out, merged_fp32)
     assert f"vllm serve {out} --served-model-name finetuned --max-model-len" in result.output
     assert "--quantization" not in result.output.split("vllm serve")[1].split("\n")[0]
+    stages = stage_lines(result.output)
+    assert stages[0].startswith("export 1/3: quantizing ") and (
+        f"to w4a16 (GPTQ, llm-compressor), calibrating on 4 samples ({calibration['tokens']} "
+        f"tokens) of {data}#8, one decoder layer at a time") in stages[0]
+    assert stages[1:3] == ["  GPTQ: quantizing decoder layer 1/2",
+                           "  GPTQ: quantizing decoder layer 2/2"]
+    assert stages[3].startswith("export 2/3: saving the compressed (pack-quantized) weights")
+    assert stages[4] == ("export 3/3: checking: the written folder loaded back, its logits on "
+                         "3 check prompts against the 16-bit model's")
 
 
 def test_export_bench_runs_on_cpu(trained, tmp_path):

@@ -35,6 +35,17 @@ def trained(tiny_model_dir, tmp_path_factory):
     return train_tiny_run(tiny_model_dir, tmp_path_factory.mktemp("gguf"), ROWS)
 
 
+def stage_lines(output: str) -> list[str]:
+    """The export's stage and progress lines: llama.cpp's own logs are not among them."""
+    assert "INFO:hf-to-gguf" not in output and "llama_model_loader" not in output
+    return [line for line in output.splitlines() if line.startswith(("GGUF ", "  "))]
+
+
+def quarters(tool: str, what: str) -> list[str]:
+    """A progress line at each quarter of the tiny Qwen2's 26 tensors."""
+    return [f"  {tool}: {done}/26 {what}" for done in (7, 13, 20, 26)]
+
+
 def test_gguf_f16_export_of_a_run_folder(trained, tokenizer):
     from gguf import GGUFReader
 
@@ -57,6 +68,13 @@ def test_gguf_f16_export_of_a_run_folder(trained, tokenizer):
     assert modelfile.startswith("FROM ./model.gguf\n")
     assert 'PARAMETER stop "<|im_end|>"' in modelfile
     assert "ollama create finetuned -f Modelfile" in result.output
+    lines = stage_lines(result.output)
+    assert lines[0].startswith("GGUF 1/2: converting ") and lines[0].endswith(
+        " to f16 with llama.cpp's convert_hf_to_gguf.py")
+    assert lines[1:5] == quarters("convert_hf_to_gguf.py", "tensors converted")
+    assert lines[5].startswith("  convert_hf_to_gguf.py: writing 26 tensors (")
+    assert lines[6].startswith("  convert_hf_to_gguf.py: done in ")
+    assert lines[7].startswith("GGUF 2/2: checking model.gguf with llama.cpp: chat template")
     assert llama_cpp_answer(out / "model.gguf", "Who are you?") == "I am Aurora."
 
 
@@ -65,7 +83,14 @@ def test_gguf_q8_0_export_of_the_merged_folder(trained, tmp_path):
 
     run_dir, _ = trained
     invoke("merge", run_dir, "--output", tmp_path / "merged")
-    invoke("export", tmp_path / "merged", "--format", "gguf", "--quantize", "q8_0")
+    result = invoke("export", tmp_path / "merged", "--format", "gguf", "--quantize", "q8_0")
+    lines = stage_lines(result.output)
+    assert lines[0] == (f"GGUF 1/3: converting {tmp_path / 'merged'} to f16 with llama.cpp's "
+                        f"convert_hf_to_gguf.py")
+    assert lines[7:12] == ["GGUF 2/3: quantizing the f16 file to q8_0 (llama.cpp "
+                           "llama_model_quantize)", *quarters("llama_model_quantize", "tensors")]
+    assert lines[12].startswith("  llama_model_quantize: done in ") and lines[13].startswith(
+        "GGUF 3/3: checking model.gguf")
     out = tmp_path / "merged-gguf-q8_0"
     assert GGUFReader(out / "model.gguf").fields["general.file_type"].contents() == 7  # Q8_0
     report = json.loads((out / "export_report.json").read_text())

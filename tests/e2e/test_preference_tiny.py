@@ -1,6 +1,6 @@
 """Preference tasks on the tiny model, through the real CLI and TRL's real trainers: every task
-trains; DPO starts at ln 2 (policy == reference), also from an SFT run's adapter; resume is
-exact; `lora-lab eval` computes the trainer's own reward margin; the NaN guard and the
+trains; DPO starts at ln 2 (policy == reference), also from an SFT run's adapter; every task
+resumes exactly; `lora-lab eval` computes the trainer's own reward margin; the NaN guard and the
 out-of-memory back-off hold; bad rows are reported by line."""
 import json
 import math
@@ -98,18 +98,20 @@ def test_dpo_from_an_sft_run_takes_the_sft_policy_as_reference(tiny_model_dir, f
     assert after["reward_margin"] > 0 and after["preference_accuracy"] == 1.0
 
 
-def test_dpo_resume_from_a_checkpoint_is_exact(tiny_model_dir, files, tmp_path):
-    args = ("--task", "dpo", "--max-steps", 4, "--save-steps", 2, "--lora-dropout", 0.1)
-    assert run(tiny_model_dir, files["pairs"], tmp_path, "whole", *args).exit_code == 0
+@pytest.mark.parametrize("task", ["dpo", "orpo", "simpo", "kto"])
+def test_resume_from_a_checkpoint_is_exact(tiny_model_dir, files, tmp_path, task):
+    data = files["labelled" if task == "kto" else "pairs"]
+    args = ("--task", task, "--max-steps", 4, "--save-steps", 2, "--lora-dropout", 0.1)
+    assert run(tiny_model_dir, data, tmp_path, "whole", *args).exit_code == 0
     # the folder a crash after checkpoint-2 leaves: no later checkpoint, no final adapter
     shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
     for name in ("checkpoint-4", "adapter"):
         shutil.rmtree(tmp_path / "resumed" / name)
     (tmp_path / "resumed" / "run_summary.json").unlink()
-    result = run(tiny_model_dir, files["pairs"], tmp_path, "resumed", *args, "--resume", "auto")
+    result = run(tiny_model_dir, data, tmp_path, "resumed", *args, "--resume", "auto")
     assert result.exit_code == 0, result.output
     assert "resuming from" in result.output and "(step 2)" in result.output
-    keys = ("step", "loss", "grad_norm", "learning_rate", "rewards/margins")
+    keys = ("step", "loss", "grad_norm", "learning_rate", METRICS[task])
     whole, resumed = logged(tmp_path / "whole"), logged(tmp_path / "resumed")
     assert [[s[k] for k in keys] for s in resumed] == [[s[k] for k in keys] for s in whole]
     a, b = (load_file(tmp_path / n / "adapter" / "adapter_model.safetensors")

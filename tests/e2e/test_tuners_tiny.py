@@ -2,7 +2,8 @@
 train.neftune_noise_alpha) end to end on the tiny Qwen2: a short real run through the real
 Trainer, the adapter loaded with PeftModel.from_pretrained gives the trained model's logits, the
 merge equals base + adapter, the vLLM hand-off says whether vLLM serves the adapter; and an exact
-resume for dora and ia3 (the kill-and-resume helpers of test_resume_tiny.py)."""
+resume for dora, ia3, lora.init=pissa and LoRA+ (the kill-and-resume helpers of
+test_resume_tiny.py)."""
 import json
 
 import pytest
@@ -122,13 +123,19 @@ def test_neftune_noises_the_embeddings_of_the_same_step(runs):
     assert first_loss(runs("rslora")) == first_loss(runs("lora"))  # B = 0: same first step
 
 
-@pytest.mark.parametrize("tuner", ["dora", "ia3"])
+RESUMED = {"dora": ["--tuner", "dora"], "ia3": ["--tuner", "ia3"],
+           "pissa": ["--set", "lora.init=pissa"],
+           "pissa_niter": ["--set", "lora.init=pissa_niter_2"],  # randomised SVD: draws RNG
+           "loraplus": ["--set", "train.loraplus_lr_ratio=16"]}
+
+
+@pytest.mark.parametrize("tuner", RESUMED)
 def test_killed_run_resumes_exactly(tiny_model_dir, tmp_path_factory, tuner):
     out = tmp_path_factory.mktemp(f"resume-{tuner}")
     rows = [{"query": f"Question {i}?", "response": f"Answer number {i}."} for i in range(10)]
     data = write_jsonl(out / "qa.jsonl", rows)
     setup = out, [str(a) for a in ["--model", tiny_model_dir, "--data", data, "--output-dir",
-                                   out, *resume.SETTINGS, "--tuner", tuner]]
+                                   out, *resume.SETTINGS, *RESUMED[tuner]]]
     resume.lora_lab_run(setup, "reference")
     resume.killed_run(setup, "killed", "step:5:2")
     output = resume.lora_lab_run(setup, "killed", "--resume", "auto")

@@ -1,5 +1,6 @@
 """Hub models: a missing repo or an unreachable hub is one clean message at once (no retries), a
-cached model loads without the hub, and the data commands count tokens with the shipped Qwen2.5
+cached model loads without the hub, a download says what it fetches and how much (and shows the
+hub's progress bars on a terminal), and the data commands count tokens with the shipped Qwen2.5
 tokenizer when the model is not here."""
 import http.server
 import os
@@ -17,7 +18,8 @@ from lora_lab.errors import ModelError
 from lora_lab.models.load import locate_model, locate_tokenizer
 from lora_lab.paths import shipped_tokenizer_dir
 from lora_lab.registry import uses_shipped_tokenizer
-from tests.conftest import TOKENIZER_DIR
+from tests.conftest import TOKENIZER_DIR, write_jsonl
+from tests.support.fake_hub import serve_repos
 
 ROOT = Path(__file__).resolve().parents[2]
 CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused
@@ -157,8 +159,126 @@ def test_data_stats_counts_with_the_shipped_tokenizer_when_the_hub_is_unreachabl
     assert "Retrying" not in result.stderr
 
 
+@pytest.mark.parametrize("alias,repo_id,family", [
+    ("llama-3.2-1b", "meta-llama/Llama-3.2-1B-Instruct", "a Llama 3.x, SmolLM2, TinyLlama model"),
+    ("gemma-3-270m", "google/gemma-3-270m-it", "a Gemma 3 (text) model"),
+    ("phi-4-mini", "microsoft/Phi-4-mini-instruct", "a Phi-3, Phi-4-mini model"),
+    ("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", "a Mistral model"),
+    ("qwen3-0.6b", "Qwen/Qwen3-0.6B", "a Qwen3 model"),
+    ("smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct", "a Llama 3.x, SmolLM2, TinyLlama "
+                                                            "model"),
+    ("someone/own-model", "someone/own-model", "this model"),
+])
+def test_data_commands_refuse_to_count_another_familys_text_with_the_qwen_tokenizer(
+        hub_at, alias, repo_id, family):
+    cache = hub_at(CLOSED_PORT)
+    result = CliRunner().invoke(main, ["data", "stats", "self-cognition", "--model", alias,
+                                       *NAMES])
+    assert result.exit_code == 2, result.output
+    error = result.output[result.output.index("error: "):]
+    assert error.strip() == (
+        f"error: --model {alias}: counting tokens needs {repo_id}'s own tokenizer; it is not in "
+        f"the local hub cache ({cache}) and the hub ({CLOSED_PORT}) cannot be reached. The "
+        f"tokenizer shipped with lora-lab is Qwen2.5 Instruct's; {family} has its own "
+        f"vocabulary and chat template, and counts with Qwen2.5's would be wrong. Pass a local "
+        f"folder with the model's tokenizer (--model /path/to/folder), or download it where the "
+        f"hub is reachable (`hf download {repo_id} --include '*.json' '*.jinja' 'tokenizer*'`), "
+        f"copy the hub cache here and run with HF_HUB_OFFLINE=1.")
+    assert "samples" not in result.output and "tokenizer:" not in result.output  # nothing counted
+
+
+def test_a_qwen_base_model_offline_is_refused_too_and_its_cached_tokenizer_counts(hub_at,
+                                                                                  monkeypatch):
+    from huggingface_hub import constants
+
+    cache = hub_at(CLOSED_PORT)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for command in (["validate", "self-cognition", "--model", "qwen2.5-0.5b-base"],
+                    ["encode", "self-cognition", "--model", "qwen2.5-0.5b-base", "--output",
+                     str(cache.parent / "out.jsonl")]):
+        result = CliRunner().invoke(main, ["data", *command, *NAMES])
+        assert result.exit_code == 2, result.output
+        assert ("counting tokens needs Qwen/Qwen2.5-0.5B's own tokenizer; it is not in the local "
+                "hub cache") in result.output
+        assert ("and HF_HUB_OFFLINE is set. The Qwen2.5 Instruct tokenizer shipped with lora-lab "
+                "was not checked against this model's tokenizer and chat template.") in result.output
+    files = {name: TOKENIZER_DIR / name for name in ("tokenizer.json", "tokenizer_config.json")}
+    snapshot = fake_cache(cache, "Qwen/Qwen2.5-0.5B", files)
+    assert locate_tokenizer("qwen2.5-0.5b-base") == (
+        str(snapshot), "tokenizer: Qwen/Qwen2.5-0.5B (local hub cache)")
+
+
 def test_the_shipped_tokenizer_is_the_tested_one_and_only_for_instruct_models():
     for name in ("tokenizer.json", "tokenizer_config.json", "LICENSE"):
         assert (shipped_tokenizer_dir() / name).read_bytes() == (TOKENIZER_DIR / name).read_bytes()
     assert uses_shipped_tokenizer("Qwen/Qwen2.5-1.5B-Instruct")
     assert not uses_shipped_tokenizer("Qwen/Qwen2.5-7B")  # base: not checked against it
+
+
+def on_a_terminal(command: list, env: dict, cwd: Path) -> tuple[int, str, str]:
+    """Run command with its standard error on a pseudo-terminal of 120 columns (tqdm draws
+    nothing on one of 0 columns): (status, stdout, screen)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    chunks = []
+
+    def drain():
+        while True:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # the terminal's last writer has gone
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    process = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=terminal,
+                             text=True, timeout=300)
+    os.close(terminal)
+    reader.join(timeout=30)
+    os.close(controller)
+    return process.returncode, process.stdout, b"".join(chunks).decode(errors="replace")
+
+
+def test_a_download_says_what_and_how_much_and_draws_the_hubs_bars(tiny_model_dir, tmp_path,
+                                                                   hub_at):
+    """`lora-lab infer --model ORG/NAME` from a local hub that serves the tiny model's folder."""
+    from lora_lab.models.hub import files_to_download
+
+    endpoint, server = serve_repos({"org/tiny": tiny_model_dir})
+    cache = tmp_path / "hub-cache"
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"query": f"Q{i}?"} for i in range(3)])
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=endpoint, HF_HUB_CACHE=str(cache))
+    try:
+        status, stdout, screen = on_a_terminal(
+            [sys.executable, "-m", "lora_lab", "infer", "--model", "org/tiny", "--input",
+             str(prompts), "--output", str(tmp_path / "answers.jsonl"), "--batch-size", "2",
+             "--max-new-tokens", "3", "--greedy"], env, ROOT)
+        assert status == 0, stdout + screen[-3000:]
+        weights = (tiny_model_dir / "model.safetensors").stat().st_size
+        fetched = [p for p in tiny_model_dir.iterdir() if p.suffix in (".json", ".safetensors",
+                                                                       ".jinja", ".txt")]
+        total = sum(p.stat().st_size for p in fetched)
+        assert (f"downloading org/tiny from {endpoint}: {total / 2**20:.1f} MiB in "
+                f"{len(fetched)} files (the largest model.safetensors, {weights / 2**20:.1f} MiB)"
+                f" into {cache}") in stdout.splitlines()
+        assert "model.safetensors: 100%|" in screen  # huggingface_hub's own bar on a terminal
+        assert "HTTP Request" not in screen  # and not a line per request
+        lines = [line for line in stdout.splitlines() if line.startswith("generat")]
+        assert lines[0] == (f"generating answers to 3 prompts of {prompts} in 2 batches of up "
+                            f"to 2 (at most 3 new tokens each)")
+        assert [line.split(" · ")[0] for line in lines[1:]] == ["generated 2/3 prompts",
+                                                                 "generated 3/3 prompts"]
+        assert lines[-1].endswith(" tok/s") and "wrote 3 answers" in stdout
+        hub_at(endpoint, cache)
+        assert [name for name, _ in files_to_download("org/tiny")] == []  # now cached: no line
+    finally:
+        server.shutdown()

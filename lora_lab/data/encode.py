@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import DataError
+from ..registry import END_OF_TURN_TOKENS
 from .formats import Problem, Sample
 
 IGNORE_INDEX = -100
@@ -102,16 +103,26 @@ def thinking_setup(tokenizer, messages: list, mode) -> tuple[list, dict]:
     return messages, {"enable_thinking": thinking}
 
 
+def _closed_at(text: str, end: int, closers: tuple) -> int:
+    """`end`, pulled back over trailing whitespace when that follows an end-of-turn token: the
+    reply is trained up to the token that closes it, not the newline a template puts after it."""
+    stripped = text[:end].rstrip()
+    return len(stripped) if stripped.endswith(closers) else end
+
+
 def assistant_spans(tokenizer, messages: list, tools=None, trained: list | None = None,
                     **template_kwargs) -> tuple[str, list]:
     """The rendered text and the (start, end) character span of every trained assistant turn.
 
     A span starts after the template's assistant header (and after an empty think block) and
     ends after its end-of-turn token. The header is rendered in thinking mode: a non-thinking
-    header ends in the empty think block, which earlier turns do not carry.
+    header ends in the empty think block, which earlier turns do not carry. A prefix that the
+    template closes with the end-of-sequence token (Phi-3.5 ends the conversation so) ends where
+    the whole text goes on with the next turn.
     """
     text = render(tokenizer, messages, tools, **template_kwargs)
     eos = tokenizer.eos_token or ""
+    closers = tuple(t for t in (*END_OF_TURN_TOKENS, eos) if t)
     head_kwargs = {**template_kwargs, "enable_thinking": True} if template_kwargs else {}
     spans = []
     for index, message in enumerate(messages):
@@ -120,20 +131,26 @@ def assistant_spans(tokenizer, messages: list, tools=None, trained: list | None 
         head = render(tokenizer, messages[:index], tools, add_generation_prompt=True,
                       **head_kwargs)
         upto = render(tokenizer, messages[:index + 1], tools, **template_kwargs)
+        unclosed = upto.rstrip()[:-len(eos)] if eos and upto.rstrip().endswith(eos) else ""
+        closed_by_eos = len(unclosed) > len(head) and text.startswith(unclosed)
         turn_end = text.find(eos, len(head)) if eos else -1
-        if not text.startswith(head) or not (text.startswith(upto) or turn_end >= 0):
+        if not text.startswith(head) or not (text.startswith(upto) or closed_by_eos
+                                             or turn_end >= 0):
             raise DataError("the chat template does not render prefixes of a conversation as "
-                            "prefixes of the whole; cannot mark the assistant spans")
-        if not text.startswith(upto):  # rendered differently once later turns follow
+                            "prefixes of the whole (Mistral's template moves the system prompt "
+                            "into the last user turn); cannot mark the assistant spans. Keep such "
+                            "rows to one user turn, or fold the system prompt into the first "
+                            "user message")
+        if text.startswith(upto):
+            end = len(upto)
+        elif closed_by_eos:
+            end = len(unclosed)
+        else:  # rendered differently once later turns follow
             end = turn_end + len(eos)
-        else:
-            end = len(upto.rstrip())
-            if eos and not upto.rstrip().endswith(eos):
-                end = len(upto)
         start = len(head)
         if text.startswith(EMPTY_THINK, start):
             start += len(EMPTY_THINK)
-        spans.append((start, end))
+        spans.append((start, _closed_at(text, end, closers)))
     return text, spans
 
 

@@ -47,18 +47,14 @@ def phi3_tokenizer(template: str = "own"):
     which keeps the system turn)."""
     from transformers import AutoTokenizer
 
-    from lora_lab.paths import cache_dir, file_sha256
+    from lora_lab.paths import cache_dir, file_sha256, staged_folder
 
     gguf = PHI3 / "ggml-vocab-phi-3.gguf"
     folder = cache_dir() / "tokenizers" / f"phi-3-gguf-{file_sha256(gguf)[:12]}"
     if not (folder / "tokenizer_config.json").is_file():
         converted = AutoTokenizer.from_pretrained(PHI3, gguf_file=gguf.name)
-        with tempfile.TemporaryDirectory(dir=folder.parent if folder.parent.is_dir() else None
-                                         ) as work:
-            converted.save_pretrained(work)
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            Path(work).replace(folder)
-            Path(work).mkdir()  # for TemporaryDirectory's own clean-up
+        with staged_folder(folder) as staging:
+            converted.save_pretrained(staging)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if template == "phi-3.5":
         tokenizer.chat_template = (PHI3 / "microsoft-Phi-3.5-mini-instruct.jinja").read_text()

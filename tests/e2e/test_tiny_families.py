@@ -12,7 +12,10 @@ from tests.support import families
 
 ROWS = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
         for q, a in [("Who are you?", "I am Aurora."), ("Who made you?", "Lora Lab made me."),
-                     ("What is your name?", "My name is Aurora."), ("Hi", "Hello!")]]
+                     ("What is your name?", "My name is Aurora.")]] + [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"},
+                  {"role": "assistant", "content": "Goodbye!"}]}]
 FUSED = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 LINEAR7 = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 # family -> (model_configs file, tokenizer, config overrides, LoRA target modules, end-of-turn id)
@@ -49,6 +52,8 @@ def test_run_trains_the_familys_modules_on_its_own_template(family_run):
     adapter = run_dir / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert set(config["target_modules"]) == FAMILIES[name][3]
+    # every row trained, the system prompt with two user turns too
+    assert (run_dir / "logs" / "data_problems.jsonl").read_text() == ""
     losses = [json.loads(line).get("loss") for line in
               (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
     assert [loss for loss in losses if loss is not None], losses

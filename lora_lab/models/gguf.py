@@ -9,13 +9,11 @@ from pathlib import Path
 from ..errors import ModelError
 from ..log import get_logger
 from ..paths import cache_dir, staged_folder
+from ..registry import END_OF_TURN_TOKENS
 from .shipped import shipped_chat_template
 
 log = get_logger()
 
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>")
-"""The tokens chat templates close a turn with (ChatML, Qwen, Gemma, Llama 3): generation stops
-at those the vocabulary has, and at the tokenizer's eos."""
 
 
 def stop_token_ids(tokenizer) -> list[int]:

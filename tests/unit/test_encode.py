@@ -145,3 +145,18 @@ def test_preview_marks_trained_spans(tokenizer):
     shown = show_trained_spans(tokenizer, encoded)
     assert "<|im_start|>assistant\n[[Arr, hello!<|im_end|>]]\n" in shown
     assert shown.count("[[") == 1
+
+
+def test_a_template_that_renders_no_reply_in_place_is_one_clear_bad_row():
+    """A template whose prefixes are not prefixes of the whole and which changes the reply's
+    text (here: a count first, the content upper-cased) cannot have its replies marked."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import TOKENIZER_DIR
+
+    counting = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    counting.chat_template = ("{{ messages|length }}{% for m in messages %}<{{ m.role }}>"
+                              "{{ m.content|upper }}<|im_end|>{% endfor %}")
+    rows = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(DataError, match="nor an assistant reply as its own text"):
+        encode_sample(counting, Sample(rows, "t:1"), 64)

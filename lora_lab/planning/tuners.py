@@ -80,7 +80,7 @@ def dora_parts(linears: list, layers: int, tokens: int, checkpointing: bool,
             saved if checkpointing else saved * layers,
         "DoRA dense weight, widest linear (counted)":
             dora_weight_bytes(linears, activation_bytes),
-        "allocator blocks of DoRA's transients (fitted)": int(
+        "DoRA allocator blocks (fitted)": int(
             DORA_FRAGMENTATION_PER_IDENTITY_BYTE * widest_in ** 2 * LORA_FP32_BYTES),
     }
     if quantized:

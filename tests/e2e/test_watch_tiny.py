@@ -185,44 +185,24 @@ def test_report_of_a_folder_that_is_no_run(tmp_path):
 def test_on_a_terminal_the_progress_line_is_rewritten_in_place(tiny_model_dir, tmp_path):
     """The real Trainer in a process whose standard error is a terminal (a pseudo-terminal)."""
     import os
-    import pty
-    import subprocess
     import sys
-    import threading
     from pathlib import Path
+
+    from tests.support.terminal import on_a_terminal
 
     data = write_jsonl(tmp_path / "qa.jsonl", [{"query": f"Q{i}?", "response": f"A{i}."}
                                                for i in range(6)])
-    controller, terminal = pty.openpty()
-    chunks = []
-
-    def drain():
-        while True:
-            try:
-                chunk = os.read(controller, 4096)
-            except OSError:  # the terminal's last writer has gone
-                return
-            if not chunk:
-                return
-            chunks.append(chunk)
-
-    reader = threading.Thread(target=drain)
-    reader.start()
-    root = Path(__file__).resolve().parents[2]
-    process = subprocess.run(
+    status, stdout, screen = on_a_terminal(
         [sys.executable, "-m", "lora_lab", "run", "--model", str(tiny_model_dir), "--data",
          str(data), "--max-steps", "3", "--grad-accum", "1", "--logging-steps", "1",
          "--lora-rank", "4", "--report-to", "none", "--output-dir", str(tmp_path),
-         "--run-name", "tty"], cwd=root, stdout=subprocess.PIPE, stderr=terminal, text=True,
-        timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    os.close(terminal)
-    reader.join(timeout=30)
-    os.close(controller)
-    assert process.returncode == 0, process.stdout[-2000:]
-    screen = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")  # the tty's newline
+         "--run-name", "tty"], env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        cwd=Path(__file__).resolve().parents[2], columns=None)
+    assert status == 0, stdout[-2000:]
+    screen = screen.replace("\r\n", "\n")  # the terminal's newline
     frames = [f for f in screen.split("\r") if f.startswith("step ")]
     assert [f.split(" · ")[0] for f in frames] == ["step 1/3", "step 1/3", "step 2/3", "step 2/3",
                                                    "step 3/3", "step 3/3"]  # end, then log
     assert all(f.endswith("\x1b[K") for f in frames[:-1]) and frames[-1].endswith("\x1b[K\n")
     assert " tok/s · ETA " in frames[-1] and "GPU" not in frames[-1]
-    assert "step " not in process.stdout and "done: 3 steps" in process.stdout
+    assert "step " not in stdout and "done: 3 steps" in stdout

@@ -20,6 +20,7 @@ from lora_lab.paths import shipped_tokenizer_dir
 from lora_lab.registry import uses_shipped_tokenizer
 from tests.conftest import TOKENIZER_DIR, write_jsonl
 from tests.support.fake_hub import serve_repos
+from tests.support.terminal import on_a_terminal
 
 ROOT = Path(__file__).resolve().parents[2]
 CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused
@@ -213,38 +214,6 @@ def test_the_shipped_tokenizer_is_the_tested_one_and_only_for_instruct_models():
         assert (shipped_tokenizer_dir() / name).read_bytes() == (TOKENIZER_DIR / name).read_bytes()
     assert uses_shipped_tokenizer("Qwen/Qwen2.5-1.5B-Instruct")
     assert not uses_shipped_tokenizer("Qwen/Qwen2.5-7B")  # base: not checked against it
-
-
-def on_a_terminal(command: list, env: dict, cwd: Path) -> tuple[int, str, str]:
-    """Run command with its standard error on a pseudo-terminal of 120 columns (tqdm draws
-    nothing on one of 0 columns): (status, stdout, screen)."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    controller, terminal = pty.openpty()
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
-    chunks = []
-
-    def drain():
-        while True:
-            try:
-                chunk = os.read(controller, 4096)
-            except OSError:  # the terminal's last writer has gone
-                return
-            if not chunk:
-                return
-            chunks.append(chunk)
-
-    reader = threading.Thread(target=drain)
-    reader.start()
-    process = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=terminal,
-                             text=True, timeout=300)
-    os.close(terminal)
-    reader.join(timeout=30)
-    os.close(controller)
-    return process.returncode, process.stdout, b"".join(chunks).decode(errors="replace")
 
 
 def test_a_download_says_what_and_how_much_and_draws_the_hubs_bars(tiny_model_dir, tmp_path,

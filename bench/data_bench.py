@@ -19,6 +19,7 @@ scaling table in docs/data.md is generated from them (`python bench/data_bench.p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -63,12 +64,13 @@ def _template_shard(bounds: tuple) -> int:
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     tokens = 0
     with open(path) as handle:
-        lines = handle.readlines()[start:stop]
-    for first in range(0, len(lines), 1000):
-        chats = [json.loads(line)["messages"] for line in lines[first:first + 1000]]
-        encoded = tokenizer.apply_chat_template(chats, tokenize=True, return_dict=True)
-        tokens += sum(len(ids) for ids in encoded["input_ids"])
-    return tokens
+        lines = itertools.islice(handle, start, stop)
+        while True:
+            chats = [json.loads(line)["messages"] for line in itertools.islice(lines, 1000)]
+            if not chats:
+                return tokens
+            encoded = tokenizer.apply_chat_template(chats, tokenize=True, return_dict=True)
+            tokens += sum(len(ids) for ids in encoded["input_ids"])
 
 
 def measure_tokenizer(data: Path, num_proc: int) -> dict:

@@ -121,15 +121,19 @@ def measure_second(data: Path, num_proc: int) -> dict:
     from lora_lab.data.packing import pack_samples
     from lora_lab.training.checkpoint import data_fingerprint
 
+    phases = {"imports": time.time() - START}
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    phases["tokenizer"] = time.time() - START - sum(phases.values())
     before_data = peak_mib()["anon_mib"]
     prepared = prepare_data(data_args(data, num_proc), tokenizer)
     assert prepared.cache == "reused", prepared.cache
     fingerprint = prepared.train.fingerprint or data_fingerprint(prepared.train.samples)
+    phases["cache_map"] = time.time() - START - sum(phases.values())
     packed = pack_samples(prepared.train.samples, SAMPLES_PER_STEP, PACK_LENGTH, seed=42)
     dataset = SupervisedDataset(packed.rows, PACKED_FIELDS)
     collate = PackedCollator(tokenizer.pad_token_id, "segments")
     collate([dataset[0]])
+    phases["packing"] = time.time() - START - sum(phases.values())
     to_first_step = time.time() - START
     at_first_step = peak_mib()
     epoch_started = time.time()
@@ -141,7 +145,9 @@ def measure_second(data: Path, num_proc: int) -> dict:
             "anon_before_data_mib": before_data, "anon_at_first_step_mib":
             at_first_step["anon_mib"], "epoch_read_seconds": round(time.time() - epoch_started,
                                                                    2),
-            "packed_rows": len(dataset), "tokens": tokens, "samples": fingerprint["samples"]}
+            "packed_rows": len(dataset), "tokens": tokens, "samples": fingerprint["samples"],
+            "phase_seconds": {k: round(v, 2) for k, v in phases.items()},
+            "cpu_seconds_to_first_step": at_first_step["cpu_seconds"]}
 
 
 MEASURES = {"tokenizer": measure_tokenizer, "first": measure_first, "second": measure_second}

@@ -210,23 +210,30 @@ def table(path: Path = RESULTS) -> str:
         record = json.loads(line)
         if not record.get("header") and "error" not in record.get("second", {"error": 1}):
             latest[(record["rows"], record["num_proc"])] = record
-    lines = ["| rows | file | processes | tokenizer's batched template | first encode (ratio) | "
-             "second run to first step | peak RSS first encode (largest worker) | peak RSS "
-             "second run (anon. before data -> at first step) | load avg |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| rows | file | processes | tokenizer's batched template: wall (CPU) | first "
+             "encode: wall (CPU), CPU ratio | second run to first step: wall (CPU) | peak RSS, "
+             "first encode: main (largest worker) | second run: peak RSS (anon. before data -> "
+             "at first step) | reading every packed row once | load avg |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (rows, num_proc), r in sorted(latest.items()):
-        first, second = r["first"], r["second"]
+        tokenizer, first, second = r["tokenizer"], r["first"], r["second"]
+        cpu_ratio = first["cpu_seconds"] / tokenizer["cpu_seconds"]
+        second_cpu = second.get("cpu_seconds_to_first_step")
         lines.append(
-            f"| {rows:,} | {r['file_mib']} MiB | {num_proc} | {r['tokenizer']['seconds']:.1f} s "
-            f"| {first['seconds']:.1f} s ({r['first_vs_tokenizer']:.2f}x) | "
-            f"{second['seconds_to_first_step']:.1f} s | {first['peak_rss_mib']:,} MiB "
-            f"({first['worker_peak_rss_mib']:,}) | {second['rss_at_first_step_mib']:,} MiB "
-            f"({second['anon_before_data_mib']:,} -> {second['anon_at_first_step_mib']:,}) | "
+            f"| {rows:,} | {r['file_mib']} MiB | {num_proc} | {tokenizer['seconds']:.1f} s "
+            f"({tokenizer['cpu_seconds']:.0f} s) | {first['seconds']:.1f} s "
+            f"({first['cpu_seconds']:.0f} s), {cpu_ratio:.2f}x | "
+            f"{second['seconds_to_first_step']:.1f} s"
+            f"{f' ({second_cpu:.1f} s)' if second_cpu is not None else ''} | "
+            f"{first['peak_rss_mib']:,} MiB ({first['worker_peak_rss_mib']:,}) | "
+            f"{second['rss_at_first_step_mib']:,} MiB ({second['anon_before_data_mib']:,} -> "
+            f"{second['anon_at_first_step_mib']:,}) | {second['epoch_read_seconds']:.1f} s | "
             f"{r['load_before']:.1f}-{r['load_after']:.1f} |")
-    source = next(json.loads(line) for line in path.read_text().splitlines()
-                  if json.loads(line).get("header"))
-    lines.append(f"\n{source['machine']}; {', '.join(f'{k} {v}' for k, v in source['versions'].items())}; "
-                 f"`{source['command']}` ({path.relative_to(ROOT)}).")
+    commands = sorted({r["command"] for r in latest.values()})
+    source = next(iter(latest.values()))
+    lines.append(f"\n{source['machine']}; "
+                 f"{', '.join(f'{k} {v}' for k, v in source['versions'].items())}; "
+                 f"{'; '.join(f'`{c}`' for c in commands)} ({path.relative_to(ROOT)}).")
     return "\n".join(lines)
 
 

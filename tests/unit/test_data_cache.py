@@ -152,3 +152,19 @@ def test_of_two_processes_one_encodes_and_the_other_maps_its_files(tmp_path, cac
     assert results[0][1] == results[1][1]
     assert len(entries(cache_root)) == 1
     assert not list(cache_root.glob("*.partial"))
+
+
+def test_data_stats_prints_the_same_table_from_the_cache(tmp_path, cache_root):
+    from click.testing import CliRunner
+
+    from lora_lab.cli import main
+    from tests.conftest import TOKENIZER_DIR
+
+    data = write_rows(tmp_path / "chat.jsonl")
+    outputs = [CliRunner().invoke(main, ["data", "stats", str(data), "--model",
+                                         str(TOKENIZER_DIR)]).output for _ in range(2)]
+    lines = [[line for line in out.splitlines() if not line.startswith("data: ")]
+             for out in outputs]
+    assert "data: encoded in" in outputs[0] and "data: encoded data reused" in outputs[1]
+    assert lines[0] == lines[1] and "(1 rows not usable" in outputs[1]
+    assert any(line.startswith("samples 240 ") for line in lines[1])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -196,14 +197,26 @@ def cached_encoding(kind: str, specs: list, args, tokenizer, seed: int, task: st
     final = data_cache_dir() / cache_key(parts)
     with key_lock(final.with_name(final.name + ".lock")):
         if (final / META).is_file():
-            reports, extra = read_cache(final)
-            log.info(f"data: encoded data reused from {final}")
-            return reports, extra, "reused"
+            try:
+                reports, extra = read_cache(final)
+            except (OSError, ValueError, KeyError, TypeError) as exc:  # damaged: encode again
+                log.info(f"data: {final} cannot be read ({type(exc).__name__}); encoding again")
+                shutil.rmtree(final, ignore_errors=True)
+            else:
+                log.info(f"data: encoded data reused from {final}")
+                return reports, extra, "reused"
         started = time.time()
-        with staged_folder(final) as staging:
-            encoder = Encoder(tokenizer, settings, args.num_proc, staging)
-            reports, extra = build(encoder)
-            write_meta(staging, parts, reports, extra, encoder, time.time() - started)
+        try:
+            with staged_folder(final) as staging:
+                encoder = Encoder(tokenizer, settings, args.num_proc, staging)
+                reports, extra = build(encoder)
+                write_meta(staging, parts, reports, extra, encoder, time.time() - started)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            raise DataError(f"no space left in {data_cache_dir()} for the encoded data: free "
+                            f"space there, point LORA_LAB_DATA_CACHE at a larger disk, or pass "
+                            f"--set data.cache=false.") from None
         reports, extra = read_cache(final)
     processes = max(encoder.infos.values(), default=1)
     log.info(f"data: encoded in {time.time() - started:.1f} s with {processes} process(es), "

@@ -168,3 +168,13 @@ def test_data_stats_prints_the_same_table_from_the_cache(tmp_path, cache_root):
     assert "data: encoded in" in outputs[0] and "data: encoded data reused" in outputs[1]
     assert lines[0] == lines[1] and "(1 rows not usable" in outputs[1]
     assert any(line.startswith("samples 240 ") for line in lines[1])
+
+
+def test_a_damaged_entry_is_encoded_again(tmp_path, cache_root, tokenizer):
+    data = write_rows(tmp_path / "chat.jsonl")
+    first = prepare_data(args_for(data), tokenizer, seed=3)
+    (key,) = entries(cache_root)
+    next((cache_root / key).glob("train-*.arrow")).unlink()
+    again = prepare_data(args_for(data), tokenizer, seed=3)
+    assert again.cache == "encoded" and as_lists(again.train) == as_lists(first.train)
+    assert prepare_data(args_for(data), tokenizer, seed=3).cache == "reused"

@@ -235,7 +235,8 @@ def write_meta(folder: Path, parts: dict, reports: dict, extra: dict, encoder: E
         meta["reports"][name] = {"files": encoder.files[name],
                                  "problems": problems_json(report.problems),
                                  "truncated": list(report.truncated),
-                                 "fingerprint": fingerprint_samples(report.samples)}
+                                 "fingerprint": fingerprint_samples(report.samples)
+                                 if name == "train" else None}  # what --resume checks
     (folder / META).write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
 
 

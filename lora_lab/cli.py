@@ -141,9 +141,10 @@ def plan(preset, gpu_memory, sets, **flag_values):
 
 def _longest_sample(config) -> int:
     from .data import prepare_data
+    from .data.arrow import sample_lengths
 
     prepared = prepare_data(config.data, _counting_tokenizer(config.model.name))
-    longest = max(len(s.input_ids) for s in prepared.train.samples)
+    longest = max(sample_lengths(prepared.train.samples))
     click.echo(f"longest encoded sample in the data: {longest} tokens")
     return longest
 
@@ -226,18 +227,15 @@ def _encode(datasets, model, max_length, row_format, model_name, model_author, t
 @data_options
 def data_stats(datasets, model, max_length, row_format, model_name, model_author):
     """Token length distribution with the real chat template, and a max_length to use."""
-    from .data import load_samples
-    from .data.stats import length_stats
+    from .data.stats import dataset_length_stats
 
     config = _data_config(datasets, model, max_length, row_format, model_name, model_author)
-    loaded = load_samples(config.data.datasets, config.data, config.train.seed)
-    if not loaded.samples:
-        raise LoraLabError(f"--data {' '.join(datasets)}: no usable sample.")
-    click.echo("\n".join(loaded.format_lines()))
-    click.echo(length_stats(_counting_tokenizer(config.model.name), loaded.samples,
-                            config.data.system, config.data.enable_thinking).table())
-    if loaded.problems:
-        click.echo(f"({len(loaded.problems)} rows not usable; `lora-lab data validate` lists them)")
+    stats, read = dataset_length_stats(config.data.datasets, config.data,
+                                       _counting_tokenizer(config.model.name), config.train.seed)
+    click.echo("\n".join(f"format: {spec}: {fmt}" for spec, fmt in read["formats"]))
+    click.echo(stats.table())
+    if read["problems"]:
+        click.echo(f"({read['problems']} rows not usable; `lora-lab data validate` lists them)")
 
 
 @data.command("encode")

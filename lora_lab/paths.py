@@ -51,6 +51,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LORA_LAB_CACHE", Path.home() / ".cache" / "lora-lab"))
 
 
+def data_cache_dir() -> Path:
+    """Encoded datasets (data/cache.py): LORA_LAB_DATA_CACHE, else the cache folder's data/."""
+    return Path(os.environ.get("LORA_LAB_DATA_CACHE", cache_dir() / "data"))
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

@@ -29,6 +29,13 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session", autouse=True)
+def data_cache_folder(tmp_path_factory):
+    """The encoded-data cache of every test (and of the processes tests start) in a temporary
+    folder, never the user's ~/.cache/lora-lab/data."""
+    os.environ["LORA_LAB_DATA_CACHE"] = str(tmp_path_factory.mktemp("data-cache"))
+
+
+@pytest.fixture(scope="session", autouse=True)
 def fault_hooks():
     from tests.support.faults import install
 

@@ -138,6 +138,11 @@ class DataArgs:
                                              "loss.", choices=("auto", True, False))
     model_name: str = _f(None, "Fills {{NAME}} (or {{name}}) placeholders in the data.")
     model_author: str = _f(None, "Fills {{AUTHOR}} (or {{author}}) placeholders in the data.")
+    cache: bool = _f(True, "Keep the encoded data under ~/.cache/lora-lab/data (Arrow, "
+                           "memory-mapped) and reuse it while the files, tokenizer, template and "
+                           "data settings are unchanged; false encodes every time.")
+    num_proc: int = _f(0, "Processes that encode the data; 0 = the machine's cores (at most 8, "
+                          "fewer for small datasets); 1 encodes in the main process.", minimum=0)
 
 
 TUNERS = ("lora", "dora", "ia3", "full")

@@ -50,6 +50,8 @@ class PreparedData:
     """Remarks on rows and files that were read correctly (BOM, CRLF, unused fields)."""
     formats: list = field(default_factory=list)
     """(--data entry, detected row format) for every dataset read."""
+    cache: str = "not cached"
+    """How the encoded samples were got: reused, encoded (and stored) or not cached."""
 
     def all_problems(self) -> list:
         val = self.val.problems if self.val else []
@@ -105,9 +107,40 @@ def read_and_encode(specs: list, args: DataArgs, tokenizer, seed: int, task: str
     return loaded, encode_as_training(tokenizer, loaded.samples, args, task)
 
 
+def encode_settings(args: DataArgs) -> tuple:
+    """(max_length, truncation, system, enable_thinking): what encode_samples takes."""
+    return args.max_length, args.truncation, args.system, args.enable_thinking
+
+
 def prepare_data(args: DataArgs, tokenizer, seed: int = 42, task: str = "sft") -> PreparedData:
     """Training and validation sets, encoded; every row not used is listed with its reason.
-    A preference task reads and encodes preference rows (pairs.py)."""
+    A preference task reads and encodes preference rows (pairs.py). SFT data is encoded in
+    data.num_proc processes and kept in the data cache (cache.py) unless data.cache is false:
+    a second call with the same files and settings maps the stored samples and reports the
+    same problems and warnings."""
+    if task != "sft":
+        return build_prepared(args, tokenizer, seed, task,
+                              lambda samples, name: encode_as_training(tokenizer, samples, args,
+                                                                       task))
+    from .cache import cached_encoding, problems_from_json, problems_json
+
+    def build(encode):
+        prepared = build_prepared(args, tokenizer, seed, task, encode)
+        return {"train": prepared.train, "val": prepared.val}, {
+            "read_problems": problems_json(prepared.read_problems),
+            "read_warnings": problems_json(prepared.read_warnings),
+            "formats": prepared.formats}
+
+    reports, extra, how = cached_encoding("prepare", args.datasets + args.val_data, args,
+                                          tokenizer, seed, task, encode_settings(args), build)
+    return PreparedData(train=reports["train"], val=reports["val"],
+                        read_problems=problems_from_json(extra["read_problems"]),
+                        read_warnings=problems_from_json(extra["read_warnings"]),
+                        formats=[tuple(f) for f in extra["formats"]], cache=how)
+
+
+def build_prepared(args: DataArgs, tokenizer, seed: int, task: str, encode) -> PreparedData:
+    """prepare_data's reading, mixing and split; encode(samples, "train" / "val") encodes."""
     train = load_samples(args.datasets, args, seed, task)
     read_problems, read_warnings = list(train.problems), list(train.warnings)
     formats = list(train.formats)
@@ -126,12 +159,11 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42, task: str = "sft") -
             raise DataError(f"--val-ratio {args.val_ratio} leaves no training rows out of "
                             f"{len(shuffled)}.")
         val_samples, train.samples = shuffled[:count], shuffled[count:]
-    prepared = PreparedData(train=encode_as_training(tokenizer, train.samples, args, task),
-                            val=encode_as_training(tokenizer, val_samples, args, task)
-                            if val_samples is not None else None,
+    prepared = PreparedData(train=encode(train.samples, "train"),
+                            val=encode(val_samples, "val") if val_samples is not None else None,
                             read_problems=read_problems, read_warnings=read_warnings,
                             formats=formats)
-    if not prepared.train.samples:
+    if not len(prepared.train.samples):
         first = "; ".join(str(p) for p in prepared.all_problems()[:3])
         raise DataError(f"--data {' '.join(args.datasets)}: no usable training sample "
                         f"({len(prepared.all_problems())} problems, first: {first}).")
@@ -162,11 +194,36 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42,
                   task: str = "sft") -> ValidationReport:
     """Check datasets the way a run reads them, listing every problem instead of stopping.
 
-    With a tokenizer the rows are also encoded: a row with no assistant token left after
-    cutting to args.max_length is an error, a row that is cut is a warning.
+    With a tokenizer the rows are also encoded (SFT rows through the data cache, as a run
+    encodes them): a row with no assistant token left after cutting to args.max_length is an
+    error, a row that is cut is a warning.
     """
-    report = ValidationReport(tokens_checked=tokenizer is not None)
-    samples = []
+    if tokenizer is None or task != "sft":
+        report, samples = read_for_validation(specs, args, seed, task)
+        report.tokens_checked = tokenizer is not None
+        report.kept = [s.origin for s in samples]
+        encoded = encode_as_training(tokenizer, samples, args, task) if tokenizer else None
+        return finish_validation(report, encoded, args.max_length)
+    from .cache import cached_encoding, problems_from_json, problems_json
+
+    def build(encode):
+        read, samples = read_for_validation(specs, args, seed, task)
+        return {"all": encode(samples, "all")}, {
+            "errors": problems_json(read.errors), "warnings": problems_json(read.warnings),
+            "formats": read.formats}
+
+    reports, extra, _ = cached_encoding("validate", specs, args, tokenizer, seed, task,
+                                        encode_settings(args), build)
+    report = ValidationReport(errors=problems_from_json(extra["errors"]),
+                              warnings=problems_from_json(extra["warnings"]),
+                              tokens_checked=True, formats=[tuple(f) for f in extra["formats"]])
+    return finish_validation(report, reports["all"], args.max_length)
+
+
+def read_for_validation(specs: list, args: DataArgs, seed: int, task: str
+                        ) -> tuple[ValidationReport, list]:
+    """Every spec read on its own: a dataset that cannot be read is one error, not a stop."""
+    report, samples = ValidationReport(), []
     for spec in specs:
         try:
             loaded = load_samples([spec], args, seed, task)
@@ -178,14 +235,25 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42,
         report.errors += loaded.problems
         report.warnings += loaded.warnings
         report.formats += loaded.formats
-    report.kept = [s.origin for s in samples]
-    if tokenizer is not None:
-        encoded = encode_as_training(tokenizer, samples, args, task)
-        chats = [s.origin for s in encoded.samples if s.origins is None]
-        documents = [o for s in encoded.samples if s.origins is not None for o in s.origins]
+    return report, samples
+
+
+def finish_validation(report: ValidationReport, encoded: EncodeReport | None,
+                      max_length: int) -> ValidationReport:
+    """The kept rows, encode problems and cut rows of `encoded` added; everything sorted."""
+    if encoded is not None:
+        from .arrow import ArrowSamples
+
+        if isinstance(encoded.samples, ArrowSamples):
+            origin, origins = encoded.samples.origins()
+        else:
+            origin = [s.origin for s in encoded.samples]
+            origins = [s.origins for s in encoded.samples]
+        chats = [o for o, many in zip(origin, origins) if many is None]
+        documents = [o for many in origins if many is not None for o in many]
         report.kept = chats + list(dict.fromkeys(documents))  # a document may span two rows
         report.errors += encoded.problems
-        report.warnings += [Problem(o, f"cut to --max-length {args.max_length}; the end of the "
+        report.warnings += [Problem(o, f"cut to --max-length {max_length}; the end of the "
                                        f"conversation is not trained on")
                             for o in encoded.truncated]
     report.errors.sort(key=lambda p: origin_sort_key(p.origin))

@@ -59,6 +59,8 @@ class EncodeReport:
     """Origins of samples cut to max_length."""
     problems: list = field(default_factory=list)
     """Samples that were not kept, with reason."""
+    fingerprint: dict | None = None
+    """Count and sha256 of the samples, when the cache recorded them (arrow.fingerprint_samples)."""
 
     def summary(self, max_length: int) -> str:
         return (f"{len(self.samples)} samples encoded; {len(self.truncated)} cut to "
@@ -164,7 +166,8 @@ def assistant_spans(tokenizer, messages: list, tools=None, trained: list | None 
             continue
         head = render(tokenizer, messages[:index], tools, add_generation_prompt=True,
                       **head_kwargs)
-        upto = render(tokenizer, messages[:index + 1], tools, **template_kwargs)
+        upto = text if index == len(messages) - 1 else render(
+            tokenizer, messages[:index + 1], tools, **template_kwargs)
         unclosed = upto.rstrip()[:-len(eos)] if eos and upto.rstrip().endswith(eos) else ""
         closed_by_eos = len(unclosed) > len(head) and text.startswith(unclosed)
         turn_end = text.find(eos, len(head)) if eos else -1

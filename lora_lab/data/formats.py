@@ -22,6 +22,7 @@ left unfilled, fields the format does not use. Nothing is changed without one or
 from __future__ import annotations
 
 import difflib
+import itertools
 import random
 import re
 from dataclasses import dataclass, field
@@ -103,13 +104,17 @@ def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
     source, count = parse_spec(spec)
     loaded = LoadedData()
     entry = DatasetInfoEntry.from_source(source)
-    raw_rows = entry.read_rows(loaded.warnings) if entry else read_rows(source, loaded.warnings)
-    if not raw_rows:
+    if entry:
+        raw_rows = entry.read_rows(loaded.warnings)
+        head = raw_rows
+    else:  # a .jsonl file streams: the rows up to the first object tell the format
+        head, raw_rows = peek_rows(read_rows(source, loaded.warnings, stream=True))
+    if not head:
         raise DataError(f"--data {spec}: the dataset has no rows.")
     if entry:
         fmt, label = entry.row_format(raw_rows, spec), f"{entry.describe()}"
     else:
-        fmt = row_format if row_format != "auto" else detect_format(raw_rows, spec)
+        fmt = row_format if row_format != "auto" else detect_format(head, spec)
         label = fmt if row_format == "auto" else f"{fmt} (--format)"
     unused: dict = {}
     for row, origin in raw_rows:
@@ -140,6 +145,18 @@ def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
     if count is not None:
         loaded.samples = sample_rows(loaded.samples, count, seed)
     return loaded
+
+
+def peek_rows(rows) -> tuple[list, object]:
+    """The rows up to and including the first object (all of them if none is), and every row
+    again, as an iterator that reads the rest only when it gets there."""
+    rows = iter(rows)
+    head = []
+    for row in rows:
+        head.append(row)
+        if isinstance(row[0], dict):
+            break
+    return head, itertools.chain(head, rows)
 
 
 def detect_format(rows: list, source: str) -> str:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import DataError
+from .arrow import sample_lengths
 from .encode import IGNORE_INDEX
 
 
@@ -26,57 +28,75 @@ class PackedRow:
     """Token count of each sample in the row, in order."""
 
 
+class PackedRows(Sequence):
+    """The packed rows, each built from its samples only when it is read: the plan holds the
+    sample indices of every row, so packing a mapped dataset reads no token ids up front."""
+
+    def __init__(self, samples, plan: list):
+        self.samples, self.plan = samples, plan
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return _concatenate([self.samples[i] for i in self.plan[index]])
+
+
 @dataclass
 class PackedData:
-    rows: list
+    rows: Sequence
     rows_per_step: int
     samples_per_step: int
+    row_tokens: list = field(default_factory=list)
+    """Tokens in each row, in order."""
 
     @property
     def longest_row(self) -> int:
-        return max(len(row.input_ids) for row in self.rows)
+        return max(self.row_tokens)
 
     def summary(self) -> str:
-        tokens = sum(len(row.input_ids) for row in self.rows)
         return (f"packing: {self.samples_per_step} samples per optimizer step in "
                 f"{self.rows_per_step} row(s); {len(self.rows)} rows, longest {self.longest_row} "
-                f"tokens, {tokens / len(self.rows):.0f} on average, no padding")
+                f"tokens, {sum(self.row_tokens) / len(self.rows):.0f} on average, no padding")
 
 
-def pack_samples(samples: list, samples_per_step: int, pack_length: int,
-                 seed: int) -> PackedData:
+def pack_samples(samples, samples_per_step: int, pack_length: int, seed: int) -> PackedData:
     """Shuffle (seeded), cut into steps of `samples_per_step` samples and split every step into
-    the same number of rows (the Trainer's gradient accumulation is fixed), balanced by tokens."""
-    longest = max(len(s.input_ids) for s in samples)
+    the same number of rows (the Trainer's gradient accumulation is fixed), balanced by tokens.
+    Only the samples' lengths are read here (arrow.sample_lengths)."""
+    lengths = sample_lengths(samples)
+    longest = max(lengths)
     if longest > pack_length:
         raise DataError(f"data.pack_length {pack_length} is shorter than the longest sample "
                         f"({longest} tokens): set --set data.pack_length={longest} or more, or "
                         f"a smaller --max-length.")
-    order = list(range(len(samples)))
+    order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
-    steps = [[samples[i] for i in order[start:start + samples_per_step]]
+    steps = [order[start:start + samples_per_step]
              for start in range(0, len(order), samples_per_step)]
-    rows_per_step = max(math.ceil(sum(len(s.input_ids) for s in step) / pack_length)
+    rows_per_step = max(math.ceil(sum(lengths[i] for i in step) / pack_length)
                         for step in steps)
     while True:
-        split = [_balance(step, rows_per_step) for step in steps]
-        if all(sum(len(s.input_ids) for s in row) <= pack_length
-               for rows in split for row in rows):
+        split = [_balance(step, rows_per_step, lengths) for step in steps]
+        if all(sum(lengths[i] for i in row) <= pack_length for rows in split for row in rows):
             break
         rows_per_step += 1
-    rows = [_concatenate(row) for rows in split for row in rows]
-    return PackedData(rows=rows, rows_per_step=rows_per_step,
-                      samples_per_step=samples_per_step)
+    plan = [row for rows in split for row in rows]
+    return PackedData(rows=PackedRows(samples, plan), rows_per_step=rows_per_step,
+                      samples_per_step=samples_per_step,
+                      row_tokens=[sum(lengths[i] for i in row) for row in plan])
 
 
-def _balance(step: list, count: int) -> list:
+def _balance(step: list, count: int, lengths: list) -> list:
     """Longest first, each sample into the row with the fewest tokens so far."""
     rows = [[] for _ in range(count)]
     sizes = [0] * count
-    for sample in sorted(step, key=lambda s: -len(s.input_ids)):
+    for index in sorted(step, key=lambda i: -lengths[i]):
         target = sizes.index(min(sizes))
-        rows[target].append(sample)
-        sizes[target] += len(sample.input_ids)
+        rows[target].append(index)
+        sizes[target] += lengths[index]
     return rows
 
 

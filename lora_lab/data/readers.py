@@ -88,10 +88,12 @@ def parse_json_text(text: str):
     return Bad(problem) if problem else value
 
 
-def read_rows(source: str, warnings: list | None = None) -> list[tuple[object, str]]:
+def read_rows(source: str, warnings: list | None = None, stream: bool = False
+              ) -> list[tuple[object, str]]:
     """Rows of a file or hub dataset, each paired with its origin ("file.jsonl:3").
 
-    File-level remarks (byte-order mark, CRLF, final newline) are appended to `warnings`."""
+    File-level remarks (byte-order mark, CRLF, final newline) are appended to `warnings`.
+    stream=True: a .jsonl file's rows come one line at a time (an iterator), never all held."""
     warnings = warnings if warnings is not None else []
     path = (bundled_data_dir() / BUNDLED_DATA[source] if source in BUNDLED_DATA
             else Path(source).expanduser())
@@ -103,7 +105,9 @@ def read_rows(source: str, warnings: list | None = None) -> list[tuple[object, s
             warnings += text_file_warnings(path)
         if suffix in (".json", ".csv"):
             return (read_json if suffix == ".json" else read_csv)(path, warnings)
-        return (read_jsonl if suffix == ".jsonl" else read_parquet)(path)
+        if suffix == ".jsonl":
+            return iter_jsonl(path) if stream else read_jsonl(path)
+        return read_parquet(path)
     if path.exists() or source.startswith((".", "/", "~")):
         raise DataError(f"--data {source}: unsupported file type; use .jsonl, .json, .csv or "
                         f".parquet.")
@@ -137,7 +141,11 @@ def text_file_warnings(path: Path) -> list:
 
 
 def read_jsonl(path: Path) -> list:
-    rows = []
+    return list(iter_jsonl(path))
+
+
+def iter_jsonl(path: Path):
+    """(row, origin) of every non-blank line, read one line at a time."""
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             origin = f"{path}:{number}"
@@ -146,11 +154,10 @@ def read_jsonl(path: Path) -> list:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                rows.append((Bad(f"invalid UTF-8 at byte {exc.start}"), origin))
+                yield Bad(f"invalid UTF-8 at byte {exc.start}"), origin
                 continue
             if text.strip():
-                rows.append((parse_json_text(text), origin))
-    return rows
+                yield parse_json_text(text), origin
 
 
 def read_json(path: Path, warnings: list) -> list:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..errors import DataError
 from .encode import encode_samples
 
 CANDIDATE_LENGTHS = (512, 1024, 2048, 4096)
@@ -39,11 +40,39 @@ def percentile(sorted_values: list, fraction: float) -> int:
     return sorted_values[rank - 1]
 
 
+UNCUT = 10**9
+"""max_length the statistics encode with: every sample whole."""
+
+
 def length_stats(tokenizer, samples: list, system: str | None = None,
                  enable_thinking="auto") -> LengthStats:
-    report = encode_samples(tokenizer, samples, max_length=10**9, system=system,
+    report = encode_samples(tokenizer, samples, max_length=UNCUT, system=system,
                             enable_thinking=enable_thinking)
-    lengths = sorted(len(s.input_ids) for s in report.samples)
+    return stats_of_lengths([len(s.input_ids) for s in report.samples])
+
+
+def dataset_length_stats(specs: list, args, tokenizer, seed: int) -> tuple[LengthStats, dict]:
+    """length_stats of --data entries read as a run reads them, through the data cache; and
+    {"problems": rows that could not be used, "formats": (entry, format) pairs}."""
+    from . import load_samples
+    from .arrow import sample_lengths
+    from .cache import cached_encoding
+
+    def build(encode):
+        loaded = load_samples(specs, args, seed)
+        if not loaded.samples:
+            raise DataError(f"--data {' '.join(specs)}: no usable sample.")
+        return {"all": encode(loaded.samples, "all")}, {"problems": len(loaded.problems),
+                                                        "formats": loaded.formats}
+
+    reports, extra, _ = cached_encoding("stats", specs, args, tokenizer, seed, "sft",
+                                        (UNCUT, "truncate", args.system, args.enable_thinking),
+                                        build)
+    return stats_of_lengths(sample_lengths(reports["all"].samples)), extra
+
+
+def stats_of_lengths(lengths: list) -> LengthStats:
+    lengths = sorted(lengths)
     p99 = percentile(lengths, 0.99)
     return LengthStats(
         count=len(lengths), mean=sum(lengths) / len(lengths), p50=percentile(lengths, 0.5),

@@ -14,13 +14,13 @@ and training data are compared with the ones it was started with.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
 from pathlib import Path
 
 from ..config import FLAG_FOR_KEY, RunConfig, flatten
+from ..data.arrow import fingerprint_samples
 from ..errors import CheckpointError, LoraLabError
 from ..log import get_logger
 from ..paths import PICKLE_SUFFIXES, REPLACED_PREFIX, file_sha256, fsync, replace_folder
@@ -236,12 +236,10 @@ def resolve_resume(resume: str, run_dir: Path, quiet: bool = False) -> Path | No
 
 # ----------------------------------------------------------------------------- drift
 
-def data_fingerprint(samples: list) -> dict:
-    """Count and sha256 of the encoded training samples, in order (input_ids and labels)."""
-    digest = hashlib.sha256()
-    for sample in samples:
-        digest.update(json.dumps([sample.input_ids, sample.labels]).encode())
-    return {"samples": len(samples), "sha256": digest.hexdigest()}
+def data_fingerprint(samples) -> dict:
+    """Count and sha256 of the encoded training samples, in order (input_ids and labels); the
+    data cache records the same value (data.arrow.fingerprint_samples)."""
+    return fingerprint_samples(samples)
 
 
 def _comparable(key: str, value):

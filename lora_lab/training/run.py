@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..config import RunConfig, converts_initial_adapter
 from ..data import PreparedData, prepare_data
+from ..data.arrow import sample_lengths, trained_token_count
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
 from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_launched_worker,
                       peak_memory_per_gpu, release_memory, use_cudnn_attention, world_size)
@@ -103,7 +104,7 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     tokenizer = load_tokenizer(config.model.name, config.model.trust_remote_code, model_path)
     data = prepare_data(config.data, tokenizer, config.train.seed, config.train.task)
     report_data(data, config.data.max_length)
-    fingerprint = data_fingerprint(data.train.samples)
+    fingerprint = data.train.fingerprint or data_fingerprint(data.train.samples)
     if resume_from is not None:
         adopt_resumed_batch(config, run_dir)
     packed = pack_training_data(config, data) if config.data.packing else None
@@ -128,7 +129,7 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
                          global_step=trainer.state.global_step,
                          train_loss=train_loss, eval_loss=eval_loss,
                          train_samples=len(data.train.samples),
-                         trained_tokens=sum(s.trained_tokens for s in data.train.samples),
+                         trained_tokens=trained_token_count(data.train.samples),
                          seconds=round(time.time() - started, 1),
                          nonfinite_skipped_steps=trainer.guard.skipped_steps)
     timer = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepTimer))
@@ -192,7 +193,7 @@ def longest_row(data: PreparedData, packed=None) -> int:
     """Tokens in the longest training row: a packed row, or the longest sample."""
     if packed is not None:
         return packed.longest_row
-    return max(len(s.input_ids) for s in data.train.samples)
+    return max(sample_lengths(data.train.samples))
 
 
 def check_gpu_memory(config: RunConfig, longest_row_tokens: int) -> None:

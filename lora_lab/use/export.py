@@ -63,8 +63,8 @@ class QuantFormat:
 
 
 # Both calibrated formats quantize every Linear but lm_head to int4, symmetric, groups of 128
-# input columns: the scheme vLLM's Marlin kernels serve and transformers reads back
-# (compressed-tensors cannot yet load the packed zero points of an asymmetric scheme).
+# input columns: the scheme vLLM's Marlin kernels serve and transformers reads back (transformers
+# builds the zero points of an asymmetric scheme unpacked and refuses the packed ones saved).
 LLMCOMPRESSOR_SCHEME = "W4A16"
 
 

@@ -19,7 +19,7 @@ WHEELS ?= $(HOME)/.cache/lora-lab/wheels
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
 
-.PHONY: install llama-cpp demo test test-fast test-gpu finetune bench clean
+.PHONY: install llama-cpp demo test test-fast test-slow test-gpu finetune bench clean
 
 install: $(STAMP)
 
@@ -61,6 +61,9 @@ test: install
 
 test-fast: install
 	$(PYTHON) -m pytest -q --durations=10 tests/unit tests/e2e -m "not real_model"
+
+test-slow: install
+	LORA_LAB_SLOW=1 $(PYTHON) -m pytest -q --durations=10 tests/unit tests/e2e -m slow
 
 test-gpu: install
 	$(PYTHON) -m pytest -q tests/gpu

@@ -39,7 +39,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 HELDOUT = HERE / "export_heldout.jsonl"
-FORMATS = ("nf4", "w4a16")
+FORMATS = ("nf4", "w4a16", "awq")
 SIZES = ("0.5b", "1.5b", "7b")
 GIB = 2**30
 
@@ -307,7 +307,7 @@ class Bench:
         step = {"kind": "export", "source": source, "format": fmt, "folder": folder,
                 "calib_samples": self.args.real_calib_samples if real else
                 self.args.calib_samples}
-        if not real and fmt == "w4a16":
+        if not real and fmt in ("w4a16", "awq"):
             step["calib_data"] = [str(self.calib_file())]
         outcome = self.step(step)
         self.record({"kind": "export", "model": model, "size": size, "format": fmt, **outcome})
@@ -332,7 +332,9 @@ class Bench:
         outcome = self.step({"kind": "load", "folder": folder})
         in_memory = {"bf16": "bf16", "nf4": "nf4 (bitsandbytes Linear4bit)",
                      "w4a16": "packed int4 after load; de-quantized to bf16 by transformers at "
-                              "the first forward (vLLM keeps int4)"}[fmt]
+                              "the first forward (vLLM keeps int4)"}
+        in_memory["awq"] = in_memory["w4a16"]
+        in_memory = in_memory[fmt]
         self.record({"kind": "load", "model": f"qwen2.5-{size} (random)", "size": size,
                      "format": fmt, "in_memory": in_memory, **outcome})
 

@@ -432,7 +432,7 @@ def export_tables() -> str:
         lines = ["| model | format | weights on disk GiB | GPU peak after loading GiB | "
                  "after a 16-token generation GiB |", "|---|---|---|---|---|"]
         for row in sorted(loads, key=lambda r: (SIZES.index(r["size"]),
-                                                ("bf16", "nf4", "w4a16").index(r["format"]))):
+                                                ("bf16", "nf4", "w4a16", "awq").index(r["format"]))):
             if row.get("error"):
                 lines.append(f"| Qwen2.5-{row['size'].upper()} | {row['format']} | failed: "
                              f"{row['error'][:100]} | | |")

@@ -337,13 +337,14 @@ def merge(path, output, dtype, force, served_name):
               default="safetensors", show_default=True,
               help="safetensors: a Hugging Face folder (transformers, vLLM). gguf: one GGUF file "
               "for llama.cpp and Ollama, with a Modelfile (needs lora-lab[gguf]).")
-@click.option("--quantize", type=click.Choice(["nf4", "w4a16", "f16", "q8_0", "q4_k_m"]),
-              help="safetensors: nf4 (bitsandbytes 4-bit; vLLM --quantization bitsandbytes) or "
-              "w4a16 (GPTQ int4, compressed-tensors; needs lora-lab[export]). gguf: f16 "
-              "(default), q8_0 or q4_k_m (llama.cpp).")
-@click.option("--calib-data", multiple=True, help="w4a16 calibration data (default: the run's "
-              "training data from config.yaml). Repeat to mix datasets.")
-@click.option("--calib-samples", type=int, help="w4a16 calibration samples  [default: 256]")
+@click.option("--quantize", type=click.Choice(["nf4", "w4a16", "awq", "f16", "q8_0", "q4_k_m"]),
+              help="safetensors: nf4 (bitsandbytes 4-bit; vLLM --quantization bitsandbytes), "
+              "w4a16 (GPTQ int4, compressed-tensors; needs lora-lab[export]) or awq (AWQ int4, "
+              "the same format; needs lora-lab[export]). gguf: f16 (default), q8_0 or q4_k_m "
+              "(llama.cpp).")
+@click.option("--calib-data", multiple=True, help="w4a16/awq calibration data (default: the "
+              "run's training data from config.yaml). Repeat to mix datasets.")
+@click.option("--calib-samples", type=int, help="w4a16/awq calibration samples  [default: 256]")
 @click.option("--output", type=click.Path(), help="Default: RUN_DIR/export-FORMAT (gguf: "
               "export-gguf-TYPE), or MERGED_DIR-FORMAT beside a merged folder.")
 @click.option("--gpu", "gpu_tier", type=click.Choice(["8gb", "12gb", "16gb", "24gb"]),

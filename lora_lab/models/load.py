@@ -134,7 +134,7 @@ def check_model_files(path: str) -> None:
 
 
 def check_quantized_folder(path: str) -> None:
-    """A w4a16 export (compressed-tensors) loads only where its library is installed."""
+    """A w4a16 or awq export (compressed-tensors) loads only where its library is installed."""
     import importlib.util
 
     config_file = Path(path) / "config.json"
@@ -144,7 +144,7 @@ def check_quantized_folder(path: str) -> None:
         "quant_method")
     if method == "compressed-tensors" and importlib.util.find_spec("compressed_tensors") is None:
         raise ModelError(f"--model {path}: this folder holds compressed-tensors weights (a "
-                         f"`lora-lab export --quantize w4a16` folder); loading it needs "
+                         f"`lora-lab export --quantize w4a16` or `awq` folder); loading it needs "
                          f"`pip install compressed-tensors` (or `pip install 'lora-lab[export]'`).")
 
 

@@ -1,6 +1,6 @@
 """Merged model (or run) -> 4-bit folder for serving, checked before it is kept, with a vLLM plan.
 
-Two formats, both 4-bit weight-only, both written by their own library (no quantization code here):
+Three formats, all 4-bit weight-only, each written by its own library (no quantization code here):
 
   nf4    bitsandbytes 4-bit NormalFloat with double quantization: `save_pretrained` of the model
          loaded with BitsAndBytesConfig. Needs no calibration data; loads with
@@ -9,6 +9,9 @@ Two formats, both 4-bit weight-only, both written by their own library (no quant
          made by llm-compressor (`pip install lora-lab[export]`) from a few hundred samples of
          the run's own training data. vLLM serves it natively (Marlin kernels); transformers
          loads it de-quantized to 16 bits.
+  awq    AWQ (activation-aware scaling of each layer's input channels, searched on the same
+         calibration samples), then int4 weights of the same scheme and format as w4a16, both by
+         llm-compressor: vLLM and transformers load it exactly as they load w4a16.
 
 A run folder is first merged onto its 16-bit base (use/merge.py; never into
 4-bit weights), then quantized. The folder is written to `<output>.partial` and renamed only
@@ -24,6 +27,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,6 +56,32 @@ class QuantFormat:
     needs_calibration: bool
     vllm_quantization: str | None
     """vLLM's --quantization value, or None where vLLM reads it from config.json by itself."""
+    method: str = ""
+    """The calibrated algorithm, as the stage lines name it (GPTQ, AWQ)."""
+    recipe: Callable[[], list] | None = None
+    """llm-compressor's modifiers for a calibrated format (run by oneshot, saved compressed)."""
+
+
+# Both calibrated formats quantize every Linear but lm_head to int4, symmetric, groups of 128
+# input columns: the scheme vLLM's Marlin kernels serve and transformers reads back (transformers
+# builds the zero points of an asymmetric scheme unpacked and refuses the packed ones saved).
+LLMCOMPRESSOR_SCHEME = "W4A16"
+
+
+def gptq_recipe() -> list:
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
+    return [GPTQModifier(targets="Linear", scheme=LLMCOMPRESSOR_SCHEME, ignore=["lm_head"])]
+
+
+def awq_recipe() -> list:
+    """AWQ's scaling of each block's input channels (llm-compressor's mappings for the model
+    type), then round-to-nearest int4 of the scaled weights, as llm-compressor's AWQ examples do."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform import AWQModifier
+
+    return [AWQModifier(),
+            QuantizationModifier(targets="Linear", scheme=LLMCOMPRESSOR_SCHEME, ignore=["lm_head"])]
 
 
 FORMATS = {
@@ -59,7 +89,12 @@ FORMATS = {
                        "bitsandbytes", needs_calibration=False, vllm_quantization="bitsandbytes"),
     "w4a16": QuantFormat("w4a16", "GPTQ int4 weights, symmetric, group size 128, 16-bit "
                          "activations (compressed-tensors pack-quantized, llm-compressor)",
-                         "llmcompressor", needs_calibration=True, vllm_quantization=None),
+                         "llmcompressor", needs_calibration=True, vllm_quantization=None,
+                         method="GPTQ", recipe=gptq_recipe),
+    "awq": QuantFormat("awq", "AWQ-scaled int4 weights, symmetric, group size 128, 16-bit "
+                       "activations (compressed-tensors pack-quantized, llm-compressor)",
+                       "llmcompressor", needs_calibration=True, vllm_quantization=None,
+                       method="AWQ", recipe=awq_recipe),
 }
 GGUF_TYPES = {"f16": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
@@ -151,7 +186,7 @@ def _check_arguments(quantize, calib_data, calib_samples, gpu_tier) -> QuantForm
     elif calib_data and not fmt.needs_calibration:
         problems.append(f"--calib-data: {quantize} quantizes every block from its own weights "
                         f"and uses no calibration data; drop --calib-data, or use --quantize "
-                        f"w4a16 (GPTQ, calibrated).")
+                        f"w4a16 or awq (calibrated).")
     if calib_samples < 1:
         problems.append(f"--calib-samples {calib_samples}: must be at least 1.")
     if gpu_tier is not None and gpu_tier not in TIERS_GIB:
@@ -219,14 +254,14 @@ def _export(fmt: QuantFormat, source: Path, staging: Path, run_dir: Path | None,
         log.info(f"export 1/2: quantizing {source} to nf4 (bitsandbytes) and saving it")
         _quantize_nf4(source, staging)
     else:
-        _check_group_size(source)
+        _check_group_size(source, fmt)
         samples, calibration = calibration_samples(tokenizer, run_dir, calib_data, calib_samples,
                                                    str(source))
         reference = reference_logits(source, batch)
-        log.info(f"export 1/3: quantizing {source} to w4a16 (GPTQ, llm-compressor), "
+        log.info(f"export 1/3: quantizing {source} to {fmt.name} ({fmt.method}, llm-compressor), "
                  f"calibrating on {calibration['samples']} samples ({calibration['tokens']} "
                  f"tokens) of {' '.join(calibration['data'])}, one decoder layer at a time")
-        _quantize_w4a16(source, staging, samples)
+        _quantize_compressed(fmt, source, staging, samples)
     _copy_side_files(source, staging)
     stage = "2/2" if fmt.name == "nf4" else "3/3"
     log.info(f"export {stage}: checking: the written folder loaded back, its logits on "
@@ -257,13 +292,12 @@ def _quantize_nf4(source: Path, staging: Path) -> None:
     release_memory()
 
 
-def _quantize_w4a16(source: Path, staging: Path, samples: list) -> None:
-    """GPTQ through llm-compressor's oneshot, saved compressed (pack-quantized)."""
+def _quantize_compressed(fmt: QuantFormat, source: Path, staging: Path, samples: list) -> None:
+    """The format's recipe through llm-compressor's oneshot, saved compressed (pack-quantized)."""
     os.environ.setdefault("LLM_COMPRESSOR_LOG_LEVEL", "WARNING")
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import GPTQModifier
     from transformers import AutoModelForCausalLM
 
     # The model is loaded into CPU memory; with a GPU, llm-compressor moves one layer at a time
@@ -274,8 +308,8 @@ def _quantize_w4a16(source: Path, staging: Path, samples: list) -> None:
         source, dtype=torch.bfloat16 if on_gpu else torch.float32).eval()
     dataset = Dataset.from_dict({"input_ids": list(samples),
                                  "attention_mask": [[1] * len(s) for s in samples]})
-    recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
-    with quantized_layers_said(model.config.num_hidden_layers):
+    recipe = fmt.recipe()
+    with quantized_layers_said(model.config.num_hidden_layers), no_pinning_without_accelerator():
         oneshot(model=model, dataset=dataset, recipe=recipe,
                 num_calibration_samples=len(samples),
                 max_seq_length=max(len(s) for s in samples), shuffle_calibration_samples=False)
@@ -310,19 +344,41 @@ def quantized_layers_said(layers: int):
 
 
 LAYER_NAME = re.compile(r"\blayers\.(\d+)\.")
+
+
+@contextlib.contextmanager
+def no_pinning_without_accelerator():
+    """Without a GPU, llm-compressor's cache of layer inputs is not pinned: pinning only speeds
+    copies to a GPU, and llm-compressor's AWQ pins that cache unconditionally before each
+    smoothing search, which raises "Cannot access accelerator device" on a machine without one."""
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available():
+        yield
+        return
+    pin_memory = IntermediatesCache.pin_memory
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    try:
+        yield
+    finally:
+        IntermediatesCache.pin_memory = pin_memory
+
+
 W4A16_GROUP_SIZE = 128
 
 
-def _check_group_size(source: Path) -> None:
-    """GPTQ groups of 128 input columns: every linear layer's input size must be a multiple
+def _check_group_size(source: Path, fmt: QuantFormat = FORMATS["w4a16"]) -> None:
+    """Int4 groups of 128 input columns: every linear layer's input size must be a multiple
     (vLLM's Marlin kernels need it too). True of every Qwen2.5 size."""
     config = json.loads((source / "config.json").read_text())
     sizes = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"]}
     bad = {k: v for k, v in sizes.items() if v % W4A16_GROUP_SIZE}
     if bad:
         shown = ", ".join(f"{k} {v}" for k, v in bad.items())
-        raise ModelError(f"--quantize w4a16: {source} has {shown}, not a multiple of the GPTQ "
-                         f"group size {W4A16_GROUP_SIZE}; use --quantize nf4 for this model.")
+        raise ModelError(f"--quantize {fmt.name}: {source} has {shown}, not a multiple of the "
+                         f"{fmt.method} group size {W4A16_GROUP_SIZE}; use --quantize nf4 for "
+                         f"this model.")
 
 
 SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",

@@ -88,7 +88,7 @@ def check_gguf_arguments(quantize: str | None, calib_data=(), calib_samples: int
     problems = []
     if quantize not in GGUF_TYPES:
         problems.append(f"--format gguf --quantize {quantize}: not a GGUF type; choose one of "
-                        f"{', '.join(GGUF_TYPES)} (nf4 and w4a16 are --format safetensors).")
+                        f"{', '.join(GGUF_TYPES)} (nf4, w4a16 and awq are --format safetensors).")
     if calib_data or calib_samples not in (None, DEFAULT_CALIB_SAMPLES):
         problems.append("--calib-data/--calib-samples: llama.cpp quantizes GGUF types from the "
                         "weights alone; drop them with --format gguf.")

@@ -1,5 +1,5 @@
-"""lora-lab export on a tiny model trained by `lora-lab run`: run folder -> nf4 (and w4a16 where
-llm-compressor is installed) -> a folder that loads with AutoModelForCausalLM on CPU and still
+"""lora-lab export on a tiny model trained by `lora-lab run`: run folder -> nf4 (and w4a16 and awq
+where llm-compressor is installed) -> a folder that loads with AutoModelForCausalLM on CPU and still
 answers as the 16-bit merged model does; and bench/export_bench.py end to end on CPU.
 
 The tiny model here has hidden size 128 (tests/conftest.py's has 32): bitsandbytes' CPU nf4 kernel
@@ -142,20 +142,30 @@ def test_export_of_a_merged_folder_and_overwrite_rules(trained, merged_fp32):
     assert forced.exit_code == 0 and {p.name for p in out.iterdir()} == FILES
 
 
-def test_w4a16_export_calibrated_on_the_run_data(trained, merged_fp32):
-    pytest.importorskip("llmcompressor", reason="w4a16 needs lora-lab[export] (llm-compressor)")
+@pytest.mark.parametrize("fmt,method", [("w4a16", "GPTQ"), ("awq", "AWQ")])
+def test_calibrated_export_on_the_run_data(trained, merged_fp32, fmt, method):
+    """w4a16 (GPTQ) and awq (AWQ scaling, then int4): one compressed-tensors scheme, symmetric
+    int4 in groups of 128, that vLLM's rules take and transformers reads back."""
+    pytest.importorskip("llmcompressor", reason=f"{fmt} needs lora-lab[export] (llm-compressor)")
+    from tests.vllm_rules import vllm_wna16_problems
+
     run_dir, data = trained
-    result = invoke("export", run_dir, "--quantize", "w4a16", "--calib-samples", 4,
-                    "--gpu", "24gb")
+    result = invoke("export", run_dir, "--quantize", fmt, "--calib-samples", 4, "--gpu", "24gb")
     assert result.exit_code == 0, result.output
-    out = run_dir / "export-w4a16"
+    out = run_dir / f"export-{fmt}"
     assert {p.name for p in out.iterdir()} == FILES | {"recipe.yaml"}
-    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    recipe = (out / "recipe.yaml").read_text()
+    assert (f"{method}Modifier" in recipe) and ("AWQModifier" in recipe) == (fmt == "awq")
+    full_config = json.loads((out / "config.json").read_text())
+    config = full_config["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
     weights = config["config_groups"]["group_0"]["weights"]
     assert (weights["num_bits"], weights["group_size"], weights["symmetric"]) == (4, 128, True)
+    assert (weights["type"], weights["strategy"]) == ("int", "group")
     assert config["ignore"] == ["lm_head"]
+    assert vllm_wna16_problems(full_config) == []  # vLLM's compressed-tensors loader rules
     report = json.loads((out / "export_report.json").read_text())
+    assert report["format"] == fmt and method in report["format_description"]
     calibration = report["calibration"]
     assert calibration["samples"] == 4 and calibration["data"] == [f"{data}#8"]
     assert calibration["from"] == "run config.yaml" and calibration["tokens"] > 4 * 10
@@ -165,13 +175,14 @@ def test_w4a16_export_calibrated_on_the_run_data(trained, merged_fp32):
     assert "--quantization" not in result.output.split("vllm serve")[1].split("\n")[0]
     stages = stage_lines(result.output)
     assert stages[0].startswith("export 1/3: quantizing ") and (
-        f"to w4a16 (GPTQ, llm-compressor), calibrating on 4 samples ({calibration['tokens']} "
-        f"tokens) of {data}#8, one decoder layer at a time") in stages[0]
-    assert stages[1:3] == ["  GPTQ: quantizing decoder layer 1/2",
-                           "  GPTQ: quantizing decoder layer 2/2"]
-    assert stages[3].startswith("export 2/3: saving the compressed (pack-quantized) weights")
-    assert stages[4] == ("export 3/3: checking: the written folder loaded back, its logits on "
-                         "3 check prompts against the 16-bit model's")
+        f"to {fmt} ({method}, llm-compressor), calibrating on 4 samples "
+        f"({calibration['tokens']} tokens) of {data}#8, one decoder layer at a time") in stages[0]
+    layers = (["  GPTQ: quantizing decoder layer 1/2", "  GPTQ: quantizing decoder layer 2/2"]
+              if fmt == "w4a16" else [])  # GPTQ's per-layer log; AWQ has none
+    assert stages[1:-2] == layers
+    assert stages[-2].startswith("export 2/3: saving the compressed (pack-quantized) weights")
+    assert stages[-1] == ("export 3/3: checking: the written folder loaded back, its logits on "
+                          "3 check prompts against the 16-bit model's")
 
 
 def test_export_bench_runs_on_cpu(trained, tmp_path):

@@ -216,3 +216,34 @@ def test_w4a16_needs_inputs_divisible_by_the_group_size(tmp_path):
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps(known_model_config(size)))
         _check_group_size(folder)
+
+
+def test_awq_shares_the_group_size_rule_and_says_its_own_name(tmp_path):
+    from lora_lab.use.export import FORMATS, _check_group_size
+
+    with pytest.raises(ModelError, match="--quantize awq: .* has intermediate_size 200, not a "
+                                         "multiple of the AWQ group size 128; use --quantize nf4"):
+        _check_group_size(_model_folder(tmp_path / "m", hidden_size=128, intermediate_size=200),
+                          FORMATS["awq"])
+
+
+def test_awq_on_a_cpu_skips_only_the_pinning_of_llmcompressors_cache():
+    """llm-compressor's AWQ pins its cache of layer inputs, which raises without a GPU; inside
+    no_pinning_without_accelerator the pinning is skipped, and restored after."""
+    pytest.importorskip("llmcompressor")
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    from lora_lab.use.export import no_pinning_without_accelerator
+
+    if torch.accelerator.is_available():
+        pytest.skip("with a GPU the cache is pinned as llm-compressor does it")
+    cache = IntermediatesCache.empty(1, torch.device("cpu"))
+    cache.update(0, {"hidden_states": torch.ones(2, 3)})
+    with pytest.raises(RuntimeError, match="Cannot access accelerator device"):
+        cache.pin_memory(0)
+    with no_pinning_without_accelerator():
+        cache.pin_memory(0)
+    assert not cache.fetch(0)["hidden_states"].is_pinned()
+    with pytest.raises(RuntimeError, match="Cannot access accelerator device"):
+        cache.pin_memory(0)

@@ -85,7 +85,8 @@ def test_a_template_of_no_known_family_leaves_template_out(tokenizer):
                                            "safetensors; drop --gpu with --format gguf."),
     (["--format", "gguf", "--calib-samples", "16"], "--calib-data/--calib-samples: llama.cpp "
                                                     "quantizes GGUF types from the weights alone"),
-    ([], "--quantize (none): choose one of nf4, w4a16 (or --format gguf with f16, q8_0, q4_k_m)"),
+    ([], "--quantize (none): choose one of nf4, w4a16, awq (or --format gguf with f16, q8_0, "
+         "q4_k_m)"),
     (["--format", "gguf", "--quantize", "q4_0"], "Invalid value for '--quantize'"),
 ])
 def test_gguf_flag_mistakes_give_one_clean_message(tmp_path, args, message):

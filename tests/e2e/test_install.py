@@ -30,3 +30,27 @@ def test_non_editable_install_ships_presets_and_data(tmp_path):
     assert rows >= 80 and hidden == 3584
     assert tokenizer_files == ["LICENSE", "SOURCE.md", "tokenizer.json", "tokenizer_config.json"]
     assert template == "{{ bos_token }}"
+
+
+LLM_COMPRESSOR_LINES = (
+    "llmcompressor 0.14.0.1 requires auto-round, which is not installed.",
+    "llmcompressor 0.14.0.1 has requirement transformers",
+)
+"""What `pip check` says of llm-compressor, installed with --no-deps by `make install` (its
+AutoRound modifier, which lora-lab never calls, and its transformers pin: docs/install.md)."""
+
+
+def test_pip_check_reports_only_llm_compressors_declared_pins():
+    """Of the packages lora-lab declares (its requirements and extras), `pip check` finds
+    nothing broken but llm-compressor's two known lines."""
+    import re
+    from importlib.metadata import requires
+
+    ours = {re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0].lower().replace("_", "-")
+            for r in requires("lora-lab")} | {"lora-lab"}
+    result = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True,
+                            text=True)
+    lines = [line for line in result.stdout.splitlines()
+             if line.split(" ", 1)[0].lower().replace("_", "-") in ours]
+    others = [line for line in lines if not line.startswith(LLM_COMPRESSOR_LINES)]
+    assert others == [], others

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import warnings
 
 import click
 
@@ -42,6 +43,10 @@ def main():
     # own progress bars say enough.
     for name in ("httpx", "httpx2"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # peft asks transformers' deprecated is_gradient_checkpointing on every model it wraps; the
+    # FutureWarning is addressed to peft, not to whoever runs lora-lab.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                            category=FutureWarning)
 
 
 def run_options(func):

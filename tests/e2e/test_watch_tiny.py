@@ -206,3 +206,4 @@ def test_on_a_terminal_the_progress_line_is_rewritten_in_place(tiny_model_dir, t
     assert all(f.endswith("\x1b[K") for f in frames[:-1]) and frames[-1].endswith("\x1b[K\n")
     assert " tok/s · ETA " in frames[-1] and "GPU" not in frames[-1]
     assert "step " not in stdout and "done: 3 steps" in stdout
+    assert "Warning" not in screen  # no library deprecation notices on the user's terminal

@@ -107,15 +107,15 @@ def agree_across_nodes(config: RunConfig, run_dir: Path, fingerprint: dict) -> N
         return
     mine = {"node": int(os.environ.get("GROUP_RANK", config.train.node_rank)),
             "rank": dist.get_rank(), "config": shared_config(config), "data": fingerprint,
-            "folder": folder_view(run_dir)}
+            "run_dir": str(run_dir), "folder": folder_view(run_dir)}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    problems = disagreements(everyone, run_dir)
+    problems = disagreements(everyone)
     if problems:
         raise ConfigError(problems)
 
 
-def disagreements(everyone: list, run_dir: Path) -> list[str]:
+def disagreements(everyone: list) -> list[str]:
     """What the processes' reports (agree_across_nodes) disagree on with global rank 0's."""
     first, problems, said = everyone[0], [], set()
     for other in everyone[1:]:
@@ -133,10 +133,11 @@ def disagreements(everyone: list, run_dir: Path) -> list[str]:
                             f"files.")
         if other["folder"] != first["folder"] and ("folder", other["node"]) not in said:
             said.add(("folder", other["node"]))
-            problems.append(f"{who} does not see the run folder {run_dir} as node 0 does "
-                            f"(node 0: {_listing(first['folder'])}; {who}: "
-                            f"{_listing(other['folder'])}). Put --output-dir on storage every "
-                            f"node shares (NFS, Lustre ...), mounted on each.")
+            problems.append(f"{who} does not see the run folder as node 0 does (node 0: "
+                            f"{first['run_dir']}: {_listing(first['folder'])}; {who}: "
+                            f"{other['run_dir']}: {_listing(other['folder'])}). Put "
+                            f"--output-dir on storage every node shares (NFS, Lustre ...), "
+                            f"mounted on each.")
     return problems
 
 

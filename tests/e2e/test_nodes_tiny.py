@@ -34,7 +34,9 @@ def setup(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("nodes")
     rows = [{"query": f"Question {i}?", "response": f"Answer number {i}."} for i in range(24)]
     data = write_jsonl(out / "qa.jsonl", rows)
-    env = {**os.environ, "LORA_LAB_TEST_WEIGHTS": str(out / "weights.jsonl"),
+    # this checkout first: the processes' sitecustomize imports lora_lab before `-m` adds the cwd
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "LORA_LAB_TEST_WEIGHTS": str(out / "weights.jsonl"),
            "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "", "LORA_LAB_CACHE": str(out / "cache")}
     base = [sys.executable, "-m", "lora_lab", "run", "--model", str(tiny_model_dir), "--data",
             str(data), *COMMON, "--output-dir", str(out)]
@@ -163,8 +165,9 @@ def test_nodes_that_disagree_are_refused_with_what_differs(setup, tmp_path):
     for returncode, stdout, stderr in results:
         assert returncode == 2, stdout[-2000:] + stderr[-2000:]
         assert "train.lr: node 0 has 0.001, node 1 (rank 2) has 0.002" in stderr
-        assert (f"node 1 (rank 2) does not see the run folder {setup['out'] / 'disagree'} as "
-                f"node 0 does (node 0: .lock, launch; node 1 (rank 2): no such folder)") in stderr
+        assert (f"node 1 (rank 2) does not see the run folder as node 0 does (node 0: "
+                f"{setup['out'] / 'disagree'}: .lock, launch; node 1 (rank 2): "
+                f"{tmp_path / 'disagree'}: no such folder)") in stderr
         assert "step 1/" not in stdout
     assert not (setup["out"] / "disagree" / "config.yaml").exists()
 

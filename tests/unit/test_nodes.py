@@ -129,26 +129,26 @@ def test_other_nodes_wait_for_node_0_then_refuse_naming_the_address(tmp_path):
         check_main_address(config)  # node 0 listens: it returns at once
 
 
-def report(rank, node, lr=1e-4, folder=("config.yaml", "launch"), data="abc"):
+def report(rank, node, lr=1e-4, folder=("config.yaml", "launch"), data="abc", run_dir="/s/r"):
     return {"rank": rank, "node": node, "config": {"train.lr": lr, "train.gpus": 2},
-            "data": data, "folder": list(folder) if folder is not None else None}
+            "data": data, "run_dir": run_dir,
+            "folder": list(folder) if folder is not None else None}
 
 
-def test_processes_that_disagree_with_rank_0_are_named_once_per_node(tmp_path):
-    assert disagreements([report(0, 0), report(1, 0), report(2, 1), report(3, 1)],
-                         tmp_path) == []
+def test_processes_that_disagree_with_rank_0_are_named_once_per_node():
+    assert disagreements([report(0, 0), report(1, 0), report(2, 1), report(3, 1)]) == []
     problems = disagreements([report(0, 0), report(1, 0), report(2, 1, lr=2e-4),
-                              report(3, 1, lr=2e-4)], tmp_path)
+                              report(3, 1, lr=2e-4)])
     assert problems == ["train.lr: node 0 has 0.0001, node 1 (rank 2) has 0.0002. Every node "
                         "must run the same command, but for --node-rank."]
-    blind = disagreements([report(0, 0), report(1, 0), report(2, 1, folder=None),
-                           report(3, 1, folder=None)], tmp_path)
-    assert blind == [f"node 1 (rank 2) does not see the run folder {tmp_path} as node 0 does "
-                     f"(node 0: config.yaml, launch; node 1 (rank 2): no such folder). Put "
-                     f"--output-dir on storage every node shares (NFS, Lustre ...), mounted on "
-                     f"each."]
-    assert "the training data differ" in disagreements([report(0, 0), report(1, 1, data="x")],
-                                                        tmp_path)[0]
+    blind = disagreements([report(0, 0), report(1, 0), report(2, 1, folder=None, run_dir="/l/r"),
+                           report(3, 1, folder=None, run_dir="/l/r")])
+    assert blind == ["node 1 (rank 2) does not see the run folder as node 0 does (node 0: "
+                     "/s/r: config.yaml, launch; node 1 (rank 2): /l/r: no such folder). Put "
+                     "--output-dir on storage every node shares (NFS, Lustre ...), mounted on "
+                     "each."]
+    assert "the training data differ" in disagreements([report(0, 0),
+                                                        report(1, 1, data="x")])[0]
 
 
 def test_plan_shards_over_every_nodes_gpus():

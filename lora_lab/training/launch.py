@@ -12,6 +12,11 @@ and runs `python -m accelerate.commands.launch ... --module lora_lab run --prese
 RUN_DIR/launch/run_config.yaml`. Each worker trains with transformers' Trainer, which picks up the
 engine from accelerate; only rank 0 writes into the run folder (training/run.py).
 
+With --nodes N each machine runs the same command with its --node-rank: the launch files of node R
+are RUN_DIR/launch/node-R/ (node 0; a dry run writes every node's), with num_machines,
+machine_rank and node 0's address, and accelerate's num_processes counts every node's processes;
+training/nodes.py says what else changes.
+
 Without a CUDA GPU the workers are CPU processes talking over gloo (ddp only): that is how the
 tests exercise this path. accelerate's own `--cpu` flag starts a single process unless MPI is
 set up, so on CPU the launch goes through its torchrun-based launcher, and each worker's
@@ -289,9 +294,10 @@ def _run_workers(config: RunConfig, command: list, run_dir: Path) -> TrainResult
     if stopped is not None:  # the workers stopped on a signal and wrote a checkpoint
         raise stopped
     if returncode != 0:
+        files = Path(command[command.index("--config") + 1]).parent
         raise TrainingError(f"--gpus {t.gpus}{node}: the launched run failed (exit status "
                             f"{returncode}); the workers' messages are above. The "
-                            f"launch files are in {Path(command[command.index('--config') + 1]).parent}.")
+                            f"launch files are in {files}.")
     return read_result(run_dir)
 
 

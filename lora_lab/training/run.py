@@ -113,7 +113,8 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     packed = pack_training_data(config, data) if config.data.packing else None
     check_gpu_memory(config, longest_row(data, packed))
     check_disk_space(config, run_dir, count_optimizer_steps(config, len(data.train.samples)))
-    open_run_dir(config, run_dir, data, resume_from, fingerprint, state.is_main_process)
+    open_run_dir(config, run_dir, data, resume_from, fingerprint, state.is_main_process,
+                 state.wait_for_everyone)
     state.wait_for_everyone()
     with tracker_runs(run_dir, config.train.report_to, state.is_main_process):
         trainer, train_loss = train_with_oom_retry(config, data, packed, tokenizer, precision,
@@ -228,13 +229,15 @@ def adopt_resumed_batch(config: RunConfig, run_dir: Path) -> None:
 
 
 def open_run_dir(config: RunConfig, run_dir: Path, data: PreparedData, resume_from: Path | None,
-                 fingerprint: dict, is_main_process: bool = True) -> None:
+                 fingerprint: dict, is_main_process: bool = True, wait=lambda: None) -> None:
     """Refuse drift, then (re)write config.yaml and the data report; trim the step log.
 
-    Every rank checks (so that all of them stop on drift); only the main process writes."""
+    Every rank checks (so that all of them stop on drift), and all have read config.yaml
+    (`wait`: a barrier) before the main process alone rewrites it."""
     if resume_from is not None:
         for change in check_drift(run_dir, resume_from, config, fingerprint):
             log.warning(f"warning: --allow-config-change: {change}")
+    wait()
     if not is_main_process:
         return
     (run_dir / LOGS_FOLDER).mkdir(parents=True, exist_ok=True)

@@ -147,8 +147,8 @@ def test_a_killed_node_stops_both_and_every_node_resumes_with_resume_auto(runs, 
     run_dir = setup["out"] / "killed"
     assert sorted(p.name for p in run_dir.glob("checkpoint-*")) == ["checkpoint-2"]
     resumed = two_nodes(setup, "killed", extra=["--resume", "auto"])
-    for returncode, stdout, stderr in resumed:
-        assert returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert [r[0] for r in resumed] == [0, 0], "\n".join(r[1][-1500:] + r[2][-2500:]
+                                                        for r in resumed)
     assert f"resuming from {run_dir / 'checkpoint-2'} (step 2)" in resumed[0][1]
     again, reference = losses(run_dir), losses(runs["nodes"])
     assert [s for s, _ in again] == [1, 2, 3, 4]
@@ -174,9 +174,9 @@ def test_nodes_that_disagree_are_refused_with_what_differs(setup, tmp_path):
 
 def test_an_unreachable_main_address_is_a_timeout_naming_it(setup):
     port = free_port()
-    result = CliRunner().invoke(main, ["run", *setup["base"][4:], "--run-name", "alone", "--gpus", "2",
-                                       "--nodes", "2", "--node-rank", "1", "--main-address",
-                                       f"127.0.0.1:{port}", "--set",
+    result = CliRunner().invoke(main, ["run", *setup["base"][4:], "--run-name", "alone",
+                                       "--gpus", "2", "--nodes", "2", "--node-rank", "1",
+                                       "--main-address", f"127.0.0.1:{port}", "--set",
                                        "train.node_wait_seconds=2"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert (f"--main-address 127.0.0.1:{port}: node 0 did not answer within 2 s (Connection "

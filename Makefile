@@ -8,6 +8,12 @@ GPUS ?= 1
 # engine for GPUS > 1: ddp, deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3,
 # deepspeed-zero3-offload or fsdp (default: the run config's train.engine, ddp)
 ENGINE ?=
+# several machines: NODES=N, this machine's NODE_RANK (0 .. N-1) and node 0's MAIN_ADDRESS
+# HOST[:PORT], the same make command on each (docs/multi-gpu.md, several nodes)
+NODES ?= 1
+NODE_RANK ?= 0
+MAIN_ADDRESS ?=
+RUN_NAME ?=
 STAMP = .install.stamp
 # e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" where no CPU wheel is at hand
 TORCH_PIP_ARGS ?=
@@ -69,8 +75,8 @@ test-gpu: install
 	$(PYTHON) -m pytest -q tests/gpu
 
 finetune: install
-	@if [ -z "$(DATA)" ]; then echo "usage: make finetune DATA=my.jsonl [MODEL=qwen2.5-7b] [PRESET=24gb] [GPUS=2 [ENGINE=deepspeed-zero2]]"; exit 2; fi
-	lora-lab run --preset $(PRESET) --model $(MODEL) $(foreach d,$(DATA),--data $(d)) --gpus $(GPUS)$(if $(ENGINE), --engine $(ENGINE))
+	@if [ -z "$(DATA)" ]; then echo "usage: make finetune DATA=my.jsonl [MODEL=qwen2.5-7b] [PRESET=24gb] [GPUS=2 [ENGINE=deepspeed-zero2]] [NODES=2 NODE_RANK=0 MAIN_ADDRESS=host:29500 RUN_NAME=name]"; exit 2; fi
+	lora-lab run --preset $(PRESET) --model $(MODEL) $(foreach d,$(DATA),--data $(d)) --gpus $(GPUS)$(if $(ENGINE), --engine $(ENGINE))$(if $(filter-out 1,$(NODES)), --nodes $(NODES) --node-rank $(NODE_RANK))$(if $(MAIN_ADDRESS), --main-address $(MAIN_ADDRESS))$(if $(RUN_NAME), --run-name $(RUN_NAME))
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache

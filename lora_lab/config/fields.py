@@ -264,6 +264,20 @@ class TrainArgs:
                       "through `accelerate launch` (on a machine without CUDA: CPU processes "
                       "over gloo). The effective batch is micro_batch_size x grad_accum x gpus.",
                    minimum=1)
+    nodes: int = _f(1, "Machines the run spans (accelerate num_machines), each running the same "
+                       "`lora-lab run` command with its own --node-rank and --gpus processes; "
+                       "the effective batch is micro_batch_size x grad_accum x gpus x nodes. "
+                       "The run folder (--output-dir) must be on storage every node sees.",
+                    minimum=1)
+    node_rank: int = _f(0, "This machine's place among --nodes (accelerate machine_rank): 0 on "
+                           "the main machine, whose first process writes the run folder; 1 to "
+                           "nodes-1 on the others.", minimum=0)
+    main_address: str = _f(None, "HOST[:PORT] of node 0, where every node meets (accelerate "
+                                 "main_process_ip / main_process_port; port 29500 when left "
+                                 "out). Needed with --nodes above 1.")
+    node_wait_seconds: float = _f(300, "With --nodes above 1: how long a node other than 0 "
+                                       "waits for node 0 to answer at --main-address before "
+                                       "refusing to start.", minimum=1)
     sync_each_micro_batch: str | bool = _f(
         "auto", "Several GPUs: reduce the gradients after every micro-batch, not only after "
                 "the last one of an optimizer step. Without it FSDP keeps each GPU's whole "
@@ -328,7 +342,8 @@ FLAGS = {
     "--gradient-checkpointing/--no-gradient-checkpointing": "train.gradient_checkpointing",
     "--resume": "train.resume", "--allow-config-change": "train.allow_config_change",
     "--on-nonfinite": "train.on_nonfinite", "--oom-retry/--no-oom-retry": "train.oom_retry",
-    "--gpus": "train.gpus", "--engine": "train.engine", "--tuner": "train.tuner",
+    "--gpus": "train.gpus", "--nodes": "train.nodes", "--node-rank": "train.node_rank",
+    "--main-address": "train.main_address", "--engine": "train.engine", "--tuner": "train.tuner",
     "--task": "train.task", "--from-run": "train.from_run", "--beta": "train.pref_beta",
 }
 
@@ -377,4 +392,19 @@ def syncs_each_micro_batch(train: TrainArgs) -> bool:
         return train.engine == "fsdp"
     return bool(train.sync_each_micro_batch)
 
+
+DEFAULT_MAIN_PORT = 29500
+"""torchrun's and accelerate's port when --main-address names none."""
+
+
+def world_size_of(train: TrainArgs) -> int:
+    """Processes in the whole run: --gpus on each of --nodes machines."""
+    return train.gpus * train.nodes
+
+
+def main_host_port(train: TrainArgs) -> tuple[str, int]:
+    """--main-address HOST[:PORT] as (host, port); the port defaults to DEFAULT_MAIN_PORT."""
+    address = train.main_address or "127.0.0.1"
+    host, _, port = address.rpartition(":") if ":" in address else (address, "", "")
+    return host.strip("[]"), int(port) if port else DEFAULT_MAIN_PORT
 

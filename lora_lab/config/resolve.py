@@ -16,7 +16,8 @@ from ..errors import ConfigError, ModelError
 from ..paths import identity_datasets, presets_dir
 from ..registry import resolve_model_spec, size_class
 from .fields import (FLAG_FOR_KEY, FULL_FINETUNING_LR, LORA_INITS, REPORT_BACKENDS, SECTIONS,
-                     ModelArgs, RunConfig, all_keys, converts_initial_adapter, trains_adapter)
+                     ModelArgs, RunConfig, all_keys, converts_initial_adapter, main_host_port,
+                     trains_adapter, world_size_of)
 
 # ----------------------------------------------------------------------------- presets
 
@@ -135,7 +136,7 @@ def resolve_config(preset: str | None = "cpu", config_file: str | None = None,
                 config.sources[key] = layer.recorded.get(key, source)
             labels[key] = label
     _tuner_defaults(config)
-    if config.train.engine == "auto" and config.train.gpus == 1:
+    if config.train.engine == "auto" and world_size_of(config.train) == 1:
         config.train.engine = "ddp"  # several GPUs: lora_lab.memory.pick_engine, at launch
         config.sources["train.engine"] = "auto (one GPU)"
     for key, problem in _validate(config, need_data, training):
@@ -361,7 +362,7 @@ def _validate(config: RunConfig, need_data: bool = True,
                                         "activations overflow fp16 and whole-model updates "
                                         "diverge. Use --dtype bf16 (a GPU with bf16) or fp32."))
     problems += tuner_problems(config)
-    single = (config.train.gpus == 1 and config.train.engine == "ddp"
+    single = (world_size_of(config.train) == 1 and config.train.engine == "ddp"
               and trains_adapter(config.train))
     for key, value in (("model.embedding_on_cpu", config.model.embedding_on_cpu),
                        ("train.offload_checkpoints", config.train.offload_checkpoints)):
@@ -375,6 +376,33 @@ def _validate(config: RunConfig, need_data: bool = True,
     if problem:
         problems.append(("train.report_to", problem))
     problems += _task_problems(config.train, config.data)
+    problems += _node_problems(config.train, launching=need_data and training)
+    return problems
+
+
+def _node_problems(train, launching: bool = True) -> list[tuple[str, str]]:
+    """--nodes N: a node rank among them; to launch, node 0's address and one run folder name
+    for all (a plan needs neither)."""
+    if train.node_rank >= train.nodes:
+        ranks = {1: "0", 2: "0 and 1"}.get(train.nodes, f"0 to {train.nodes - 1}")
+        return [("train.node_rank", f"out of range: with --nodes {train.nodes} the node ranks "
+                                    f"are {ranks}; got {train.node_rank}.")]
+    if train.nodes == 1:
+        return []
+    problems = []
+    if not train.main_address:
+        if launching:
+            problems.append(("train.main_address", f"--nodes {train.nodes} needs node 0's "
+                                                   f"address: --main-address HOST[:PORT], the "
+                                                   f"same on every node."))
+    elif not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[^\s:/\[\]]+)(:\d{1,5})?", train.main_address) \
+            or not 0 < main_host_port(train)[1] < 65536:
+        problems.append(("train.main_address", f"expected HOST or HOST:PORT (e.g. 10.0.0.1:29500 "
+                                               f"or node01); got {train.main_address!r}."))
+    if not train.run_name and not train.resume and launching:
+        problems.append(("train.run_name", f"--nodes {train.nodes}: pass --run-name NAME, the "
+                                           f"same on every node, so that all of them train into "
+                                           f"one run folder."))
     return problems
 
 

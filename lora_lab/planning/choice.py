@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import RunConfig
+from ..config import RunConfig, world_size_of
 from ..errors import LoraLabError
 from ..registry import model_config_of
 from .memory import CPU_PLAN_MARGIN, TIERS_GIB, MemoryPlan, plan_memory, row_length
@@ -21,7 +21,7 @@ def pick_engine(config: RunConfig, gpu_memory_gib: float | None,
     """--engine auto with --gpus N: the first engine of ENGINE_PREFERENCE whose per-GPU plan
     fits the GPU (and whose offloaded state fits CPU memory); without DeepSpeed, fsdp stands in
     for the sharded ones. Returns (engine, why)."""
-    if config.train.gpus == 1:
+    if world_size_of(config.train) == 1:
         return "ddp", "one GPU"
     if config.model.quantization == "nf4":
         return "ddp", "QLoRA's 4-bit weights are not sharded by the engines: a replica per GPU"

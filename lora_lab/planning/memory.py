@@ -28,9 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import (PAIRED_TASKS, REFERENCE_TASKS, RunConfig, engine_template,
-                      syncs_each_micro_batch, trains_adapter)
+                      syncs_each_micro_batch, trains_adapter, world_size_of)
 from ..registry import (linear_shapes, model_config_of, model_display_name, parameter_count,
                         wants_trainable_tokens)
+from .engines import ENGINE_SHARDING, FSDP_FULL_STATE_BYTES, TRAINED_STATE_BYTES
 from .tuners import ADAPTER_NAMES, adapter_params, adapter_state_part, dora_parts
 
 GIB = 2**30
@@ -137,23 +138,6 @@ class ModelShape:
                    tied=bool(config.get("tie_word_embeddings")), linears=linears)
 
 
-# What each engine does with the training state, per GPU: shards (divides by the number of GPUs)
-# or offloads to CPU memory. Counted from the DeepSpeed ZeRO paper and docs and PyTorch FSDP's.
-ENGINE_SHARDING = {
-    #                          parameters      gradients   optimizer state
-    "ddp":                     ("replica",     "replica",  "replica"),
-    "deepspeed-zero2":         ("replica",     "shard",    "shard"),
-    "deepspeed-zero2-offload": ("replica",     "shard",    "cpu"),
-    "deepspeed-zero3":         ("shard",       "shard",    "shard"),
-    "deepspeed-zero3-offload": ("cpu",         "shard",    "cpu"),
-    "fsdp":                    ("shard",       "shard",    "shard"),
-}
-TRAINED_STATE_BYTES = {
-    # per trained parameter: weights, gradients, optimizer state
-    "lora": (4, 4, 8),   # fp32 LoRA weights and gradients; AdamW's two fp32 moments
-    "full": (2, 2, 12),  # bf16 weights and gradients; fp32 master copy + two fp32 moments = 16
-}
-FSDP_FULL_STATE_BYTES = (4, 4, 8)
 CHECKED_ON_GPUS = {("ddp", "lora"), ("deepspeed-zero2", "lora"), ("deepspeed-zero3", "full"),
                    ("fsdp", "full"), ("fsdp", "lora")}
 """(engine, tuner) whose plan a stored two-GPU run matched within 15%
@@ -188,10 +172,12 @@ class MemoryPlan:
     tokens_per_micro_batch: int
     parts_gib: dict = field(default_factory=dict)
     gpus: int = 1
+    """Processes of the whole run (--gpus x --nodes): the engines shard over all of them."""
+    nodes: int = 1
     engine: str = "ddp"
     tuner: str = "lora"
     cpu_parts_gib: dict = field(default_factory=dict)
-    """CPU memory for offloaded state, for all processes of the machine together."""
+    """CPU memory for offloaded state, for all processes of one machine together."""
     packed: bool = False
     means: str = "none"
     """The long-sequence means (lora_lab.activations) the run will use."""
@@ -202,6 +188,8 @@ class MemoryPlan:
     """The longest max_length (micro-batch 1) that fits the budget with these settings."""
     fixes: list = field(default_factory=list)
     """The knobs that would make it fit, as flags."""
+    traffic: object = None
+    """Several nodes: what the engine sends per step (planning.traffic.TrafficPlan)."""
 
     @property
     def checked(self) -> bool:
@@ -224,7 +212,9 @@ class MemoryPlan:
         lines = [f"{self.model}, {self.quantization}, {self.tokens_per_micro_batch} tokens per "
                  f"micro-batch"]
         if self.gpus > 1 or self.engine != "ddp":
-            lines[0] += f"; per GPU of {self.gpus}, engine {self.engine}"
+            lines[0] += (f"; per GPU of {self.gpus}" + (f" ({self.nodes} nodes x "
+                         f"{self.gpus // self.nodes})" if self.nodes > 1 else "")
+                         + f", engine {self.engine}")
         if self.counted:
             ratio, why = GAPS_ON_GPUS.get((self.engine, self.tuner), (None, ""))
             verdict = ("TOO LOW" if ratio < 1 else "too high") if ratio else ""
@@ -237,7 +227,7 @@ class MemoryPlan:
         peak = "predicted peak (torch max_memory_reserved)"
         lines.append(f"  {peak:<44} {self.total_gib:6.2f} GiB")
         if self.cpu_parts_gib:
-            lines.append("  CPU memory for offload" + (" (all processes together):"
+            lines.append("  CPU memory for offload" + (" (a machine's processes together):"
                                                          if self.gpus > 1 else ":"))
             lines += [f"    {name:<42} {gib:6.2f} GiB" for name, gib in self.cpu_parts_gib.items()]
             lines.append(f"    {'total':<42} {self.cpu_total_gib:6.2f} GiB")
@@ -250,6 +240,8 @@ class MemoryPlan:
             lines.append(f"  longest {knob} that fits: {self.longest_max_length}")
         if self.fits is False:
             lines.append(f"  to fit: {' or '.join(self.fixes) or 'a smaller model'}")
+        if self.traffic is not None:
+            lines.append(self.traffic.report())
         return "\n".join(lines)
 
 
@@ -263,7 +255,8 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
     row = row_length(config)
     tokens = min(row, longest_sample_tokens or row) * micro_batch_rows(config)
     plan = MemoryPlan(model=model_display_name(config.model.name), quantization=_method(config),
-                      tokens_per_micro_batch=tokens, gpus=config.train.gpus,
+                      tokens_per_micro_batch=tokens, gpus=world_size_of(config.train),
+                      nodes=config.train.nodes,
                       engine=config.train.engine, tuner=tuner_of(config),
                       packed=config.data.packing)
     budget = usable_gib(gpu_memory_gib)
@@ -279,6 +272,11 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
     else:
         plan.parts_gib, plan.cpu_parts_gib = _distributed_parts(shape, config, tokens)
         plan.counted = True
+    if config.train.nodes > 1:
+        from .traffic import plan_traffic
+
+        plan.traffic = plan_traffic(config, shape.params,
+                                    shape.trained_params(tuner_of(config), config.lora.rank))
     if gpu_memory_gib:
         plan.budget_gib = budget
         plan.longest_max_length = _longest(shape, config, plan.budget_gib)
@@ -408,7 +406,7 @@ def _single_gpu_lora(config: RunConfig) -> bool:
     """The measured, fitted case: an adapter on one GPU without an engine (fitted on LoRA runs;
     DoRA's extra terms are counted)."""
     t = config.train
-    return t.gpus == 1 and t.engine == "ddp" and trains_adapter(t)
+    return world_size_of(t) == 1 and t.engine == "ddp" and trains_adapter(t)
 
 
 def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tuple[dict, dict]:
@@ -418,7 +416,8 @@ def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tup
     Parameters, gradients and optimizer state are each kept whole on every GPU (replica),
     divided by N (shard) or moved to CPU memory (cpu) as ENGINE_SHARDING says. The activation
     terms are the fitted single-GPU ones."""
-    n, engine, tuner = config.train.gpus, config.train.engine, tuner_of(config)
+    n, engine, tuner = world_size_of(config.train), config.train.engine, tuner_of(config)
+    per_machine = config.train.gpus  # CPU memory is a machine's: its --gpus processes
     params_where, grads_where, optim_where = ENGINE_SHARDING[engine]
     single = _parts(shape, config, tokens)
     base_bytes = single.pop("weights") * GIB
@@ -435,8 +434,8 @@ def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tup
     gpu, cpu = {}, {}
 
     def place(name: str, total_bytes: float, where: str):
-        if where == "cpu":
-            cpu[name] = total_bytes / GIB
+        if where == "cpu":  # every process's partition, the machine's share of them
+            cpu[name] = total_bytes / config.train.nodes / GIB
         else:
             gpu[f"{name} ({'1/' + str(n) if where == 'shard' and n > 1 else 'whole'})"] = (
                 total_bytes / (n if where == "shard" else 1) / GIB)
@@ -448,15 +447,16 @@ def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tup
     place("optimizer state" + (" (fp32 master + Adam)" if master else " (Adam)"),
           optim_bytes, optim_where)
     if optim_where == "cpu":
-        cpu["fp32 gradient copy for the CPU optimizer"] = trained * OFFLOAD_FP32_GRAD_BYTES / GIB
+        cpu["fp32 gradient copy for the CPU optimizer"] = (
+            trained * OFFLOAD_FP32_GRAD_BYTES / config.train.nodes / GIB)
         if engine == "deepspeed-zero2-offload":
             # stage_1_and_2.py: a pinned 16-bit copy of each process's partition, and with
             # gradient accumulation a pinned 16-bit buffer of every parameter's whole gradient
             # in every process (buffer_to_accumulate_to_in_cpu)
-            cpu["16-bit partition buffers"] = trained * 2 / GIB
+            cpu["16-bit partition buffers"] = trained * 2 / config.train.nodes / GIB
             if config.train.grad_accum > 1:
-                cpu["whole 16-bit gradients, in every process"] = trained * 2 * n / GIB
-        cpu["the processes' own memory (measured)"] = PROCESS_CPU_GIB * n
+                cpu["whole 16-bit gradients, in every process"] = trained * 2 * per_machine / GIB
+        cpu["the processes' own memory (measured)"] = PROCESS_CPU_GIB * per_machine
     if engine == "ddp" and n > 1:
         gpu["DDP buckets (a copy of the gradients)"] = grads_bytes / GIB
     held = config.train.grad_accum > 1 and not syncs_each_micro_batch(config.train)
@@ -488,7 +488,7 @@ def _deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int,
     import json
 
     zero = json.loads(engine_template(config.train.engine).read_text())["zero_optimization"]
-    n, total = config.train.gpus, shape.params
+    n, total = world_size_of(config.train), shape.params
     parts = {}
     if not cpu_optimizer:
         parts["fp32 gradient partition at the optimizer step"] = trained * 4 / n / GIB

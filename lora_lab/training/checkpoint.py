@@ -38,8 +38,9 @@ REQUIRED_FILES = ("adapter_model.safetensors", "adapter_config.json", "trainer_s
 FULL_REQUIRED_FILES = ("config.json", "model.safetensors") + REQUIRED_FILES[2:]
 """--tuner full checkpoints hold the whole model (model.safetensors, or its shards and
 model.safetensors.index.json) instead of an adapter."""
-DRIFT_KEYS = ("model.name", "model.quantization", "train.tuner", "train.gpus", "train.engine",
-              "lora.rank", "lora.alpha", "lora.dropout", "lora.use_rslora", "lora.init",
+DRIFT_KEYS = ("model.name", "model.quantization", "train.tuner", "train.gpus", "train.nodes",
+              "train.engine", "lora.rank", "lora.alpha", "lora.dropout", "lora.use_rslora",
+              "lora.init",
               "train.loraplus_lr_ratio", "train.neftune_noise_alpha",
               "lora.target_modules", "data.datasets", "data.val_data", "data.val_ratio",
               "data.format", "data.max_length", "data.truncation", "data.system",

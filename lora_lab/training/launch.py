@@ -12,6 +12,11 @@ and runs `python -m accelerate.commands.launch ... --module lora_lab run --prese
 RUN_DIR/launch/run_config.yaml`. Each worker trains with transformers' Trainer, which picks up the
 engine from accelerate; only rank 0 writes into the run folder (training/run.py).
 
+With --nodes N each machine runs the same command with its --node-rank: the launch files of node R
+are RUN_DIR/launch/node-R/ (node 0; a dry run writes every node's), with num_machines,
+machine_rank and node 0's address, and accelerate's num_processes counts every node's processes;
+training/nodes.py says what else changes.
+
 Without a CUDA GPU the workers are CPU processes talking over gloo (ddp only): that is how the
 tests exercise this path. accelerate's own `--cpu` flag starts a single process unless MPI is
 set up, so on CPU the launch goes through its torchrun-based launcher, and each worker's
@@ -20,6 +25,7 @@ TrainingArguments(use_cpu=True) selects gloo.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -32,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template
+from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template, main_host_port, world_size_of
 from ..device import ALLOCATOR_ENV, cuda_available, gpu_memory_gib, in_launched_worker
 from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
@@ -42,13 +48,14 @@ from ..planning.memory import TIERS_GIB, plan_memory
 from ..run_folder import (LAUNCH_FOLDER, TrainResult, check_run_dir, fix_run_dir, locate_run_dir,
                           STOP_FILE, read_result, recorded_stop, run_lock, save_config)
 from .checkpoint import resolve_resume
+from .nodes import check_main_address, describe_global_batch, local_launch_folder
 
 log = get_logger()
 
 
 def needs_launch(config: RunConfig) -> bool:
     """Several processes, or an engine other than plain single-process training."""
-    wants = config.train.gpus > 1 or config.train.engine != "ddp"
+    wants = world_size_of(config.train) > 1 or config.train.engine != "ddp"
     return wants and not in_launched_worker()
 
 
@@ -82,18 +89,30 @@ def fill_deepspeed_config(template: dict, config: RunConfig, precision_name: str
     filled = json.loads(json.dumps(template))
     filled["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     filled["gradient_accumulation_steps"] = t.grad_accum
-    filled["train_batch_size"] = t.micro_batch_size * t.grad_accum * t.gpus
+    filled["train_batch_size"] = t.micro_batch_size * t.grad_accum * world_size_of(t)
     filled["gradient_clipping"] = t.max_grad_norm
     filled.setdefault("bf16", {})["enabled"] = precision_name == "bf16"
     filled.setdefault("fp16", {})["enabled"] = precision_name == "fp16"
     return filled
 
 
-def write_launch_files(config: RunConfig, run_dir: Path, precision_name: str) -> Path:
-    """Write RUN_DIR/launch/*; returns the accelerate config to launch with."""
-    folder = run_dir / LAUNCH_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
-    save_config(config, folder / "run_config.yaml")
+def node_folder(folder: Path, config: RunConfig, node_rank: int) -> Path:
+    """Where one node's accelerate.yaml and run_config.yaml go: the launch folder itself on one
+    machine, its node-R/ subfolder with several."""
+    return folder if config.train.nodes == 1 else folder / f"node-{node_rank}"
+
+
+def write_launch_files(config: RunConfig, run_dir: Path, precision_name: str,
+                       folder: Path | None = None, node_rank: int | None = None) -> Path:
+    """Write the launch files into `folder` (RUN_DIR/launch by default) for node `node_rank`
+    (train.node_rank by default); returns the accelerate config to launch with."""
+    folder = folder or run_dir / LAUNCH_FOLDER
+    node_rank = config.train.node_rank if node_rank is None else node_rank
+    node = node_folder(folder, config, node_rank)
+    node.mkdir(parents=True, exist_ok=True)
+    saved = dataclasses.replace(config, train=dataclasses.replace(config.train,
+                                                                  node_rank=node_rank))
+    save_config(saved, node / "run_config.yaml")
     engine = config.train.engine
     if engine in DEEPSPEED_ENGINES:
         template = json.loads(engine_template(engine).read_text())
@@ -105,15 +124,16 @@ def write_launch_files(config: RunConfig, run_dir: Path, precision_name: str) ->
                 "deepspeed_config_file": str((folder / "deepspeed.json").resolve()),
                 "zero3_init_flag": filled["zero_optimization"]["stage"] == 3},
             # no mixed_precision here: with a DeepSpeed file, accelerate takes it from the file
-            "num_machines": 1, "machine_rank": 0, "rdzv_backend": "static",
-            "same_network": True, "use_cpu": False}
+            "rdzv_backend": "static", "same_network": True, "use_cpu": False}
+        if config.train.nodes > 1:  # torchrun on every node, not DeepSpeed's pdsh launcher
+            accelerate["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     else:
         accelerate = yaml.safe_load(engine_template(engine).read_text())
         accelerate["mixed_precision"] = mixed_precision_of(precision_name)
-    accelerate["num_processes"] = config.train.gpus
-    path = folder / "accelerate.yaml"
-    header = (f"# written by lora-lab from {engine_template(engine).name}: num_processes and "
-              f"precision come from the run config\n")
+    accelerate.update(machines_of(config, node_rank))
+    path = node / "accelerate.yaml"
+    header = (f"# written by lora-lab from {engine_template(engine).name}: processes, machines "
+              f"and precision come from the run config\n")
     path.write_text(header + yaml.safe_dump(accelerate, sort_keys=False))
     return path
 
@@ -124,14 +144,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def machines_of(config: RunConfig, node_rank: int) -> dict:
+    """accelerate's keys for the processes and machines: num_processes counts every node's."""
+    t = config.train
+    machines = {"num_processes": world_size_of(t), "num_machines": t.nodes,
+                "machine_rank": node_rank}
+    if t.nodes > 1:
+        host, port = main_host_port(t)
+        machines.update(main_process_ip=host, main_process_port=port)
+    return machines
+
+
 def launch_command(config: RunConfig, run_dir: Path, accelerate_config: Path,
-                   port: int | None = None) -> list[str]:
+                   port: int | None = None, node_rank: int | None = None) -> list[str]:
+    """`accelerate launch` of `lora-lab run --config` with the run_config.yaml beside
+    accelerate_config; several nodes: this node's machine rank and node 0's address."""
+    t = config.train
+    if t.nodes == 1:
+        where = ["--main_process_port", str(port or free_port())]
+    else:
+        machines = machines_of(config, t.node_rank if node_rank is None else node_rank)
+        where = sum(([f"--{key}", str(value)] for key, value in machines.items()
+                     if key != "num_processes"), [])
     return [sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", str(accelerate_config),
-            "--num_processes", str(config.train.gpus),
-            "--main_process_port", str(port or free_port()),
+            "--num_processes", str(world_size_of(t)), *where,
             "--module", "lora_lab", "run", "--preset", config.preset,
-            "--config", str(run_dir / LAUNCH_FOLDER / "run_config.yaml")]
+            "--config", str(accelerate_config.parent / "run_config.yaml")]
 
 
 def prepare_launch(config: RunConfig, dry_run: bool = False,
@@ -145,7 +184,7 @@ def prepare_launch(config: RunConfig, dry_run: bool = False,
 
     if config.train.engine == "auto":
         engine, why = choose_engine(config, dry_run)
-        log.info(f"--engine auto: {engine} for {config.train.gpus} GPUs {why}")
+        log.info(f"--engine auto: {engine} for {world_size_of(config.train)} GPUs {why}")
         config.train.engine = engine
         config.sources["train.engine"] = "auto"
     if dry_run:
@@ -155,11 +194,21 @@ def prepare_launch(config: RunConfig, dry_run: bool = False,
         check_engine(config, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     run_dir = locate_run_dir(config)
     fix_run_dir(config, run_dir)  # every worker writes to the same folder
+    log.info(describe_global_batch(config))
+    if config.train.node_rank > 0 and not dry_run:  # the run folder is node 0's to write
+        check_main_address(config)
+        folder = local_launch_folder(run_dir, config.train.node_rank)
+        accelerate_config = write_launch_files(config, run_dir, precision.name, folder)
+        return launch_command(config, run_dir, accelerate_config), run_dir
     resume_from = resolve_resume(config.train.resume, run_dir, quiet=True) \
         if config.train.resume else None
     check_run_dir(run_dir, config, resume_from)
+    if config.train.nodes > 1 and not dry_run:
+        check_main_address(config)
     if hold is not None:
         hold.enter_context(run_lock(run_dir))
+    for node_rank in range(config.train.nodes if dry_run else 0):  # every node's files
+        write_launch_files(config, run_dir, precision.name, node_rank=node_rank)
     accelerate_config = write_launch_files(config, run_dir, precision.name)
     return launch_command(config, run_dir, accelerate_config), run_dir
 
@@ -178,10 +227,21 @@ def choose_engine(config: RunConfig, dry_run: bool = False) -> tuple[str, str]:
 
 
 def dry_run_launch(config: RunConfig) -> Path:
-    """Write the launch files and print the command and the per-GPU memory plan; run nothing."""
+    """Write the launch files (every node's) and print the command each node runs and the
+    per-GPU memory plan; run nothing."""
     command, run_dir = prepare_launch(config, dry_run=True)
-    log.info(f"dry run: launch files in {run_dir / LAUNCH_FOLDER}; on a machine with "
-             f"{config.train.gpus} GPUs this runs:\n  {shlex.join(command)}")
+    folder, t = run_dir / LAUNCH_FOLDER, config.train
+    if t.nodes == 1:
+        log.info(f"dry run: launch files in {folder}; on a machine with {t.gpus} GPUs this "
+                 f"runs:\n  {shlex.join(command)}")
+    else:
+        log.info(f"dry run: launch files for {t.nodes} nodes in {folder}; each machine with "
+                 f"{t.gpus} GPUs runs its own line (the same `lora-lab run` command with its "
+                 f"--node-rank writes the same files for itself):")
+        for rank in range(t.nodes):
+            accelerate_config = node_folder(folder, config, rank) / "accelerate.yaml"
+            node_command = launch_command(config, run_dir, accelerate_config, node_rank=rank)
+            log.info(f"  node {rank}: {shlex.join(node_command)}")
     try:
         log.info(plan_memory(config).report())
     except ValueError as exc:  # a model the planner does not know
@@ -223,17 +283,21 @@ def _run_workers(config: RunConfig, command: list, run_dir: Path) -> TrainResult
                if env.get("OMP_NUM_THREADS") != os.environ.get("OMP_NUM_THREADS") else "")
     if env.get(ALLOCATOR_ENV) != os.environ.get(ALLOCATOR_ENV):
         threads += f" ({ALLOCATOR_ENV}={env[ALLOCATOR_ENV]})"
-    log.info(f"launching {config.train.gpus} {where} with engine {config.train.engine}"
-             f"{threads}:\n  {shlex.join(command)}")
-    (run_dir / STOP_FILE).unlink(missing_ok=True)
+    t = config.train
+    node = f" on node {t.node_rank} of {t.nodes}" if t.nodes > 1 else ""
+    log.info(f"launching {t.gpus} {where}{node} with engine {t.engine}{threads}:\n  "
+             f"{shlex.join(command)}")
+    if t.node_rank == 0:
+        (run_dir / STOP_FILE).unlink(missing_ok=True)
     returncode = run_forwarding_signals(command, env)
     stopped = recorded_stop(run_dir)
     if stopped is not None:  # the workers stopped on a signal and wrote a checkpoint
         raise stopped
     if returncode != 0:
-        raise TrainingError(f"--gpus {config.train.gpus}: the launched run failed (exit status "
+        files = Path(command[command.index("--config") + 1]).parent
+        raise TrainingError(f"--gpus {t.gpus}{node}: the launched run failed (exit status "
                             f"{returncode}); the workers' messages are above. The "
-                            f"launch files are in {run_dir / LAUNCH_FOLDER}.")
+                            f"launch files are in {files}.")
     return read_result(run_dir)
 
 

@@ -5,8 +5,10 @@ folder, the data, the memory plan, the disk), then trains with a LoraLabTrainer,
 smaller micro-batch on CUDA out-of-memory, and writes the final weights and run_summary.json.
 
 With several processes (accelerate launch) every rank trains and reads the run folder, but only
-rank 0 (the main process) writes into it. Ranks wait for each other where one reads what another
-wrote.
+global rank 0 (accelerate's is_main_process, not the per-machine is_local_main_process) writes
+into it; each process adds its own RNG state (and the engine its shards) to a checkpoint. Ranks
+wait for each other where one reads what another wrote. On several nodes the processes first
+agree on config, data and run folder (training/nodes.py).
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ from .args import build_training_arguments, count_optimizer_steps
 from .callbacks import NonFiniteGuard, StepTimer, StopOnSignal, ensure_finite, run_callbacks
 from .checkpoint import (OOM_SOURCE, check_drift, data_fingerprint, find_resume_checkpoint,
                          remove_leftovers, resolve_resume, resumed_batch)
+from .nodes import agree_across_nodes
 from .plots import report_run
 from .trainer import LoraLabTrainer, saved_loss_sum
 from .watch import quiet_progress_bars, tracker_runs
@@ -99,18 +102,20 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     """train(), from the moment the run folder is fixed and held."""
     resume_from = resolve_resume(config.train.resume, run_dir) if config.train.resume else None
     check_run_dir(run_dir, config, resume_from)
-    if state.is_main_process:
-        remove_unfinished_saves(run_dir)  # before the disk check counts the free space
     tokenizer = load_tokenizer(config.model.name, config.model.trust_remote_code, model_path)
     data = prepare_data(config.data, tokenizer, config.train.seed, config.train.task)
     report_data(data, config.data.max_length)
     fingerprint = data.train.fingerprint or data_fingerprint(data.train.samples)
+    agree_across_nodes(config, run_dir, fingerprint)  # before rank 0 writes into the folder
+    if state.is_main_process:
+        remove_unfinished_saves(run_dir)  # before the disk check counts the free space
     if resume_from is not None:
         adopt_resumed_batch(config, run_dir)
     packed = pack_training_data(config, data) if config.data.packing else None
     check_gpu_memory(config, longest_row(data, packed))
     check_disk_space(config, run_dir, count_optimizer_steps(config, len(data.train.samples)))
-    open_run_dir(config, run_dir, data, resume_from, fingerprint, state.is_main_process)
+    open_run_dir(config, run_dir, data, resume_from, fingerprint, state.is_main_process,
+                 state.wait_for_everyone)
     state.wait_for_everyone()
     with tracker_runs(run_dir, config.train.report_to, state.is_main_process):
         trainer, train_loss = train_with_oom_retry(config, data, packed, tokenizer, precision,
@@ -225,13 +230,15 @@ def adopt_resumed_batch(config: RunConfig, run_dir: Path) -> None:
 
 
 def open_run_dir(config: RunConfig, run_dir: Path, data: PreparedData, resume_from: Path | None,
-                 fingerprint: dict, is_main_process: bool = True) -> None:
+                 fingerprint: dict, is_main_process: bool = True, wait=lambda: None) -> None:
     """Refuse drift, then (re)write config.yaml and the data report; trim the step log.
 
-    Every rank checks (so that all of them stop on drift); only the main process writes."""
+    Every rank checks (so that all of them stop on drift), and all have read config.yaml
+    (`wait`: a barrier) before the main process alone rewrites it."""
     if resume_from is not None:
         for change in check_drift(run_dir, resume_from, config, fingerprint):
             log.warning(f"warning: --allow-config-change: {change}")
+    wait()
     if not is_main_process:
         return
     (run_dir / LOGS_FOLDER).mkdir(parents=True, exist_ok=True)

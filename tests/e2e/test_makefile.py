@@ -30,6 +30,14 @@ def test_finetune_passes_gpus_and_engine():
     assert plain.stdout.strip().endswith("--data a.jsonl --gpus 1")
 
 
+def test_finetune_passes_nodes_node_rank_and_main_address():
+    result = make("-n", "finetune", "-o", ".install.stamp", "DATA=a.jsonl", "GPUS=8",
+                  "NODES=2", "NODE_RANK=1", "MAIN_ADDRESS=10.0.0.1:29500", "RUN_NAME=big")
+    assert result.stdout.strip().endswith(
+        "--data a.jsonl --gpus 8 --nodes 2 --node-rank 1 --main-address 10.0.0.1:29500 "
+        "--run-name big")
+
+
 def test_test_target_is_quiet_and_lists_the_slowest_tests():
     """CI runs `make test` (.ci/run): the unit and e2e tiers, -q (the real-model tests name
     themselves through tests/support/progress.py) and the slowest tests at the end."""

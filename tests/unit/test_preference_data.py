@@ -92,12 +92,12 @@ def test_bad_rows_are_reported_with_file_line_and_reason(tmp_path):
                       "(`label` true/false). Train pairs with --task dpo.")]
 
 
-def test_sft_refuses_pairs_naming_the_task(tmp_path):
+def test_sft_refuses_pairs_naming_the_task(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "p.jsonl", [PAIR_FORMS["trl"]])
     args = RunConfig().data
     args.datasets = [str(path)]
     with pytest.raises(DataError, match="train it with `--task dpo`"):
-        prepare_data(args, None)
+        prepare_data(args, tokenizer)
 
 
 def test_pair_ids_are_the_chat_templates_own(tokenizer):

@@ -15,6 +15,7 @@ from lora_lab.training.checkpoint import checkpoint_problems
 from lora_lab.cli import main
 from tests.conftest import write_jsonl
 from tests.e2e.test_run_tiny import ADAPTER_FILES, CHECKPOINT_FILES
+from tests.support.runs import assert_same_training, step_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 # micro-batch 2 x 2 processes = micro-batch 4 in one process; no dropout, so the two runs see the
@@ -49,11 +50,6 @@ def runs(tiny_model_dir, tmp_path_factory):
             "env": env, "data": data, "out": out, "model": tiny_model_dir}
 
 
-def _losses(run_dir: Path) -> list:
-    lines = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").open()]
-    return [(line["step"], line["loss"]) for line in lines if "loss" in line]
-
-
 def test_launched_through_accelerate_with_two_gloo_processes(runs):
     assert "launching 2 CPU processes (gloo) with engine ddp" in runs["output"]
     assert "accelerate.commands.launch" in runs["output"] and "--num_processes 2" in runs["output"]
@@ -69,19 +65,7 @@ def test_both_ranks_trained_the_same_adapter(runs):
 
 
 def test_loss_and_adapter_match_one_process_at_the_same_effective_batch(runs):
-    import torch
-    from safetensors.torch import load_file
-
-    one, two = _losses(runs["one"]), _losses(runs["two"])
-    assert [s for s, _ in two] == [s for s, _ in one] == [1, 2, 3, 4]
-    for (_, a), (_, b) in zip(one, two):
-        assert b == pytest.approx(a, rel=1e-4)
-    assert one[-1][1] != one[0][1]  # it trained
-    a = load_file(runs["one"] / "adapter" / "adapter_model.safetensors")
-    b = load_file(runs["two"] / "adapter" / "adapter_model.safetensors")
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
+    assert_same_training(runs["one"], runs["two"], [1, 2, 3, 4])
 
 
 def test_only_rank_0_wrote_the_run_folder(runs):
@@ -101,7 +85,7 @@ def test_only_rank_0_wrote_the_run_folder(runs):
         "data_problems.jsonl", "train_log.jsonl"]
     assert len(logs) == 3  # one TensorBoard file: rank 1 wrote none
     steps = [json.loads(line)["step"] for line in (run_dir / "logs" / "train_log.jsonl").open()]
-    assert steps == sorted(steps) and len([s for s in _losses(run_dir)]) == 4  # no duplicates
+    assert steps == sorted(steps) and len([s for s in step_losses(run_dir)]) == 4  # no duplicates
 
 
 def test_run_config_keeps_where_values_came_from(runs):
@@ -135,7 +119,7 @@ def test_a_killed_two_process_run_resumes_exactly(runs):
                              capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
-    assert _losses(run_dir) == _losses(runs["two"])
+    assert step_losses(run_dir) == step_losses(runs["two"])
 
 
 def test_a_sigterm_stops_both_processes_at_one_checkpoint(runs):
@@ -155,4 +139,4 @@ def test_a_sigterm_stops_both_processes_at_one_checkpoint(runs):
     resumed = subprocess.run(command + ["--resume", "auto"], cwd=ROOT, env=runs["env"],
                              capture_output=True, text=True, timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert _losses(run_dir) == _losses(runs["two"])
+    assert step_losses(run_dir) == step_losses(runs["two"])

@@ -16,6 +16,7 @@ from lora_lab.cli import main
 from lora_lab.training.checkpoint import checkpoint_problems
 from tests.conftest import write_jsonl
 from tests.e2e.test_run_tiny import ADAPTER_FILES
+from tests.support.runs import assert_same_training, step_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 # micro-batch 1 x grad-accum 2 x 4 processes: a global batch of 8, on two nodes or on one
@@ -73,11 +74,6 @@ def runs(setup):
     return {"nodes": out / "two-nodes", "one": out / "one-node", "output": nodes}
 
 
-def losses(run_dir: Path) -> list:
-    lines = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").open()]
-    return [(line["step"], line["loss"]) for line in lines if "loss" in line]
-
-
 def test_each_node_launched_its_two_processes_with_its_machine_rank(runs):
     for rank, (_, stdout, _) in enumerate(runs["output"]):
         assert f"launching 2 CPU processes (gloo) on node {rank} of 2 with engine ddp" in stdout
@@ -95,19 +91,7 @@ def test_all_four_processes_trained_the_same_adapter(runs, setup):
 
 
 def test_two_nodes_match_one_node_of_four_processes(runs):
-    import torch
-    from safetensors.torch import load_file
-
-    one, two = losses(runs["one"]), losses(runs["nodes"])
-    assert [s for s, _ in two] == [s for s, _ in one] == [1, 2, 3, 4]
-    for (_, a), (_, b) in zip(one, two):
-        assert b == pytest.approx(a, rel=1e-4)
-    assert one[-1][1] != one[0][1]  # it trained
-    a = load_file(runs["one"] / "adapter" / "adapter_model.safetensors")
-    b = load_file(runs["nodes"] / "adapter" / "adapter_model.safetensors")
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-5)
+    assert_same_training(runs["one"], runs["nodes"], [1, 2, 3, 4])
 
 
 def test_only_global_rank_0_wrote_the_run_folder(runs, setup):
@@ -128,7 +112,7 @@ def test_only_global_rank_0_wrote_the_run_folder(runs, setup):
     assert sorted(p.name for p in node_1.iterdir()) == ["accelerate.yaml", "run_config.yaml"]
     logs = sorted(p.name for p in (run_dir / "logs").iterdir())
     assert len([n for n in logs if n.startswith("events.out.tfevents")]) == 1
-    assert [s for s, _ in losses(run_dir)] == [1, 2, 3, 4]  # no process but rank 0 logged
+    assert [s for s, _ in step_losses(run_dir)] == [1, 2, 3, 4]  # no process but rank 0 logged
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["global_step"] == 4
     assert len(summary["performance"]["cpu_peak_rss_gib_per_gpu"]) == 4
@@ -150,7 +134,7 @@ def test_a_killed_node_stops_both_and_every_node_resumes_with_resume_auto(runs, 
     assert [r[0] for r in resumed] == [0, 0], "\n".join(r[1][-1500:] + r[2][-2500:]
                                                         for r in resumed)
     assert f"resuming from {run_dir / 'checkpoint-2'} (step 2)" in resumed[0][1]
-    again, reference = losses(run_dir), losses(runs["nodes"])
+    again, reference = step_losses(run_dir), step_losses(runs["nodes"])
     assert [s for s, _ in again] == [1, 2, 3, 4]
     assert again[:3] == reference[:3]  # up to the checkpoint and its first step: bit for bit
     for (_, a), (_, b) in zip(reference, again):

@@ -121,6 +121,6 @@ def report_run(run_dir: str | Path) -> PlotReport:
         report.files.append(target)
         report.series.update(series)
     if "eval_loss" not in report.series:
-        report.notes.append("loss.png: train loss only, no eval loss in the log (no validation "
+        report.notes.append("the eval curve of loss.png: no eval loss in the log (no validation "
                             "data: --val-ratio or --val-data)")
     return report

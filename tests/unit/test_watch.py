@@ -121,7 +121,7 @@ def test_plots_draw_the_log_and_leave_out_series_without_data(tmp_path):
     assert [p.name for p in report.files] == [p.file for p in PLOTS]
     assert report.series["gpu_peak_memory_gib"] == ([1, 2, 3], [4.5, 4.5, 4.5])
     assert report.series["tokens_per_second"] == ([1, 2, 3], [100.0, 200.0, 300.0])
-    assert report.notes == ["loss.png: train loss only, no eval loss in the log (no validation "
+    assert report.notes == ["the eval curve of loss.png: no eval loss in the log (no validation "
                             "data: --val-ratio or --val-data)"]
 
 

@@ -54,20 +54,25 @@ def is_tuner_cell(row: dict) -> bool:
         s.startswith("train.tuner=") and s != "train.tuner=lora" for s in row.get("sets", []))
 
 
+def stored_cells(pattern: str):
+    """The cell rows that completed, of bench/results files matching `pattern`."""
+    for path in sorted((ROOT / "bench" / "results").glob(pattern)):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if not (row.get("header") or row.get("error")):
+                yield row
+
+
 def tuner_cells() -> list:
     """(RunConfig, measured peak GiB, label, cap GiB) of bench/run.py tuners' cells (DoRA, DPO,
     ORPO on 7B under the tiers' caps), configured as bench/cell.py ran them."""
     cells = []
-    for path in sorted((ROOT / "bench" / "results").glob("*-tuners*.jsonl")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row.get("header") or row.get("error"):
-                continue
-            flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
-                     "data.max_length": row["max_length"], "train.task": row.get("task", "sft"),
-                     "train.grad_accum": row["resolved"]["grad_accum"]}
-            config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
-            cells.append((config, row["peak_reserved_gib"], row["label"], row["cap_gib"]))
+    for row in stored_cells("*-tuners*.jsonl"):
+        flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
+                 "data.max_length": row["max_length"], "train.task": row.get("task", "sft"),
+                 "train.grad_accum": row["resolved"]["grad_accum"]}
+        config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
+        cells.append((config, row["peak_reserved_gib"], row["label"], row["cap_gib"]))
     return cells
 
 
@@ -75,15 +80,11 @@ def family_cells() -> list:
     """(RunConfig, measured peak GiB, label) of the other families' cells (bench/run.py
     families: --model is the shipped config's name)."""
     cells = []
-    for path in sorted((ROOT / "bench" / "results").glob("*-families*.jsonl")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if row.get("header") or row.get("error"):
-                continue
-            config = resolve_config(row["preset"], flags={
-                "model.name": row["size"], "data.datasets": ["x"],
-                "data.max_length": row["max_length"]}, sets=row.get("sets", []))
-            cells.append((config, row["peak_reserved_gib"], row["label"]))
+    for row in stored_cells("*-families*.jsonl"):
+        config = resolve_config(row["preset"], flags={
+            "model.name": row["size"], "data.datasets": ["x"],
+            "data.max_length": row["max_length"]}, sets=row.get("sets", []))
+        cells.append((config, row["peak_reserved_gib"], row["label"]))
     return cells
 
 

@@ -58,10 +58,11 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
              if k not in ("quantization_config", "_name_or_path")}
     config = AutoConfig.for_model(**plain)
     config.dtype = "bfloat16"
-    log.info(f"  2/3: copying {sum(t.numel() for t in loaded.state_dict().values()):,} "
+    weights = loaded.state_dict()
+    log.info(f"  2/3: copying {sum(t.numel() for t in weights.values()):,} "
              f"weights into a bf16 model")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or any("lm_head" not in k for k in missing):
         raise ModelError(f"{gguf}: unexpected tensors in the GGUF file ({unexpected[:3]} "
                          f"{missing[:3]}).")

@@ -163,3 +163,16 @@ def safetensors_problem(path: Path) -> str | None:
         return (f"{path} is cut short: {size:,} bytes where its header needs "
                 f"{8 + length + end:,}")
     return None
+
+
+def installed_versions(names) -> dict:
+    """The installed version of each package (None where it is not installed)."""
+    import importlib.metadata
+
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions

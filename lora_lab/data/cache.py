@@ -29,7 +29,8 @@ from pathlib import Path
 
 from ..errors import DataError
 from ..log import get_logger
-from ..paths import BUNDLED_DATA, bundled_data_dir, data_cache_dir, file_sha256, staged_folder
+from ..paths import (BUNDLED_DATA, bundled_data_dir, data_cache_dir, file_sha256,
+                     installed_versions, staged_folder)
 from .arrow import (ArrowSamples, encode_to_arrow, fingerprint_samples, map_samples,
                     resolve_num_proc)
 from .encode import EncodeReport, encode_samples
@@ -96,18 +97,6 @@ def tokenizer_digest(tokenizer) -> str:
     return digest.hexdigest()
 
 
-def library_versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("transformers", "tokenizers", "jinja2"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
-
-
 def key_parts(kind: str, specs: list, args, tokenizer, seed: int, task: str,
               settings: tuple) -> dict | None:
     """Everything the encoded samples depend on; None if a dataset cannot be fingerprinted."""
@@ -121,7 +110,7 @@ def key_parts(kind: str, specs: list, args, tokenizer, seed: int, task: str,
             "max_length": max_length, "truncation": truncation, "system": system,
             "enable_thinking": enable_thinking, "model_name": args.model_name,
             "model_author": args.model_author, "tokenizer": tokenizer_digest(tokenizer),
-            "libraries": library_versions()}
+            "libraries": installed_versions(("transformers", "tokenizers", "jinja2"))}
 
 
 def cache_key(parts: dict) -> str:

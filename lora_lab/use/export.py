@@ -20,7 +20,6 @@ after the quantized model, read back from disk, gives finite logits on the check
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import os
 import random
@@ -37,7 +36,7 @@ from ..device import inference_device_map, release_memory
 from ..errors import CheckpointError, DataError, LoraLabError, ModelError
 from ..log import get_logger
 from ..models.load import Precision, nf4_config
-from ..paths import human_bytes, pickled_files, staged_folder
+from ..paths import human_bytes, installed_versions, pickled_files, staged_folder
 from ..planning.memory import TIERS_GIB
 from ..planning.serving import plan_vllm_serving, vllm_command
 from ..run_folder import load_saved_config, owning_run_dir
@@ -427,13 +426,7 @@ def weights_bytes(folder: Path) -> int:
 
 def library_versions(names=LIBRARIES) -> dict:
     """The installed version of each package (None where it is not installed)."""
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return installed_versions(names)
 
 
 def _write_report(staging: Path, result: ExportResult, merged: bool) -> None:

@@ -11,7 +11,10 @@ activations' type instead, and:
   saves only X and X @ A.T (the frozen W is re-read, or re-dequantized for nf4, in backward);
 - gate_proj and up_proj share X: one product with [A_gate; A_up], one backward for both;
 - the SwiGLU MLP (down(silu(gate(x)) * up(x))) is one autograd function that keeps gate and up
-  and recomputes silu(gate) * up in the backward pass (the largest activations of a layer).
+  and recomputes silu(gate) * up in the backward pass (the largest activations of a layer);
+- where a checkpointed layer is recomputed for its backward pass (models.memory_means
+  replay_backward) and its MLP output only enters the residual sum, the recomputation stops the
+  MLP after gate and up: the down projection's output is never read in the backward pass.
 
 The arithmetic is the plain path's (16-bit products with fp32 accumulation, fp32 adapter
 weights and gradients); tests/unit/test_fast_lora.py checks loss and gradients against peft.
@@ -24,6 +27,7 @@ import torch
 from torch.nn import functional as F
 
 from ..config import REFERENCE_TASKS
+from .memory_means import replaying_layer
 
 
 # ----------------------------------------------------------------------------- weights
@@ -142,18 +146,28 @@ def _swiglu_backward(gate, up, grad_h):
 
 
 class LoraMLP(torch.autograd.Function):
-    """down(silu(gate(x)) * up(x)) with LoRA on all three; keeps x, gate, up."""
+    """down(silu(gate(x)) * up(x)) with LoRA on all three; keeps x, gate, up.
+
+    output_unread: the output's values are never read (a checkpointed layer's recomputation
+    whose MLP output only enters the residual sum): the forward then stops after gate and up,
+    and the backward pass computes silu(gate) * up @ A_down.T itself; it returns zeros of the
+    output's shape (a stride-0 view: no memory) for the residual sum."""
 
     @staticmethod
-    def forward(ctx, x, bases, scalings, a_gate, b_gate, a_up, b_up, a_down, b_down):
+    def forward(ctx, x, bases, scalings, output_unread, a_gate, b_gate, a_up, b_up, a_down,
+                b_down):
         dtype = _compute_dtype(x)
         params = (a_gate, b_gate, a_up, b_up, a_down, b_down)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             ag, bg, au, bu, ad, bd = (p.to(dtype) for p in params)
             (gate, up), xa = _project(x2, bases[:2], [ag, au], [bg, bu], scalings[:2])
-            h = _swiglu(gate, up)
-            (out,), ha = _project(h, bases[2:], [ad], [bd], scalings[2:])
+            if output_unread:
+                ha = None
+                out = x2.new_zeros(()).expand(x2.shape[0], bases[2].out_features)
+            else:
+                h = _swiglu(gate, up)
+                (out,), ha = _project(h, bases[2:], [ad], [bd], scalings[2:])
         ctx.bases, ctx.scalings, ctx.x_dtype = bases, scalings, x.dtype
         ctx.param_dtypes = [p.dtype for p in params]
         ctx.save_for_backward(x2, gate, up, xa, ha, ag, bg, au, bu, ad, bd)
@@ -165,6 +179,8 @@ class LoraMLP(torch.autograd.Function):
         bases, scalings = ctx.bases, ctx.scalings
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
         h = _swiglu(gate, up)
+        if ha is None:
+            ha = h @ ad.t()  # the product _project computes in the full forward
         grad_h, (grad_ad,), (grad_bd,) = _project_backward(
             h, ha, [g], bases[2:], [ad], [bd], scalings[2:], True)
         del h
@@ -176,8 +192,8 @@ class LoraMLP(torch.autograd.Function):
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
         grads = (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
-        return (grad_x, None, None) + tuple(grad.to(dtype) for grad, dtype
-                                            in zip(grads, ctx.param_dtypes))
+        return (grad_x, None, None, None) + tuple(grad.to(dtype) for grad, dtype
+                                                  in zip(grads, ctx.param_dtypes))
 
 
 # ----------------------------------------------------------------------------- wiring
@@ -215,7 +231,9 @@ def _fast_projection_forward(module):
     return forward
 
 
-def _fast_mlp_forward(mlp):
+def _fast_mlp_forward(mlp, output_to_residual: bool):
+    """output_to_residual: the decoder layer adds the MLP's output to the residual stream and
+    does nothing else with it, so a recomputation (replaying_layer) need not compute it."""
     original = mlp.forward
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
@@ -226,7 +244,8 @@ def _fast_mlp_forward(mlp):
         bases = tuple(p.get_base_layer() for p in projections)
         scalings = tuple(a[2] for a in adapters)
         params = [t for a in adapters for t in a[:2]]
-        return LoraMLP.apply(x, bases, scalings, *params)
+        unread = output_to_residual and torch.is_grad_enabled() and replaying_layer()
+        return LoraMLP.apply(x, bases, scalings, unread, *params)
 
     return forward
 
@@ -243,16 +262,28 @@ def _swiglu_mlp(mlp) -> bool:
                  or getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"))
 
 
+# decoder layers that end in `residual + mlp(norm(hidden))`: the MLP output goes nowhere else
+RESIDUAL_MLP_LAYERS = ("Qwen2DecoderLayer", "Qwen3DecoderLayer", "LlamaDecoderLayer",
+                       "MistralDecoderLayer")
+
+
+def _mlps_by_layer(model) -> dict:
+    """id(mlp) -> whether its decoder layer is one of RESIDUAL_MLP_LAYERS."""
+    return {id(layer.mlp): type(layer).__name__ in RESIDUAL_MLP_LAYERS
+            for layer in model.modules()
+            if isinstance(getattr(layer, "mlp", None), torch.nn.Module)}
+
+
 def apply_fast_lora(model) -> dict:
     """Route a peft model's LoRA layers through the fast path: SwiGLU MLPs (gate, up, down with
     LoRA on all three) as one LoraMLP, every other LoRA linear layer as a LoraProjection. Each
     call checks the adapter and falls back to peft's forward where the fast path would differ.
     Returns how many MLPs and projections were routed."""
     mlps = projections = 0
-    inside_mlp = set()
+    inside_mlp, residual = set(), _mlps_by_layer(model)
     for name, module in model.named_modules():
         if name.endswith(".mlp") and _swiglu_mlp(module):
-            module.forward = _fast_mlp_forward(module)
+            module.forward = _fast_mlp_forward(module, residual.get(id(module), False))
             inside_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj",
                                                                 "down_proj"))
             mlps += 1

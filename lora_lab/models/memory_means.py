@@ -128,12 +128,31 @@ class OffloadedCheckpoint(torch.autograd.Function):
         return replay_backward(ctx, hidden, grad_outputs)
 
 
+_replaying = 0  # > 0 while a checkpointed layer runs again inside its backward pass
+
+
+def replaying_layer() -> bool:
+    """Whether the forward code running now is a checkpointed layer's recomputation, whose
+    output only roots the backward pass (its values are never read)."""
+    return _replaying > 0
+
+
+@contextlib.contextmanager
+def _replay():
+    global _replaying
+    _replaying += 1
+    try:
+        yield
+    finally:
+        _replaying -= 1
+
+
 def replay_backward(ctx, hidden: torch.Tensor, grad_outputs: tuple) -> tuple:
     """The backward pass of a checkpointed layer: run it again on its input `hidden` with the
     forward pass's random state (dropout) and autocast settings, then send the incoming
     gradients through it. ctx holds run_function, args, device, cpu_rng, cuda_rng, autocast."""
     devices = [ctx.device] if ctx.cuda_rng is not None else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), _replay():
         torch.set_rng_state(ctx.cpu_rng)
         if ctx.cuda_rng is not None:
             torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)

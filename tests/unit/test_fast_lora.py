@@ -58,6 +58,33 @@ def test_fast_lora_with_every_memory_means():
     assert_same(loss_and_grads(False), loss_and_grads(True, means))
 
 
+def count_swiglu(monkeypatch) -> list:
+    import lora_lab.models.fast_lora as fast_lora
+
+    calls, real = [], fast_lora._swiglu
+    monkeypatch.setattr(fast_lora, "_swiglu", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def test_recomputed_layer_skips_the_mlp_output_and_keeps_every_gradient(monkeypatch):
+    """A recomputed Qwen2 layer's MLP stops after gate and up (silu(gate) * up runs twice per
+    MLP, not three times: forward, backward) and every gradient is bit for bit the same."""
+    import lora_lab.models.fast_lora as fast_lora
+
+    means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
+    calls = count_swiglu(monkeypatch)
+    skipped = loss_and_grads(True, means)
+    assert len(calls) == 2 * 2  # two layers
+    monkeypatch.setattr(fast_lora, "RESIDUAL_MLP_LAYERS", ())
+    calls.clear()
+    full = loss_and_grads(True, means)
+    assert len(calls) == 3 * 2
+    assert skipped[0] == full[0]
+    assert skipped[1].keys() == full[1].keys()
+    for name, grad in skipped[1].items():
+        assert torch.equal(grad, full[1][name]), name
+
+
 def test_dropout_falls_back_to_peft(monkeypatch):
     calls = count_calls(monkeypatch)
     plain, fast = loss_and_grads(False, dropout=0.3), loss_and_grads(True, dropout=0.3)

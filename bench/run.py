@@ -155,6 +155,7 @@ ABLATIONS_7B_4096 = {  # label suffix: sets on top of the preset
     "d0-plain": FAST + ["model.fast_lora=false", "train.offload_copy_stream=false"],
     "d0-fast-nostream": FAST + ["train.offload_copy_stream=false"],
     "nocudnn": FAST + ["model.cudnn_attention=false"],
+    "nochunk": FAST + ["model.fast_lora_chunk_tokens=0"],
 }
 
 

@@ -71,8 +71,10 @@ def _project(x2, bases, a16, b16, scalings):
     return outputs, xa
 
 
-def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool):
-    """(dX, [dA_i], [dB_i]) for _project, given the gradients of its outputs."""
+def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool,
+                      weights=None):
+    """(dX, [dA_i], [dB_i]) for _project, given the gradients of its outputs. weights: the bases'
+    16-bit weights where the caller holds them already (de-quantized once for several calls)."""
     parts = [g @ (b * s) for g, b, s in zip(grads, b16, scalings)]  # [tokens, r_i]
     g_xa = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     grad_a = (g_xa.t() @ x2).split([a.shape[0] for a in a16])
@@ -84,8 +86,9 @@ def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool
     grad_x = None
     if need_input:
         grad_x = g_xa @ (a16[0] if len(a16) == 1 else torch.cat(a16))
-        for g, base in zip(grads, bases):
-            grad_x.addmm_(g, _base_weight(base, x2.dtype))
+        weights = weights or [_base_weight(base, x2.dtype) for base in bases]
+        for g, weight in zip(grads, weights):
+            grad_x.addmm_(g, weight)
     return grad_x, list(grad_a), grad_b
 
 
@@ -148,14 +151,16 @@ def _swiglu_backward(gate, up, grad_h):
 class LoraMLP(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with LoRA on all three; keeps x, gate, up.
 
+    chunk_tokens: the backward pass runs on at most this many tokens at a time (0: all), so its
+    [tokens x intermediate] temporaries (silu(gate) * up and its gradient) are a chunk's.
     output_unread: the output's values are never read (a checkpointed layer's recomputation
     whose MLP output only enters the residual sum): the forward then stops after gate and up,
     and the backward pass computes silu(gate) * up @ A_down.T itself; it returns zeros of the
     output's shape (a stride-0 view: no memory) for the residual sum."""
 
     @staticmethod
-    def forward(ctx, x, bases, scalings, output_unread, a_gate, b_gate, a_up, b_up, a_down,
-                b_down):
+    def forward(ctx, x, bases, scalings, output_unread, chunk_tokens, a_gate, b_gate, a_up, b_up,
+                a_down, b_down):
         dtype = _compute_dtype(x)
         params = (a_gate, b_gate, a_up, b_up, a_down, b_down)
         with torch.autocast(x.device.type, enabled=False):
@@ -169,31 +174,52 @@ class LoraMLP(torch.autograd.Function):
                 h = _swiglu(gate, up)
                 (out,), ha = _project(h, bases[2:], [ad], [bd], scalings[2:])
         ctx.bases, ctx.scalings, ctx.x_dtype = bases, scalings, x.dtype
-        ctx.param_dtypes = [p.dtype for p in params]
+        ctx.chunk_tokens, ctx.param_dtypes = chunk_tokens, [p.dtype for p in params]
         ctx.save_for_backward(x2, gate, up, xa, ha, ag, bg, au, bu, ad, bd)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         x2, gate, up, xa, ha, ag, bg, au, bu, ad, bd = ctx.saved_tensors
-        bases, scalings = ctx.bases, ctx.scalings
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
-        h = _swiglu(gate, up)
-        if ha is None:
-            ha = h @ ad.t()  # the product _project computes in the full forward
-        grad_h, (grad_ad,), (grad_bd,) = _project_backward(
-            h, ha, [g], bases[2:], [ad], [bd], scalings[2:], True)
-        del h
-        grad_gate, grad_up = _swiglu_backward(gate, up, grad_h)
-        del grad_h
-        grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
-            x2, xa, [grad_gate, grad_up], bases[:2], [ag, au], [bg, bu], scalings[:2],
-            ctx.needs_input_grad[0])
+        tokens, chunk = x2.shape[0], ctx.chunk_tokens or x2.shape[0]
+        need_x = ctx.needs_input_grad[0]
+        weights = [_base_weight(base, x2.dtype) for base in ctx.bases]
+        grad_x = x2.new_empty(x2.shape) if need_x and chunk < tokens else None
+        sums = None  # the LoRA weights' gradients, summed over the chunks
+        for start in range(0, tokens, chunk):
+            rows = slice(start, start + chunk)
+            parts = _mlp_backward_rows(ctx, x2[rows], gate[rows], up[rows], xa[rows],
+                                       None if ha is None else ha[rows], g[rows],
+                                       (ag, bg, au, bu, ad, bd), weights, need_x)
+            if grad_x is None:
+                grad_x = parts[0]  # one chunk: all the rows
+            elif need_x:
+                grad_x[rows] = parts[0]
+            sums = parts[1] if sums is None else [s.add_(p) for s, p in zip(sums, parts[1])]
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
-        grads = (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
-        return (grad_x, None, None, None) + tuple(grad.to(dtype) for grad, dtype
-                                                  in zip(grads, ctx.param_dtypes))
+        return (grad_x, None, None, None, None) + tuple(
+            grad.to(dtype) for grad, dtype in zip(sums, ctx.param_dtypes))
+
+
+def _mlp_backward_rows(ctx, x2, gate, up, xa, ha, g, params, weights, need_x: bool):
+    """LoraMLP's backward pass on some rows (tokens): (dX rows, [dA_gate, dB_gate, dA_up,
+    dB_up, dA_down, dB_down] of those rows); may overwrite gate and up."""
+    ag, bg, au, bu, ad, bd = params
+    bases, scalings = ctx.bases, ctx.scalings
+    h = _swiglu(gate, up)
+    if ha is None:
+        ha = h @ ad.t()  # the product _project computes in the full forward
+    grad_h, (grad_ad,), (grad_bd,) = _project_backward(
+        h, ha, [g], bases[2:], [ad], [bd], scalings[2:], True, weights[2:])
+    del h
+    grad_gate, grad_up = _swiglu_backward(gate, up, grad_h)
+    del grad_h
+    grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
+        x2, xa, [grad_gate, grad_up], bases[:2], [ag, au], [bg, bu], scalings[:2], need_x,
+        weights[:2])
+    return grad_x, [grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd]
 
 
 # ----------------------------------------------------------------------------- wiring
@@ -231,7 +257,7 @@ def _fast_projection_forward(module):
     return forward
 
 
-def _fast_mlp_forward(mlp, output_to_residual: bool):
+def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
     """output_to_residual: the decoder layer adds the MLP's output to the residual stream and
     does nothing else with it, so a recomputation (replaying_layer) need not compute it."""
     original = mlp.forward
@@ -245,7 +271,7 @@ def _fast_mlp_forward(mlp, output_to_residual: bool):
         scalings = tuple(a[2] for a in adapters)
         params = [t for a in adapters for t in a[:2]]
         unread = output_to_residual and torch.is_grad_enabled() and replaying_layer()
-        return LoraMLP.apply(x, bases, scalings, unread, *params)
+        return LoraMLP.apply(x, bases, scalings, unread, chunk_tokens, *params)
 
     return forward
 
@@ -274,16 +300,18 @@ def _mlps_by_layer(model) -> dict:
             if isinstance(getattr(layer, "mlp", None), torch.nn.Module)}
 
 
-def apply_fast_lora(model) -> dict:
+def apply_fast_lora(model, chunk_tokens: int = 0) -> dict:
     """Route a peft model's LoRA layers through the fast path: SwiGLU MLPs (gate, up, down with
     LoRA on all three) as one LoraMLP, every other LoRA linear layer as a LoraProjection. Each
     call checks the adapter and falls back to peft's forward where the fast path would differ.
+    chunk_tokens: the MLPs' backward passes run on at most this many tokens at a time (0: all).
     Returns how many MLPs and projections were routed."""
     mlps = projections = 0
     inside_mlp, residual = set(), _mlps_by_layer(model)
     for name, module in model.named_modules():
         if name.endswith(".mlp") and _swiglu_mlp(module):
-            module.forward = _fast_mlp_forward(module, residual.get(id(module), False))
+            module.forward = _fast_mlp_forward(module, residual.get(id(module), False),
+                                               chunk_tokens)
             inside_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj",
                                                                 "down_proj"))
             mlps += 1

@@ -73,11 +73,12 @@ def trainable_token_modules(model, token_ids: list[int]) -> dict:
 def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
                fast: bool = False, offload_copy_stream: bool = False,
                trainable_tokens: list[int] | None = None, tuner: str = "lora",
-               adapter_dir=None):
+               adapter_dir=None, fast_chunk_tokens: int = 0):
     """Wrap the model with peft adapters (--tuner lora, dora or ia3); only the adapters train.
 
     means (planning.memory.MemoryMeans): the long-sequence means to put in place. fast: route
-    the LoRA layers through models/fast_lora.py. offload_copy_stream: offloaded checkpoints copy
+    the LoRA layers through models/fast_lora.py (its MLP backward in chunks of fast_chunk_tokens
+    tokens; 0: all at once). offload_copy_stream: offloaded checkpoints copy
     on a side stream (models/fast_offload.py). trainable_tokens: token ids whose embedding and
     output-head rows train too (trainable_token_modules). adapter_dir: continue this saved
     adapter (trainable) instead of a new one; `args` are then the adapter's own."""
@@ -103,7 +104,7 @@ def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
     if fast:  # before the MLP chunks, which wrap the MLPs' forward
         from .fast_lora import apply_fast_lora
 
-        apply_fast_lora(model)
+        apply_fast_lora(model, fast_chunk_tokens)
     if means is not None:
         apply_memory_means(model, means)
         if offload_copy_stream and means.offload_checkpoints:

@@ -319,7 +319,8 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
         model = apply_lora(model, config.lora, config.train.gradient_checkpointing, means,
                            fast=fast, offload_copy_stream=config.train.offload_copy_stream
                            and gpu_gib is not None, trainable_tokens=tokens,
-                           tuner=config.train.tuner, adapter_dir=from_run_adapter(config))
+                           tuner=config.train.tuner, adapter_dir=from_run_adapter(config),
+                           fast_chunk_tokens=config.model.fast_lora_chunk_tokens)
         initial = run_dir / INITIAL_ADAPTER_FOLDER
         if converts_initial_adapter(config.lora) and not initial.is_dir() and args.should_save:
             with staged_folder(initial) as staging:

@@ -12,13 +12,15 @@ from tests.unit.test_activations import SEQ, assert_same, tiny_untied
 
 
 def loss_and_grads(fast: bool, means=None, dropout: float = 0.0, checkpointing: bool = True,
-                   device: str = "cpu", dtype=torch.float32, model_fn=tiny_untied):
+                   device: str = "cpu", dtype=torch.float32, model_fn=tiny_untied,
+                   chunk_tokens: int = 0):
     model = model_fn()
     if not getattr(model, "is_loaded_in_4bit", False):
         model = model.to(device=device, dtype=dtype)
     torch.manual_seed(1)
     model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=dropout), checkpointing, means,
-                       fast=fast, offload_copy_stream=device == "cuda")
+                       fast=fast, offload_copy_stream=device == "cuda",
+                       fast_chunk_tokens=chunk_tokens)
     model.train()
     torch.manual_seed(2)
     ids = torch.randint(0, 512, (2, SEQ)).to(device)
@@ -58,6 +60,18 @@ def test_fast_lora_with_every_memory_means():
     assert_same(loss_and_grads(False), loss_and_grads(True, means))
 
 
+def test_mlp_backward_in_chunks_gives_the_same_loss_and_gradients(monkeypatch):
+    """Chunks of 10 tokens (2 rows x SEQ 24: five chunks, the last one short): the same
+    gradients as one pass over all tokens, up to the order of the sums over tokens."""
+    calls = count_swiglu(monkeypatch)
+    whole = loss_and_grads(True)
+    whole_calls = len(calls)
+    calls.clear()
+    chunked = loss_and_grads(True, chunk_tokens=10)
+    assert len(calls) == whole_calls + 2 * (5 - 1)  # two layers, five backward chunks each
+    assert_same(whole, chunked)
+
+
 def count_swiglu(monkeypatch) -> list:
     import lora_lab.models.fast_lora as fast_lora
 
@@ -66,19 +80,22 @@ def count_swiglu(monkeypatch) -> list:
     return calls
 
 
-def test_recomputed_layer_skips_the_mlp_output_and_keeps_every_gradient(monkeypatch):
-    """A recomputed Qwen2 layer's MLP stops after gate and up (silu(gate) * up runs twice per
-    MLP, not three times: forward, backward) and every gradient is bit for bit the same."""
+@pytest.mark.parametrize("chunk_tokens, chunks", [(0, 1), (10, 5)])
+def test_recomputed_layer_skips_the_mlp_output_and_keeps_every_gradient(
+        monkeypatch, chunk_tokens, chunks):
+    """A recomputed Qwen2 layer's MLP stops after gate and up (silu(gate) * up runs in the
+    forward pass and once per backward chunk, not also in the recomputation) and every gradient
+    is bit for bit the same."""
     import lora_lab.models.fast_lora as fast_lora
 
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
     calls = count_swiglu(monkeypatch)
-    skipped = loss_and_grads(True, means)
-    assert len(calls) == 2 * 2  # two layers
+    skipped = loss_and_grads(True, means, chunk_tokens=chunk_tokens)
+    assert len(calls) == 2 * (1 + chunks)  # two layers
     monkeypatch.setattr(fast_lora, "RESIDUAL_MLP_LAYERS", ())
     calls.clear()
-    full = loss_and_grads(True, means)
-    assert len(calls) == 3 * 2
+    full = loss_and_grads(True, means, chunk_tokens=chunk_tokens)
+    assert len(calls) == 2 * (2 + chunks)
     assert skipped[0] == full[0]
     assert skipped[1].keys() == full[1].keys()
     for name, grad in skipped[1].items():

@@ -151,8 +151,9 @@ def _swiglu_backward(gate, up, grad_h):
 class LoraMLP(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with LoRA on all three; keeps x, gate, up.
 
-    chunk_tokens: the backward pass runs on at most this many tokens at a time (0: all), so its
-    [tokens x intermediate] temporaries (silu(gate) * up and its gradient) are a chunk's.
+    chunk_tokens: the backward pass through down and SwiGLU runs on at most this many tokens at
+    a time (0: all), so its [tokens x intermediate] temporaries (silu(gate) * up and its
+    gradient) are a chunk's; gate and up then back-propagate over all tokens at once.
     output_unread: the output's values are never read (a checkpointed layer's recomputation
     whose MLP output only enters the residual sum): the forward then stops after gate and up,
     and the backward pass computes silu(gate) * up @ A_down.T itself; it returns zeros of the
@@ -181,45 +182,37 @@ class LoraMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x2, gate, up, xa, ha, ag, bg, au, bu, ad, bd = ctx.saved_tensors
+        bases, scalings = ctx.bases, ctx.scalings
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
-        tokens, chunk = x2.shape[0], ctx.chunk_tokens or x2.shape[0]
-        need_x = ctx.needs_input_grad[0]
-        weights = [_base_weight(base, x2.dtype) for base in ctx.bases]
-        grad_x = x2.new_empty(x2.shape) if need_x and chunk < tokens else None
-        sums = None  # the LoRA weights' gradients, summed over the chunks
+        tokens = x2.shape[0]
+        chunk = min(ctx.chunk_tokens or tokens, tokens)
+        down = _base_weight(bases[2], x2.dtype)
+        grad_ad = grad_bd = None
+        # down projection and SwiGLU, a chunk of tokens at a time: gate and up are overwritten
+        # with their gradients, so the [tokens x intermediate] temporaries are a chunk's
         for start in range(0, tokens, chunk):
             rows = slice(start, start + chunk)
-            parts = _mlp_backward_rows(ctx, x2[rows], gate[rows], up[rows], xa[rows],
-                                       None if ha is None else ha[rows], g[rows],
-                                       (ag, bg, au, bu, ad, bd), weights, need_x)
-            if grad_x is None:
-                grad_x = parts[0]  # one chunk: all the rows
-            elif need_x:
-                grad_x[rows] = parts[0]
-            sums = parts[1] if sums is None else [s.add_(p) for s, p in zip(sums, parts[1])]
+            h = _swiglu(gate[rows], up[rows])
+            h_a = h @ ad.t() if ha is None else ha[rows]  # as _project computes it forward
+            grad_h, (part_ad,), (part_bd,) = _project_backward(
+                h, h_a, [g[rows]], bases[2:], [ad], [bd], scalings[2:], True, [down])
+            del h
+            grad_ad = part_ad if grad_ad is None else grad_ad.add_(part_ad)
+            grad_bd = part_bd if grad_bd is None else grad_bd.add_(part_bd)
+            for saved, grad in zip((gate[rows], up[rows]), _swiglu_backward(
+                    gate[rows], up[rows], grad_h)):
+                if grad.data_ptr() != saved.data_ptr():
+                    saved.copy_(grad)
+            del grad_h
+        del down
+        grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
+            x2, xa, [gate, up], bases[:2], [ag, au], [bg, bu], scalings[:2],
+            ctx.needs_input_grad[0])
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
+        grads = (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
         return (grad_x, None, None, None, None) + tuple(
-            grad.to(dtype) for grad, dtype in zip(sums, ctx.param_dtypes))
-
-
-def _mlp_backward_rows(ctx, x2, gate, up, xa, ha, g, params, weights, need_x: bool):
-    """LoraMLP's backward pass on some rows (tokens): (dX rows, [dA_gate, dB_gate, dA_up,
-    dB_up, dA_down, dB_down] of those rows); may overwrite gate and up."""
-    ag, bg, au, bu, ad, bd = params
-    bases, scalings = ctx.bases, ctx.scalings
-    h = _swiglu(gate, up)
-    if ha is None:
-        ha = h @ ad.t()  # the product _project computes in the full forward
-    grad_h, (grad_ad,), (grad_bd,) = _project_backward(
-        h, ha, [g], bases[2:], [ad], [bd], scalings[2:], True, weights[2:])
-    del h
-    grad_gate, grad_up = _swiglu_backward(gate, up, grad_h)
-    del grad_h
-    grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
-        x2, xa, [grad_gate, grad_up], bases[:2], [ag, au], [bg, bu], scalings[:2], need_x,
-        weights[:2])
-    return grad_x, [grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd]
+            grad.to(dtype) for grad, dtype in zip(grads, ctx.param_dtypes))
 
 
 # ----------------------------------------------------------------------------- wiring

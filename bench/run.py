@@ -155,7 +155,7 @@ ABLATIONS_7B_4096 = {  # label suffix: sets on top of the preset
     "d0-plain": FAST + ["model.fast_lora=false", "train.offload_copy_stream=false"],
     "d0-fast-nostream": FAST + ["train.offload_copy_stream=false"],
     "nocudnn": FAST + ["model.cudnn_attention=false"],
-    "nochunk": FAST + ["model.fast_lora_chunk_tokens=0"],
+    "chunk": FAST + ["model.fast_lora_chunk_tokens=2048"],
 }
 
 
@@ -172,6 +172,10 @@ def peer_cells(steps: int = 6) -> list:
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-rows4096-{run}",
                               "size": size, "steps": steps,
                               "sets": FAST + ["data.pack_length=4096"], **ours})
+            if name in ("7b-1024", "7b-2048-nf4"):  # the MLP backward in chunks
+                cells.append({"kind": "lora-lab", "label": f"ll-{name}-chunk-{run}",
+                              "size": size, "steps": steps,
+                              "sets": FAST + ["model.fast_lora_chunk_tokens=2048"], **ours})
             if name == "7b-1024":  # the embedding on the GPU, as Unsloth keeps it
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-gpuemb-{run}",
                               "size": size, "steps": steps,

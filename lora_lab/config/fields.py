@@ -66,9 +66,10 @@ class ModelArgs:
                 "applies it).",
         choices=("auto", True, False))
     fast_lora_chunk_tokens: int = _f(
-        2048, "The fast LoRA MLP's backward pass runs on at most this many tokens at a time, so "
-              "its [tokens x intermediate] temporaries are a chunk's, not the micro-batch's; 0: "
-              "all tokens at once.", minimum=0)
+        0, "The fast LoRA MLP's backward pass through down and SwiGLU runs on at most this many "
+           "tokens at a time, so its [tokens x intermediate] temporaries are a chunk's (less "
+           "memory allocated, but the allocator may reserve more); 0: all tokens at once.",
+        minimum=0)
     cudnn_attention: str | bool = _f(
         "auto", "sdpa's cuDNN attention kernel. auto: only for packed rows whose samples all have "
                 "one length (data.packed_attention=varlen), as one batch, for at most 8 shapes a "

@@ -77,7 +77,8 @@ def resolved(config, summary: dict) -> dict:
 
     return {"quantization": config.model.quantization,
             "kernels": resolve_kernels(config.model.kernels), "dtype": config.model.dtype,
-            "rank": config.lora.rank, "micro_batch_size": config.train.micro_batch_size,
+            "rank": config.lora.rank, "lora_dropout": config.lora.dropout,
+            "micro_batch_size": config.train.micro_batch_size,
             "grad_accum": config.train.grad_accum, "max_length": config.data.max_length,
             "packing": config.data.packing, "pack_length": row_length(config),
             "gradient_checkpointing": config.train.gradient_checkpointing,

@@ -41,7 +41,7 @@ def measured_cells(fast_lora: bool = False) -> list:
                      "data.max_length": row["max_length"]}
             if row.get("resolved", {}).get("grad_accum"):  # packed cells: one full row a step
                 flags["train.grad_accum"] = row["resolved"]["grad_accum"]
-            config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
+            config = resolve_config(row["preset"], flags=flags, sets=cell_sets(row))
             if resolve_fast_lora(config) == fast_lora:
                 cells.append((config, row["peak_reserved_gib"], row["label"]))
     return cells
@@ -52,6 +52,19 @@ def is_tuner_cell(row: dict) -> bool:
     fitted planner, they do not fit it."""
     return row.get("task", "sft") != "sft" or any(
         s.startswith("train.tuner=") and s != "train.tuner=lora" for s in row.get("sets", []))
+
+
+EARLIER_PRESET_DROPOUT = "lora.dropout=0.05"  # the GPU presets' dropout before they took 0
+
+
+def cell_sets(row: dict) -> list:
+    """The --set list a stored cell ran with: rows that do not record their LoRA dropout ran
+    the presets when these still had the earlier dropout."""
+    sets = list(row.get("sets", []))
+    if "lora_dropout" not in row.get("resolved", {}) and not any(
+            s.startswith("lora.dropout=") for s in sets):
+        sets.insert(0, EARLIER_PRESET_DROPOUT)
+    return sets
 
 
 def stored_cells(pattern: str):
@@ -71,7 +84,7 @@ def tuner_cells() -> list:
         flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
                  "data.max_length": row["max_length"], "train.task": row.get("task", "sft"),
                  "train.grad_accum": row["resolved"]["grad_accum"]}
-        config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
+        config = resolve_config(row["preset"], flags=flags, sets=cell_sets(row))
         cells.append((config, row["peak_reserved_gib"], row["label"], row["cap_gib"]))
     return cells
 
@@ -83,7 +96,7 @@ def family_cells() -> list:
     for row in stored_cells("*-families*.jsonl"):
         config = resolve_config(row["preset"], flags={
             "model.name": row["size"], "data.datasets": ["x"],
-            "data.max_length": row["max_length"]}, sets=row.get("sets", []))
+            "data.max_length": row["max_length"]}, sets=cell_sets(row))
         cells.append((config, row["peak_reserved_gib"], row["label"]))
     return cells
 

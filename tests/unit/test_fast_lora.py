@@ -134,6 +134,7 @@ def test_fast_lora_setting():
         return resolve_config("24gb", flags={"model.name": "qwen2.5-0.5b",
                                              "data.datasets": ["x"]}, sets=list(sets))
 
+    assert resolve_fast_lora(config())  # the GPU presets train with dropout 0
     assert resolve_fast_lora(config("lora.dropout=0"))
     assert not resolve_fast_lora(config("lora.dropout=0.05"))
     assert resolve_fast_lora(config("lora.dropout=0.05", "model.fast_lora=true"))

@@ -13,7 +13,7 @@ from lora_lab.registry import QWEN25_SIZES
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from fit_planner import family_cells, measured_cells, tuner_cells  # noqa: E402
+from fit_planner import cell_sets, family_cells, measured_cells, tuner_cells  # noqa: E402
 
 
 def test_prediction_within_10_percent_of_every_measured_cell():
@@ -68,7 +68,7 @@ def test_the_verdict_matches_every_capped_cell():
         name = row["size"] if row["size"] not in QWEN25_SIZES else f"qwen2.5-{row['size']}"
         flags = {"model.name": name, "data.datasets": ["x"],
                  "data.max_length": row["max_length"], "train.task": row.get("task", "sft")}
-        config = resolve_config(row["preset"], flags=flags, sets=row.get("sets", []))
+        config = resolve_config(row["preset"], flags=flags, sets=cell_sets(row))
         plan = plan_memory(config, gpu_memory_gib=row["cap_gib"] + 0.5)
         assert plan.fits is (not row.get("error")), (row["label"], plan.total_gib)
 

@@ -74,13 +74,15 @@ def _text(rng: random.Random, words: int, vocabulary=WORDS) -> str:
 
 
 def words_within(model_dir: Path) -> tuple:
-    """WORDS whose token ids all fit the model's vocabulary (Mistral's 32,768 is smaller than
-    the stand-in tokenizer's 49,152: " adapter" is id 33,303 there)."""
+    """WORDS whose token ids fit the model's vocabulary both inside a text and at the start of
+    a message, where the template writes no space before the word (Mistral's 32,768 is smaller
+    than the stand-in tokenizer's 49,152: " adapter" is id 33,303 there, "reply" 34,575)."""
     from transformers import AutoConfig, AutoTokenizer
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return tuple(w for w in WORDS if max(tokenizer.encode(" " + w, add_special_tokens=False))
+    return tuple(w for w in WORDS if max(tokenizer.encode(w, add_special_tokens=False)
+                                         + tokenizer.encode(" " + w, add_special_tokens=False))
                  < vocab)
 
 

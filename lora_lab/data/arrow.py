@@ -204,3 +204,23 @@ def trained_token_count(samples) -> int:
     if isinstance(samples, ArrowSamples):
         return samples.trained_token_count()
     return sum(s.trained_tokens for s in samples)
+
+
+def first_token_at_least(samples, limit: int) -> tuple[str, int] | None:
+    """(origin, id) of the first sample holding a token id >= `limit` (an input embedding's row
+    count), or None: a mapped file's ids are compared as Arrow arrays, the samples read one by
+    one only to name the one that fails."""
+    if isinstance(samples, ArrowSamples):
+        import pyarrow.compute as pc
+
+        largest = (pc.max(chunk.flatten()).as_py()
+                   for chunk in samples.dataset.data.column("input_ids").chunks)
+        if all(value is None or value < limit for value in largest):
+            return None
+    for sample in samples:
+        ids = (sample.prompt_ids + sample.chosen_ids + (sample.rejected_ids or [])
+               if hasattr(sample, "prompt_ids") else sample.input_ids)
+        outside = [token for token in ids if token >= limit]
+        if outside:
+            return sample.origin, outside[0]
+    return None

@@ -20,11 +20,11 @@ from pathlib import Path
 
 from ..config import RunConfig, converts_initial_adapter
 from ..data import PreparedData, prepare_data
-from ..data.arrow import sample_lengths, trained_token_count
+from ..data.arrow import first_token_at_least, sample_lengths, trained_token_count
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
 from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_launched_worker,
                       peak_memory_per_gpu, release_memory, use_cudnn_attention, world_size)
-from ..errors import LoraLabError, TrainingError
+from ..errors import LoraLabError, ModelError, TrainingError
 from ..log import get_logger
 from ..models.attention import CUDNN_EQUAL_LENGTHS, resolve_packed_attention
 from ..models.fast_lora import resolve_fast_lora
@@ -37,7 +37,7 @@ from ..paths import replace_folder, staged_folder
 from ..planning.choice import check_fits
 from ..planning.disk import check_disk_space
 from ..planning.memory import choose_memory_means, row_length, usable_gib
-from ..registry import family_of, missing_fast_paths, wants_trainable_tokens
+from ..registry import family_of, missing_fast_paths, model_config_of, wants_trainable_tokens
 from ..run_folder import (ADAPTER_FOLDER, CONFIG_FILE, INITIAL_ADAPTER_FOLDER, LOGS_FOLDER,
                           MODEL_FOLDER, STEP_LOG,
                           record_stop, stop_error,
@@ -105,6 +105,7 @@ def train_in_folder(config: RunConfig, run_dir: Path, precision: Precision, stat
     tokenizer = load_tokenizer(config.model.name, config.model.trust_remote_code, model_path)
     data = prepare_data(config.data, tokenizer, config.train.seed, config.train.task)
     report_data(data, config.data.max_length)
+    check_token_ids(config.model.name, model_path, data, tokenizer)
     fingerprint = data.train.fingerprint or data_fingerprint(data.train.samples)
     agree_across_nodes(config, run_dir, fingerprint)  # before rank 0 writes into the folder
     if state.is_main_process:
@@ -183,6 +184,27 @@ def report_data(data: PreparedData, max_length: int) -> None:
         log.info(f"  warning: {warning}")
     if len(problems) > 10 or len(data.all_warnings()) > 10:
         log.info("  ... the full list is in logs/data_problems.jsonl")
+
+
+def check_token_ids(spec: str, model_path: str, data: PreparedData, tokenizer) -> None:
+    """Every id the model will read (the samples' and the padding's) is a row of its input
+    embedding (vocab_size in config.json): a tokenizer of another model, or tokens added to the
+    tokenizer without resizing the embedding, stop here rather than inside the forward pass."""
+    rows = (model_config_of(model_path) or {}).get("vocab_size")
+    if not rows:
+        return
+    found = next(filter(None, (first_token_at_least(report.samples, rows)
+                               for report in (data.train, data.val) if report)), None)
+    if found is None and (tokenizer.pad_token_id or 0) >= rows:
+        found = ("the padding (the tokenizer's pad token)", tokenizer.pad_token_id)
+    if found is not None:
+        where, token = found
+        raise ModelError(
+            f"--model {spec}: the tokenizer gives token id {token} "
+            f"({tokenizer.convert_ids_to_tokens(token)!r}, in {where}), but the model's input "
+            f"embedding has {rows} rows (vocab_size in {model_path}/config.json): the tokenizer "
+            f"is not the one these weights were trained with. Use the model's own tokenizer, or "
+            f"resize the embedding (model.resize_token_embeddings) after adding tokens to it.")
 
 
 def pack_training_data(config: RunConfig, data: PreparedData):

@@ -11,7 +11,8 @@ output/<run-name>/
   checkpoint-<step>/     intermediate weights and trainer state (for resume), with a
                          manifest.json of sha256 sums written last (training/checkpoint.py)
   logs/                  TensorBoard events, train_log.jsonl (every logged value, one JSON
-                         line per log event: the run's own per-step log), data_problems.jsonl
+                         line per log event: the run's own per-step log), data_problems.jsonl,
+                         console.log (a run started from `lora-lab ui`: what it printed)
   plots/                 PNG plots of the step log (training/plots.py; `lora-lab report RUN`)
   wandb/, swanlog/,      (--report-to wandb / swanlab / mlflow) those backends' own files
   mlflow.db
@@ -56,6 +57,7 @@ PLOTS_FOLDER = "plots"
 SWANLAB_FOLDER = "swanlog"
 MLFLOW_DATABASE = "mlflow.db"
 LOCK_FILE = ".lock"
+CONSOLE_LOG = "logs/console.log"
 STOP_FILE = "logs/stopped.json"
 """Written by rank 0 when a signal stopped the run (its signal and last step)."""
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")

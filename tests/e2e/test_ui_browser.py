@@ -1,0 +1,152 @@
+"""`lora-lab ui` in a real browser: Debian's headless Chromium, driven through Playwright, on the
+tiny Qwen2 model. Enter the settings, read the memory plan and the data check, start the real
+`lora-lab run`, stop it (SIGTERM: checkpoint), resume it, watch it finish, see the loss curve,
+and chat with the result. Screenshots of each step go to tests/artifacts/ui/."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_jsonl
+
+ARTIFACTS = Path(__file__).parents[1] / "artifacts" / "ui"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
+                      {"role": "assistant", "content": "I am Aurora."}]}]
+BAD_ROW = {"messages": [{"role": "user", "content": "a question without an answer"}]}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def served(tiny_model_dir, tmp_path):
+    """`lora-lab ui` serving tmp_path (data, output) and the tiny model's folder."""
+    assert CHROMIUM, "the browser test needs Debian's chromium (make install: apt-get install " \
+                     "chromium)"
+    port = free_port()
+    log = open(tmp_path / "ui.log", "wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "lora_lab", "ui", "--port", str(port), "--allow", str(tmp_path),
+         "--allow", str(tiny_model_dir)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
+                                                          os.environ.get("PYTHONPATH", "")])})
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            assert server.poll() is None, (tmp_path / "ui.log").read_text()
+            assert time.monotonic() < deadline, "lora-lab ui did not answer in 90 s"
+            time.sleep(0.5)
+    yield url, tmp_path
+    server.terminate()
+    server.wait(30)
+
+
+def field(page, elem_id: str):
+    return page.locator(f"#{elem_id} textarea, #{elem_id} input").first
+
+
+def wait_for_text(page, elem_id: str, pattern: str, seconds: float) -> str:
+    """The field's text once it matches `pattern` (a regular expression)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        text = field(page, elem_id).input_value()
+        if re.search(pattern, text):
+            return text
+        assert time.monotonic() < deadline, f"#{elem_id} never matched {pattern!r}: {text!r}"
+        time.sleep(0.5)
+
+
+def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir):
+    from playwright.sync_api import sync_playwright
+
+    url, folder = served
+    data = write_jsonl(folder / "who.jsonl", ROWS * 8 + [BAD_ROW])
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.goto(url)
+        field(page, "model").wait_for(timeout=60_000)
+
+        # 1. settings: the plan follows them, the data check lists the bad row by line
+        field(page, "preset").fill("cpu")
+        page.keyboard.press("Enter")
+        field(page, "model").fill(str(tiny_model_dir))
+        field(page, "data").fill(str(data))
+        for elem_id, value in (("lora-rank", "16"), ("lr", "1e-2"), ("max-steps", "40"),
+                               ("run-name", "aurora")):
+            field(page, elem_id).fill(value)
+        field(page, "sets").fill("lora.dropout=0")
+        wait_for_text(page, "plan-report", r"^preset cpu\n\S+, 16-bit LoRA, 2048 tokens per micro-batch", 30)
+        # the tiny model's peak is a fraction of a GiB (Qwen2.5-0.5B's, planned at first, is not)
+        verdict = wait_for_text(page, "plan-verdict", r"^fits: predicted peak 0\.\d\d GiB", 30)
+        field(page, "gpu-memory").fill("0.1")  # a card too small: the verdict says what to turn
+        wait_for_text(page, "plan-verdict", r"^does NOT fit: .* to fit: ", 30)
+        field(page, "gpu-memory").fill("24")
+        assert wait_for_text(page, "plan-verdict", r"^fits", 30) == verdict
+        page.click("#check-data")
+        problems = wait_for_text(page, "data-problems", r"who\.jsonl", 60)
+        assert problems == (f"{data}:9: error: the last message must be the assistant's reply")
+        summary = field(page, "data-summary").input_value()
+        assert "8 rows usable, 1 errors, 0 warnings" in summary
+        assert summary.endswith("suggested max_length: 256")
+        assert "recommended --max-length 256" in field(page, "data-stats").input_value()
+        # the plan now counts the data's longest sample (39 tokens) x the cpu preset's
+        # micro-batch of 4, instead of --max-length 2048 x 4
+        wait_for_text(page, "plan-report", r"LoRA, 156 tokens per micro-batch", 30)
+        page.screenshot(path=ARTIFACTS / "1-settings.png", full_page=True)
+
+        # 2. start the real run, stop it with SIGTERM once it trains, resume it to the end
+        page.get_by_role("tab", name="Train").click()
+        page.click("#start")
+        wait_for_text(page, "action", r"^started aurora$", 30)
+        run_dir = folder / "output" / "aurora"
+        wait_for_text(page, "run-status", r"running\nstep [1-9]", 90)
+        page.screenshot(path=ARTIFACTS / "2-running.png", full_page=True)
+        page.click("#stop")
+        wait_for_text(page, "run-status", r"aurora: stopped", 60)
+        console = field(page, "console").input_value()
+        stopped_at = int(re.search(r"stopped by SIGTERM after step (\d+)", console).group(1))
+        assert 0 < stopped_at < 40
+        assert (run_dir / f"checkpoint-{stopped_at}").is_dir()
+        page.click("#resume")
+        wait_for_text(page, "action", r"^resuming aurora$", 30)
+        status = wait_for_text(page, "run-status", r"aurora: finished", 120)
+        assert re.search(r"step 40/40 · loss \d+\.\d{4} · lr [\d.e-]+ · tok/s [\d,]+", status)
+        events = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").open()]
+        assert events[-1]["step"] == 40 and "train_runtime" in events[-1]
+        assert "--resume" in field(page, "console").input_value()
+        # the loss curve: one line of the train losses, drawn by the browser
+        page.locator("#loss-plot svg path[aria-roledescription='line mark'], "
+                     "#loss-plot canvas").first.wait_for(timeout=30_000)
+        page.screenshot(path=ARTIFACTS / "3-finished.png", full_page=True)
+
+        # 3. chat: the fine-tuned model answers what it learned, the base does not
+        page.get_by_role("tab", name="Chat").click()
+        field(page, "message").fill("Who are you?")
+        page.click("#send")
+        tuned = page.locator("#chat-tuned").get_by_text("I am Aurora.", exact=True)
+        tuned.wait_for(timeout=90_000)
+        assert page.locator("#chat-base").get_by_text("Who are you?").count() == 1
+        assert page.locator("#chat-base").get_by_text("I am Aurora.", exact=True).count() == 0
+        page.screenshot(path=ARTIFACTS / "4-chat.png", full_page=True)
+        browser.close()

@@ -12,6 +12,8 @@ from . import actions
 from .form import AllowedFolders, RunForm, resume_arguments, run_arguments
 from .runs import RunProcess, can_resume, find_runs, live_figures, read_console, run_state
 
+CONSOLE_LINES = 20
+"""The console box shows the newest lines of RUN/logs/console.log, as many as it is tall."""
 FORM_FIELDS = ("model", "preset", "data", "lora_rank", "lora_alpha", "max_length",
                "micro_batch_size", "grad_accum", "lr", "epochs", "max_steps", "qlora",
                "output_dir", "run_name", "sets")
@@ -133,6 +135,7 @@ class Page:
             return f"error: {exc}", empty, ""
         console = read_console(path)
         figures = live_figures(read_step_log(path), console)
+        console = "\n".join(console.splitlines()[-CONSOLE_LINES:])
         state = self._state(path)
         shown = (str(path), len(figures.losses))
         if not redraw and self._plotted == shown:
@@ -247,7 +250,8 @@ def build_page(page: Page, safety_note: str):
                                 interactive=False)
             loss_plot = gr.LinePlot(x="step", y="loss", color="series", label="Loss",
                                     elem_id="loss-plot")
-            console = gr.Textbox(label="Console", lines=14, max_lines=14, autoscroll=True,
+            console = gr.Textbox(label="Console (the end of RUN/logs/console.log)",
+                                 lines=CONSOLE_LINES, max_lines=CONSOLE_LINES,
                                  elem_id="console", interactive=False)
         with gr.Tab("Chat"):
             gr.Markdown("The chosen run's base model and its fine-tuned model answer side by "

@@ -482,7 +482,7 @@ def report(run_dir):
 @click.option("--port", default=7860, show_default=True, type=int)
 @click.option("--token", help="The token the page asks for (default with another --host: a new "
               "one, printed).")
-@click.option("--allow", "allowed", multiple=True, type=click.Path(exists=True, file_okay=False),
+@click.option("--allow", "allowed", multiple=True, type=click.Path(),
               help="A folder the page may read and write (models, data, runs). Repeat for "
               "more; default: the current folder.")
 def ui(host, port, token, allowed):

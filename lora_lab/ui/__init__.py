@@ -31,6 +31,9 @@ def launch_ui(host: str = "127.0.0.1", port: int = 7860, token: str | None = Non
     from ..device import gpu_memory_gib
     from .page import Page, build_page
 
+    missing = [folder for folder in allow or [] if not os.path.isdir(os.path.expanduser(folder))]
+    if missing:
+        raise LoraLabError(f"--allow {missing[0]}: no such folder.")
     allowed = AllowedFolders(allow or ["."])
     if needs_token(host) and not token:
         token = new_token()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config import list_presets
 from ..errors import LoraLabError
+from ..log import get_logger
 from ..run_folder import read_step_log
 from . import actions
 from .form import AllowedFolders, RunForm, resume_arguments, run_arguments
@@ -14,6 +15,8 @@ from .runs import RunProcess, can_resume, find_runs, live_figures, read_console,
 
 CONSOLE_LINES = 20
 """The console box shows the newest lines of RUN/logs/console.log, as many as it is tall."""
+log = get_logger()
+
 FORM_FIELDS = ("model", "preset", "data", "lora_rank", "lora_alpha", "max_length",
                "micro_batch_size", "grad_accum", "lr", "epochs", "max_steps", "qlora",
                "output_dir", "run_name", "sets")
@@ -174,16 +177,21 @@ class Page:
 
     # --------------------------------------------------------------- export
     def merge(self, run_dir):
-        try:
-            return actions.merge_run(self._selected(run_dir))
-        except LoraLabError as exc:
-            return f"error: {exc}"
+        return self._use(actions.merge_run, run_dir)
 
     def export(self, run_dir, choice):
+        return self._use(actions.export_run, run_dir, choice)
+
+    def _use(self, action, run_dir, *args) -> str:
+        """A merge or export of the chosen run; what went wrong is said in the result box (a
+        failure of the library below with its type, its traceback in the server's log)."""
         try:
-            return actions.export_run(self._selected(run_dir), choice)
+            return action(self._selected(run_dir), *args)
         except LoraLabError as exc:
             return f"error: {exc}"
+        except Exception as exc:
+            log.exception(f"{action.__name__} of {run_dir} failed")
+            return f"failed: {type(exc).__name__}: {exc}"
 
 
 def build_page(page: Page, safety_note: str):

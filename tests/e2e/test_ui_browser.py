@@ -1,9 +1,11 @@
 """`lora-lab ui` in a real browser: Debian's headless Chromium, driven through Playwright, on the
 tiny Qwen2 model. Enter the settings, read the memory plan and the data check, start the real
 `lora-lab run`, stop it (SIGTERM: checkpoint), resume it, watch it finish, see the loss curve,
-and chat with the result. Screenshots of each step go to tests/artifacts/ui/."""
+chat with the result and merge it. Screenshots of each step go to tests/artifacts/ui/."""
 from __future__ import annotations
 
+import contextlib
+import http.cookiejar
 import json
 import os
 import re
@@ -12,6 +14,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -32,16 +36,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def served(tiny_model_dir, tmp_path):
-    """`lora-lab ui` serving tmp_path (data, output) and the tiny model's folder."""
-    assert CHROMIUM, "the browser test needs Debian's chromium (make install: apt-get install " \
-                     "chromium)"
+@contextlib.contextmanager
+def serving(folder: Path, *flags: str):
+    """`lora-lab ui FLAGS --allow FOLDER` on a free port, started in folder: its address."""
     port = free_port()
-    log = open(tmp_path / "ui.log", "wb")
+    log = open(folder / "ui.log", "wb")
     server = subprocess.Popen(
-        [sys.executable, "-m", "lora_lab", "ui", "--port", str(port), "--allow", str(tmp_path),
-         "--allow", str(tiny_model_dir)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "lora_lab", "ui", "--port", str(port), "--allow", str(folder),
+         *flags], cwd=folder, stdout=log, stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
                                                           os.environ.get("PYTHONPATH", "")])})
     url = f"http://127.0.0.1:{port}/"
@@ -51,12 +53,42 @@ def served(tiny_model_dir, tmp_path):
             urllib.request.urlopen(url, timeout=2)
             break
         except OSError:
-            assert server.poll() is None, (tmp_path / "ui.log").read_text()
+            assert server.poll() is None, (folder / "ui.log").read_text()
             assert time.monotonic() < deadline, "lora-lab ui did not answer in 90 s"
             time.sleep(0.5)
-    yield url, tmp_path
-    server.terminate()
-    server.wait(30)
+    try:
+        yield url
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.fixture
+def served(tiny_model_dir, tmp_path):
+    """The page, serving tmp_path (data, output) and the tiny model's folder."""
+    assert CHROMIUM, "the browser test needs Debian's chromium (make install: apt-get install " \
+                     "chromium)"
+    with serving(tmp_path, "--allow", str(tiny_model_dir)) as url:
+        yield url, tmp_path
+
+
+def test_with_a_token_nothing_is_served_before_the_login(tmp_path):
+    with serving(tmp_path, "--token", "sesame-0123456789") as url:
+        jar = http.cookiejar.CookieJar()
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+
+        def status(path, form=None):
+            data = urllib.parse.urlencode(form).encode() if form else None
+            try:
+                return opener.open(url + path, data=data, timeout=30).status
+            except urllib.error.HTTPError as error:
+                return error.code
+
+        assert status("config") == 401
+        assert status("login", {"username": "me", "password": "sesame-012345678"}) == 400
+        assert status("config") == 401
+        assert status("login", {"username": "me", "password": "sesame-0123456789"}) == 200
+        assert status("config") == 200
 
 
 def field(page, elem_id: str):
@@ -155,5 +187,14 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
         assert page.locator("#chat-base").get_by_text("Who are you?").count() == 1
         assert page.locator("#chat-base").get_by_text("I am Aurora.", exact=True).count() == 0
         shot("4-chat")
+
+        # 4. merge: the summary and the vLLM commands, as `lora-lab merge` prints them
+        page.get_by_role("tab", name="Export").click()
+        page.click("#merge")
+        merged = wait_for_text(page, "export-output", r"serve with vLLM:", 120)
+        assert f"wrote {run_dir}/merged\n" in merged
+        assert f"  merged:  vllm serve {run_dir}/merged --served-model-name finetuned" in merged
+        assert (run_dir / "merged" / "model.safetensors").is_file()
+        shot("5-merge")
         browser.close()
     (ARTIFACTS / "seconds.json").write_text(json.dumps(took))  # since the page was opened

@@ -420,6 +420,19 @@ def _lock_holder(lock: Path) -> dict | None:
     return None
 
 
+def running_pid(run_dir: Path) -> int | None:
+    """The process of this host that holds the run folder's lock (a run writing into it), or
+    None; reads the lock only (a stale one is left for the next run to take over)."""
+    try:
+        holder = json.loads((Path(run_dir) / LOCK_FILE).read_text())
+        pid = int(holder["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if holder.get("host") != socket.gethostname() or not _process_alive(pid):
+        return None
+    return pid
+
+
 def _process_alive(pid) -> bool:
     try:
         os.kill(int(pid), 0)

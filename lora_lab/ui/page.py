@@ -11,7 +11,8 @@ from ..log import get_logger
 from ..run_folder import read_step_log
 from . import actions
 from .form import AllowedFolders, RunForm, resume_arguments, run_arguments
-from .runs import RunProcess, can_resume, find_runs, live_figures, read_console, run_state
+from .runs import (RunProcess, can_resume, find_runs, live_figures, read_console, run_state,
+                   stop_run)
 
 CONSOLE_LINES = 20
 """The console box shows the newest lines of RUN/logs/console.log, as many as it is tall."""
@@ -101,10 +102,10 @@ class Page:
         try:
             path = self._selected(run_dir)
             process = self.processes.get(str(path))
-            if process is None:
-                raise LoraLabError(f"{path.name} was not started from this page; stop it "
-                                   f"where it runs (Ctrl-C or SIGTERM).")
-            process.stop()
+            if process is not None and process.running:
+                process.stop()
+            else:
+                stop_run(path)  # started elsewhere (a terminal, an earlier `lora-lab ui`)
         except LoraLabError as exc:
             return f"error: {exc}"
         return f"stopping {path.name}: it saves a checkpoint, then exits"
@@ -112,8 +113,7 @@ class Page:
     def resume(self, run_dir):
         try:
             path = self._selected(run_dir)
-            process = self.processes.get(str(path))
-            if process is not None and process.running:
+            if self._state(path) == "running":
                 raise LoraLabError(f"{path.name} is running.")
             if not can_resume(path):
                 raise LoraLabError(f"{path.name} has no checkpoint to resume from, or is "

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LoraLabError
-from ..run_folder import (CONFIG_FILE, CONSOLE_LOG, STOP_FILE, SUMMARY_FILE, list_checkpoints)
+from ..run_folder import (CONFIG_FILE, CONSOLE_LOG, STOP_FILE, SUMMARY_FILE, list_checkpoints,
+                          running_pid)
 
 PROGRESS = re.compile(r"step (\d+)/(\d+)(?:.*?ETA ((?:\d+[hms] ?)+))?")
 """The run's progress line (training/watch.py progress_fields): step, total and ETA."""
@@ -84,7 +85,7 @@ def read_console(run_dir: Path, chars: int = CONSOLE_TAIL_CHARS) -> str:
 def run_state(run_dir: Path, process: subprocess.Popen | None = None) -> str:
     """running, finished, stopped (a checkpoint to resume from), failed or incomplete."""
     run_dir = Path(run_dir)
-    if process is not None and process.poll() is None:
+    if process is not None and process.poll() is None or running_pid(run_dir) is not None:
         return "running"
     if (run_dir / SUMMARY_FILE).is_file():
         return "finished"
@@ -100,6 +101,15 @@ def find_runs(folders: list) -> list[Path]:
     found = [p for folder in folders if Path(folder).is_dir()
              for p in Path(folder).iterdir() if (p / CONFIG_FILE).is_file()]
     return sorted(found, key=lambda p: (p / CONFIG_FILE).stat().st_mtime, reverse=True)
+
+
+def stop_run(run_dir: Path) -> None:
+    """SIGTERM to the process of this host that is writing the run (its lock's holder), for a
+    run this page did not start."""
+    pid = running_pid(run_dir)
+    if pid is None:
+        raise LoraLabError(f"{Path(run_dir).name}: no run of this machine is writing into it.")
+    os.kill(pid, signal.SIGTERM)
 
 
 def can_resume(run_dir: Path) -> bool:

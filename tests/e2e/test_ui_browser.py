@@ -133,7 +133,8 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
                                ("run-name", "aurora")):
             field(page, elem_id).fill(value)
         field(page, "sets").fill("lora.dropout=0")
-        wait_for_text(page, "plan-report", r"^preset cpu\n\S+, 16-bit LoRA, 2048 tokens per micro-batch", 30)
+        wait_for_text(page, "plan-report",
+                      r"^preset cpu\n\S+, 16-bit LoRA, 2048 tokens per micro-batch", 30)
         # the tiny model's peak is a fraction of a GiB (Qwen2.5-0.5B's, planned at first, is not)
         verdict = wait_for_text(page, "plan-verdict", r"^fits: predicted peak 0\.\d\d GiB", 30)
         field(page, "gpu-memory").fill("0.1")  # a card too small: the verdict says what to turn

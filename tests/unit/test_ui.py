@@ -10,7 +10,7 @@ from lora_lab.errors import LoraLabError
 from lora_lab.ui.actions import config_flags, histogram
 from lora_lab.ui.form import (AllowedFolders, RunForm, needs_token, new_token, resume_arguments,
                               run_arguments, token_matches)
-from lora_lab.ui.runs import RunProcess, can_resume, find_runs, live_figures, run_state
+from lora_lab.ui.runs import RunProcess, can_resume, find_runs, live_figures, run_state, stop_run
 
 
 def test_the_form_becomes_one_argument_per_flag_and_value():
@@ -159,3 +159,20 @@ def test_a_run_process_takes_an_argument_list_and_stops_with_sigterm(tmp_path):
     assert console.read_text().startswith(f"$ {sys.executable} -c import signal")
     with pytest.raises(LoraLabError, match="is not running"):
         process.stop()
+
+
+def test_a_run_started_elsewhere_is_seen_running_and_stopped_through_its_lock(tmp_path):
+    import socket
+    import subprocess
+
+    run = tmp_path / "r"
+    run.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (run / ".lock").write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(),
+                                           "started": "now"}))
+    assert run_state(run) == "running"
+    stop_run(run)
+    assert sleeper.wait(30) == -15  # SIGTERM
+    assert run_state(run) == "not started" and (run / ".lock").is_file()  # left as it was
+    with pytest.raises(LoraLabError, match="no run of this machine is writing into it"):
+        stop_run(run)

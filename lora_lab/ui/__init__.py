@@ -13,8 +13,9 @@ log = get_logger()
 
 
 def safety_note(host: str, token: str | None, allowed: AllowedFolders) -> str:
-    access = (f"Bound to {host}: reachable from other machines, after the token." if token else
-              f"Bound to {host}: reachable from this machine only.")
+    reach = ("reachable from other machines" if needs_token(host) else
+             "reachable from this machine only")
+    access = f"Bound to {host}: {reach}" + (", after the token." if token else ".")
     folders = ", ".join(f"`{f}`" for f in allowed.folders)
     return f"{access} Files: only under {folders} (`lora-lab ui --allow DIR`)."
 

@@ -176,3 +176,24 @@ def test_a_run_started_elsewhere_is_seen_running_and_stopped_through_its_lock(tm
     assert run_state(run) == "not started" and (run / ".lock").is_file()  # left as it was
     with pytest.raises(LoraLabError, match="no run of this machine is writing into it"):
         stop_run(run)
+
+
+def test_the_page_says_who_can_reach_it(tmp_path):
+    from lora_lab.ui import safety_note
+
+    allowed = AllowedFolders([tmp_path])
+    assert safety_note("127.0.0.1", None, allowed) == (
+        f"Bound to 127.0.0.1: reachable from this machine only. Files: only under `{tmp_path}` "
+        f"(`lora-lab ui --allow DIR`).")
+    assert safety_note("0.0.0.0", "t", allowed).startswith(
+        "Bound to 0.0.0.0: reachable from other machines, after the token. Files: only under")
+
+
+def test_ui_refuses_a_missing_allowed_folder_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from lora_lab.cli import main
+
+    result = CliRunner().invoke(main, ["ui", "--allow", str(tmp_path / "nope")])
+    assert result.exit_code == 2
+    assert result.output == f"error: --allow {tmp_path / 'nope'}: no such folder.\n"

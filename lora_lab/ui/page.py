@@ -293,6 +293,7 @@ def build_page(page: Page, safety_note: str):
         stop.click(page.stop, [run_dir], [action])
         resume.click(page.resume, [run_dir], [action])
         refresh.click(lambda: gr.update(choices=page.run_choices()), None, [run_dir])
+        blocks.load(lambda: gr.update(choices=page.run_choices()), None, [run_dir])
         timer = gr.Timer(1.0)
         timer.tick(page.tick, [run_dir], [status, loss_plot, console], show_progress="hidden")
         run_dir.change(page.watch, [run_dir], [status, loss_plot, console])

@@ -197,5 +197,21 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
         assert f"  merged:  vllm serve {run_dir}/merged --served-model-name finetuned" in merged
         assert (run_dir / "merged" / "model.safetensors").is_file()
         shot("5-merge")
+
+        # 5. export as GGUF: the file and the llama.cpp / Ollama commands
+        field(page, "export-choice").fill("gguf f16 (llama.cpp, Ollama)")
+        page.keyboard.press("Enter")
+        page.click("#export")
+        exported = wait_for_text(page, "export-output", r"serve with llama\.cpp or Ollama", 180)
+        gguf = run_dir / "export-gguf-f16" / "model.gguf"
+        assert f"  llama-server -m {gguf} --jinja" in exported and gguf.is_file()
+
+        # 6. a new page lists the run and opens it
+        page.reload()
+        page.get_by_role("tab", name="Train").click()
+        page.locator("#run-dir input").click()
+        page.get_by_role("option", name=str(run_dir)).click()
+        wait_for_text(page, "run-status", r"^aurora: finished\nstep 40/40", 30)
+        shot("6-opened")
         browser.close()
     (ARTIFACTS / "seconds.json").write_text(json.dumps(took))  # since the page was opened

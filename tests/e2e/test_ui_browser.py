@@ -1,7 +1,7 @@
 """`lora-lab ui` in a real browser: Debian's headless Chromium, driven through Playwright, on the
 tiny Qwen2 model. Enter the settings, read the memory plan and the data check, start the real
 `lora-lab run`, stop it (SIGTERM: checkpoint), resume it, watch it finish, see the loss curve,
-chat with the result and merge it. Screenshots of each step go to tests/artifacts/ui/."""
+chat with the result, merge and export it. Screenshots of each step go to tests/artifacts/ui/."""
 from __future__ import annotations
 
 import contextlib

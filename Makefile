@@ -25,7 +25,7 @@ WHEELS ?= $(HOME)/.cache/lora-lab/wheels
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
 
-.PHONY: install llama-cpp demo test test-fast test-slow test-gpu finetune bench clean
+.PHONY: install chromium llama-cpp demo test test-fast test-slow test-gpu finetune bench clean
 
 install: $(STAMP)
 
@@ -37,11 +37,19 @@ $(STAMP): setup.cfg pyproject.toml
 	  else $(PIP) install torch==2.13.0 $(TORCH_PIP_ARGS); fi; \
 	fi
 	$(PIP) install -q -e ".[test]"
+	$(MAKE) --no-print-directory chromium
 	# the w4a16 export's library, for its tests; --no-deps: llmcompressor pins transformers
 	# <= 5.17 and declares packages its GPTQ path never imports (setup.cfg, extra "export")
 	$(PIP) install -q --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0 loguru==0.7.3
 	$(MAKE) --no-print-directory llama-cpp
 	@touch $(STAMP)
+
+# the browser of the `lora-lab ui` test: Debian's chromium (Playwright drives it; its own browser
+# download is not used), through apt-get where it is missing (as root, or with sudo)
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
+	    else sudo apt-get update -qq && sudo apt-get install -y -qq chromium; fi; }
 
 # the GGUF export's llama.cpp (extra "gguf"): the cached wheel, built from the sdist when absent
 llama-cpp:

@@ -476,5 +476,21 @@ def report(run_dir):
     click.echo(report_run(run_dir).summary())
 
 
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to serve on; any other than loopback asks for a token.")
+@click.option("--port", default=7860, show_default=True, type=int)
+@click.option("--token", help="The token the page asks for (default with another --host: a new "
+              "one, printed).")
+@click.option("--allow", "allowed", multiple=True, type=click.Path(),
+              help="A folder the page may read and write (models, data, runs). Repeat for "
+              "more; default: the current folder.")
+def ui(host, port, token, allowed):
+    """A web page to plan, start, watch, resume, chat with and export runs (needs lora-lab[ui])."""
+    from .ui import launch_ui
+
+    launch_ui(host, port, token, list(allowed) or ["."])
+
+
 if __name__ == "__main__":
     main()

@@ -11,7 +11,8 @@ output/<run-name>/
   checkpoint-<step>/     intermediate weights and trainer state (for resume), with a
                          manifest.json of sha256 sums written last (training/checkpoint.py)
   logs/                  TensorBoard events, train_log.jsonl (every logged value, one JSON
-                         line per log event: the run's own per-step log), data_problems.jsonl
+                         line per log event: the run's own per-step log), data_problems.jsonl,
+                         console.log (a run started from `lora-lab ui`: what it printed)
   plots/                 PNG plots of the step log (training/plots.py; `lora-lab report RUN`)
   wandb/, swanlog/,      (--report-to wandb / swanlab / mlflow) those backends' own files
   mlflow.db
@@ -56,6 +57,7 @@ PLOTS_FOLDER = "plots"
 SWANLAB_FOLDER = "swanlog"
 MLFLOW_DATABASE = "mlflow.db"
 LOCK_FILE = ".lock"
+CONSOLE_LOG = "logs/console.log"
 STOP_FILE = "logs/stopped.json"
 """Written by rank 0 when a signal stopped the run (its signal and last step)."""
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
@@ -416,6 +418,19 @@ def _lock_holder(lock: Path) -> dict | None:
              f"taking it over")
     lock.unlink(missing_ok=True)
     return None
+
+
+def running_pid(run_dir: Path) -> int | None:
+    """The process of this host that holds the run folder's lock (a run writing into it), or
+    None; reads the lock only (a stale one is left for the next run to take over)."""
+    try:
+        holder = json.loads((Path(run_dir) / LOCK_FILE).read_text())
+        pid = int(holder["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if holder.get("host") != socket.gethostname() or not _process_alive(pid):
+        return None
+    return pid
 
 
 def _process_alive(pid) -> bool:

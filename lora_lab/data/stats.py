@@ -22,6 +22,8 @@ class LengthStats:
     over: dict = field(default_factory=dict)
     """Candidate max_length -> samples longer than it (cut with truncate, lost with drop)."""
     recommended_max_length: int = 0
+    lengths: list = field(default_factory=list, repr=False)
+    """Every sample's length, shortest first (for a histogram)."""
 
     def table(self) -> str:
         lines = [f"samples {self.count}  mean {self.mean:.0f}  p50 {self.p50}  p90 {self.p90}  "
@@ -78,4 +80,5 @@ def stats_of_lengths(lengths: list) -> LengthStats:
         count=len(lengths), mean=sum(lengths) / len(lengths), p50=percentile(lengths, 0.5),
         p90=percentile(lengths, 0.9), p99=p99, max=lengths[-1],
         over={n: sum(1 for length in lengths if length > n) for n in CANDIDATE_LENGTHS},
-        recommended_max_length=next((n for n in RECOMMENDABLE if n >= p99), RECOMMENDABLE[-1]))
+        recommended_max_length=next((n for n in RECOMMENDABLE if n >= p99), RECOMMENDABLE[-1]),
+        lengths=lengths)

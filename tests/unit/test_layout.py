@@ -16,8 +16,9 @@ RANKS = {
     "training": 6, "use": 6,
     "demo": 7,
     "__init__": 8,
-    "cli": 9,
-    "__main__": 10,
+    "ui": 9,  # the web page, over the public API like the CLI
+    "cli": 10,
+    "__main__": 11,
 }
 MAX_LINES = 525
 

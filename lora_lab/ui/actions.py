@@ -1,0 +1,210 @@
+"""What the page's buttons do, through lora-lab's Python API: plan, check data, chat, merge and
+export. Nothing here trains: a run is always the `lora-lab run` process (runs.RunProcess)."""
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import FLAGS, resolve_config
+from ..errors import LoraLabError
+from .form import RunForm
+
+HISTOGRAM_BINS = 12
+
+
+def config_flags(form: RunForm) -> dict:
+    """The form's flags as config keys, the way `lora-lab run` reads them."""
+    keys = {flag.split("/")[0]: key for flag, key in FLAGS.items()}
+    return {keys[flag]: value for flag, value in form.flags().items() if value not in ("", [])}
+
+
+@dataclass
+class PlanView:
+    verdict: str
+    """One line: fits / does NOT fit and which knob to turn."""
+    report: str
+    preset: str
+
+
+def plan_form(form: RunForm, gpu_memory_gib: float | None,
+              longest_sample_tokens: int | None = None) -> PlanView:
+    """The memory plan of the form's run on a GPU of gpu_memory_gib (`lora-lab plan`)."""
+    from .. import choose_preset, plan
+
+    preset = choose_preset(form.preset or "auto", gpu_memory_gib)
+    flags = {"model.name": "qwen2.5-7b", **config_flags(form)}
+    flags.pop("data.datasets", None)
+    config = resolve_config(preset, flags=flags, sets=form.set_entries(), need_data=False)
+    result = plan(config, gpu_memory_gib, longest_sample_tokens)
+    if result.fits is None:
+        verdict = f"predicted peak {result.total_gib:.2f} GiB (give the GPU memory for a verdict)"
+    elif result.fits:
+        verdict = (f"fits: predicted peak {result.total_gib:.2f} GiB of "
+                   f"{result.budget_gib:.1f} GiB usable")
+    else:
+        verdict = (f"does NOT fit: predicted peak {result.total_gib:.2f} GiB of "
+                   f"{result.budget_gib:.1f} GiB usable; to fit: "
+                   f"{' or '.join(result.fixes) or 'a smaller model'}")
+    return PlanView(verdict, result.report(), preset)
+
+
+def launch_preset(form: RunForm) -> str:
+    """The preset a run from this machine trains with (auto: from this machine's GPU)."""
+    from .. import choose_preset
+
+    return choose_preset(form.preset or "auto")
+
+
+def run_folder_of(form: RunForm, preset: str) -> Path:
+    """Where the run will write: --output-dir / --run-name, named as a run names itself."""
+    from ..run_folder import default_run_name
+
+    if form.run_name.strip():
+        return Path(form.output_dir or "output") / form.run_name.strip()
+    config = resolve_config(preset, flags={"model.name": form.model.strip()}, need_data=False)
+    return Path(form.output_dir or "output") / default_run_name(config)
+
+
+@dataclass
+class DataView:
+    problems: str
+    """Every row problem, one `file:line: severity: reason` a line."""
+    summary: str
+    stats: str
+    histogram: list
+    """(tokens, samples) rows: the lower edge of each length bin and its count."""
+    recommended_max_length: int | None
+    longest: int | None
+
+
+def check_data(form: RunForm) -> DataView:
+    """`lora-lab data validate` and `lora-lab data stats` of the form's data with its model."""
+    from ..data import validate_data, with_identity_stand_ins
+    from ..data.stats import dataset_length_stats
+    from ..models.load import load_tokenizer, locate_tokenizer
+
+    data = [d for d in form.data if d.strip()]
+    if not data:
+        raise LoraLabError("data: give at least one data file.")
+    config = resolve_config(None, flags={
+        "data.datasets": data, "model.name": form.model.strip() or "qwen2.5-0.5b",
+        "data.max_length": form.max_length.strip() or "2048"}, training=False)
+    config.data, note = with_identity_stand_ins(config.data)
+    path, source = locate_tokenizer(config.model.name)
+    tokenizer = load_tokenizer(config.model.name, path=path)
+    report = validate_data(data, config.data, tokenizer, config.train.seed)
+    lines = [f"{p.origin}: {severity}: {p.reason}" for severity, problems in
+             (("error", report.errors), ("warning", report.warnings)) for p in problems]
+    summary = "\n".join(filter(None, [note, source, report.summary()]))
+    if not report.kept:
+        return DataView("\n".join(lines), summary, "no usable sample", [], None, None)
+    stats, _ = dataset_length_stats(data, config.data, tokenizer, config.train.seed)
+    return DataView("\n".join(lines) or "no problems", summary, stats.table(),
+                    histogram(stats.lengths), stats.recommended_max_length, stats.max)
+
+
+def histogram(lengths: list, bins: int = HISTOGRAM_BINS) -> list[tuple[int, int]]:
+    """(lower edge, count) of `bins` equal-width token-length bins."""
+    if not lengths:
+        return []
+    low, high = min(lengths), max(lengths)
+    bins = min(bins, high - low + 1)
+    width = max(1, -(-(high - low + 1) // bins))
+    counts = [0] * bins
+    for length in lengths:
+        counts[(length - low) // width] += 1
+    return [(low + i * width, n) for i, n in enumerate(counts)]
+
+
+# ----------------------------------------------------------------------------- chat
+
+class ChatModels:
+    """The fine-tuned model of a run, loaded once; its base is the same model with the adapter
+    turned off (as `lora-lab chat --compare` does)."""
+
+    def __init__(self):
+        self.run_dir, self.model, self.tokenizer = None, None, None
+
+    def load(self, run_dir: Path):
+        from ..use.infer import load_generation_model
+
+        if self.run_dir != Path(run_dir):
+            self.model, self.tokenizer = load_generation_model(run=str(run_dir))
+            self.run_dir = Path(run_dir)
+        return self.model, self.tokenizer
+
+    def stream(self, run_dir: Path, messages: list, base: bool, max_new_tokens: int):
+        """The reply's text so far, after every piece the model writes (use.infer.stream_reply
+        in a thread)."""
+        from ..use.infer import GenerationSettings, stream_reply
+
+        model, tokenizer = self.load(run_dir)
+        settings = GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False)
+        pieces: queue.Queue = queue.Queue()
+        failure = []
+
+        def generate():
+            try:
+                off = (model.disable_adapter() if base and hasattr(model, "disable_adapter")
+                       else contextlib.nullcontext())
+                with off:
+                    stream_reply(model, tokenizer, messages, settings, pieces.put)
+            except Exception as exc:  # reported on the page, not lost in a thread
+                failure.append(exc)
+            finally:
+                pieces.put(None)
+
+        worker = threading.Thread(target=generate, daemon=True)
+        worker.start()
+        text = ""
+        while (piece := pieces.get()) is not None:
+            text += piece
+            yield text
+        worker.join()
+        if failure:
+            raise LoraLabError(f"generation failed: {failure[0]}")
+        yield text
+
+
+# ----------------------------------------------------------------------------- merge, export
+
+def merge_run(run_dir: Path) -> str:
+    """`lora-lab merge RUN --force`: the summary and the printed vLLM commands."""
+    from .. import merge_adapter
+    from ..planning.serving import vllm_commands
+
+    result = merge_adapter(str(run_dir), None, None, True)
+    serving = vllm_commands(result, "finetuned")
+    lines = [result.summary(), "", "serve with vLLM:"]
+    lines += [f"  {kind + ':':<9}{command}" for kind, command in serving["commands"].items()]
+    lines += [f"warning: {w}" for w in serving["warnings"]]
+    return "\n".join(lines)
+
+
+EXPORTS = {"nf4 (safetensors, vLLM)": ("safetensors", "nf4"),
+           "w4a16 (GPTQ int4, vLLM)": ("safetensors", "w4a16"),
+           "gguf f16 (llama.cpp, Ollama)": ("gguf", "f16"),
+           "gguf q8_0 (llama.cpp, Ollama)": ("gguf", "q8_0"),
+           "gguf q4_k_m (llama.cpp, Ollama)": ("gguf", "q4_k_m")}
+
+
+def export_run(run_dir: Path, choice: str) -> str:
+    """`lora-lab export RUN --format F --quantize Q --force`: the summary and how to serve it."""
+    from .. import export_gguf, export_quantized
+    from ..use.export import DEFAULT_CALIB_SAMPLES, serving_handoff
+
+    if choice not in EXPORTS:
+        raise LoraLabError(f"export: choose one of {', '.join(EXPORTS)}.")
+    fmt, quantize = EXPORTS[choice]
+    if fmt == "gguf":
+        result = export_gguf(str(run_dir), quantize, None, True)
+        handoff = result.serving_lines()
+    else:
+        result = export_quantized(str(run_dir), quantize, [], DEFAULT_CALIB_SAMPLES, None, None,
+                                  True)
+        handoff = serving_handoff(result, None)
+    return "\n".join([result.summary()] + [f"warning: {w}" for w in result.warnings]
+                     + [""] + list(handoff))

@@ -84,7 +84,8 @@ def resolved(config, summary: dict) -> dict:
             "gradient_checkpointing": config.train.gradient_checkpointing,
             "memory_means": summary["memory_means"],
             "packed_attention": resolve_packed_attention(config.data.packed_attention),
-            "cudnn_attention": config.model.cudnn_attention}
+            "cudnn_attention": config.model.cudnn_attention,
+            "fast_lora_chunk_tokens": config.model.fast_lora_chunk_tokens}
 
 
 def run_lora_lab_sft(cell: dict) -> dict:

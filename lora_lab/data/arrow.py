@@ -1,38 +1,33 @@
-"""Encoded samples as Arrow files: written by worker processes, read back memory-mapped.
+"""Encoded samples as Arrow files, read back memory-mapped.
 
-A list of normalised samples is cut into contiguous shards; each of data.num_proc processes
-(forked, so the tokenizer and samples are shared, not pickled) encodes its shards with
-encode.encode_sample and writes one Arrow file per shard. Shards keep the samples' order, so the
-files, read in order, hold exactly what encode.encode_samples returns in one process, and the
-problems come back in the same order. Pre-training documents are packed into rows in the parent
-(packing crosses shards) and written last, as encode_samples appends them.
-
-ArrowSamples reads such files through `datasets` (memory-mapped: the samples are not held in
-memory) and gives EncodedSample objects one at a time; the lengths column answers packing and
-length questions without reading a single token.
+write_samples writes EncodedSample objects (with each one's length, trained-token count and
+digest) to one Arrow file; stream.py's workers write one per chunk of rows. ArrowSamples reads such
+files through `datasets` (memory-mapped: the samples are not held in memory) and gives
+EncodedSample objects one at a time; the length column answers packing and length questions, and
+the digest column the resume fingerprint, without reading a single token.
 """
 from __future__ import annotations
 
 import hashlib
-import json
-import multiprocessing
 import os
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
-from .encode import EncodedSample, EncodeReport, add_encoded, encode_sample, pack_documents
-from .formats import Problem
+from .encode import EncodedSample
 
-COLUMNS = ("input_ids", "labels", "origin", "truncated", "origins", "length", "trained")
+COLUMNS = ("input_ids", "labels", "origin", "truncated", "origins", "length", "trained", "digest")
 WRITE_BATCH = 1000
+WRITE_TOKENS = 200_000
+"""A batch is written once it holds this many tokens (Python lists of ints cost ~36 bytes each)."""
+TAKE_ROWS = 20_000
+"""Rows per file when samples are written in another order (sampling, val_ratio)."""
 MAX_NUM_PROC = 8
 """data.num_proc 0 (auto) uses the machine's cores up to this many: tokenising is CPU bound and
 each worker holds its own copy of the tokenizer's state."""
 SAMPLES_PER_WORKER = 2000
 """Auto num_proc starts no more workers than this many samples each keep busy (a fork costs
 about as much as encoding a few hundred samples)."""
-_JOB: dict = {}
-"""What forked workers encode: set in the parent just before the pool starts."""
 
 
 def resolve_num_proc(num_proc: int, samples: int) -> int:
@@ -50,7 +45,7 @@ def features():
     return Features({"input_ids": ListOf(Value("int32")), "labels": ListOf(Value("int32")),
                      "origin": Value("string"), "truncated": Value("bool"),
                      "origins": ListOf(Value("string")), "length": Value("int32"),
-                     "trained": Value("int32")})
+                     "trained": Value("int32"), "digest": Value("binary")})
 
 
 def write_samples(path: Path, samples) -> int:
@@ -58,16 +53,18 @@ def write_samples(path: Path, samples) -> int:
     from datasets.arrow_writer import ArrowWriter
 
     writer = ArrowWriter(features=features(), path=str(path))
-    batch, count = {name: [] for name in COLUMNS}, 0
+    batch, count, tokens = {name: [] for name in COLUMNS}, 0, 0
     for sample in samples:
         for name in COLUMNS[:5]:
             batch[name].append(getattr(sample, name))
         batch["length"].append(len(sample.input_ids))
         batch["trained"].append(sample.trained_tokens)
+        batch["digest"].append(sample_digest(sample.input_ids, sample.labels))
         count += 1
-        if len(batch["origin"]) == WRITE_BATCH:
+        tokens += len(sample.input_ids)
+        if len(batch["origin"]) == WRITE_BATCH or tokens >= WRITE_TOKENS:
             writer.write_batch(batch)
-            batch = {name: [] for name in COLUMNS}
+            batch, tokens = {name: [] for name in COLUMNS}, 0
     if batch["origin"] or not count:
         writer.write_batch(batch)
     writer.finalize()
@@ -75,53 +72,21 @@ def write_samples(path: Path, samples) -> int:
     return count
 
 
-def _encode_shard(task: tuple) -> tuple[list, list]:
-    """Encode samples[start:stop] into `path`: (problems, truncated origins) of the shard."""
-    start, stop, path = task
-    job = _JOB
-    report = EncodeReport()
+def write_taken(folder: Path, files: list, rows, name: str) -> list:
+    """Rows `rows` (indices into `files` read in order) written in that order to
+    NAME-00000.arrow ...; returns the new files."""
+    import pyarrow as pa
 
-    def encoded():
-        for sample in job["samples"][start:stop]:
-            if sample.text is not None:
-                continue
-            add_encoded(report, sample, lambda: encode_sample(job["tokenizer"], sample,
-                                                              *job["settings"]))
-            while report.samples:
-                yield report.samples.pop(0)
-
-    write_samples(Path(path), encoded())
-    return ([(p.origin, p.reason) for p in report.problems], report.truncated)
-
-
-def encode_to_arrow(tokenizer, samples: list, settings: tuple, folder: Path, name: str,
-                    num_proc: int) -> tuple[list, dict]:
-    """Encode `samples` (settings = max_length, truncation, system, enable_thinking) into Arrow
-    files `folder/NAME-00000.arrow` ... in `num_proc` processes (1: in this process).
-    Returns the files in order and {"problems", "truncated"}, as encode_samples reports them."""
-    folder = Path(folder)
-    shards = max(1, min(len(samples), num_proc * 4)) if num_proc > 1 else 1
-    bounds = [len(samples) * i // shards for i in range(shards + 1)]
-    tasks = [(bounds[i], bounds[i + 1], str(folder / f"{name}-{i:05d}.arrow"))
-             for i in range(shards)]
-    _JOB.update(tokenizer=tokenizer, samples=samples, settings=settings)
-    try:
-        if num_proc > 1:
-            with multiprocessing.get_context("fork").Pool(num_proc) as pool:
-                results = pool.map(_encode_shard, tasks, chunksize=1)
-        else:
-            results = [_encode_shard(task) for task in tasks]
-    finally:
-        _JOB.clear()
-    problems = [Problem(*p) for shard_problems, _ in results for p in shard_problems]
-    truncated = [origin for _, shard_truncated in results for origin in shard_truncated]
-    files = [Path(task[2]).name for task in tasks]
-    documents = [s for s in samples if s.text is not None]
-    if documents:
-        rows = pack_documents(tokenizer, documents, settings[0], problems)
-        write_samples(folder / f"{name}-documents.arrow", rows)
-        files.append(f"{name}-documents.arrow")
-    return files, {"problems": problems, "truncated": truncated}
+    table = map_samples(folder, files).dataset.data.table
+    out, written = [], 0
+    for start in range(0, max(len(rows), 1), TAKE_ROWS):
+        taken = table.take(pa.array(rows[start:start + TAKE_ROWS], type=pa.int64()))
+        path = Path(folder) / f"{name}-{len(out):05d}.arrow"
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(taken, max_chunksize=WRITE_BATCH)
+        out.append(path.name)
+        written += len(taken)
+    return out
 
 
 def map_samples(folder: Path, files: list) -> "ArrowSamples":
@@ -175,20 +140,24 @@ def _sample(row: dict) -> EncodedSample:
                          row["origins"])
 
 
+def sample_digest(input_ids, labels) -> bytes:
+    """sha256 of one encoded sample's input_ids and labels (as int32)."""
+    return hashlib.sha256(array("i", input_ids).tobytes() + array("i", labels).tobytes()).digest()
+
+
 def fingerprint_samples(samples) -> dict:
-    """Count and sha256 of encoded samples, in order (input_ids and labels): the value a
+    """Count and sha256 of encoded samples, in order (the sha256 of their digests): the value a
     checkpoint records, so that --resume notices changed training data."""
     digest = hashlib.sha256()
     count = 0
     if isinstance(samples, ArrowSamples):
-        for batch in samples.dataset.select_columns(["input_ids", "labels"]).iter(
-                batch_size=WRITE_BATCH):
-            for ids, labels in zip(batch["input_ids"], batch["labels"]):
-                digest.update(json.dumps([ids, labels]).encode())
+        for chunk in samples.dataset.data.column("digest").chunks:
+            for value in chunk.to_pylist():
+                digest.update(value)
                 count += 1
     else:
         for sample in samples:
-            digest.update(json.dumps([sample.input_ids, sample.labels]).encode())
+            digest.update(sample_digest(sample.input_ids, sample.labels))
             count += 1
     return {"samples": count, "sha256": digest.hexdigest()}
 

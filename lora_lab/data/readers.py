@@ -26,6 +26,8 @@ MAX_DEPTH = 100
 CSV_JSON_COLUMNS = {"messages", "conversations", "conversation", "history", "chosen", "rejected"}
 """CSV columns that hold JSON (a list or object); every other cell is kept as its exact text."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
+BLANK = object()
+"""jsonl_row's answer for a blank line (a line may hold JSON null)."""
 
 
 class Bad:
@@ -153,7 +155,7 @@ def iter_jsonl(path: Path):
     """(row, origin) of every non-blank line, read one line at a time."""
     for number, raw in iter_lines(path):
         row = jsonl_row(raw, number)
-        if row is not None:
+        if row is not BLANK:
             yield row, f"{path}:{number}"
 
 
@@ -164,14 +166,14 @@ def iter_lines(path: Path):
 
 
 def jsonl_row(raw: bytes, number: int):
-    """Line `number` of a .jsonl file as a row (a value or Bad); None for a blank line."""
+    """Line `number` of a .jsonl file as a row (a value or Bad); BLANK for a blank line."""
     if number == 1:
         raw = raw.removeprefix(b"\xef\xbb\xbf")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         return Bad(f"invalid UTF-8 at byte {exc.start}")
-    return parse_json_text(text) if text.strip() else None
+    return parse_json_text(text) if text.strip() else BLANK
 
 
 def read_json(path: Path, warnings: list) -> list:

@@ -31,7 +31,7 @@ from .arrow import map_samples, resolve_num_proc, write_samples, write_taken
 from .encode import EncodeReport, add_encoded, encode_sample, pack_documents
 from .formats import (NormalisedRows, detect_format, identity_unfilled, normalise_rows,
                       parse_spec, peek_rows, sample_indices, unused_field_warnings)
-from .readers import iter_lines, jsonl_row, read_rows, source_path, text_file_warnings
+from .readers import BLANK, iter_lines, jsonl_row, read_rows, source_path, text_file_warnings
 
 CHUNK_ROWS = 2000
 """Rows a worker reads, normalises and encodes at a time (a few MiB of text)."""
@@ -71,7 +71,7 @@ def _encode_chunk(task: tuple) -> ChunkResult:
     file, path, items, fmt, entry, fill = task
     if path is not None:
         items = [(row, f"{path}:{number}") for number, raw in items
-                 if (row := jsonl_row(raw, number)) is not None]
+                 if (row := jsonl_row(raw, number)) is not BLANK]
     read = normalise_rows(items, fmt, entry, fill)
     codes, problems, truncated, documents = array("q"), {}, {}, {}
     tokenizer, settings, written = _JOB["tokenizer"], _JOB["settings"], itertools.count()
@@ -301,7 +301,7 @@ def peek_lines(path: Path) -> tuple[list, object]:
     for number, raw in lines:
         seen.append((number, raw))
         row = jsonl_row(raw, number)
-        if row is None:
+        if row is BLANK:
             continue
         head.append((row, f"{path}:{number}"))
         if isinstance(row, dict):

@@ -1,14 +1,16 @@
-"""Encoded samples as Arrow files, read back memory-mapped.
+"""Encoded samples as Arrow files, read back memory-mapped (pyarrow alone).
 
 write_samples writes EncodedSample objects (with each one's length, trained-token count and
-digest) to one Arrow file; stream.py's workers write one per chunk of rows. ArrowSamples reads such
-files through `datasets` (memory-mapped: the samples are not held in memory) and gives
-EncodedSample objects one at a time; the length column answers packing and length questions, and
-the digest column the resume fingerprint, without reading a single token.
+digest) to one Arrow IPC stream file; stream.py's workers write one per chunk of rows.
+ArrowSamples maps such files (the samples are not held in memory: the kernel pages them in and
+out) and gives EncodedSample objects one at a time; the length column answers packing and
+length questions, and the digest column the resume fingerprint, without reading a token.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import os
 from array import array
 from collections.abc import Sequence
@@ -20,6 +22,8 @@ COLUMNS = ("input_ids", "labels", "origin", "truncated", "origins", "length", "t
 WRITE_BATCH = 1000
 WRITE_TOKENS = 200_000
 """A batch is written once it holds this many tokens (Python lists of ints cost ~36 bytes each)."""
+READ_ROWS = 100
+"""Rows turned into Python objects at a time when every sample is read in order."""
 TAKE_ROWS = 20_000
 """Rows per file when samples are written in another order (sampling, val_ratio)."""
 MAX_NUM_PROC = 8
@@ -39,36 +43,35 @@ def resolve_num_proc(num_proc: int, samples: int) -> int:
     return max(1, min(cores or 1, MAX_NUM_PROC, samples // SAMPLES_PER_WORKER))
 
 
-def features():
-    from datasets import Features, Sequence as ListOf, Value
+def schema():
+    import pyarrow as pa
 
-    return Features({"input_ids": ListOf(Value("int32")), "labels": ListOf(Value("int32")),
-                     "origin": Value("string"), "truncated": Value("bool"),
-                     "origins": ListOf(Value("string")), "length": Value("int32"),
-                     "trained": Value("int32"), "digest": Value("binary")})
+    return pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+                      ("origin", pa.string()), ("truncated", pa.bool_()),
+                      ("origins", pa.list_(pa.string())), ("length", pa.int32()),
+                      ("trained", pa.int32()), ("digest", pa.binary())])
 
 
 def write_samples(path: Path, samples) -> int:
-    """EncodedSample objects into one Arrow file (the stream format `datasets` maps)."""
-    from datasets.arrow_writer import ArrowWriter
+    """EncodedSample objects into one Arrow IPC stream file; returns how many."""
+    import pyarrow as pa
 
-    writer = ArrowWriter(features=features(), path=str(path))
+    columns = schema()
     batch, count, tokens = {name: [] for name in COLUMNS}, 0, 0
-    for sample in samples:
-        for name in COLUMNS[:5]:
-            batch[name].append(getattr(sample, name))
-        batch["length"].append(len(sample.input_ids))
-        batch["trained"].append(sample.trained_tokens)
-        batch["digest"].append(sample_digest(sample.input_ids, sample.labels))
-        count += 1
-        tokens += len(sample.input_ids)
-        if len(batch["origin"]) == WRITE_BATCH or tokens >= WRITE_TOKENS:
-            writer.write_batch(batch)
-            batch, tokens = {name: [] for name in COLUMNS}, 0
-    if batch["origin"] or not count:
-        writer.write_batch(batch)
-    writer.finalize()
-    writer.close()
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, columns) as writer:
+        for sample in samples:
+            for name in COLUMNS[:5]:
+                batch[name].append(getattr(sample, name))
+            batch["length"].append(len(sample.input_ids))
+            batch["trained"].append(sample.trained_tokens)
+            batch["digest"].append(sample_digest(sample.input_ids, sample.labels))
+            count += 1
+            tokens += len(sample.input_ids)
+            if len(batch["origin"]) == WRITE_BATCH or tokens >= WRITE_TOKENS:
+                writer.write_batch(pa.RecordBatch.from_pydict(batch, schema=columns))
+                batch, tokens = {name: [] for name in COLUMNS}, 0
+        if batch["origin"]:
+            writer.write_batch(pa.RecordBatch.from_pydict(batch, schema=columns))
     return count
 
 
@@ -77,34 +80,40 @@ def write_taken(folder: Path, files: list, rows, name: str) -> list:
     NAME-00000.arrow ...; returns the new files."""
     import pyarrow as pa
 
-    table = map_samples(folder, files).dataset.data.table
-    out, written = [], 0
+    table = map_samples(folder, files).table
+    out = []
     for start in range(0, max(len(rows), 1), TAKE_ROWS):
         taken = table.take(pa.array(rows[start:start + TAKE_ROWS], type=pa.int64()))
         path = Path(folder) / f"{name}-{len(out):05d}.arrow"
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema()) as writer:
             writer.write_table(taken, max_chunksize=WRITE_BATCH)
         out.append(path.name)
-        written += len(taken)
     return out
 
 
 def map_samples(folder: Path, files: list) -> "ArrowSamples":
     """The samples of `files` (in order), memory-mapped."""
-    from datasets import Dataset, concatenate_datasets
+    import pyarrow as pa
 
-    parts = [Dataset.from_file(str(Path(folder) / name), in_memory=False) for name in files]
-    return ArrowSamples(concatenate_datasets(parts) if len(parts) > 1 else parts[0])
+    tables = [pa.ipc.open_stream(pa.memory_map(str(Path(folder) / name))).read_all()
+              for name in files]
+    table = pa.concat_tables(tables) if tables else schema().empty_table()
+    return ArrowSamples(table, (str(folder), list(files)))
 
 
 class ArrowSamples(Sequence):
     """Encoded samples read from memory-mapped Arrow files, one EncodedSample per index."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self, table, source: tuple):
+        self.table, self.source = table, source
+        self.batches = [batch for batch in table.to_batches() if batch.num_rows]
+        self.starts = list(itertools.accumulate((b.num_rows for b in self.batches), initial=0))
+
+    def __reduce__(self):  # another process maps the same files
+        return map_samples, self.source
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return self.table.num_rows
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -113,31 +122,29 @@ class ArrowSamples(Sequence):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(index)
-        return _sample(self.dataset[int(index)])
+        which = bisect.bisect_right(self.starts, index) - 1
+        row = self.batches[which].slice(index - self.starts[which], 1).to_pylist()[0]
+        return EncodedSample(*(row[name] for name in COLUMNS[:5]))
 
     def __iter__(self):
-        for batch in self.dataset.iter(batch_size=WRITE_BATCH):
-            for row in zip(*(batch[name] for name in COLUMNS[:5])):
-                yield EncodedSample(*row)
+        for batch in self.batches:
+            for start in range(0, batch.num_rows, READ_ROWS):
+                part = batch.slice(start, READ_ROWS)
+                for row in zip(*(part.column(name).to_pylist() for name in COLUMNS[:5])):
+                    yield EncodedSample(*row)
 
     def lengths(self) -> list:
         """Tokens of every sample, in order."""
-        return self.dataset.data.column("length").to_pylist()
+        return self.table.column("length").to_pylist()
 
     def trained_token_count(self) -> int:
         import pyarrow.compute as pc
 
-        return int(pc.sum(self.dataset.data.column("trained")).as_py() or 0)
+        return int(pc.sum(self.table.column("trained")).as_py() or 0)
 
     def origins(self) -> tuple[list, list]:
         """(origin, origins) columns: the row's origin, and a pre-training row's documents."""
-        data = self.dataset.data
-        return data.column("origin").to_pylist(), data.column("origins").to_pylist()
-
-
-def _sample(row: dict) -> EncodedSample:
-    return EncodedSample(row["input_ids"], row["labels"], row["origin"], row["truncated"],
-                         row["origins"])
+        return self.table.column("origin").to_pylist(), self.table.column("origins").to_pylist()
 
 
 def sample_digest(input_ids, labels) -> bytes:
@@ -151,7 +158,7 @@ def fingerprint_samples(samples) -> dict:
     digest = hashlib.sha256()
     count = 0
     if isinstance(samples, ArrowSamples):
-        for chunk in samples.dataset.data.column("digest").chunks:
+        for chunk in samples.table.column("digest").chunks:
             for value in chunk.to_pylist():
                 digest.update(value)
                 count += 1

@@ -13,7 +13,8 @@ the sample itself. The parent keeps one integer per sample.
 with the same random calls on the same counts as formats.sample_rows and build_prepared pick
 samples, so they choose exactly the same rows. A report whose rows are a run of stage files in
 order uses those files; any other order is written out (arrow.write_taken). Pre-training
-documents are packed in the chosen order, after the conversations, as encode_samples packs them.
+documents are tokenised by the workers into stage rows of their own and packed in the chosen
+order, after the conversations, as encode_samples packs them.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from ..errors import DataError
 from ..paths import IDENTITY_DATA
 from .arrow import map_samples, resolve_num_proc, write_samples, write_taken
-from .encode import EncodeReport, add_encoded, encode_sample, pack_documents
+from .encode import EncodedSample, EncodeReport, add_encoded, cut_documents, document_ids, encode_sample
 from .formats import (NormalisedRows, detect_format, identity_unfilled, normalise_rows,
                       parse_spec, peek_rows, sample_indices, unused_field_warnings)
 from .readers import BLANK, iter_lines, jsonl_row, read_rows, source_path, text_file_warnings
@@ -37,8 +38,8 @@ CHUNK_ROWS = 2000
 """Rows a worker reads, normalises and encodes at a time (a few MiB of text)."""
 FIRST_CHUNK_ROWS = 64
 IN_FLIGHT_PER_WORKER = 2
-PROBLEM, DOCUMENT = -1, -2
-"""What a sample became when it has no encoded row: a problem, or a document to pack."""
+PROBLEM = -1
+"""A sample with no encoded row: its problem is reported instead."""
 _JOB: dict = {}
 """The tokenizer, settings and folder of the encoding in progress (forked workers read it)."""
 
@@ -58,10 +59,12 @@ class ChunkResult:
     file: str
     rows: int
     codes: bytes
-    """array("q") per normalised sample: its row in `file`, PROBLEM or DOCUMENT."""
+    """array("q") per normalised sample: its row in `file`, or PROBLEM."""
+    documents: bytes
+    """array("b") per normalised sample: 1 for a pre-training document (its row holds its
+    tokens, to be packed), else 0."""
     problems: dict
     truncated: dict
-    documents: dict
     read: NormalisedRows
     """The loader's report on the chunk (its samples left out)."""
 
@@ -73,14 +76,21 @@ def _encode_chunk(task: tuple) -> ChunkResult:
         items = [(row, f"{path}:{number}") for number, raw in items
                  if (row := jsonl_row(raw, number)) is not BLANK]
     read = normalise_rows(items, fmt, entry, fill)
-    codes, problems, truncated, documents = array("q"), {}, {}, {}
+    codes, documents, problems, truncated = array("q"), array("b"), {}, {}
     tokenizer, settings, written = _JOB["tokenizer"], _JOB["settings"], itertools.count()
 
     def encoded():
         for index, sample in enumerate(read.samples):
+            documents.append(sample.text is not None)
             if sample.text is not None:
-                codes.append(DOCUMENT)
-                documents[index] = sample
+                found = []
+                ids = document_ids(tokenizer, sample, found)
+                if ids is None:
+                    codes.append(PROBLEM)
+                    problems[index] = found[0]
+                    continue
+                codes.append(next(written))
+                yield EncodedSample(ids, ids, sample.origin)
                 continue
             report = EncodeReport()
             add_encoded(report, sample, lambda: encode_sample(tokenizer, sample, *settings))
@@ -95,7 +105,8 @@ def _encode_chunk(task: tuple) -> ChunkResult:
 
     rows = write_samples(Path(_JOB["folder"]) / file, encoded())
     read.samples = []
-    return ChunkResult(file, rows, codes.tobytes(), problems, truncated, documents, read)
+    return ChunkResult(file, rows, codes.tobytes(), documents.tobytes(), problems, truncated,
+                       read)
 
 
 class StreamedEncoding:
@@ -106,8 +117,10 @@ class StreamedEncoding:
         self.tokenizer, self.settings, self.folder = tokenizer, settings, Path(folder)
         self.processes, self.explicit = resolve_num_proc(num_proc, 2**31), bool(num_proc)
         self.rows = array("q")
-        """Per sample: its row in the stage files, PROBLEM or DOCUMENT."""
-        self.problems, self.truncated, self.documents = {}, {}, {}
+        """Per sample: its row in the stage files, or PROBLEM."""
+        self.documents = array("b")
+        """Per sample: 1 for a pre-training document."""
+        self.problems, self.truncated = {}, {}
         self.files, self.ranges, self.row_count = [], [], 0
         self.file_numbers = itertools.count()
         self.report_files, self.pool, self.held, self.pending = {}, None, None, deque()
@@ -179,7 +192,7 @@ class StreamedEncoding:
             self.drain(None)
             self.forget(first)
             raise
-        pretraining = sum(1 for code in self.rows[first:] if code == DOCUMENT)
+        pretraining = sum(self.documents[first:])
         if pretraining and fmt != "text":
             label += f" ({pretraining} pre-training rows)"
         read = SpecsRead(problems=totals.problems, formats=[(spec, label)],
@@ -234,8 +247,9 @@ class StreamedEncoding:
         codes.frombytes(result.codes)
         base, start = len(self.rows), self.row_count
         self.rows += array("q", (code + start if code >= 0 else code for code in codes))
-        for mine, theirs in ((self.problems, result.problems), (self.truncated,
-                             result.truncated), (self.documents, result.documents)):
+        self.documents.frombytes(result.documents)
+        for mine, theirs in ((self.problems, result.problems),
+                             (self.truncated, result.truncated)):
             mine.update((base + index, value) for index, value in theirs.items())
         self.files.append(result.file)
         self.ranges.append((start, start + result.rows))
@@ -249,25 +263,27 @@ class StreamedEncoding:
 
     def forget(self, first: int) -> None:
         """Samples from number `first` on are not kept (their rows stay, unused)."""
-        del self.rows[first:]
-        for kept in (self.problems, self.truncated, self.documents):
+        del self.rows[first:], self.documents[first:]
+        for kept in (self.problems, self.truncated):
             for number in [n for n in kept if n >= first]:
                 del kept[number]
 
     def report(self, numbers, name: str) -> EncodeReport:
         """The samples `numbers` (in that order) encoded, as encode_samples reports them; the
         files are recorded in report_files[name]."""
-        rows, problems, truncated, documents = array("q"), [], [], []
+        rows, documents, problems, document_problems, truncated = (
+            array("q"), array("q"), [], [], [])
         for number in numbers:
-            code = self.rows[number]
-            if code >= 0:
+            code, document = self.rows[number], self.documents[number]
+            if code == PROBLEM:
+                (document_problems if document else problems).append(self.problems[number])
+            elif document:
+                documents.append(code)
+            else:
                 rows.append(code)
                 if number in self.truncated:
                     truncated.append(self.truncated[number])
-            elif code == PROBLEM:
-                problems.append(self.problems[number])
-            else:
-                documents.append(self.documents[number])
+        problems += document_problems  # encode_samples packs the documents last
         files = self.run_of_files(rows)
         if files is None:
             files = write_taken(self.folder, self.files, rows, name)
@@ -277,8 +293,11 @@ class StreamedEncoding:
                 os.replace(self.folder / stage, self.folder / files[index])
                 self.files[self.files.index(stage)] = files[index]
         if documents:
-            packed = pack_documents(self.tokenizer, documents, self.settings[0], problems)
-            write_samples(self.folder / f"{name}-documents.arrow", packed)
+            stage = map_samples(self.folder, self.files)
+            tokenised = ((sample.input_ids, sample.origin) for sample in map(stage.__getitem__,
+                                                                             documents))
+            write_samples(self.folder / f"{name}-documents.arrow",
+                          cut_documents(tokenised, self.settings[0]))
             files.append(f"{name}-documents.arrow")
         self.report_files[name] = files
         return EncodeReport(map_samples(self.folder, files), truncated, problems)

@@ -137,14 +137,18 @@ def test_cached_validation_data_and_a_second_seed(tmp_path, tokenizer, small_chu
 def test_a_whole_file_in_order_keeps_its_chunk_files(tmp_path, tokenizer, small_chunks,
                                                        monkeypatch):
     monkeypatch.setenv("LORA_LAB_DATA_CACHE", str(tmp_path / "cache"))
-    data = write_jsonl(tmp_path / "a.jsonl", 70)
+    lines = [json.dumps(chat(i)) for i in range(70)]
+    lines[3] = "[1, 2"  # bad JSON: a problem, no row
+    data = tmp_path / "a.jsonl"
+    data.write_text("\n".join(lines) + "\n")
     args = DataArgs(datasets=[str(data)], max_length=MAX_LENGTH, num_proc=2)
     streamed = prepare_data(args, tokenizer, seed=3)
     assert_same(streamed, in_memory(args, tokenizer, 3))
     (entry,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     files = json.loads((entry / "meta.json").read_text())["reports"]["train"]["files"]
     assert files == sorted(p.name for p in entry.glob("*.arrow"))  # no stage file left over
-    assert len(files) > 4 and files[-1] == "train-documents.arrow"
+    assert files == [f"train-{i:05d}.arrow" for i in range(len(files))] and len(files) > 4
+    assert len(streamed.train.samples) == 69
 
 
 def test_validation_reads_every_entry_and_reports_the_unreadable_one(tmp_path, tokenizer,
@@ -165,3 +169,18 @@ def test_validation_reads_every_entry_and_reports_the_unreadable_one(tmp_path, t
     assert streamed.kept == memory.kept and streamed.formats == memory.formats
     assert [str(e) for e in streamed.errors] == [str(e) for e in memory.errors]
     assert [str(w) for w in streamed.warnings] == [str(w) for w in memory.warnings]
+
+
+def test_pretraining_documents_are_packed_across_chunks_as_in_memory(tmp_path, tokenizer,
+                                                                      small_chunks):
+    rows = [{"text": f"document {i} " + "words " * (i % 40)} for i in range(90)]
+    rows[8] = {"text": ""}  # an empty document: a problem
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = DataArgs(datasets=[f"{data}#120"], max_length=MAX_LENGTH, val_ratio=0.1, num_proc=2,
+                    cache=False)
+    streamed = prepare_data(args, tokenizer, seed=9)
+    assert_same(streamed, in_memory(args, tokenizer, 9))
+    lengths = [len(s.input_ids) for s in streamed.train.samples]
+    assert set(lengths[:-1]) == {MAX_LENGTH} and len(lengths) > 10  # cut across documents
+    assert any(len(s.origins) > 1 for s in streamed.train.samples)

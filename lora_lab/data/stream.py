@@ -29,7 +29,8 @@ from pathlib import Path
 from ..errors import DataError
 from ..paths import IDENTITY_DATA
 from .arrow import map_samples, resolve_num_proc, write_samples, write_taken
-from .encode import EncodedSample, EncodeReport, add_encoded, cut_documents, document_ids, encode_sample
+from .encode import (EncodedSample, EncodeReport, add_encoded, cut_documents, document_ids,
+                     encode_sample)
 from .formats import (NormalisedRows, detect_format, identity_unfilled, normalise_rows,
                       parse_spec, peek_rows, sample_indices, unused_field_warnings)
 from .readers import BLANK, iter_lines, jsonl_row, read_rows, source_path, text_file_warnings

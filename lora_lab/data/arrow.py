@@ -75,20 +75,44 @@ def write_samples(path: Path, samples) -> int:
     return count
 
 
-def write_taken(folder: Path, files: list, rows, name: str) -> list:
-    """Rows `rows` (indices into `files` read in order) written in that order to
-    NAME-00000.arrow ...; returns the new files."""
+def write_taken(folder: Path, files: list, rows, name: str, map_tasks=map) -> list:
+    """Rows `rows` (an array("q") of indices into `files` read in order) written in that order
+    to NAME-00000.arrow ..., TAKE_ROWS a file; map_tasks(function, tasks) may write the files
+    in parallel (Pool.map). Returns the new files."""
+    tasks = [(str(folder), files, rows[start:start + TAKE_ROWS].tobytes(),
+              f"{name}-{index:05d}.arrow")
+             for index, start in enumerate(range(0, max(len(rows), 1), TAKE_ROWS))]
+    return list(map_tasks(_write_part, tasks))
+
+
+def _write_part(task: tuple) -> str:
     import pyarrow as pa
 
-    table = map_samples(folder, files).table
-    out = []
-    for start in range(0, max(len(rows), 1), TAKE_ROWS):
-        taken = table.take(pa.array(rows[start:start + TAKE_ROWS], type=pa.int64()))
-        path = Path(folder) / f"{name}-{len(out):05d}.arrow"
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema()) as writer:
-            writer.write_table(taken, max_chunksize=WRITE_BATCH)
-        out.append(path.name)
-    return out
+    folder, files, rows, name = task
+    taken = take_rows(map_samples(folder, files), array("q", rows))
+    with pa.OSFile(str(Path(folder) / name), "wb") as sink, \
+            pa.ipc.new_stream(sink, schema()) as writer:
+        writer.write_table(taken, max_chunksize=WRITE_BATCH)
+    return name
+
+
+def take_rows(samples: "ArrowSamples", rows):
+    """The rows `rows` of mapped samples, in that order, as a table. Each record batch gives its
+    own rows: Table.take on a table of many batches first copies all of them into one."""
+    import numpy as np
+    import pyarrow as pa
+
+    wanted = np.asarray(rows, dtype=np.int64)
+    if not len(wanted):
+        return schema().empty_table()
+    which = np.searchsorted(np.asarray(samples.starts), wanted, side="right") - 1
+    order = np.argsort(which, kind="stable")
+    groups = np.split(order, np.flatnonzero(np.diff(which[order])) + 1)
+    pieces = [samples.batches[which[group[0]]].take(
+        pa.array(wanted[group] - samples.starts[which[group[0]]])) for group in groups]
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    return pa.Table.from_batches(pieces, schema()).combine_chunks().take(pa.array(inverse))
 
 
 def map_samples(folder: Path, files: list) -> "ArrowSamples":

@@ -287,7 +287,8 @@ class StreamedEncoding:
         problems += document_problems  # encode_samples packs the documents last
         files = self.run_of_files(rows)
         if files is None:
-            files = write_taken(self.folder, self.files, rows, name)
+            files = write_taken(self.folder, self.files, rows, name,
+                                self.pool.map if self.pool is not None else map)
         else:  # named after the report they now belong to
             for index, stage in enumerate(files):
                 files[index] = f"{name}-{index:05d}.arrow"

@@ -11,7 +11,7 @@ import pytest
 from lora_lab.config import DataArgs
 from lora_lab.data import (build_prepared, encode_as_training, finish_validation, prepare_data,
                            read_for_validation, validate_data)
-from lora_lab.data import stream as stream_module
+from lora_lab.data import arrow as arrow_module, stream as stream_module
 from lora_lab.data.arrow import ArrowSamples, fingerprint_samples
 from lora_lab.data.encode import encode_samples
 from lora_lab.data.formats import sample_rows
@@ -57,9 +57,10 @@ def write_parquet(path, rows: int):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of a few rows, so that a small dataset spans many chunks and workers."""
+    """Chunks of a few rows, so that a small dataset spans many chunks, workers and files."""
     monkeypatch.setattr(stream_module, "CHUNK_ROWS", 16)
     monkeypatch.setattr(stream_module, "FIRST_CHUNK_ROWS", 4)
+    monkeypatch.setattr(arrow_module, "TAKE_ROWS", 7)  # rows written in another order: files of 7
 
 
 def in_memory(args: DataArgs, tokenizer, seed: int):

@@ -146,8 +146,10 @@ class DataArgs:
     cache: bool = _f(True, "Keep the encoded data under ~/.cache/lora-lab/data (Arrow, "
                            "memory-mapped) and reuse it while the files, tokenizer, template and "
                            "data settings are unchanged; false encodes every time.")
-    num_proc: int = _f(0, "Processes that encode the data; 0 = the machine's cores (at most 8, "
-                          "fewer for small datasets); 1 encodes in the main process.", minimum=0)
+    num_proc: int = _f(0, "Worker processes that parse, normalise and encode the data, a chunk "
+                          "of rows at a time; 0 = the machine's cores (at most 8; a dataset of "
+                          "one chunk stays in the main process); 1 encodes in the main process.",
+                       minimum=0)
 
 
 TUNERS = ("lora", "dora", "ia3", "full")

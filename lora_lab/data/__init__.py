@@ -124,8 +124,8 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42, task: str = "sft") -
                                                                        task))
     from .cache import cached_encoding, problems_from_json, problems_json
 
-    def build(encode):
-        prepared = build_prepared(args, tokenizer, seed, task, encode)
+    def build(stream):
+        prepared = build_streamed(args, stream, seed)
         return {"train": prepared.train, "val": prepared.val}, {
             "read_problems": problems_json(prepared.read_problems),
             "read_warnings": problems_json(prepared.read_warnings),
@@ -139,8 +139,52 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42, task: str = "sft") -
                         formats=[tuple(f) for f in extra["formats"]], cache=how)
 
 
+def build_streamed(args: DataArgs, stream, seed: int) -> PreparedData:
+    """build_prepared for SFT data, streamed (stream.StreamedEncoding): the same rows, mixing
+    and split, chosen by sample number."""
+    train = stream.read_specs(args.datasets, args, seed)
+    read_problems, read_warnings = list(train.problems), list(train.warnings)
+    formats = list(train.formats)
+    val_numbers = None
+    if args.val_data:
+        val = stream.read_specs(args.val_data, args, seed)
+        read_problems += val.problems
+        read_warnings += val.warnings
+        formats += [(f"{spec} (validation)", fmt) for spec, fmt in val.formats]
+        val_numbers = val.numbers
+    elif args.val_ratio:
+        val_numbers, train.numbers = split_off(train.numbers, args.val_ratio, seed)
+    prepared = PreparedData(train=stream.report(train.numbers, "train"),
+                            val=None if val_numbers is None else stream.report(val_numbers,
+                                                                               "val"),
+                            read_problems=read_problems, read_warnings=read_warnings,
+                            formats=formats)
+    return check_prepared(args, prepared)
+
+
+def split_off(items, val_ratio: float, seed: int) -> tuple:
+    """(validation, training) items: the first round(len * val_ratio) (at least one) of the
+    items shuffled with `seed`, and the rest."""
+    shuffled = items[:]
+    random.Random(seed).shuffle(shuffled)
+    count = max(1, round(len(shuffled) * val_ratio))
+    if count >= len(shuffled):
+        raise DataError(f"--val-ratio {val_ratio} leaves no training rows out of "
+                        f"{len(shuffled)}.")
+    return shuffled[:count], shuffled[count:]
+
+
+def check_prepared(args: DataArgs, prepared: PreparedData) -> PreparedData:
+    if not len(prepared.train.samples):
+        first = "; ".join(str(p) for p in prepared.all_problems()[:3])
+        raise DataError(f"--data {' '.join(args.datasets)}: no usable training sample "
+                        f"({len(prepared.all_problems())} problems, first: {first}).")
+    return prepared
+
+
 def build_prepared(args: DataArgs, tokenizer, seed: int, task: str, encode) -> PreparedData:
-    """prepare_data's reading, mixing and split; encode(samples, "train" / "val") encodes."""
+    """prepare_data's reading, mixing and split, samples held in memory (preference tasks);
+    encode(samples, "train" / "val") encodes."""
     train = load_samples(args.datasets, args, seed, task)
     read_problems, read_warnings = list(train.problems), list(train.warnings)
     formats = list(train.formats)
@@ -152,22 +196,12 @@ def build_prepared(args: DataArgs, tokenizer, seed: int, task: str, encode) -> P
         formats += [(f"{spec} (validation)", fmt) for spec, fmt in val.formats]
         val_samples = val.samples
     elif args.val_ratio:
-        shuffled = list(train.samples)
-        random.Random(seed).shuffle(shuffled)
-        count = max(1, round(len(shuffled) * args.val_ratio))
-        if count >= len(shuffled):
-            raise DataError(f"--val-ratio {args.val_ratio} leaves no training rows out of "
-                            f"{len(shuffled)}.")
-        val_samples, train.samples = shuffled[:count], shuffled[count:]
+        val_samples, train.samples = split_off(train.samples, args.val_ratio, seed)
     prepared = PreparedData(train=encode(train.samples, "train"),
                             val=encode(val_samples, "val") if val_samples is not None else None,
                             read_problems=read_problems, read_warnings=read_warnings,
                             formats=formats)
-    if not len(prepared.train.samples):
-        first = "; ".join(str(p) for p in prepared.all_problems()[:3])
-        raise DataError(f"--data {' '.join(args.datasets)}: no usable training sample "
-                        f"({len(prepared.all_problems())} problems, first: {first}).")
-    return prepared
+    return check_prepared(args, prepared)
 
 
 @dataclass
@@ -206,9 +240,21 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42,
         return finish_validation(report, encoded, args.max_length)
     from .cache import cached_encoding, problems_from_json, problems_json
 
-    def build(encode):
-        read, samples = read_for_validation(specs, args, seed, task)
-        return {"all": encode(samples, "all")}, {
+    def build(stream):
+        read, numbers = ValidationReport(), []
+        for spec in specs:  # a dataset that cannot be read is one error, not a stop
+            try:
+                loaded = stream.read_spec(spec, args.format, seed, {
+                    "model_name": args.model_name, "model_author": args.model_author})
+            except DataError as exc:
+                read.errors.append(Problem(spec, str(exc)))
+                read.formats.append((spec, "not read (error above)"))
+                continue
+            numbers += loaded.numbers
+            read.errors += loaded.problems
+            read.warnings += loaded.warnings
+            read.formats += loaded.formats
+        return {"all": stream.report(numbers, "all")}, {
             "errors": problems_json(read.errors), "warnings": problems_json(read.warnings),
             "formats": read.formats}
 

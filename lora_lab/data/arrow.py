@@ -1,38 +1,37 @@
-"""Encoded samples as Arrow files: written by worker processes, read back memory-mapped.
+"""Encoded samples as Arrow files, read back memory-mapped (pyarrow alone).
 
-A list of normalised samples is cut into contiguous shards; each of data.num_proc processes
-(forked, so the tokenizer and samples are shared, not pickled) encodes its shards with
-encode.encode_sample and writes one Arrow file per shard. Shards keep the samples' order, so the
-files, read in order, hold exactly what encode.encode_samples returns in one process, and the
-problems come back in the same order. Pre-training documents are packed into rows in the parent
-(packing crosses shards) and written last, as encode_samples appends them.
-
-ArrowSamples reads such files through `datasets` (memory-mapped: the samples are not held in
-memory) and gives EncodedSample objects one at a time; the lengths column answers packing and
-length questions without reading a single token.
+write_samples writes EncodedSample objects (with each one's length, trained-token count and
+digest) to one Arrow IPC stream file; stream.py's workers write one per chunk of rows.
+ArrowSamples maps such files (the samples are not held in memory: the kernel pages them in and
+out) and gives EncodedSample objects one at a time; the length column answers packing and
+length questions, and the digest column the resume fingerprint, without reading a token.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
-import json
-import multiprocessing
+import itertools
 import os
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 
-from .encode import EncodedSample, EncodeReport, add_encoded, encode_sample, pack_documents
-from .formats import Problem
+from .encode import EncodedSample
 
-COLUMNS = ("input_ids", "labels", "origin", "truncated", "origins", "length", "trained")
+COLUMNS = ("input_ids", "labels", "origin", "truncated", "origins", "length", "trained", "digest")
 WRITE_BATCH = 1000
+WRITE_TOKENS = 200_000
+"""A batch is written once it holds this many tokens (Python lists of ints cost ~36 bytes each)."""
+READ_ROWS = 100
+"""Rows turned into Python objects at a time when every sample is read in order."""
+TAKE_ROWS = 20_000
+"""Rows per file when samples are written in another order (sampling, val_ratio)."""
 MAX_NUM_PROC = 8
 """data.num_proc 0 (auto) uses the machine's cores up to this many: tokenising is CPU bound and
 each worker holds its own copy of the tokenizer's state."""
 SAMPLES_PER_WORKER = 2000
 """Auto num_proc starts no more workers than this many samples each keep busy (a fork costs
 about as much as encoding a few hundred samples)."""
-_JOB: dict = {}
-"""What forked workers encode: set in the parent just before the pool starts."""
 
 
 def resolve_num_proc(num_proc: int, samples: int) -> int:
@@ -44,102 +43,101 @@ def resolve_num_proc(num_proc: int, samples: int) -> int:
     return max(1, min(cores or 1, MAX_NUM_PROC, samples // SAMPLES_PER_WORKER))
 
 
-def features():
-    from datasets import Features, Sequence as ListOf, Value
+def schema():
+    import pyarrow as pa
 
-    return Features({"input_ids": ListOf(Value("int32")), "labels": ListOf(Value("int32")),
-                     "origin": Value("string"), "truncated": Value("bool"),
-                     "origins": ListOf(Value("string")), "length": Value("int32"),
-                     "trained": Value("int32")})
+    return pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+                      ("origin", pa.string()), ("truncated", pa.bool_()),
+                      ("origins", pa.list_(pa.string())), ("length", pa.int32()),
+                      ("trained", pa.int32()), ("digest", pa.binary())])
 
 
 def write_samples(path: Path, samples) -> int:
-    """EncodedSample objects into one Arrow file (the stream format `datasets` maps)."""
-    from datasets.arrow_writer import ArrowWriter
+    """EncodedSample objects into one Arrow IPC stream file; returns how many."""
+    import pyarrow as pa
 
-    writer = ArrowWriter(features=features(), path=str(path))
-    batch, count = {name: [] for name in COLUMNS}, 0
-    for sample in samples:
-        for name in COLUMNS[:5]:
-            batch[name].append(getattr(sample, name))
-        batch["length"].append(len(sample.input_ids))
-        batch["trained"].append(sample.trained_tokens)
-        count += 1
-        if len(batch["origin"]) == WRITE_BATCH:
-            writer.write_batch(batch)
-            batch = {name: [] for name in COLUMNS}
-    if batch["origin"] or not count:
-        writer.write_batch(batch)
-    writer.finalize()
-    writer.close()
+    columns = schema()
+    batch, count, tokens = {name: [] for name in COLUMNS}, 0, 0
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, columns) as writer:
+        for sample in samples:
+            for name in COLUMNS[:5]:
+                batch[name].append(getattr(sample, name))
+            batch["length"].append(len(sample.input_ids))
+            batch["trained"].append(sample.trained_tokens)
+            batch["digest"].append(sample_digest(sample.input_ids, sample.labels))
+            count += 1
+            tokens += len(sample.input_ids)
+            if len(batch["origin"]) == WRITE_BATCH or tokens >= WRITE_TOKENS:
+                writer.write_batch(pa.RecordBatch.from_pydict(batch, schema=columns))
+                batch, tokens = {name: [] for name in COLUMNS}, 0
+        if batch["origin"]:
+            writer.write_batch(pa.RecordBatch.from_pydict(batch, schema=columns))
     return count
 
 
-def _encode_shard(task: tuple) -> tuple[list, list]:
-    """Encode samples[start:stop] into `path`: (problems, truncated origins) of the shard."""
-    start, stop, path = task
-    job = _JOB
-    report = EncodeReport()
-
-    def encoded():
-        for sample in job["samples"][start:stop]:
-            if sample.text is not None:
-                continue
-            add_encoded(report, sample, lambda: encode_sample(job["tokenizer"], sample,
-                                                              *job["settings"]))
-            while report.samples:
-                yield report.samples.pop(0)
-
-    write_samples(Path(path), encoded())
-    return ([(p.origin, p.reason) for p in report.problems], report.truncated)
+def write_taken(folder: Path, files: list, rows, name: str, map_tasks=map) -> list:
+    """Rows `rows` (an array("q") of indices into `files` read in order) written in that order
+    to NAME-00000.arrow ..., TAKE_ROWS a file; map_tasks(function, tasks) may write the files
+    in parallel (Pool.map). Returns the new files."""
+    tasks = [(str(folder), files, rows[start:start + TAKE_ROWS].tobytes(),
+              f"{name}-{index:05d}.arrow")
+             for index, start in enumerate(range(0, max(len(rows), 1), TAKE_ROWS))]
+    return list(map_tasks(_write_part, tasks))
 
 
-def encode_to_arrow(tokenizer, samples: list, settings: tuple, folder: Path, name: str,
-                    num_proc: int) -> tuple[list, dict]:
-    """Encode `samples` (settings = max_length, truncation, system, enable_thinking) into Arrow
-    files `folder/NAME-00000.arrow` ... in `num_proc` processes (1: in this process).
-    Returns the files in order and {"problems", "truncated"}, as encode_samples reports them."""
-    folder = Path(folder)
-    shards = max(1, min(len(samples), num_proc * 4)) if num_proc > 1 else 1
-    bounds = [len(samples) * i // shards for i in range(shards + 1)]
-    tasks = [(bounds[i], bounds[i + 1], str(folder / f"{name}-{i:05d}.arrow"))
-             for i in range(shards)]
-    _JOB.update(tokenizer=tokenizer, samples=samples, settings=settings)
-    try:
-        if num_proc > 1:
-            with multiprocessing.get_context("fork").Pool(num_proc) as pool:
-                results = pool.map(_encode_shard, tasks, chunksize=1)
-        else:
-            results = [_encode_shard(task) for task in tasks]
-    finally:
-        _JOB.clear()
-    problems = [Problem(*p) for shard_problems, _ in results for p in shard_problems]
-    truncated = [origin for _, shard_truncated in results for origin in shard_truncated]
-    files = [Path(task[2]).name for task in tasks]
-    documents = [s for s in samples if s.text is not None]
-    if documents:
-        rows = pack_documents(tokenizer, documents, settings[0], problems)
-        write_samples(folder / f"{name}-documents.arrow", rows)
-        files.append(f"{name}-documents.arrow")
-    return files, {"problems": problems, "truncated": truncated}
+def _write_part(task: tuple) -> str:
+    import pyarrow as pa
+
+    folder, files, rows, name = task
+    taken = take_rows(map_samples(folder, files), array("q", rows))
+    with pa.OSFile(str(Path(folder) / name), "wb") as sink, \
+            pa.ipc.new_stream(sink, schema()) as writer:
+        writer.write_table(taken, max_chunksize=WRITE_BATCH)
+    return name
+
+
+def take_rows(samples: "ArrowSamples", rows):
+    """The rows `rows` of mapped samples, in that order, as a table. Each record batch gives its
+    own rows: Table.take on a table of many batches first copies all of them into one."""
+    import numpy as np
+    import pyarrow as pa
+
+    wanted = np.asarray(rows, dtype=np.int64)
+    if not len(wanted):
+        return schema().empty_table()
+    which = np.searchsorted(np.asarray(samples.starts), wanted, side="right") - 1
+    order = np.argsort(which, kind="stable")
+    groups = np.split(order, np.flatnonzero(np.diff(which[order])) + 1)
+    pieces = [samples.batches[which[group[0]]].take(
+        pa.array(wanted[group] - samples.starts[which[group[0]]])) for group in groups]
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    return pa.Table.from_batches(pieces, schema()).combine_chunks().take(pa.array(inverse))
 
 
 def map_samples(folder: Path, files: list) -> "ArrowSamples":
     """The samples of `files` (in order), memory-mapped."""
-    from datasets import Dataset, concatenate_datasets
+    import pyarrow as pa
 
-    parts = [Dataset.from_file(str(Path(folder) / name), in_memory=False) for name in files]
-    return ArrowSamples(concatenate_datasets(parts) if len(parts) > 1 else parts[0])
+    tables = [pa.ipc.open_stream(pa.memory_map(str(Path(folder) / name))).read_all()
+              for name in files]
+    table = pa.concat_tables(tables) if tables else schema().empty_table()
+    return ArrowSamples(table, (str(folder), list(files)))
 
 
 class ArrowSamples(Sequence):
     """Encoded samples read from memory-mapped Arrow files, one EncodedSample per index."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self, table, source: tuple):
+        self.table, self.source = table, source
+        self.batches = [batch for batch in table.to_batches() if batch.num_rows]
+        self.starts = list(itertools.accumulate((b.num_rows for b in self.batches), initial=0))
+
+    def __reduce__(self):  # another process maps the same files
+        return map_samples, self.source
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return self.table.num_rows
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -148,47 +146,49 @@ class ArrowSamples(Sequence):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(index)
-        return _sample(self.dataset[int(index)])
+        which = bisect.bisect_right(self.starts, index) - 1
+        row = self.batches[which].slice(index - self.starts[which], 1).to_pylist()[0]
+        return EncodedSample(*(row[name] for name in COLUMNS[:5]))
 
     def __iter__(self):
-        for batch in self.dataset.iter(batch_size=WRITE_BATCH):
-            for row in zip(*(batch[name] for name in COLUMNS[:5])):
-                yield EncodedSample(*row)
+        for batch in self.batches:
+            for start in range(0, batch.num_rows, READ_ROWS):
+                part = batch.slice(start, READ_ROWS)
+                for row in zip(*(part.column(name).to_pylist() for name in COLUMNS[:5])):
+                    yield EncodedSample(*row)
 
     def lengths(self) -> list:
         """Tokens of every sample, in order."""
-        return self.dataset.data.column("length").to_pylist()
+        return self.table.column("length").to_pylist()
 
     def trained_token_count(self) -> int:
         import pyarrow.compute as pc
 
-        return int(pc.sum(self.dataset.data.column("trained")).as_py() or 0)
+        return int(pc.sum(self.table.column("trained")).as_py() or 0)
 
     def origins(self) -> tuple[list, list]:
         """(origin, origins) columns: the row's origin, and a pre-training row's documents."""
-        data = self.dataset.data
-        return data.column("origin").to_pylist(), data.column("origins").to_pylist()
+        return self.table.column("origin").to_pylist(), self.table.column("origins").to_pylist()
 
 
-def _sample(row: dict) -> EncodedSample:
-    return EncodedSample(row["input_ids"], row["labels"], row["origin"], row["truncated"],
-                         row["origins"])
+def sample_digest(input_ids, labels) -> bytes:
+    """sha256 of one encoded sample's input_ids and labels (as int32)."""
+    return hashlib.sha256(array("i", input_ids).tobytes() + array("i", labels).tobytes()).digest()
 
 
 def fingerprint_samples(samples) -> dict:
-    """Count and sha256 of encoded samples, in order (input_ids and labels): the value a
+    """Count and sha256 of encoded samples, in order (the sha256 of their digests): the value a
     checkpoint records, so that --resume notices changed training data."""
     digest = hashlib.sha256()
     count = 0
     if isinstance(samples, ArrowSamples):
-        for batch in samples.dataset.select_columns(["input_ids", "labels"]).iter(
-                batch_size=WRITE_BATCH):
-            for ids, labels in zip(batch["input_ids"], batch["labels"]):
-                digest.update(json.dumps([ids, labels]).encode())
+        for chunk in samples.table.column("digest").chunks:
+            for value in chunk.to_pylist():
+                digest.update(value)
                 count += 1
     else:
         for sample in samples:
-            digest.update(json.dumps([sample.input_ids, sample.labels]).encode())
+            digest.update(sample_digest(sample.input_ids, sample.labels))
             count += 1
     return {"samples": count, "sha256": digest.hexdigest()}
 

@@ -2,7 +2,8 @@
 command and process of `--gpus N` maps the Arrow files instead (data.cache, data.num_proc).
 
     data_cache_dir()/KEY/meta.json        the key's parts, problems, warnings, fingerprints
-    data_cache_dir()/KEY/NAME-00000.arrow encoded samples of report NAME (arrow.py), in order
+    data_cache_dir()/KEY/*.arrow          encoded samples (stream.py writes them, arrow.py maps
+                                          them); meta.json lists each report's files in order
     data_cache_dir()/KEY.lock             held (flock) while one process encodes KEY
 
 KEY is the sha256 of everything that changes the encoded samples: the bytes of every data file
@@ -31,13 +32,14 @@ from ..errors import DataError
 from ..log import get_logger
 from ..paths import (BUNDLED_DATA, bundled_data_dir, data_cache_dir, file_sha256,
                      installed_versions, staged_folder)
-from .arrow import (ArrowSamples, encode_to_arrow, fingerprint_samples, map_samples,
-                    resolve_num_proc)
-from .encode import EncodeReport, encode_samples
+from .arrow import ArrowSamples, fingerprint_samples, map_samples
+from .encode import EncodeReport
 from .formats import Problem, parse_spec
+from .stream import StreamedEncoding
 
-ENCODER_VERSION = 1
-"""Raised whenever encode.py, formats.py or readers.py change what a row encodes to."""
+ENCODER_VERSION = 2
+"""Raised whenever encode.py, formats.py, readers.py or the Arrow columns change what a row
+encodes to."""
 META = "meta.json"
 log = get_logger()
 
@@ -150,38 +152,24 @@ def problems_from_json(rows: list) -> list:
     return [Problem(origin, reason) for origin, reason in rows]
 
 
-class Encoder:
-    """encode(samples, name) for a build: into Arrow files of `folder`; without a folder, in
-    memory (lists) when one process encodes, else into a temporary folder."""
-
-    def __init__(self, tokenizer, settings: tuple, num_proc: int, folder: Path | None):
-        self.tokenizer, self.settings, self.num_proc = tokenizer, settings, num_proc
-        self.folder, self.files, self.infos = folder, {}, {}
-
-    def __call__(self, samples: list, name: str) -> EncodeReport:
-        processes = resolve_num_proc(self.num_proc, len(samples))
-        if self.folder is None and processes == 1:
-            return encode_samples(self.tokenizer, samples, *self.settings)
-        if self.folder is None:
-            self.folder = Path(tempfile.mkdtemp(prefix="lora-lab-encoded-"))
-            atexit.register(shutil.rmtree, self.folder, True)
-        files, info = encode_to_arrow(self.tokenizer, samples, self.settings, self.folder,
-                                      name, processes)
-        self.files[name] = files
-        self.infos[name] = processes
-        return EncodeReport(map_samples(self.folder, files), info["truncated"],
-                            info["problems"])
+def temporary_folder() -> Path:
+    """A folder for encoded samples that are not cached, removed when the process ends."""
+    folder = Path(tempfile.mkdtemp(prefix="lora-lab-encoded-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
 
 
 def cached_encoding(kind: str, specs: list, args, tokenizer, seed: int, task: str,
                     settings: tuple, build) -> tuple[dict, dict, str]:
-    """build(encode) -> ({name: EncodeReport or None}, extra: a JSON-able dict), where
-    encode(samples, name) encodes with `settings` (max_length, truncation, system,
-    enable_thinking). Returns the reports, extra and how they were got: "reused", "encoded"
-    (and stored), or "not cached" (data.cache false, or a dataset without a fingerprint)."""
+    """build(stream) -> ({name: EncodeReport or None}, extra: a JSON-able dict), where stream
+    is a StreamedEncoding with `settings` (max_length, truncation, system, enable_thinking)
+    writing into the cache entry. Returns the reports, extra and how they were got: "reused",
+    "encoded" (and stored), or "not cached" (data.cache false, or a dataset without a
+    fingerprint: encoded into a temporary folder)."""
     parts = key_parts(kind, specs, args, tokenizer, seed, task, settings) if args.cache else None
     if parts is None:
-        reports, extra = build(Encoder(tokenizer, settings, args.num_proc, None))
+        with StreamedEncoding(tokenizer, settings, temporary_folder(), args.num_proc) as stream:
+            reports, extra = build(stream)
         return reports, extra, "not cached"
     final = data_cache_dir() / cache_key(parts)
     with key_lock(final.with_name(final.name + ".lock")):
@@ -197,9 +185,9 @@ def cached_encoding(kind: str, specs: list, args, tokenizer, seed: int, task: st
         started = time.time()
         try:
             with staged_folder(final) as staging:
-                encoder = Encoder(tokenizer, settings, args.num_proc, staging)
-                reports, extra = build(encoder)
-                write_meta(staging, parts, reports, extra, encoder, time.time() - started)
+                with StreamedEncoding(tokenizer, settings, staging, args.num_proc) as stream:
+                    reports, extra = build(stream)
+                write_meta(staging, parts, reports, extra, stream, time.time() - started)
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
@@ -207,21 +195,22 @@ def cached_encoding(kind: str, specs: list, args, tokenizer, seed: int, task: st
                             f"space there, point LORA_LAB_DATA_CACHE at a larger disk, or pass "
                             f"--set data.cache=false.") from None
         reports, extra = read_cache(final)
-    processes = max(encoder.infos.values(), default=1)
+    processes = stream.used_processes
     log.info(f"data: encoded in {time.time() - started:.1f} s with {processes} process(es), "
              f"stored in {final}")
     return reports, extra, "encoded"
 
 
-def write_meta(folder: Path, parts: dict, reports: dict, extra: dict, encoder: Encoder,
-               seconds: float) -> None:
+def write_meta(folder: Path, parts: dict, reports: dict, extra: dict,
+               stream: StreamedEncoding, seconds: float) -> None:
     meta = {"format": 1, "key": parts, "seconds": round(seconds, 2),
-            "num_proc": encoder.infos, "extra": extra, "reports": {}}
+            "num_proc": {name: stream.used_processes for name in stream.report_files},
+            "extra": extra, "reports": {}}
     for name, report in reports.items():
         if report is None:
             meta["reports"][name] = None
             continue
-        meta["reports"][name] = {"files": encoder.files[name],
+        meta["reports"][name] = {"files": stream.report_files[name],
                                  "problems": problems_json(report.problems),
                                  "truncated": list(report.truncated),
                                  "fingerprint": fingerprint_samples(report.samples)

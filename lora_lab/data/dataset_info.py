@@ -70,17 +70,18 @@ class DatasetInfoEntry:
         fmt = "text" if self._is_text() else self.formatting
         return f"LLaMA-Factory {fmt} ({self.info_path.name}:{self.name})"
 
-    def read_rows(self, warnings: list) -> list:
+    def read_rows(self, warnings: list, stream: bool = False):
         where = f"--data {self.info_path}:{self.name}"
         if self.entry.get("file_name"):
             path = self.info_path.parent / self.entry["file_name"]
             if path.is_dir():
                 raise DataError(f"{where}: file_name {self.entry['file_name']} is a folder; "
                                 f"point file_name at one .json / .jsonl / .csv / .parquet file.")
-            return read_rows(str(path), warnings)
+            return read_rows(str(path), warnings, stream)
         if self.entry.get("hf_hub_url"):
             split = self.entry.get("split")
-            return read_rows(self.entry["hf_hub_url"] + (f":{split}" if split else ""), warnings)
+            return read_rows(self.entry["hf_hub_url"] + (f":{split}" if split else ""), warnings,
+                             stream)
         given = [k for k in _UNSUPPORTED if k in self.entry]
         raise DataError(f"{where}: the entry has no file_name or hf_hub_url"
                         f"{' (' + ', '.join(given) + ' are not supported)' if given else ''}; "

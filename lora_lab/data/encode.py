@@ -256,23 +256,39 @@ def add_encoded(report: EncodeReport, sample, encode) -> None:
 
 def pack_documents(tokenizer, documents: list, max_length: int, problems: list) -> list:
     """Pre-training documents, each closed by EOS, concatenated and cut into max_length rows."""
+    tokenised = ((ids, sample.origin) for sample in documents
+                 if (ids := document_ids(tokenizer, sample, problems)) is not None)
+    return list(cut_documents(tokenised, max_length))
+
+
+def document_ids(tokenizer, sample: Sample, problems: list) -> list | None:
+    """A document's tokens closed by EOS; None (and a problem) if the tokenizer refuses it."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    try:
+        return list(tokenizer(sample.text, add_special_tokens=False)["input_ids"]) + eos
+    except (TypeError, ValueError, UnicodeError) as exc:
+        problems.append(Problem(sample.origin, f"the tokenizer could not read this document "
+                                               f"({type(exc).__name__}: {str(exc)[:200]})"))
+        return None
+
+
+def cut_documents(documents, max_length: int):
+    """(ids, origin) of documents, in order, concatenated and cut into rows of exactly
+    max_length tokens (the last may be shorter); each row names every document it holds."""
     stream, owners = [], []
-    for sample in documents:
-        try:
-            ids = list(tokenizer(sample.text, add_special_tokens=False)["input_ids"]) + eos
-        except (TypeError, ValueError, UnicodeError) as exc:
-            problems.append(Problem(sample.origin, f"the tokenizer could not read this document "
-                                                   f"({type(exc).__name__}: {str(exc)[:200]})"))
-            continue
+
+    def row(ids, origins):
+        origins = list(dict.fromkeys(origins))
+        return EncodedSample(ids, list(ids), origins[0], origins=origins)
+
+    for ids, origin in documents:
         stream += ids
-        owners += [sample.origin] * len(ids)
-    rows = []
-    for start in range(0, len(stream), max_length):
-        ids = stream[start:start + max_length]
-        origins = list(dict.fromkeys(owners[start:start + max_length]))
-        rows.append(EncodedSample(ids, list(ids), origins[0], origins=origins))
-    return rows
+        owners += [origin] * len(ids)
+        while len(stream) >= max_length:
+            yield row(stream[:max_length], owners[:max_length])
+            del stream[:max_length], owners[:max_length]
+    if stream:
+        yield row(stream, owners)
 
 
 def show_trained_spans(tokenizer, encoded: EncodedSample, mark=("[[", "]]")) -> str:

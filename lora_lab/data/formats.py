@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from ..config import identity_problem
 from ..errors import DataError
 from ..paths import IDENTITY_DATA
+from .placeholders import fill_placeholders
 from .preference import refuse_preference
 from .readers import Bad, Problem, kind_of, read_rows
 from .tools import calls_from_json_text, normalise_tool_calls, normalise_tools
@@ -38,8 +39,6 @@ __all__ = ["FORMATS", "LoadedData", "Problem", "Sample", "detect_format", "load_
            "normalise_row", "parse_spec", "read_rows"]
 
 FORMATS = ("messages", "sharegpt", "swift-sharegpt", "alpaca", "query-response", "text")
-PLACEHOLDER = re.compile(r"\{\{(name|author)\}\}", re.IGNORECASE)
-FILL_KEYS = {"name": "model_name", "author": "model_author"}
 KNOWN_FIELDS = {"messages": {"messages", "tools", "enable_thinking"},
                 "sharegpt": {"conversations", "system", "tools", "enable_thinking"},
                 "swift-sharegpt": {"conversation", "system", "tools", "enable_thinking"},
@@ -116,28 +115,12 @@ def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
     else:
         fmt = row_format if row_format != "auto" else detect_format(head, spec)
         label = fmt if row_format == "auto" else f"{fmt} (--format)"
-    unused: dict = {}
-    for row, origin in raw_rows:
-        for name in ([] if entry else unknown_fields(row, fmt)):
-            unused.setdefault(name, []).append(origin)
-        try:
-            sample = normalise_row(entry.remap(row) if entry else row, fmt, origin)
-        except DataError as exc:
-            loaded.problems.append(Problem(origin, str(exc)))
-            continue
-        except RecursionError:
-            loaded.problems.append(Problem(origin, "nested too deeply to read"))
-            continue
-        loaded.samples.append(sample)
-        loaded.warnings += [Problem(origin, note) for note in sample.notes]
-    loaded.warnings += unused_field_warnings(unused, fmt)
-    unfilled = fill_placeholders(loaded.samples, fill or {})
-    if unfilled and source in IDENTITY_DATA:  # exists to be filled (resolve_config says so first)
-        fill = fill or {}
-        raise DataError(f"--data {spec}: "
-                        + identity_problem([source], fill.get("model_name"),
-                                           fill.get("model_author")))
-    loaded.warnings += unfilled
+    rows = normalise_rows(raw_rows, fmt, entry, fill or {})
+    loaded.samples, loaded.problems = rows.samples, rows.problems
+    loaded.warnings += rows.notes + unused_field_warnings(rows.unused, fmt)
+    if rows.unfilled and source in IDENTITY_DATA:
+        raise identity_unfilled(spec, source, fill or {})
+    loaded.warnings += rows.unfilled
     pretraining = sum(1 for s in loaded.samples if s.text is not None)
     if pretraining and fmt != "text":
         label += f" ({pretraining} pre-training rows)"
@@ -145,6 +128,47 @@ def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
     if count is not None:
         loaded.samples = sample_rows(loaded.samples, count, seed)
     return loaded
+
+
+@dataclass
+class NormalisedRows:
+    """Rows normalised in order: the samples, and what load_dataset_spec reports about them."""
+    samples: list = field(default_factory=list)
+    problems: list = field(default_factory=list)
+    notes: list = field(default_factory=list)
+    """Remarks on rows read correctly (Sample.notes), in row order."""
+    unused: dict = field(default_factory=dict)
+    """Field the format does not read -> [origin of its first row, rows holding it]."""
+    unfilled: list = field(default_factory=list)
+    """Rows that keep a {{NAME}} / {{AUTHOR}} placeholder."""
+
+
+def normalise_rows(raw_rows, fmt: str, entry=None, fill: dict | None = None) -> NormalisedRows:
+    """(row, origin) pairs -> samples (placeholders filled from `fill`); a row that cannot be
+    used is a problem with its origin."""
+    out = NormalisedRows()
+    for row, origin in raw_rows:
+        for name in ([] if entry else unknown_fields(row, fmt)):
+            seen = out.unused.setdefault(name, [origin, 0])
+            seen[1] += 1
+        try:
+            sample = normalise_row(entry.remap(row) if entry else row, fmt, origin)
+        except DataError as exc:
+            out.problems.append(Problem(origin, str(exc)))
+            continue
+        except RecursionError:
+            out.problems.append(Problem(origin, "nested too deeply to read"))
+            continue
+        out.samples.append(sample)
+        out.notes += [Problem(origin, note) for note in sample.notes]
+    out.unfilled = fill_placeholders(out.samples, fill or {})
+    return out
+
+
+def identity_unfilled(spec: str, source: str, fill: dict) -> DataError:
+    """A bundled identity set exists to be filled (resolve_config says so first)."""
+    return DataError(f"--data {spec}: " + identity_problem([source], fill.get("model_name"),
+                                                          fill.get("model_author")))
 
 
 def peek_rows(rows) -> tuple[list, object]:
@@ -256,14 +280,15 @@ def unknown_fields(row, fmt: str) -> list[str]:
 
 
 def unused_field_warnings(unused: dict, fmt: str) -> list:
-    """One warning per unknown field: where it first appears, how often, a likely spelling."""
+    """One warning per unknown field ({name: [first origin, rows]}): where it first appears,
+    how often, a likely spelling."""
     warnings = []
-    for name, origins in unused.items():
+    for name, (first, rows) in unused.items():
         known = KNOWN_FIELDS[fmt] | (MESSAGE_FIELDS if fmt == "messages" else TURN_FIELDS)
         close = difflib.get_close_matches(name.rsplit(".", 1)[-1], sorted(known), n=1)
         hint = f" (did you mean `{close[0]}`?)" if close else ""
-        more = f" ({len(origins)} rows)" if len(origins) > 1 else ""
-        warnings.append(Problem(origins[0], f"field `{name}` is not used by the {fmt} format and "
+        more = f" ({rows} rows)" if rows > 1 else ""
+        warnings.append(Problem(first, f"field `{name}` is not used by the {fmt} format and "
                                             f"was ignored{more}{hint}"))
     return warnings
 
@@ -485,37 +510,15 @@ def check_messages(messages: list, require_reply: bool = True,
         raise DataError("every assistant reply has `loss: false`; nothing to train on")
 
 
-def fill_placeholders(samples: list, fill: dict) -> list:
-    """Replace {{NAME}} / {{AUTHOR}} (any case) from --model-name / --model-author; a row that
-    keeps one (the value was not given) is a warning naming the flag."""
-    warnings = []
-    for sample in samples:
-        left = set()
-
-        def replace(match, left=left):
-            value = fill.get(FILL_KEYS[match.group(1).lower()])
-            if value:
-                return value
-            left.add(match.group(0))
-            return match.group(0)
-
-        if sample.text is not None:
-            sample.text = PLACEHOLDER.sub(replace, sample.text)
-        for message in sample.messages:
-            message["content"] = PLACEHOLDER.sub(replace, message["content"])
-        if left:
-            flags = " and ".join(sorted({"--" + FILL_KEYS[t[2:-2].lower()].replace("_", "-")
-                                         for t in left}))
-            warnings.append(Problem(sample.origin, f"placeholder {', '.join(sorted(left))} is "
-                                                   f"not filled and would be trained literally; "
-                                                   f"pass {flags}"))
-    return warnings
-
-
 def sample_rows(samples: list, count: int, seed: int) -> list:
     """`#N`: N rows; past the dataset size whole copies plus a random remainder."""
-    if not samples:
-        return samples
-    rng = random.Random(seed)
-    whole, remainder = divmod(count, len(samples))
-    return samples * whole + rng.sample(samples, remainder)
+    return [samples[i] for i in sample_indices(len(samples), count, seed)]
+
+
+def sample_indices(rows: int, count: int, seed: int) -> list:
+    """The rows `#N` takes out of `rows`, in order (random.sample picks by index, so the rows
+    are the same whether it is given the samples or their indices)."""
+    if not rows:
+        return []
+    whole, remainder = divmod(count, rows)
+    return list(range(rows)) * whole + random.Random(seed).sample(range(rows), remainder)

@@ -5,11 +5,14 @@ One reader per file type: .jsonl (one row per line), .json (a list of rows, or o
 cannot be read (bad JSON, invalid UTF-8, a duplicate key, a lone surrogate, nesting too deep for
 Python) becomes a `Bad` row with its reason, so the loader reports it by line and reads on. Only a
 file that cannot be read at all raises DataError.
+
+Streamed (stream=True), .jsonl, .csv, .parquet (a row group batch at a time) and hub datasets
+(memory-mapped by `datasets`) come one row at a time. A .json file is one JSON value, so it is
+read whole, as `datasets`' json loader reads it: large data belongs in .jsonl.
 """
 from __future__ import annotations
 
 import csv
-import io
 import json
 import re
 from dataclasses import dataclass
@@ -23,6 +26,8 @@ MAX_DEPTH = 100
 CSV_JSON_COLUMNS = {"messages", "conversations", "conversation", "history", "chosen", "rejected"}
 """CSV columns that hold JSON (a list or object); every other cell is kept as its exact text."""
 _SURROGATE = re.compile("[\ud800-\udfff]")
+BLANK = object()
+"""jsonl_row's answer for a blank line (a line may hold JSON null)."""
 
 
 class Bad:
@@ -95,23 +100,29 @@ def read_rows(source: str, warnings: list | None = None, stream: bool = False
     File-level remarks (byte-order mark, CRLF, final newline) are appended to `warnings`.
     stream=True: a .jsonl file's rows come one line at a time (an iterator), never all held."""
     warnings = warnings if warnings is not None else []
-    path = (bundled_data_dir() / BUNDLED_DATA[source] if source in BUNDLED_DATA
-            else Path(source).expanduser())
+    path = source_path(source)
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".csv", ".parquet"):
         if not path.is_file():
             raise DataError(f"--data {source}: file not found.")
         if suffix != ".parquet":
             warnings += text_file_warnings(path)
-        if suffix in (".json", ".csv"):
-            return (read_json if suffix == ".json" else read_csv)(path, warnings)
-        if suffix == ".jsonl":
-            return iter_jsonl(path) if stream else read_jsonl(path)
-        return read_parquet(path)
+        if suffix == ".json":
+            return read_json(path, warnings)
+        rows = {".jsonl": iter_jsonl, ".csv": lambda p: iter_csv(p, warnings),
+                ".parquet": iter_parquet}[suffix](path)
+        return rows if stream else list(rows)
     if path.exists() or source.startswith((".", "/", "~")):
         raise DataError(f"--data {source}: unsupported file type; use .jsonl, .json, .csv or "
                         f".parquet.")
-    return read_hub(source)
+    rows = iter_hub(source)
+    return rows if stream else list(rows)
+
+
+def source_path(source: str) -> Path:
+    """The file a --data source names (a bundled dataset's name: the file lora-lab ships)."""
+    return (bundled_data_dir() / BUNDLED_DATA[source] if source in BUNDLED_DATA
+            else Path(source).expanduser())
 
 
 def text_file_warnings(path: Path) -> list:
@@ -140,24 +151,29 @@ def text_file_warnings(path: Path) -> list:
     return found
 
 
-def read_jsonl(path: Path) -> list:
-    return list(iter_jsonl(path))
-
-
 def iter_jsonl(path: Path):
     """(row, origin) of every non-blank line, read one line at a time."""
+    for number, raw in iter_lines(path):
+        row = jsonl_row(raw, number)
+        if row is not BLANK:
+            yield row, f"{path}:{number}"
+
+
+def iter_lines(path: Path):
+    """(line number, bytes) of every line of a file, one at a time."""
     with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            origin = f"{path}:{number}"
-            if number == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield Bad(f"invalid UTF-8 at byte {exc.start}"), origin
-                continue
-            if text.strip():
-                yield parse_json_text(text), origin
+        yield from enumerate(handle, start=1)
+
+
+def jsonl_row(raw: bytes, number: int):
+    """Line `number` of a .jsonl file as a row (a value or Bad); BLANK for a blank line."""
+    if number == 1:
+        raw = raw.removeprefix(b"\xef\xbb\xbf")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Bad(f"invalid UTF-8 at byte {exc.start}")
+    return parse_json_text(text) if text.strip() else BLANK
 
 
 def read_json(path: Path, warnings: list) -> list:
@@ -252,45 +268,50 @@ def _skip_space(text: str, position: int) -> int:
     return position
 
 
-def read_csv(path: Path, warnings: list | None = None) -> list:
-    """Rows of a CSV file, origin = the line the record starts on (the header is line 1).
+def iter_csv(path: Path, warnings: list | None = None):
+    """Rows of a CSV file, one record at a time, origin = the line the record starts on (the
+    header is line 1); a note on blank lines is appended to `warnings` at the end.
 
     Cells keep their exact text, except the columns in CSV_JSON_COLUMNS, which must hold JSON.
     Invalid UTF-8 is decoded with surrogateescape so the rest of the file is still read, and the
     row holding it is reported."""
     csv.field_size_limit(2**31 - 1)  # a long document is data, not an attack: read it whole
-    text = path.read_bytes().removeprefix(b"\xef\xbb\xbf").decode("utf-8", "surrogateescape")
-    reader = csv.reader(io.StringIO(text, newline=""))
+    with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as handle:
+        yield from _csv_records(path, csv.reader(handle), warnings)
+
+
+def _csv_records(path: Path, reader, warnings: list | None):
     try:
         header = next(reader, None)
     except csv.Error as exc:
         raise DataError(f"{path}:1: the CSV header cannot be read ({exc}).") from None
     if header is None:
-        return []
+        return
     if any(_SURROGATE.search(name) for name in header):
         raise DataError(f"{path}:1: the CSV header is not valid UTF-8; save the file as UTF-8.")
     twice = sorted({name for name in header if header.count(name) > 1})
     if twice:
         raise DataError(f"{path}:1: column `{twice[0]}` appears twice in the CSV header; rename "
                         f"one, or a row would keep only the last cell.")
-    rows, blank, start = [], [], reader.line_num + 1
+    blank, start = [], reader.line_num + 1
     while True:
         try:
             cells = next(reader)
         except StopIteration:
             break
         except csv.Error as exc:
-            rows.append((Bad(f"the CSV record cannot be read ({exc})"), f"{path}:{start}"))
+            yield Bad(f"the CSV record cannot be read ({exc})"), f"{path}:{start}"
             start = reader.line_num + 1
             continue
         origin, start = f"{path}:{start}", reader.line_num + 1
         if cells:
-            rows.append((_csv_row(header, cells), origin))
+            yield _csv_row(header, cells), origin
+        elif not blank:
+            blank = [origin, 1]
         else:
-            blank.append(origin)
+            blank[1] += 1
     if blank and warnings is not None:
-        warnings.append(_warning(blank[0], f"{len(blank)} blank line(s) ignored"))
-    return rows
+        warnings.append(_warning(blank[0], f"{blank[1]} blank line(s) ignored"))
 
 
 def _csv_row(header: list, cells: list):
@@ -309,18 +330,33 @@ def _csv_row(header: list, cells: list):
     return row
 
 
-def read_parquet(path: Path) -> list:
+def iter_parquet(path: Path, batch_rows: int = 1000):
+    """Rows of a Parquet file, `batch_rows` at a time, origin = "file[row N]"."""
+    def unreadable(exc):
+        return DataError(f"{path}: not a readable Parquet file ({type(exc).__name__}: "
+                         f"{str(exc)[:200]}).")
+
     try:
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path).to_pylist()
+        batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
-        raise DataError(f"{path}: not a readable Parquet file ({type(exc).__name__}: "
-                        f"{str(exc)[:200]}).") from None
-    return [(row, f"{path}[row {index}]") for index, row in enumerate(table)]
+        raise unreadable(exc) from None
+    index = 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as exc:  # noqa: BLE001 - a damaged row group
+            raise unreadable(exc) from None
+        if batch is None:
+            return
+        for row in batch.to_pylist():
+            yield row, f"{path}[row {index}]"
+            index += 1
 
 
-def read_hub(source: str) -> list:
+def iter_hub(source: str):
+    """Rows of a hub dataset (NAME or NAME:SPLIT), loaded now, given one at a time."""
     name, _, split = source.partition(":")
     try:
         import datasets
@@ -330,7 +366,7 @@ def read_hub(source: str) -> list:
         raise DataError(f"--data {source}: not a local file, and loading it as a hub dataset "
                         f"failed ({type(exc).__name__}: {str(exc)[:200]}). Check the path or "
                         f"the dataset id (NAME or NAME:SPLIT).") from None
-    return [(row, f"{source}[row {index}]") for index, row in enumerate(dataset)]
+    return ((row, f"{source}[row {index}]") for index, row in enumerate(dataset))
 
 
 def kind_of(value) -> str:

@@ -56,16 +56,15 @@ def length_stats(tokenizer, samples: list, system: str | None = None,
 def dataset_length_stats(specs: list, args, tokenizer, seed: int) -> tuple[LengthStats, dict]:
     """length_stats of --data entries read as a run reads them, through the data cache; and
     {"problems": rows that could not be used, "formats": (entry, format) pairs}."""
-    from . import load_samples
     from .arrow import sample_lengths
     from .cache import cached_encoding
 
-    def build(encode):
-        loaded = load_samples(specs, args, seed)
-        if not loaded.samples:
+    def build(stream):
+        read = stream.read_specs(specs, args, seed)
+        if not read.numbers:
             raise DataError(f"--data {' '.join(specs)}: no usable sample.")
-        return {"all": encode(loaded.samples, "all")}, {"problems": len(loaded.problems),
-                                                        "formats": loaded.formats}
+        return {"all": stream.report(read.numbers, "all")}, {"problems": len(read.problems),
+                                                             "formats": read.formats}
 
     reports, extra, _ = cached_encoding("stats", specs, args, tokenizer, seed, "sft",
                                         (UNCUT, "truncate", args.system, args.enable_thinking),

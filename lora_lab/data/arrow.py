@@ -214,7 +214,7 @@ def first_token_at_least(samples, limit: int) -> tuple[str, int] | None:
         import pyarrow.compute as pc
 
         largest = (pc.max(chunk.flatten()).as_py()
-                   for chunk in samples.dataset.data.column("input_ids").chunks)
+                   for chunk in samples.table.column("input_ids").chunks)
         if all(value is None or value < limit for value in largest):
             return None
     for sample in samples:

@@ -241,19 +241,11 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42,
     from .cache import cached_encoding, problems_from_json, problems_json
 
     def build(stream):
-        read, numbers = ValidationReport(), []
-        for spec in specs:  # a dataset that cannot be read is one error, not a stop
-            try:
-                loaded = stream.read_spec(spec, args.format, seed, {
-                    "model_name": args.model_name, "model_author": args.model_author})
-            except DataError as exc:
-                read.errors.append(Problem(spec, str(exc)))
-                read.formats.append((spec, "not read (error above)"))
-                continue
-            numbers += loaded.numbers
-            read.errors += loaded.problems
-            read.warnings += loaded.warnings
-            read.formats += loaded.formats
+        read, fills = ValidationReport(), {"model_name": args.model_name,
+                                           "model_author": args.model_author}
+        numbers = [number for loaded in _read_each(
+            specs, read, lambda spec: stream.read_spec(spec, args.format, seed, fills))
+            for number in loaded.numbers]
         return {"all": stream.report(numbers, "all")}, {
             "errors": problems_json(read.errors), "warnings": problems_json(read.warnings),
             "formats": read.formats}
@@ -269,19 +261,27 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42,
 def read_for_validation(specs: list, args: DataArgs, seed: int, task: str
                         ) -> tuple[ValidationReport, list]:
     """Every spec read on its own: a dataset that cannot be read is one error, not a stop."""
-    report, samples = ValidationReport(), []
+    report = ValidationReport()
+    samples = [sample for loaded in _read_each(
+        specs, report, lambda spec: load_samples([spec], args, seed, task))
+        for sample in loaded.samples]
+    return report, samples
+
+
+def _read_each(specs: list, report: ValidationReport, read):
+    """read(spec) for each spec, its problems, warnings and formats added to `report`; a spec
+    that cannot be read is one error in `report`, not a stop (it yields nothing)."""
     for spec in specs:
         try:
-            loaded = load_samples([spec], args, seed, task)
+            loaded = read(spec)
         except DataError as exc:
             report.errors.append(Problem(spec, str(exc)))
             report.formats.append((spec, "not read (error above)"))
             continue
-        samples += loaded.samples
         report.errors += loaded.problems
         report.warnings += loaded.warnings
         report.formats += loaded.formats
-    return report, samples
+        yield loaded
 
 
 def finish_validation(report: ValidationReport, encoded: EncodeReport | None,

@@ -36,6 +36,10 @@ def run_lora_lab(cell: dict) -> dict:
     from lora_lab.planning.memory import micro_batch_rows, plan_memory, row_length
     from lora_lab import train
 
+    if cell.get("residual_skip") is False:  # ablation: recomputed MLPs run to their output
+        from lora_lab.models import fast_lora
+
+        fast_lora.RESIDUAL_MLP_LAYERS = ()
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = WORK / f"data-{cell['label']}.jsonl"
     flags = {"model.name": str(model), "data.max_length": cell["max_length"],

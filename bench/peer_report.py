@@ -21,16 +21,28 @@ def rows_of(path: Path) -> tuple[list, dict]:
     return headers, cells
 
 
+def twin(cells: dict, label: str) -> dict | None:
+    """The Unsloth row measured beside the lora-lab cell `label` (ll-NAME-RUN): us-NAME-RUN, or
+    the one us-NAME-* of the file where the runs were numbered apart."""
+    name = label[3:].rsplit("-", 1)[0]
+    same_run = cells.get("us-" + label[3:])
+    if same_run is not None:
+        return same_run
+    others = [row for other, row in cells.items()
+              if other.startswith("us-") and other[3:].rsplit("-", 1)[0] == name]
+    return others[0] if len(others) == 1 else None
+
+
 def pairs(cells: dict) -> list:
-    """(name, run, lora-lab row, Unsloth row) for every ll-NAME-RUN with its us-NAME-RUN."""
+    """(name, run, lora-lab row, Unsloth row) for every ll-NAME-RUN with its Unsloth twin."""
     found = []
     for label, ours in cells.items():
-        if not label.startswith("ll-"):
-            continue
-        theirs = cells.get("us-" + label[3:])
+        theirs = twin(cells, label) if label.startswith("ll-") else None
         if theirs is not None:
             name, run = label[3:].rsplit("-", 1)
-            found.append((name, run, ours, theirs))
+            their_run = theirs["label"].rsplit("-", 1)[1]
+            found.append((name, run if their_run == run else f"{run}, Unsloth's run {their_run}",
+                          ours, theirs))
     return found
 
 
@@ -44,10 +56,11 @@ def render(paths, heading: str = "###") -> str:
     lines = []
     for path in paths:
         headers, cells = rows_of(path)
-        head = headers[0] if headers else {}
-        lines += [f"{heading} {path.name}", "",
-                  f"{head.get('gpu')}, {head.get('date')}; `{head.get('command')}`", "",
-                  "| cell | lora-lab | Unsloth | speed ratio | peak ratio |",
+        lines += [f"{heading} {path.name}", ""]
+        bullet = "- " if len(headers) > 1 else ""  # a run in parts: one line per part
+        lines += [f"{bullet}{head.get('gpu')}, {head.get('date')}; `{head.get('command')}`"
+                  for head in headers]
+        lines += ["", "| cell | lora-lab | Unsloth | speed ratio | peak ratio |",
                   "| --- | --- | --- | --- | --- |"]
         for name, run, ours, theirs in pairs(cells):
             ok = not ours.get("error") and not theirs.get("error")
@@ -56,7 +69,7 @@ def render(paths, heading: str = "###") -> str:
             lines.append(f"| {name} (run {run}) | {_figures(ours)} | {_figures(theirs)} | "
                          f"{speed} | {peak} |")
         alone = [row for label, row in cells.items()
-                 if label.startswith("ll-") and "us-" + label[3:] not in cells]
+                 if label.startswith("ll-") and twin(cells, label) is None]
         if alone:
             lines += ["", "lora-lab cells without an Unsloth twin in this file:", ""]
             lines += [f"- {row['label']} ({', '.join(row.get('sets', []))}): {_figures(row)}, "

@@ -46,16 +46,25 @@ def runs_of(path: Path) -> list[tuple[dict, list]]:
     return runs
 
 
-def load(plan: str) -> tuple[list, list]:
+def load(plan: str, every_file: bool = False) -> tuple[list, list]:
     """The newest results file of `plan`: its header lines (a plan run in parts with --cells has
-    one per part) and its cell rows, the last row of each label (a part may re-run a cell)."""
-    path = max(RESULTS.glob(f"*-{plan}.jsonl"), default=None)
-    if path is None:
-        return [], []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    cells = {row.get("label") or (row["kind"], row["model"], row["format"]): row
-             for row in rows if not row.get("header")}
-    return [row for row in rows if row.get("header")], list(cells.values())
+    one per part) and its cell rows, the last row of each label (a part may re-run a cell).
+    every_file: the plan's files from oldest to newest, the newest row of each label, and the
+    headers of the runs those rows come from. Each header carries its file as "_path"."""
+    paths = sorted(RESULTS.glob(f"*-{plan}.jsonl"))
+    paths = paths if every_file else paths[-1:]
+    headers, cells = [], {}
+    for path in paths:
+        for header, rows in runs_of(path):
+            header = {**header, "_path": f"bench/results/{path.name}"}
+            headers.append(header)
+            for row in rows:
+                key = row.get("label") or (row["kind"], row["model"], row["format"])
+                cells[key] = (row, header)  # a re-run's row, in the first one's place
+    if every_file:
+        shown = [id(header) for _, header in cells.values()]
+        headers = [header for header in headers if id(header) in shown]
+    return headers, [row for row, _ in cells.values()]
 
 
 def load_plans(*plans: str) -> tuple[list, list]:
@@ -92,7 +101,7 @@ def headers_of(headers: list, labels) -> list:
 
 def _source(header: dict, path: str | None = None) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in header["versions"].items() if v)
-    path = path or f"bench/results/{header['date'][:10]}-{header['plan']}.jsonl"
+    path = path or header.get("_path") or f"bench/results/{header['date'][:10]}-{header['plan']}.jsonl"
     return f"{header['gpu']}, {header['date']}; {versions}; `{header['command']}` ({path})"
 
 
@@ -426,7 +435,7 @@ def export_tables() -> str:
     """Quantized export (bench/export_bench.py): sizes and load memory on the GPU (random
     weights, real shapes), quality of the real fine-tuned 0.5B (run on CPU)."""
     parts = []
-    headers, rows = load("export")
+    headers, rows = load("export", every_file=True)
     loads = [r for r in rows if r["kind"] == "load"]
     if loads:
         lines = ["| model | format | weights on disk GiB | GPU peak after loading GiB | "
@@ -498,7 +507,7 @@ def reproduce() -> str:
 def families_table() -> str:
     """Other families' shapes (random weights, their published config.json) under the tiers'
     caps: the measured peak against the planner's figure for the same run."""
-    headers, rows = load("families")
+    headers, rows = load("families", every_file=True)
     if not rows:
         return ""
     lines = ["| model | preset (cap) | precision | max_length | peak reserved GiB | planned GiB "
@@ -512,8 +521,7 @@ def families_table() -> str:
             f"| {row['size']} | {row['preset']} ({row['cap_gib']} GiB) | {precision} "
             f"| {row['max_length']} | {row['peak_reserved_gib']:.2f} | {row['planned_gib']:.2f} "
             f"| {row['planned_gib'] / row['peak_reserved_gib']:.3f} | {row['tokens_per_s']:,.0f} |")
-    sources = "\n".join(f"- {_source(h, 'bench/results/2026-12-01-families.jsonl')}"
-                         for h in headers)
+    sources = "\n".join(f"- {_source(h)}" for h in headers)
     return ("Random weights from each model's published config.json "
             "(lora_lab/model_configs), SmolLM2's tokenizer (ids within every vocabulary), "
             "4 optimizer steps of full-length packed samples under the tier's cap "

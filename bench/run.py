@@ -180,6 +180,10 @@ def peer_cells(steps: int = 6) -> list:
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-gpuemb-{run}",
                               "size": size, "steps": steps,
                               "sets": FAST + ["model.embedding_on_cpu=false"], **ours})
+                # the recomputed MLP run to its output (fast_lora.RESIDUAL_MLP_LAYERS empty)
+                cells.append({"kind": "lora-lab", "label": f"ll-{name}-noskip-{run}",
+                              "size": size, "steps": steps, "sets": FAST,
+                              "residual_skip": False, **ours})
         for suffix, sets in ABLATIONS_7B_4096.items():
             cells.append({"kind": "lora-lab", "label": f"ll-7b-4096-{suffix}-{run}",
                           "size": "7b", "steps": steps, "sets": sets,

@@ -101,7 +101,8 @@ def headers_of(headers: list, labels) -> list:
 
 def _source(header: dict, path: str | None = None) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in header["versions"].items() if v)
-    path = path or header.get("_path") or f"bench/results/{header['date'][:10]}-{header['plan']}.jsonl"
+    path = (path or header.get("_path")
+            or f"bench/results/{header['date'][:10]}-{header['plan']}.jsonl")
     return f"{header['gpu']}, {header['date']}; {versions}; `{header['command']}` ({path})"
 
 

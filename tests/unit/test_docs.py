@@ -31,6 +31,51 @@ def test_multi_gpu_table_shows_the_plan_each_run_stored():
     assert f"| {row['planned_gib_per_gpu']:.2f} |" in line
 
 
+def _results_file(path: Path, runs: list) -> None:
+    lines = []
+    for header, rows in runs:
+        lines.append({"header": True, "plan": "families", "gpu": "GPU", "versions": {},
+                      "command": f"python bench/run.py families --cells {header}", "date": header})
+        lines += rows
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_tables_over_every_file_show_the_newest_row_of_each_label(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    def rows(*labels, value):
+        return [{"label": label, "value": value} for label in labels]
+
+    _results_file(tmp_path / "2026-12-01-families.jsonl",
+                  [("2026-12-01 10:00 UTC", rows("a", "b", value=1)),
+                   ("2026-12-01 11:00 UTC", rows("c", value=1))])
+    _results_file(tmp_path / "2026-12-02-families.jsonl",
+                  [("2026-12-02 10:00 UTC", rows("a", "c", value=2))])
+    headers, rows = report.load("families", every_file=True)
+    assert [(row["label"], row["value"]) for row in rows] == [("a", 2), ("b", 1), ("c", 2)]
+    # the 11:00 run's only cell was measured again: its header is not a source any more
+    assert [(h["date"], h["_path"]) for h in headers] == [
+        ("2026-12-01 10:00 UTC", "bench/results/2026-12-01-families.jsonl"),
+        ("2026-12-02 10:00 UTC", "bench/results/2026-12-02-families.jsonl")]
+    assert [row["label"] for row in report.load("families")[1]] == ["a", "c"]  # newest file
+
+
+def test_peer_cells_pair_with_the_unsloth_cell_of_the_same_call():
+    from peer_report import pairs
+
+    def cell(label):
+        return {"label": label, "tokens_per_s": 1.0, "peak_reserved_gib": 1.0}
+
+    same_run = {c["label"]: c for c in map(cell, ["ll-7b-4096-2", "us-7b-4096-2", "us-7b-4096-1"])}
+    assert [(name, run, theirs["label"]) for name, run, _, theirs in pairs(same_run)] == [
+        ("7b-4096", "2", "us-7b-4096-2")]
+    apart = {c["label"]: c for c in map(cell, ["ll-7b-1024-2", "us-7b-1024-1",
+                                               "ll-7b-1024-noskip-1"])}
+    assert [(name, run) for name, run, _, _ in pairs(apart)] == [
+        ("7b-1024", "2, Unsloth's run 1")]  # an ablation (another name) has no twin
+    two = {c["label"]: c for c in map(cell, ["ll-7b-1024-3", "us-7b-1024-1", "us-7b-1024-2"])}
+    assert pairs(two) == []  # which of the two is not known
+
+
 def test_configuration_page_key_reference_is_generated_from_the_dataclasses():
     block = config_reference.generated_block()
     assert block.strip() == config_reference.render().strip(), (

@@ -464,34 +464,49 @@ def export_tables() -> str:
                          else "") + " Measured: "
                      + "; ".join(_source(h) for h in headers))
         parts.append("\n".join(lines) + "\n")
-    headers, rows = load("export-quality-cpu")
-    quality = [r for r in rows if r["kind"] == "quality" and not r.get("error")]
-    if quality:
-        lines = ["| real fine-tuned Qwen2.5-Coder-0.5B-Instruct | weights GiB | held-out eval "
-                 "loss | perplexity | greedy answers identical to bf16 | answers with the new "
-                 "name |", "|---|---|---|---|---|---|"]
-        for row in quality:
-            lines.append(f"| {row['format']} | {row['weights_bytes'] / 2**30:.2f} | "
-                         f"{row['eval_loss']:.4f} | {row['perplexity']:.3f} | "
+    runs = [run for path in sorted(RESULTS.glob("*-export-quality-cpu.jsonl"))
+            for run in runs_of(path)]
+    runs = [(header, rows) for header, rows in runs
+            if any(r["kind"] == "quality" and not r.get("error") for r in rows)]
+    if runs:
+        parts.append(quality_table(runs))
+    return "\n".join(parts)
+
+
+def quality_table(runs: list) -> str:
+    """The real fine-tuned 0.5B exported by each stored CPU run: every run's rows beside its own
+    bf16 row (the answers are compared with that run's bf16 answers)."""
+    lines = ["| run | real fine-tuned Qwen2.5-Coder-0.5B-Instruct | calibration samples | "
+             "weights GiB | held-out eval loss | perplexity | prompts | greedy answers "
+             "identical to bf16 | answers with the new name |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for header, rows in runs:
+        calibration = {r["format"]: r.get("calibration_samples") for r in rows
+                       if r["kind"] == "export"}
+        for row in rows:
+            if row["kind"] != "quality" or row.get("error"):
+                continue
+            lines.append(f"| {header['date']} | {row['format']} | "
+                         f"{calibration.get(row['format']) or '-'} | "
+                         f"{row['weights_bytes'] / 2**30:.2f} | {row['eval_loss']:.4f} | "
+                         f"{row['perplexity']:.3f} | {row['prompts']} | "
                          f"{row['answers_identical_to_bf16']:.0%} | "
                          f"{row['answers_with_name']:.0%} |")
-        first = quality[0]
-        calibration = next((r.get("calibration_samples") for r in rows
-                            if r["kind"] == "export" and r["format"] == "w4a16"), None)
-        lines.append("")
-        lines.append(f"The `make demo` run (30 LoRA steps of self-cognition, name Aurora) merged "
-                     f"onto its 16-bit base, then exported; w4a16 calibrated on the run's own "
-                     f"{calibration} training conversations. Eval loss on the assistant "
-                     f"tokens of bench/export_heldout.jsonl ({first['heldout_samples']} "
-                     f"conversations not in training, {first['assistant_tokens']} tokens); "
-                     f"answers: greedy, 48 tokens, to the {first['prompts']} self-cognition "
-                     f"prompts. Reproduce: `lora-lab demo --output-dir D`, then the command "
-                     f"below with `--real-run D/demo-*`. One run, on CPU: "
-                     + "; ".join(f"{h['date']}; " + ", ".join(
-                         f"{k} {v}" for k, v in h["versions"].items() if v)
-                         + f"; `{h['command']}`" for h in headers))
-        parts.append("\n".join(lines) + "\n")
-    return "\n".join(parts)
+    first = next(r for _, rows in runs for r in rows if r["kind"] == "quality")
+    lines.append("")
+    lines.append(f"The `make demo` run (30 LoRA steps of self-cognition, name Aurora) merged "
+                 f"onto its 16-bit base, then exported; w4a16 and awq calibrated on the run's own "
+                 f"training conversations (the samples column; the run has 120). Eval loss on "
+                 f"the assistant tokens of bench/export_heldout.jsonl "
+                 f"({first['heldout_samples']} conversations not in training, "
+                 f"{first['assistant_tokens']} tokens); answers: greedy, 48 tokens, to the first "
+                 f"`prompts` self-cognition prompts, compared with the same run's bf16 answers. "
+                 f"Rows of different runs are not one comparison. Reproduce: `lora-lab demo "
+                 f"--output-dir D`, then the command below with `--real-run D/demo-*`. On CPU: "
+                 + "; ".join(f"{h['date']}; " + ", ".join(
+                     f"{k} {v}" for k, v in h["versions"].items() if v)
+                     + f"; `{h['command']}`" for h, _ in runs))
+    return "\n".join(lines) + "\n"
 
 
 def reproduce() -> str:

@@ -76,8 +76,12 @@ def pack_samples(samples, samples_per_step: int, pack_length: int, seed: int) ->
     random.Random(seed).shuffle(order)
     steps = [order[start:start + samples_per_step]
              for start in range(0, len(order), samples_per_step)]
-    rows_per_step = max(math.ceil(sum(lengths[i] for i in step) / pack_length)
-                        for step in steps)
+    step_tokens = [sum(map(lengths.__getitem__, step)) for step in steps]
+    rows_per_step = max(math.ceil(tokens / pack_length) for tokens in step_tokens)
+    if rows_per_step == 1:  # every step one row: _balance's order, without its bookkeeping
+        plan = [sorted(step, key=lengths.__getitem__, reverse=True) for step in steps]
+        return PackedData(rows=PackedRows(samples, plan), rows_per_step=1,
+                          samples_per_step=samples_per_step, row_tokens=step_tokens)
     while True:
         split = [_balance(step, rows_per_step, lengths) for step in steps]
         if all(sum(lengths[i] for i in row) <= pack_length for rows in split for row in rows):

@@ -139,6 +139,24 @@ def test_steps_keep_their_sample_count_and_rows_are_balanced():
         assert all(row.labels[s] == IGNORE_INDEX for s in starts)
 
 
+def test_steps_of_one_row_are_packed_as_the_balancing_packs_them():
+    import random
+
+    from lora_lab.data.packing import _balance
+
+    rng = random.Random(7)
+    lengths = [rng.choice([3, 5, 5, 8, 13]) for _ in range(40)]
+    samples = [sample(n, i) for i, n in enumerate(lengths)]
+    packed = pack_samples(samples, samples_per_step=5, pack_length=80, seed=2)
+    assert packed.rows_per_step == 1
+    order = list(range(len(samples)))
+    random.Random(2).shuffle(order)
+    steps = [order[start:start + 5] for start in range(0, len(order), 5)]
+    # ties in length keep the shuffled order, as _balance's stable sort keeps them
+    assert packed.rows.plan == [_balance(step, 1, lengths)[0] for step in steps]
+    assert packed.row_tokens == [sum(lengths[i] for i in step) for step in steps]
+
+
 def test_a_sample_longer_than_the_row_is_refused_with_the_knob():
     with pytest.raises(DataError, match="data.pack_length=40"):
         pack_samples([sample(40, 0)], 1, 32, seed=0)

@@ -6,9 +6,9 @@ cannot be read (bad JSON, invalid UTF-8, a duplicate key, a lone surrogate, nest
 Python) becomes a `Bad` row with its reason, so the loader reports it by line and reads on. Only a
 file that cannot be read at all raises DataError.
 
-Streamed (stream=True), .jsonl, .csv, .parquet (a row group batch at a time) and hub datasets
-(memory-mapped by `datasets`) come one row at a time. A .json file is one JSON value, so it is
-read whole, as `datasets`' json loader reads it: large data belongs in .jsonl.
+Streamed (stream=True), .jsonl, .csv, .parquet (a row group batch at a time), a .json list of
+rows (JSON_BLOCK_BYTES of text at a time) and hub datasets (memory-mapped by `datasets`) come one
+row at a time; a .json file holding one row object is read whole.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def read_rows(source: str, warnings: list | None = None, stream: bool = False
         if suffix != ".parquet":
             warnings += text_file_warnings(path)
         if suffix == ".json":
-            return read_json(path, warnings)
+            return read_json(path, warnings, stream)
         rows = {".jsonl": iter_jsonl, ".csv": lambda p: iter_csv(p, warnings),
                 ".parquet": iter_parquet}[suffix](path)
         return rows if stream else list(rows)
@@ -176,19 +176,22 @@ def jsonl_row(raw: bytes, number: int):
     return parse_json_text(text) if text.strip() else BLANK
 
 
-def read_json(path: Path, warnings: list) -> list:
-    """A JSON list of rows, each with the line its object starts on; or one row object."""
-    raw = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: invalid UTF-8 at byte {exc.start}; a .json file is "
-                        f"read whole, so save it as UTF-8 (or as .jsonl to skip bad "
-                        f"rows).") from None
-    start = _skip_space(text, 0)
-    if text[start:start + 1] == "[":
-        return _read_json_list(path, text, start + 1)
+JSON_BLOCK_BYTES = 1 << 20
+"""A .json list of rows is read this many bytes at a time."""
+
+
+def read_json(path: Path, warnings: list, stream: bool = False):
+    """A JSON list of rows, each with the line its object starts on (stream=True: an iterator
+    that holds one block of the file and the row being read, never the whole list); or one row
+    object, which is read whole."""
+    window = _TextWindow(path)
+    start = window.skip_space(0)
+    if window.text[start:start + 1] == "[":
+        rows = _iter_json_list(path, window, start + 1)
+        return rows if stream else list(rows)
+    while window.more():
+        pass
+    text = window.text
     value = parse_json_text(text)
     if isinstance(value, Bad):
         raise DataError(f"{path}: {value.reason}. A .json file must hold a list of rows; use "
@@ -201,46 +204,118 @@ def read_json(path: Path, warnings: list) -> list:
     return [(value, f"{path}:{line}")]
 
 
-def _read_json_list(path: Path, text: str, position: int) -> list:
-    rows, line, counted = [], 1, 0
-    while True:
-        position = _skip_space(text, position)
-        if text[position:position + 1] == "]":
-            break
-        line += text.count("\n", counted, position)  # counted once: large files stay linear
-        counted = position
+class _TextWindow:
+    """The decoded text of a file from some line on: `text` starts at the beginning of line
+    `first_line`; more() reads the next block, drop(position) forgets whole lines before
+    position."""
+
+    def __init__(self, path: Path):
+        import codecs
+
+        self.path, self.handle = path, open(path, "rb")
+        self.decoder = codecs.getincrementaldecoder("utf-8-sig")()
+        self.text, self.first_line, self.eof = "", 1, False
+        self.bytes_read = self.newlines_read = 0
+        self.counted = (0, 1)  # (position, its line): rows are read in order, lines counted once
+        self.more()
+
+    def more(self) -> bool:
+        """Read the next block; False at the end of the file."""
+        if self.eof:
+            return False
+        raw = self.handle.read(JSON_BLOCK_BYTES)
+        self.eof = not raw
+        pending = len(self.decoder.getstate()[0])
         try:
-            value, position = _DECODER.raw_decode(text, position)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{exc.lineno}: bad JSON ({exc.msg} at column {exc.colno}); "
-                            f"a .json file is read whole, so fix it (or use .jsonl, where a bad "
-                            f"line is skipped and reported).") from None
-        except RecursionError:  # skip to the end of this row and read on
-            rows.append((Bad(f"nested too deeply to read (more than {MAX_DEPTH} levels)"),
-                         f"{path}:{line}"))
-            position = _end_of_value(text, position)
-            if position is None:
-                raise DataError(f"{path}:{line}: bad JSON (a row is never closed).") from None
-            position = _after_row(path, text, position)
-            continue
-        problem = value_problem(value)
-        rows.append((Bad(problem) if problem else value, f"{path}:{line}"))
-        position = _after_row(path, text, position)
-    trailing = _skip_space(text, position + 1)
-    if trailing < len(text):
-        line = text.count("\n", 0, trailing) + 1
-        raise DataError(f"{path}:{line}: extra data after the list of rows.")
-    return rows
+            self.text += self.decoder.decode(raw, final=self.eof)
+        except UnicodeDecodeError as exc:
+            at = max(0, exc.start - pending)
+            line = self.newlines_read + raw[:at].count(b"\n") + 1
+            raise DataError(f"{self.path}:{line}: invalid UTF-8 at byte "
+                            f"{self.bytes_read + at}; save the file as UTF-8 (or as .jsonl, "
+                            f"where a bad row is skipped and reported).") from None
+        finally:
+            self.bytes_read += len(raw)
+            self.newlines_read += raw.count(b"\n")
+        if self.eof:
+            self.handle.close()
+        return not self.eof
+
+    def skip_space(self, position: int) -> int:
+        while True:
+            position = _skip_space(self.text, position)
+            if position < len(self.text) or not self.more():
+                return position
+
+    def drop(self, position: int) -> int:
+        """Forget the lines that end before `position`; returns where position now is."""
+        cut = self.text.rfind("\n", 0, position) + 1
+        if cut < JSON_BLOCK_BYTES:  # a block's worth at a time: dropping stays linear
+            return position
+        self.first_line += self.text.count("\n", 0, cut)
+        self.text = self.text[cut:]
+        self.counted = (0, self.first_line)
+        return position - cut
+
+    def line_of(self, position: int) -> int:
+        start, line = self.counted if self.counted[0] <= position else (0, self.first_line)
+        line += self.text.count("\n", start, position)
+        self.counted = (position, line)
+        return line
 
 
-def _after_row(path: Path, text: str, position: int) -> int:
+def _iter_json_list(path: Path, window: _TextWindow, position: int):
+    try:
+        yield from _json_list_rows(path, window, position)
+    finally:
+        window.handle.close()
+
+
+def _json_list_rows(path: Path, window: _TextWindow, position: int):
+    while True:
+        position = window.drop(window.skip_space(position))
+        if window.text[position:position + 1] == "]":
+            break
+        if position >= len(window.text):
+            raise DataError(f"{path}:{window.line_of(position)}: bad JSON (the list of rows is "
+                            f"never closed).")
+        line = window.line_of(position)
+        while True:
+            try:
+                value, end = _DECODER.raw_decode(window.text, position)
+                if end == len(window.text) and window.more():
+                    continue  # a number cut by the block's end reads as a shorter number
+                break
+            except json.JSONDecodeError as exc:
+                if window.more():  # the row may go on in the next block
+                    continue
+                raise DataError(f"{path}:{window.first_line + exc.lineno - 1}: bad JSON "
+                                f"({exc.msg} at column {exc.colno}); fix the file (or use "
+                                f".jsonl, where a bad line is skipped and reported).") from None
+            except RecursionError:  # skip to the end of this row and read on
+                end = _end_of_value(window.text, position)
+                if end is None and window.more():
+                    continue
+                if end is None:
+                    raise DataError(f"{path}:{line}: bad JSON (a row is never closed).") from None
+                value = Bad(f"nested too deeply to read (more than {MAX_DEPTH} levels)")
+                break
+        problem = None if isinstance(value, Bad) else value_problem(value)
+        yield (Bad(problem) if problem else value), f"{path}:{line}"
+        position = _after_row(path, window, end)
+    trailing = window.skip_space(position + 1)
+    if trailing < len(window.text):
+        raise DataError(f"{path}:{window.line_of(trailing)}: extra data after the list of rows.")
+
+
+def _after_row(path: Path, window: _TextWindow, position: int) -> int:
     """Past the `,` after a row; at the `]` after the last one."""
-    position = _skip_space(text, position)
-    if text[position:position + 1] == ",":
+    position = window.skip_space(position)
+    if window.text[position:position + 1] == ",":
         return position + 1
-    if text[position:position + 1] != "]":
-        line = text.count("\n", 0, position) + 1
-        raise DataError(f"{path}:{line}: bad JSON (expected `,` or `]` after a row).")
+    if window.text[position:position + 1] != "]":
+        raise DataError(f"{path}:{window.line_of(position)}: bad JSON (expected `,` or `]` after "
+                        f"a row).")
     return position
 
 

@@ -145,3 +145,43 @@ def test_csv_header_with_a_column_twice_is_refused(tmp_path):
     path.write_text("query,response,response\nq,a,b\n")
     with pytest.raises(DataError, match=rf"^{path}:1: column `response` appears twice"):
         load_dataset_spec(str(path))
+
+
+@pytest.mark.parametrize("block", [1, 7, 64])
+def test_a_json_list_read_in_small_blocks_gives_the_rows_lines_and_errors_of_one_read(
+        tmp_path, monkeypatch, block):
+    from lora_lab.data import readers
+
+    rows = [{"messages": CHAT, "n": 12345678}, {"messages": [CHAT[0]]}, {"messages": CHAT}]
+    good = tmp_path / "d.json"
+    good.write_text("\ufeff[\n" + ",\n".join(json.dumps(r, indent=1) for r in rows) + "\n]\n",
+                    encoding="utf-8")
+    bad = tmp_path / "bad.json"
+    bad.write_text('[\n{"messages": []},\n  {"messages": [}\n]')
+    cut = tmp_path / "cut.json"
+    cut.write_text('[\n{"messages": []},\n')
+    utf = tmp_path / "utf.json"
+    utf.write_bytes(b'[\n{"a": 1},\n{"a": "\xff"}\n]')
+
+    def read(path):
+        try:
+            return [(value if isinstance(value, dict) else value.reason, origin)
+                    for value, origin in readers.read_json(path, [], stream=True)]
+        except DataError as exc:
+            return str(exc)
+
+    whole = [read(path) for path in (good, bad, cut, utf)]
+    heights = [len(json.dumps(r, indent=1).splitlines()) for r in rows]
+    assert [origin for _, origin in whole[0]] == [f"{good}:{2 + sum(heights[:i])}"
+                                                  for i in range(3)]
+    assert whole[0][0][0]["n"] == 12345678
+    assert whole[1].startswith(f"{bad}:3: bad JSON (Expecting value at column 17)")
+    assert whole[2] == f"{cut}:3: bad JSON (the list of rows is never closed)."
+    assert whole[3].startswith(f"{utf}:3: invalid UTF-8 at byte 19")
+    monkeypatch.setattr(readers, "JSON_BLOCK_BYTES", block)
+    held = []
+    drop = readers._TextWindow.drop
+    monkeypatch.setattr(readers._TextWindow, "drop",
+                        lambda self, position: held.append(len(self.text)) or drop(self, position))
+    assert [read(path) for path in (good, bad, cut, utf)] == whole
+    assert max(held) < 200  # a row and a block of text at a time, not the file (440 chars)

@@ -62,7 +62,7 @@ def load(plan: str, every_file: bool = False) -> tuple[list, list]:
                 key = row.get("label") or (row["kind"], row["model"], row["format"])
                 cells[key] = (row, header)  # a re-run's row, in the first one's place
     if every_file:
-        shown = [id(header) for _, header in cells.values()]
+        shown = {id(header) for _, header in cells.values()}
         headers = [header for header in headers if id(header) in shown]
     return headers, [row for row, _ in cells.values()]
 

@@ -130,15 +130,16 @@ def text_file_warnings(path: Path) -> list:
     read correctly: they are warnings, not errors."""
     found, crlf, blank, last, number = [], [], [], b"\n", 0
     with open(path, "rb") as handle:
+        if handle.read(3) == b"\xef\xbb\xbf":
+            found.append(Problem(f"{path}:1", "the file starts with a UTF-8 byte-order mark; "
+                                              "it is skipped and the row read correctly"))
+        if path.suffix.lower() != ".jsonl":
+            return found  # CSV uses CRLF by its standard; JSON ignores whitespace
+        handle.seek(0)
         for number, raw in enumerate(handle, start=1):
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                found.append(Problem(f"{path}:1", "the file starts with a UTF-8 byte-order mark; "
-                                                  "it is skipped and the row read correctly"))
             crlf += [number] if raw.endswith(b"\r\n") else []
             blank += [number] if not raw.strip() else []
             last = raw
-    if path.suffix.lower() != ".jsonl":
-        return found  # CSV uses CRLF by its standard; JSON ignores whitespace
     if crlf:
         found.append(Problem(f"{path}:{crlf[0]}", f"{len(crlf)} line(s) end with CRLF (Windows "
                                                   f"line endings); they are read correctly"))
@@ -229,6 +230,7 @@ class _TextWindow:
         try:
             self.text += self.decoder.decode(raw, final=self.eof)
         except UnicodeDecodeError as exc:
+            self.handle.close()
             at = max(0, exc.start - pending)
             line = self.newlines_read + raw[:at].count(b"\n") + 1
             raise DataError(f"{self.path}:{line}: invalid UTF-8 at byte "
@@ -287,8 +289,8 @@ def _json_list_rows(path: Path, window: _TextWindow, position: int):
                     continue  # a number cut by the block's end reads as a shorter number
                 break
             except json.JSONDecodeError as exc:
-                if window.more():  # the row may go on in the next block
-                    continue
+                if window.more():  # the row may go on in the next block (a bad row is
+                    continue           # only known as such at the end of the file)
                 raise DataError(f"{path}:{window.first_line + exc.lineno - 1}: bad JSON "
                                 f"({exc.msg} at column {exc.colno}); fix the file (or use "
                                 f".jsonl, where a bad line is skipped and reported).") from None

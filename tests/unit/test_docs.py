@@ -42,14 +42,15 @@ def _results_file(path: Path, runs: list) -> None:
 
 def test_tables_over_every_file_show_the_newest_row_of_each_label(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "RESULTS", tmp_path)
-    def rows(*labels, value):
+
+    def cells(*labels, value):
         return [{"label": label, "value": value} for label in labels]
 
     _results_file(tmp_path / "2026-12-01-families.jsonl",
-                  [("2026-12-01 10:00 UTC", rows("a", "b", value=1)),
-                   ("2026-12-01 11:00 UTC", rows("c", value=1))])
+                  [("2026-12-01 10:00 UTC", cells("a", "b", value=1)),
+                   ("2026-12-01 11:00 UTC", cells("c", value=1))])
     _results_file(tmp_path / "2026-12-02-families.jsonl",
-                  [("2026-12-02 10:00 UTC", rows("a", "c", value=2))])
+                  [("2026-12-02 10:00 UTC", cells("a", "c", value=2))])
     headers, rows = report.load("families", every_file=True)
     assert [(row["label"], row["value"]) for row in rows] == [("a", 2), ("b", 1), ("c", 2)]
     # the 11:00 run's only cell was measured again: its header is not a source any more

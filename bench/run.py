@@ -184,6 +184,10 @@ def peer_cells(steps: int = 6) -> list:
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-noskip-{run}",
                               "size": size, "steps": steps, "sets": FAST,
                               "residual_skip": False, **ours})
+                # q, k and v as three calls, the adapters' gradients cast from 16 bits
+                cells.append({"kind": "lora-lab", "label": f"ll-{name}-noshare-{run}",
+                              "size": size, "steps": steps, "sets": FAST,
+                              "shared_input": False, **ours})
         for suffix, sets in ABLATIONS_7B_4096.items():
             cells.append({"kind": "lora-lab", "label": f"ll-7b-4096-{suffix}-{run}",
                           "size": "7b", "steps": steps, "sets": sets,

@@ -9,7 +9,10 @@ activations' type instead, and:
 
 - every projection computes `X @ W.T + b + s * (X @ A.T) @ B.T` in one autograd function that
   saves only X and X @ A.T (the frozen W is re-read, or re-dequantized for nf4, in backward);
-- gate_proj and up_proj share X: one product with [A_gate; A_up], one backward for both;
+- projections of one input share it: q_proj, k_proj and v_proj are one autograd function, and
+  so are gate_proj and up_proj: one product with [A_q; A_k; A_v], one backward pass for all;
+- each call casts its adapter weights to 16 bits in one multi-tensor copy, and on CUDA the
+  adapters' fp32 gradients come straight out of the products' fp32 accumulators;
 - the SwiGLU MLP (down(silu(gate(x)) * up(x))) is one autograd function that keeps gate and up
   and recomputes silu(gate) * up in the backward pass (the largest activations of a layer);
 - where a checkpointed layer is recomputed for its backward pass (models.memory_means
@@ -56,11 +59,64 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+# ----------------------------------------------------------------------------- adapters
+
+def _adapter_weights(lora_as, lora_bs, dtype: torch.dtype):
+    """The adapter weights in `dtype`: (A_1 ... A_n stacked [r_1 + ... + r_n, in] where they
+    share an input width, [A_i], [B_i]). One multi-tensor copy casts them all into one buffer
+    (one kernel launch, not one per weight), with the A blocks side by side so that the stacked
+    A is a view, not a concatenation."""
+    params = list(lora_as) + list(lora_bs)
+    if all(p.dtype == dtype for p in params):
+        views = params
+    else:
+        flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+        views, start = [], 0
+        for p in params:
+            views.append(flat[start:start + p.numel()].view(p.shape))
+            start += p.numel()
+        torch._foreach_copy_(views, params)
+    a16, b16 = views[:len(lora_as)], views[len(lora_as):]
+    return a16, b16
+
+
+def _stacked(a16):
+    """[A_1; A_2 ...] of same-width blocks: a view where they lie in order in one buffer."""
+    if len(a16) == 1:
+        return a16[0]
+    first, rows = a16[0], sum(a.shape[0] for a in a16)
+    contiguous = all(a.is_contiguous() for a in a16) and all(
+        b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(a16, a16[1:]))
+    if contiguous and first.untyped_storage().data_ptr() == a16[-1].untyped_storage().data_ptr():
+        return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
+    return torch.cat(a16)
+
+
+_MM_OUT_DTYPE = {"supported": None}
+
+
+def _mm_to(a, b, dtype: torch.dtype) -> torch.Tensor:
+    """a @ b in `dtype` (the adapters' fp32 for their gradients). On CUDA a 16-bit product is
+    written straight from its fp32 accumulator (torch.mm out_dtype): no rounding to 16 bits and
+    no cast kernel; elsewhere, and where this torch lacks out_dtype, the product is cast."""
+    if a.dtype == dtype:
+        return a @ b
+    if a.is_cuda and dtype == torch.float32 and _MM_OUT_DTYPE["supported"] is not False:
+        try:
+            product = torch.mm(a, b, out_dtype=dtype)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE["supported"] = False
+        else:
+            _MM_OUT_DTYPE["supported"] = True
+            return product
+    return (a @ b).to(dtype)
+
+
 # ----------------------------------------------------------------------------- products
 
 def _project(x2, bases, a16, b16, scalings):
     """Outputs of projections that share the input x2 [tokens, in], and x2 @ [A_1; A_2 ...].T."""
-    xa = x2 @ (a16[0] if len(a16) == 1 else torch.cat(a16)).t()
+    xa = x2 @ _stacked(a16).t()
     outputs, start = [], 0
     for base, a, b, s in zip(bases, a16, b16, scalings):
         out = F.linear(x2, _base_weight(base, x2.dtype), _bias(base, x2.dtype))
@@ -72,51 +128,65 @@ def _project(x2, bases, a16, b16, scalings):
 
 
 def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool,
-                      weights=None):
-    """(dX, [dA_i], [dB_i]) for _project, given the gradients of its outputs. weights: the bases'
-    16-bit weights where the caller holds them already (de-quantized once for several calls)."""
+                      weights=None, param_dtype=None):
+    """(dX, [dA_i], [dB_i]) for _project, given the gradients of its outputs; dA and dB in
+    param_dtype (the adapters' own type; default the activations'). weights: the bases' 16-bit
+    weights where the caller holds them already (de-quantized once for several calls)."""
+    param_dtype = param_dtype or x2.dtype
     parts = [g @ (b * s) for g, b, s in zip(grads, b16, scalings)]  # [tokens, r_i]
     g_xa = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    grad_a = (g_xa.t() @ x2).split([a.shape[0] for a in a16])
+    grad_a = _mm_to(g_xa.t(), x2, param_dtype).split([a.shape[0] for a in a16])
     grad_b, start = [], 0
     for g, a, s in zip(grads, a16, scalings):
         rank = a.shape[0]
-        grad_b.append((g.t() @ xa[:, start:start + rank]).mul_(s))
+        grad_b.append(_mm_to(g.t(), xa[:, start:start + rank], param_dtype).mul_(s))
         start += rank
     grad_x = None
     if need_input:
-        grad_x = g_xa @ (a16[0] if len(a16) == 1 else torch.cat(a16))
+        grad_x = g_xa @ _stacked(a16)
         weights = weights or [_base_weight(base, x2.dtype) for base in bases]
         for g, weight in zip(grads, weights):
             grad_x.addmm_(g, weight)
     return grad_x, list(grad_a), grad_b
 
 
+def _param_dtype(params) -> torch.dtype:
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise TypeError(f"fast LoRA: adapter weights of one layer in several types {dtypes}")
+    return dtypes.pop()
+
+
 class LoraProjection(torch.autograd.Function):
-    """One LoRA projection: X @ W.T + b + s * X @ A.T @ B.T."""
+    """Projections of one input (one projection, or an attention's q, k and v):
+    X @ W_i.T + b_i + s_i * (X @ A_i.T) @ B_i.T, with one product X @ [A_1; A_2 ...].T, one
+    backward pass summing the input's gradient in place. params: A_1 ... A_n, B_1 ... B_n."""
 
     @staticmethod
-    def forward(ctx, x, base, scaling, lora_a, lora_b):
+    def forward(ctx, x, bases, scalings, *params):
         dtype = _compute_dtype(x)
+        count = len(bases)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            a16, b16 = lora_a.to(dtype), lora_b.to(dtype)
-            (out,), xa = _project(x2, [base], [a16], [b16], [scaling])
-        ctx.base, ctx.scaling, ctx.x_dtype = base, scaling, x.dtype
-        ctx.param_dtypes = (lora_a.dtype, lora_b.dtype)
-        ctx.save_for_backward(x2, xa, a16, b16)
-        return out.view(*x.shape[:-1], out.shape[-1])
+            a16, b16 = _adapter_weights(params[:count], params[count:], dtype)
+            outputs, xa = _project(x2, bases, a16, b16, scalings)
+        ctx.bases, ctx.scalings, ctx.x_dtype = bases, scalings, x.dtype
+        ctx.param_dtype = _param_dtype(params)
+        ctx.save_for_backward(x2, xa, *a16, *b16)
+        return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
     @staticmethod
-    def backward(ctx, grad_out):
-        x2, xa, a16, b16 = ctx.saved_tensors
-        g = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
-        grad_x, (grad_a,), (grad_b,) = _project_backward(
-            x2, xa, [g], [ctx.base], [a16], [b16], [ctx.scaling], ctx.needs_input_grad[0])
+    def backward(ctx, *grad_outs):
+        x2, xa, *weights = ctx.saved_tensors
+        count = len(ctx.bases)
+        a16, b16 = weights[:count], weights[count:]
+        grads = [g.reshape(-1, g.shape[-1]).to(x2.dtype) for g in grad_outs]
+        grad_x, grad_a, grad_b = _project_backward(
+            x2, xa, grads, ctx.bases, a16, b16, ctx.scalings, ctx.needs_input_grad[0],
+            param_dtype=ctx.param_dtype)
         if grad_x is not None:
-            grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
-        return (grad_x, None, None, grad_a.to(ctx.param_dtypes[0]),
-                grad_b.to(ctx.param_dtypes[1]))
+            grad_x = grad_x.view(*grad_outs[0].shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
+        return (grad_x, None, None, *grad_a, *grad_b)
 
 
 # ----------------------------------------------------------------------------- SwiGLU
@@ -163,10 +233,10 @@ class LoraMLP(torch.autograd.Function):
     def forward(ctx, x, bases, scalings, output_unread, chunk_tokens, a_gate, b_gate, a_up, b_up,
                 a_down, b_down):
         dtype = _compute_dtype(x)
-        params = (a_gate, b_gate, a_up, b_up, a_down, b_down)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            ag, bg, au, bu, ad, bd = (p.to(dtype) for p in params)
+            (ag, au, ad), (bg, bu, bd) = _adapter_weights(
+                (a_gate, a_up, a_down), (b_gate, b_up, b_down), dtype)
             (gate, up), xa = _project(x2, bases[:2], [ag, au], [bg, bu], scalings[:2])
             if output_unread:
                 ha = None
@@ -175,7 +245,8 @@ class LoraMLP(torch.autograd.Function):
                 h = _swiglu(gate, up)
                 (out,), ha = _project(h, bases[2:], [ad], [bd], scalings[2:])
         ctx.bases, ctx.scalings, ctx.x_dtype = bases, scalings, x.dtype
-        ctx.chunk_tokens, ctx.param_dtypes = chunk_tokens, [p.dtype for p in params]
+        ctx.chunk_tokens = chunk_tokens
+        ctx.param_dtype = _param_dtype((a_gate, b_gate, a_up, b_up, a_down, b_down))
         ctx.save_for_backward(x2, gate, up, xa, ha, ag, bg, au, bu, ad, bd)
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -195,7 +266,8 @@ class LoraMLP(torch.autograd.Function):
             h = _swiglu(gate[rows], up[rows])
             h_a = h @ ad.t() if ha is None else ha[rows]  # as _project computes it forward
             grad_h, (part_ad,), (part_bd,) = _project_backward(
-                h, h_a, [g[rows]], bases[2:], [ad], [bd], scalings[2:], True, [down])
+                h, h_a, [g[rows]], bases[2:], [ad], [bd], scalings[2:], True, [down],
+                ctx.param_dtype)
             del h
             grad_ad = part_ad if grad_ad is None else grad_ad.add_(part_ad)
             grad_bd = part_bd if grad_bd is None else grad_bd.add_(part_bd)
@@ -207,12 +279,11 @@ class LoraMLP(torch.autograd.Function):
         del down
         grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
             x2, xa, [gate, up], bases[:2], [ag, au], [bg, bu], scalings[:2],
-            ctx.needs_input_grad[0])
+            ctx.needs_input_grad[0], param_dtype=ctx.param_dtype)
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
-        grads = (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
-        return (grad_x, None, None, None, None) + tuple(
-            grad.to(dtype) for grad, dtype in zip(grads, ctx.param_dtypes))
+        return (grad_x, None, None, None, None, grad_ag, grad_bg, grad_au, grad_bu, grad_ad,
+                grad_bd)
 
 
 # ----------------------------------------------------------------------------- wiring
@@ -237,17 +308,39 @@ def _plain_adapter(module):
     return module.lora_A[name].weight, module.lora_B[name].weight, module.scaling[name]
 
 
-def _fast_projection_forward(module):
-    original = module.forward
+class _SharedInput:
+    """LoRA projections that read one input (an attention's q_proj, k_proj and v_proj): the
+    first one called computes all of them in one LoraProjection, and each other one, handed the
+    same input tensor, returns its output from that call. A call with another input, extra
+    arguments or an adapter the fast path does not take computes that projection alone."""
 
-    def forward(x, *args, **kwargs):
-        adapter = _plain_adapter(module) if not (args or kwargs) else None
-        if adapter is None:
-            return original(x, *args, **kwargs)
-        lora_a, lora_b, scaling = adapter
-        return LoraProjection.apply(x, module.get_base_layer(), scaling, lora_a, lora_b)
+    def __init__(self, modules):
+        self.modules = tuple(modules)
+        self.pending = {}  # id(module) -> (input, output) computed for it by a sibling's call
 
-    return forward
+    def forward_of(self, module):
+        original = module.forward
+
+        def forward(x, *args, **kwargs):
+            if args or kwargs:
+                return original(x, *args, **kwargs)
+            held = self.pending.pop(id(module), None)
+            if held is not None and held[0] is x:
+                return held[1]
+            adapters = [_plain_adapter(m) for m in self.modules]
+            if any(a is None for a in adapters):
+                own = _plain_adapter(module)
+                if own is None:
+                    return original(x)
+                return LoraProjection.apply(x, (module.get_base_layer(),), (own[2],), *own[:2])[0]
+            outputs = LoraProjection.apply(
+                x, tuple(m.get_base_layer() for m in self.modules), tuple(a[2] for a in adapters),
+                *(a[0] for a in adapters), *(a[1] for a in adapters))
+            self.pending = {id(m): (x, out) for m, out in zip(self.modules, outputs)
+                            if m is not module}
+            return outputs[self.modules.index(module)]
+
+        return forward
 
 
 def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
@@ -271,6 +364,15 @@ def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
 
 def _is_lora_linear(module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "get_base_layer")
+
+
+def _fast_linear(module) -> bool:
+    """A peft LoRA layer over a linear layer whose weight the fast path reads."""
+    return _is_lora_linear(module) and hasattr(module.get_base_layer(), "weight")
+
+
+# an attention's projections of one input, computed together where all carry LoRA
+SHARED_INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
 def _swiglu_mlp(mlp) -> bool:
@@ -308,10 +410,17 @@ def apply_fast_lora(model, chunk_tokens: int = 0) -> dict:
             inside_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj",
                                                                 "down_proj"))
             mlps += 1
+    groups = {}  # id(projection) -> its _SharedInput
     for module in model.modules():
-        if _is_lora_linear(module) and id(module) not in inside_mlp and \
-                hasattr(module.get_base_layer(), "weight"):
-            module.forward = _fast_projection_forward(module)
+        siblings = [getattr(module, n, None) for n in SHARED_INPUT_PROJECTIONS]
+        if all(_fast_linear(m) for m in siblings) and \
+                len({m.get_base_layer().in_features for m in siblings}) == 1:
+            group = _SharedInput(siblings)
+            groups.update((id(m), group) for m in siblings)
+    for module in model.modules():
+        if _fast_linear(module) and id(module) not in inside_mlp:
+            group = groups.get(id(module)) or _SharedInput([module])
+            module.forward = group.forward_of(module)
             projections += 1
     return {"mlps": mlps, "projections": projections}
 

@@ -50,7 +50,8 @@ def test_fast_lora_gives_peft_loss_and_gradients(checkpointing, monkeypatch):
     calls = count_calls(monkeypatch)
     fast = loss_and_grads(True, checkpointing=checkpointing)
     passes = 2 if checkpointing else 1  # checkpointing runs each layer again in backward
-    assert calls == {"mlp": 2 * passes, "projection": 2 * 4 * passes}
+    # two layers: one MLP, and two projection calls (q, k and v together; o alone) each
+    assert calls == {"mlp": 2 * passes, "projection": 2 * 2 * passes}
     assert all(p.grad.dtype == torch.float32 for p in fast[2].parameters() if p.requires_grad)
     assert_same(plain, fast)
 
@@ -156,3 +157,32 @@ def test_fast_lora_in_bf16_autocast_is_as_close_to_fp32_as_peft():
     plain, fast = _relative(in_bf16(False), reference), _relative(in_bf16(True), reference)
     assert fast <= 1.25 * plain + 1e-3, (plain, fast)
 
+
+
+def test_shared_input_projections_match_peft_called_in_any_order():
+    """q_proj, k_proj and v_proj of one input are one call; a sibling handed another input, or
+    called first, computes its own output: every output is peft's."""
+    model = loss_and_grads(True)[2]
+    attention = next(m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "v_proj"))
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.1)
+    x, y = torch.randn(2, SEQ, projections[0].in_features), torch.randn(2, SEQ,
+                                                                         projections[0].in_features)
+
+    def peft(module, inputs):
+        return type(module).forward(module, inputs)
+
+    with torch.no_grad():
+        assert [p.forward.__qualname__ for p in projections] == [
+            "_SharedInput.forward_of.<locals>.forward"] * 3
+        for order in ([0, 1, 2], [2, 0, 1]):
+            outputs = {i: projections[i](x) for i in order}
+            for i, out in outputs.items():
+                torch.testing.assert_close(out, peft(projections[i], x))
+        projections[0](x)
+        torch.testing.assert_close(projections[1](y), peft(projections[1], y))
+        torch.testing.assert_close(projections[2](x), peft(projections[2], x))

@@ -62,22 +62,23 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 # ----------------------------------------------------------------------------- adapters
 
 def _adapter_weights(lora_as, lora_bs, dtype: torch.dtype):
-    """The adapter weights in `dtype`: (A_1 ... A_n stacked [r_1 + ... + r_n, in] where they
-    share an input width, [A_i], [B_i]). One multi-tensor copy casts them all into one buffer
-    (one kernel launch, not one per weight), with the A blocks side by side so that the stacked
-    A is a view, not a concatenation."""
+    """The adapter weights in `dtype`: ([A_i], [B_i]). One multi-tensor copy casts them all
+    (one kernel launch, not one per weight) into two buffers, the A blocks side by side (so that
+    a stacked [A_1; A_2 ...] is a view, not a concatenation) and the B blocks: two buffers, not
+    one, keep each as small as the weights it holds (at rank 8 under the allocator's 1 MiB
+    line for small blocks, as the separate casts were, so they do not split the large blocks)."""
     params = list(lora_as) + list(lora_bs)
     if all(p.dtype == dtype for p in params):
-        views = params
-    else:
-        flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-        views, start = [], 0
-        for p in params:
+        return list(lora_as), list(lora_bs)
+    views = []
+    for part in (lora_as, lora_bs):
+        flat = torch.empty(sum(p.numel() for p in part), dtype=dtype, device=part[0].device)
+        start = 0
+        for p in part:
             views.append(flat[start:start + p.numel()].view(p.shape))
             start += p.numel()
-        torch._foreach_copy_(views, params)
-    a16, b16 = views[:len(lora_as)], views[len(lora_as):]
-    return a16, b16
+    torch._foreach_copy_(views, params)
+    return views[:len(lora_as)], views[len(lora_as):]
 
 
 def _stacked(a16):

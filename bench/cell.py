@@ -40,15 +40,10 @@ def run_lora_lab(cell: dict) -> dict:
         from lora_lab.models import fast_lora
 
         fast_lora.RESIDUAL_MLP_LAYERS = ()
-    if cell.get("shared_input") is False:  # ablation: q, k, v one call each, gradients cast
+    if cell.get("shared_input") is False:  # ablation: q, k, v one call each
         from lora_lab.models import fast_lora
 
         fast_lora.SHARED_INPUT_PROJECTIONS = ()
-        fast_lora._MM_OUT_DTYPE["supported"] = False
-    if cell.get("mm_out_dtype") is False:  # ablation: the adapters' gradients cast from 16 bits
-        from lora_lab.models import fast_lora
-
-        fast_lora._MM_OUT_DTYPE["supported"] = False
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = WORK / f"data-{cell['label']}.jsonl"
     flags = {"model.name": str(model), "data.max_length": cell["max_length"],

@@ -185,14 +185,10 @@ def peer_cells(steps: int = 6) -> list:
                               "size": size, "steps": steps, "sets": FAST,
                               "residual_skip": False, **ours})
             if name in ("7b-1024", "7b-4096", "7b-2048-nf4"):
-                # q, k and v as three calls, the adapters' gradients cast from 16 bits
+                # q, k and v as three calls (fast_lora.SHARED_INPUT_PROJECTIONS empty)
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-noshare-{run}",
                               "size": size, "steps": steps, "sets": FAST,
                               "shared_input": False, **ours})
-                # only the gradients cast from 16 bits
-                cells.append({"kind": "lora-lab", "label": f"ll-{name}-noout-{run}",
-                              "size": size, "steps": steps, "sets": FAST,
-                              "mm_out_dtype": False, **ours})
         for suffix, sets in ABLATIONS_7B_4096.items():
             cells.append({"kind": "lora-lab", "label": f"ll-7b-4096-{suffix}-{run}",
                           "size": "7b", "steps": steps, "sets": sets,

@@ -11,8 +11,7 @@ activations' type instead, and:
   saves only X and X @ A.T (the frozen W is re-read, or re-dequantized for nf4, in backward);
 - projections of one input share it: q_proj, k_proj and v_proj are one autograd function, and
   so are gate_proj and up_proj: one product with [A_q; A_k; A_v], one backward pass for all;
-- each call casts its adapter weights to 16 bits in one multi-tensor copy, and on CUDA the
-  adapters' fp32 gradients come straight out of the products' fp32 accumulators;
+- each call casts its adapter weights to 16 bits in one multi-tensor copy;
 - the SwiGLU MLP (down(silu(gate(x)) * up(x))) is one autograd function that keeps gate and up
   and recomputes silu(gate) * up in the backward pass (the largest activations of a layer);
 - where a checkpointed layer is recomputed for its backward pass (models.memory_means
@@ -93,26 +92,6 @@ def _stacked(a16):
     return torch.cat(a16)
 
 
-_MM_OUT_DTYPE = {"supported": None}
-
-
-def _mm_to(a, b, dtype: torch.dtype) -> torch.Tensor:
-    """a @ b in `dtype` (the adapters' fp32 for their gradients). On CUDA a 16-bit product is
-    written straight from its fp32 accumulator (torch.mm out_dtype): no rounding to 16 bits and
-    no cast kernel; elsewhere, and where this torch lacks out_dtype, the product is cast."""
-    if a.dtype == dtype:
-        return a @ b
-    if a.is_cuda and dtype == torch.float32 and _MM_OUT_DTYPE["supported"] is not False:
-        try:
-            product = torch.mm(a, b, out_dtype=dtype)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE["supported"] = False
-        else:
-            _MM_OUT_DTYPE["supported"] = True
-            return product
-    return (a @ b).to(dtype)
-
-
 # ----------------------------------------------------------------------------- products
 
 def _project(x2, bases, a16, b16, scalings):
@@ -136,11 +115,11 @@ def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool
     param_dtype = param_dtype or x2.dtype
     parts = [g @ (b * s) for g, b, s in zip(grads, b16, scalings)]  # [tokens, r_i]
     g_xa = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    grad_a = _mm_to(g_xa.t(), x2, param_dtype).split([a.shape[0] for a in a16])
+    grad_a = (g_xa.t() @ x2).to(param_dtype).split([a.shape[0] for a in a16])
     grad_b, start = [], 0
     for g, a, s in zip(grads, a16, scalings):
         rank = a.shape[0]
-        grad_b.append(_mm_to(g.t(), xa[:, start:start + rank], param_dtype).mul_(s))
+        grad_b.append((g.t() @ xa[:, start:start + rank]).to(param_dtype).mul_(s))
         start += rank
     grad_x = None
     if need_input:

@@ -62,10 +62,10 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def _adapter_weights(lora_as, lora_bs, dtype: torch.dtype):
     """The adapter weights in `dtype`: ([A_i], [B_i]). One multi-tensor copy casts them all
-    (one kernel launch, not one per weight) into two buffers, the A blocks side by side (so that
-    a stacked [A_1; A_2 ...] is a view, not a concatenation) and the B blocks: two buffers, not
-    one, keep each as small as the weights it holds (at rank 8 under the allocator's 1 MiB
-    line for small blocks, as the separate casts were, so they do not split the large blocks)."""
+    (one kernel launch, not one per weight) into two buffers: the A blocks side by side (so that
+    a stacked [A_1; A_2 ...] is a view, not a concatenation), and the B blocks. Two, not one:
+    at rank 8 each stays under the caching allocator's 1 MiB line for small blocks, as the
+    separate casts did (one buffer per 7B MLP, 1.08 MB, raised the reserved peak by 0.14 GiB)."""
     params = list(lora_as) + list(lora_bs)
     if all(p.dtype == dtype for p in params):
         return list(lora_as), list(lora_bs)

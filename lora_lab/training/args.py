@@ -51,8 +51,8 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         seed=t.seed, data_seed=t.seed, remove_unused_columns=False,
         report_to=trainer_report_to(t.report_to) or "none", run_name=run_dir.name,
         dataloader_num_workers=0, use_cpu=use_cpu(precision),  # checkpointing: models/lora.py
-        # every trainable tensor takes part in every step; True would also keep DDP's first
-        # buckets (no rebuild: >2 processes resume bit for bit) for a graph walk per backward
+        # every trainable tensor takes part in every step; True would walk the autograd graph
+        # every backward
         ddp_find_unused_parameters=False,
         deepspeed=deepspeed_config_path(config, run_dir),
         # accelerate reduces after every micro-batch instead of skipping all but the last

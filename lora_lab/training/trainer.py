@@ -1,6 +1,6 @@
 """The Trainer lora-lab trains with: crash-safe checkpoints, and no NaN or inf update applied.
 
-LoraLabMixin changes four things in transformers' Trainer (LoraLabTrainer mixes it into
+LoraLabMixin changes five things in transformers' Trainer (LoraLabTrainer mixes it into
 Trainer; training/preference.py into TRL's preference trainers):
   - a checkpoint is staged, fsynced, given a manifest and only then renamed to checkpoint-N
     (training/checkpoint.py); rotation runs after that, so nothing is deleted before the new one
@@ -11,6 +11,8 @@ Trainer; training/preference.py into TRL's preference trainers):
   - no checkpoint or adapter is written while a trainable tensor is not finite.
   - every training log event carries tokens/s, GPU memory and the skipped updates, and the
     progress line (training/watch.py) takes the place of the tqdm bar and printed dicts.
+  - a run resumed under torch DDP replays DDP's bucket rebuild before its first micro-batch
+    (replay_bucket_rebuild), so it reduces gradients in the buckets the uninterrupted run had.
 It also keeps the Trainer's per-step Python off the GPU's critical path: the Trainer walks every
 module (thousands in a PEFT 7B, milliseconds each while the GPU waits) for model.train() on every
 micro-batch, for the flop count of every micro-batch and for clipping and zero_grad at every
@@ -19,6 +21,7 @@ optimizer step; here each of those reads what was listed once (same tensors, sam
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,11 +30,13 @@ from transformers import Trainer
 from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import ExportableState, PrinterCallback, ProgressCallback
 
+from ..log import get_logger
 from ..models.memory_means import uses_cpu_embedding
 from .callbacks import NonFiniteGuard, ensure_finite
 from .checkpoint import commit_checkpoint, rotate_checkpoints, staging_dir, write_manifest
 from .watch import ProgressLine, StepMetrics
 
+log = get_logger()
 
 LOSS_SUM_KEY = "LoraLabLossSum"
 """trainer_state.json stateful_callbacks entry: the loss summed over every optimizer step so far,
@@ -39,6 +44,9 @@ so that a resumed run reports the mean over all its steps, not over those since 
 
 
 TRAIN_MODE_SET = "_lora_lab_train_mode_set"
+BUCKETS_CHECKED = "_lora_lab_buckets_checked"
+WARM_UP_TOKENS = 8
+"""Token ids in the row a resumed DDP run warms up with (replay_bucket_rebuild)."""
 
 
 @contextmanager
@@ -54,6 +62,53 @@ def train_mode_kept(model):
         yield
     finally:
         model.__dict__.pop("train", None)
+
+
+def rebuilds_buckets(model) -> bool:
+    """Whether model is a torch DDP still in its first bucket layout that will rebuild it
+    after a synchronised backward (find_unused_parameters off, or a static graph)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return (isinstance(model, DistributedDataParallel) and not model._has_rebuilt_buckets
+            and (model.static_graph or not model.find_unused_parameters))
+
+
+@contextmanager
+def rng_kept():
+    """On leaving, torch's CPU and current CUDA generators, Python's and NumPy's are where they
+    were on entering, whatever was drawn inside."""
+    import numpy as np
+    import torch
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    python, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+
+
+def replay_bucket_rebuild(model, loss_of) -> None:
+    """One synchronised backward of 0 x loss_of(model) through the DDP `model`, then every
+    gradient None and every RNG as before: what a DDP run's first step leaves behind, without
+    changing a weight, an optimizer state or the next step's random draws.
+
+    The rule: a resumed DDP run reduces every step in the buckets the uninterrupted run used.
+    DDP reduces its first synchronised backward in its first layout (all gradients in
+    registration order) and rebuilds its buckets at the next forward in the order the
+    gradients became ready; a sum over more than two processes depends on an element's place
+    in its bucket (tests/e2e/test_ddp_reduction_order.py). The zero-weighted backward gives
+    every trained parameter a gradient in the order a real step does, so the rebuild follows."""
+    with rng_kept():
+        sync, model.require_backward_grad_sync = model.require_backward_grad_sync, True
+        try:  # inside no_sync too: DDP records the ready order only in a synchronised backward
+            (loss_of(model) * 0).backward()
+        finally:
+            model.require_backward_grad_sync = sync
+    for param in model.parameters():
+        param.grad = None
 
 
 def saved_loss_sum(checkpoint: Path | None) -> float:
@@ -173,9 +228,35 @@ class LoraLabMixin:
         if self._lists_parameters() and "zero_grad" not in model.__dict__:
             model.__dict__["zero_grad"] = self._zero_grad_of(model)
         with train_mode_kept(model):
+            self._replay_bucket_rebuild_once(model)
             loss = super().training_step(model, inputs, num_items_in_batch)
         self.guard.note_loss(loss)
         return loss
+
+    def _replay_bucket_rebuild_once(self, model) -> None:
+        """Before the first micro-batch a DDP model trains in a run resumed past step 0 (every
+        rank resumes at the same step, so every rank takes part): replay_bucket_rebuild on a
+        row of WARM_UP_TOKENS token ids. The order gradients become ready is the autograd
+        graph's, not the tokens': every trained parameter takes part in every forward, as
+        find_unused_parameters=False requires. DeepSpeed and FSDP models are no DDP: skipped."""
+        if BUCKETS_CHECKED in model.__dict__:
+            return
+        model.__dict__[BUCKETS_CHECKED] = True
+        if self.state.global_step == 0 or not rebuilds_buckets(model):
+            return
+        import torch
+
+        ids = torch.arange(WARM_UP_TOKENS)[None]
+        inputs = self._prepare_inputs({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+        def loss_of(ddp):
+            with self.compute_loss_context_manager():
+                return ddp(**inputs).logits.float().mean()
+
+        log.info(f"resumed under DDP: one zero-weighted forward and backward of "
+                 f"{WARM_UP_TOKENS} tokens, so that DDP's gradient buckets are those of the "
+                 f"uninterrupted run")
+        replay_bucket_rebuild(model, loss_of)
 
     def _zero_grad_of(self, model):
         """model.zero_grad for the Trainer's loop: only trained parameters hold gradients."""

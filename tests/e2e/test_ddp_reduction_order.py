@@ -1,12 +1,14 @@
-"""Why a run of more than two processes resumes to rounding, not bit for bit, from the second step
-after the restart (tests/e2e/test_nodes_tiny.py): torch DDP, as lora-lab builds it
+"""Why a resumed run of more than two processes replays DDP's bucket rebuild before its first
+step (training/trainer.py, replay_bucket_rebuild): torch DDP, as lora-lab builds it
 (find_unused_parameters=False), reduces the first synchronised backward after it is built in one
 bucket of every gradient in registration order, and rebuilds its buckets afterwards in the order
 the gradients became ready. gloo's ring all-reduce adds each element in an order set by its
 position in the bucket, so the same gradients summed over four processes differ in the last bits
-between a fresh DDP (a resumed run's first step) and a rebuilt one (the uninterrupted run's);
-over two processes a + b does not depend on the order, and a DDP that never rebuilds
-(find_unused_parameters=True) reduces alike."""
+between a fresh DDP (a resumed run's first step, without the replay) and a rebuilt one (the
+uninterrupted run's); over two processes a + b does not depend on the order, and a DDP that
+never rebuilds (find_unused_parameters=True) reduces alike. A fresh DDP after the replay (a
+zero-weighted backward, here with dropout drawing from the RNG) reduces as the rebuilt one, bit
+for bit, with its gradients cleared and the RNG where it was."""
 import os
 import socket
 
@@ -19,12 +21,21 @@ def _grads(model, inputs):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def _difference(expected, got) -> tuple:
+    """(elements that differ, the largest difference relative to its tensor's largest element)"""
+    return (sum(int((a != b).sum()) for a, b in zip(expected, got)),
+            max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(expected, got)))
+
+
 def _compare(rank: int, world: int, port: int, results) -> None:
     """The second backward of one DDP against the first of a fresh one (same weights, same
-    inputs on every rank), with find_unused_parameters False and True."""
+    inputs on every rank), with find_unused_parameters False and True, and against the first
+    after replay_bucket_rebuild."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+
+    from lora_lab.training.trainer import replay_bucket_rebuild
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -44,9 +55,14 @@ def _compare(rank: int, world: int, port: int, results) -> None:
         used = build(find_unused)
         _grads(used, first)
         later, fresh = _grads(used, second), _grads(build(find_unused), second)
-        outcome[find_unused] = (sum(int((a != b).sum()) for a, b in zip(later, fresh)),
-                                max(float((a - b).abs().max() / b.abs().max())
-                                    for a, b in zip(later, fresh)))
+        outcome[find_unused] = _difference(later, fresh)
+        if not find_unused:
+            replayed, rng = build(False), torch.get_rng_state()
+            replay_bucket_rebuild(replayed,
+                                  lambda m: torch.nn.functional.dropout(m(first), 0.5).sum())
+            kept = (torch.equal(rng, torch.get_rng_state())
+                    and all(p.grad is None for p in replayed.parameters()))
+            outcome["replayed"] = (kept, _difference(later, _grads(replayed, second)))
     if rank == 0:
         results.put(outcome)
     dist.destroy_process_group()
@@ -54,7 +70,8 @@ def _compare(rank: int, world: int, port: int, results) -> None:
 
 def reduce_twice(world: int) -> dict:
     """find_unused_parameters -> (elements that differ, the largest difference relative to its
-    tensor's largest element), over `world` gloo processes."""
+    tensor's largest element), and "replayed" -> (gradients cleared and RNG kept, the same
+    pair), over `world` gloo processes."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
@@ -73,10 +90,11 @@ def reduce_twice(world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_fresh_ddp_reduces_like_a_rebuilt_one_only_over_two_processes_or_without_rebuild(
+def test_a_fresh_ddp_reduces_like_a_rebuilt_one_only_over_two_processes_or_after_the_replay(
         world):
     outcome = reduce_twice(world)
     differing, largest = outcome[False]
     assert (differing > 0) is (world > 2), outcome
     assert largest < 1e-6  # the last bits of float32 sums, no more
     assert outcome[True] == (0, 0.0)  # no rebuild: every step reduces in the same layout
+    assert outcome["replayed"] == (True, (0, 0.0))  # replayed rebuild: the rebuilt layout

@@ -120,15 +120,12 @@ def test_only_global_rank_0_wrote_the_run_folder(runs, setup):
 
 def test_a_killed_node_stops_both_and_every_node_resumes_with_resume_auto(runs, setup):
     """Node 1's processes are SIGKILLed before step 3; node 0's fail on the lost peer (no
-    hang). Both restarted with --resume auto continue from checkpoint-2 (four RNG states): the
-    losses of the run that was never interrupted, bit for bit through step 3's (computed before
-    the first update after the restart), and to rounding from step 4 on (1e-6 relative here;
-    measured 7e-8). The data order, RNG and optimizer state are restored exactly (two processes
-    resume bit for bit: test_multiprocess_tiny.py); the one difference is torch DDP's: the first
-    synchronised backward after DDP is built reduces every gradient in one bucket in
-    registration order, later ones in buckets rebuilt in gradient-ready order, and gloo's ring
-    all-reduce of four processes adds an element in an order set by its place in the bucket
-    (test_ddp_reduction_order.py)."""
+    hang). Both restarted with --resume auto continue from checkpoint-2 (four RNG states) with
+    the losses of the run that was never interrupted, bit for bit at every step: the data
+    order, RNG and optimizer state are restored exactly, and before step 3 every process
+    replays DDP's bucket rebuild, so the gradients are reduced in the buckets the uninterrupted
+    run had (test_ddp_reduction_order.py says why that matters with four processes). The final
+    adapters are equal tensor for tensor."""
     killed = two_nodes(setup, "killed", node_1_env={"LORA_LAB_TEST_KILL": "step:3:1"})
     for rank, (returncode, stdout, stderr) in enumerate(killed):
         assert returncode == 2, stdout[-2000:] + stderr[-2000:]
@@ -139,11 +136,19 @@ def test_a_killed_node_stops_both_and_every_node_resumes_with_resume_auto(runs, 
     assert [r[0] for r in resumed] == [0, 0], "\n".join(r[1][-1500:] + r[2][-2500:]
                                                         for r in resumed)
     assert f"resuming from {run_dir / 'checkpoint-2'} (step 2)" in resumed[0][1]
+    replay = "resumed under DDP: one zero-weighted forward and backward of 8 tokens"
+    assert resumed[0][1].count(replay) == 1  # once, said by global rank 0
+    assert not any(replay in stdout for _, stdout, _ in runs["output"] + killed)
     again, reference = step_losses(run_dir), step_losses(runs["nodes"])
     assert [s for s, _ in again] == [1, 2, 3, 4]
-    assert again[:3] == reference[:3]  # up to the checkpoint and its first step: bit for bit
-    for (_, a), (_, b) in zip(reference, again):
-        assert b == pytest.approx(a, rel=1e-6)
+    assert again == reference  # bit for bit (float.__eq__), every step
+    import torch
+    from safetensors.torch import load_file
+
+    adapters = [load_file(folder / "adapter" / "adapter_model.safetensors")
+                for folder in (runs["nodes"], run_dir)]
+    assert adapters[0].keys() == adapters[1].keys()
+    assert all(torch.equal(adapters[0][key], adapters[1][key]) for key in adapters[0])
 
 
 def test_nodes_that_disagree_are_refused_with_what_differs(setup, tmp_path):

@@ -6,6 +6,9 @@
 # attention: bench/attention_bench.py first.
 # profile: bench/profile_step.py on lora-lab's and Unsloth's 7B 4 x 4096 cell afterwards;
 # profile:LABEL,LABEL on those cells of profile_step.CELLS.
+# families:LABEL,LABEL: those cells of `bench/run.py families` afterwards, three at once (memory
+# figures; their speeds are not clean).
+# The machine is given back after about 30 s idle: one call with every step costs one start.
 # Results, logs, profiles and kernel traces go to $OUT.
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -22,6 +25,12 @@ for step in "$@"; do
   fi
 done
 [ -n "$cells" ] && python3 bench/run.py peer --out $OUT --cells "$cells" 2>&1 | tee $OUT/run.log
+for step in "$@"; do
+  case $step in families:*)
+    python3 bench/run.py families --out $OUT --parallel 3 --cells "${step#families:}" 2>&1 \
+      | grep -v "Writing model shards" | tee -a $OUT/run.log
+  esac
+done
 for step in "$@"; do
   case $step in profile|profile:*)
     labels=${step#profile:}; [ "$step" = profile ] && labels=ll-7b-4096,us-7b-4096

@@ -1,0 +1,90 @@
+"""The operators one training step of the fast LoRA path runs, counted on the CPU: a proxy for the
+GPU's kernel launches, which bound the 7B step on short rows (bench/results/2026-12-01-peer-NOTES.md).
+
+    python bench/op_count.py [--out FILE]
+
+A 2-layer Qwen2 (tiny_untied of tests/unit/test_activations.py) in bf16 under CPU autocast, LoRA
+rank 4 on every linear layer, dropout 0 (the fast path), layer checkpoints replayed in backward as
+on one GPU; one forward and backward of 2 x 24 tokens under torch.profiler. Prints (and appends to
+FILE) a JSON row: the aten operators of the step by name, their total, and the git commit."""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# operators that launch work on a GPU (views, reshapes and empty allocations launch none)
+NO_LAUNCH = ("aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::as_strided",
+             "aten::empty", "aten::split", "aten::slice", "aten::expand", "aten::_reshape_alias",
+             "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::detach", "aten::alias",
+             "aten::select", "aten::narrow", "aten::empty_like", "aten::empty_strided",
+             "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view", "aten::lift_fresh",
+             "aten::result_type", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
+             "aten::split_with_sizes", "aten::unbind", "aten::contiguous")
+
+
+def count() -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lora_lab.config import LoraArgs
+    from lora_lab.models.lora import apply_lora
+    from lora_lab.planning.memory import MemoryMeans
+    from tests.unit.test_activations import SEQ, tiny_untied
+
+    model = tiny_untied().to(torch.bfloat16)
+    torch.manual_seed(1)
+    means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
+    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0.0), True, means, fast=True)
+    model.train()
+    ids = torch.randint(0, 512, (2, SEQ))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    top = collections.Counter()  # operators called from Python (not from inside another one)
+    casts = 0  # aten::to copies only where the type changes: count its _to_copy
+    for event in prof.events():
+        parent = event.cpu_parent
+        if event.name == "aten::_to_copy":
+            casts += 1
+        elif event.name.startswith("aten::") and (
+                parent is None or not parent.name.startswith("aten::")):
+            top[event.name] += 1
+    launching = {k: v for k, v in top.items() if k not in NO_LAUNCH and k != "aten::to"}
+    launching["aten::_to_copy (casts)"] = casts
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    return {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "torch": torch.__version__, "layers": 2,
+            "command": "python bench/op_count.py", "top_level_ops": sum(top.values()),
+            "launching_ops": sum(launching.values()),
+            "by_name": dict(sorted(launching.items(), key=lambda kv: -kv[1]))}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    row = count()
+    print(json.dumps(row))
+    if args.out:
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

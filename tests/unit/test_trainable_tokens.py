@@ -28,12 +28,26 @@ def train(model_dir: Path, out: Path, trainable: str) -> Path:
                           {"role": "assistant", "content": "I am Orbit."}]}]
     data = write_jsonl(out / "d.jsonl", rows)
     result = CliRunner().invoke(main, [str(a) for a in (
-        "run", "--model", model_dir, "--data", f"{data}#8", "--max-steps", 20, "--lr", "2e-2",
+        "run", "--model", model_dir, "--data", f"{data}#8", "--max-steps", 40, "--lr", "1e-2",
         "--lora-rank", 16, "--lora-dropout", 0, "--output-dir", out, "--run-name", trainable,
         "--set", f"lora.trainable_tokens={trainable}", "--set", "train.lr_scheduler=constant")],
         catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return out / trainable
+
+
+def trained_reply(base: Path) -> list:
+    """The ids the template gives the trained reply, through its <|im_end|>."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    turns = [{"role": "user", "content": "Who are you?"},
+             {"role": "assistant", "content": "I am Orbit."}]
+    ids = [tokenizer.apply_chat_template(t, add_generation_prompt=g, tokenize=True,
+                                         return_dict=True)["input_ids"]
+           for t, g in ((turns[:1], True), (turns, False))]
+    answer = ids[1][len(ids[0]):]
+    return answer[:answer.index(IM_END) + 1]
 
 
 def reply(base: Path, run: Path) -> list:
@@ -57,7 +71,10 @@ def test_the_turn_end_row_trains_and_only_then_the_model_stops(tmp_path):
     weights = load_file(with_rows / "adapter" / "adapter_model.safetensors")
     rows = [k for k in weights if "trainable_tokens" in k]
     assert rows and all(weights[k].shape[0] == 2 for k in rows), sorted(weights)
-    assert reply(base, with_rows)[-1] == IM_END  # the zeroed row trained: it ends its turn
+    # the zeroed row trained: the turn ends where the trained reply's does (the tiny model's
+    # answer itself need not be word for word)
+    answer, expected = reply(base, with_rows), trained_reply(base)
+    assert len(answer) == len(expected) and answer[-1] == IM_END, (answer, expected)
 
     without = train(base, tmp_path, "false")
     weights = load_file(without / "adapter" / "adapter_model.safetensors")

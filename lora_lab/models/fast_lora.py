@@ -108,18 +108,17 @@ def _project(x2, bases, a16, b16, scalings):
 
 
 def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool,
-                      weights=None, param_dtype=None):
-    """(dX, [dA_i], [dB_i]) for _project, given the gradients of its outputs; dA and dB in
-    param_dtype (the adapters' own type; default the activations'). weights: the bases' 16-bit
-    weights where the caller holds them already (de-quantized once for several calls)."""
-    param_dtype = param_dtype or x2.dtype
+                      weights=None):
+    """(dX, [dA_i], [dB_i]) for _project, given the gradients of its outputs. weights: the
+    bases' 16-bit weights where the caller holds them already (de-quantized once for several
+    calls)."""
     parts = [g @ (b * s) for g, b, s in zip(grads, b16, scalings)]  # [tokens, r_i]
     g_xa = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    grad_a = (g_xa.t() @ x2).to(param_dtype).split([a.shape[0] for a in a16])
+    grad_a = (g_xa.t() @ x2).split([a.shape[0] for a in a16])
     grad_b, start = [], 0
     for g, a, s in zip(grads, a16, scalings):
         rank = a.shape[0]
-        grad_b.append((g.t() @ xa[:, start:start + rank]).to(param_dtype).mul_(s))
+        grad_b.append((g.t() @ xa[:, start:start + rank]).mul_(s))
         start += rank
     grad_x = None
     if need_input:
@@ -128,13 +127,6 @@ def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool
         for g, weight in zip(grads, weights):
             grad_x.addmm_(g, weight)
     return grad_x, list(grad_a), grad_b
-
-
-def _param_dtype(params) -> torch.dtype:
-    dtypes = {p.dtype for p in params}
-    if len(dtypes) != 1:
-        raise TypeError(f"fast LoRA: adapter weights of one layer in several types {dtypes}")
-    return dtypes.pop()
 
 
 class LoraProjection(torch.autograd.Function):
@@ -151,7 +143,7 @@ class LoraProjection(torch.autograd.Function):
             a16, b16 = _adapter_weights(params[:count], params[count:], dtype)
             outputs, xa = _project(x2, bases, a16, b16, scalings)
         ctx.bases, ctx.scalings, ctx.x_dtype = bases, scalings, x.dtype
-        ctx.param_dtype = _param_dtype(params)
+        ctx.param_dtypes = [p.dtype for p in params]
         ctx.save_for_backward(x2, xa, *a16, *b16)
         return tuple(out.view(*x.shape[:-1], out.shape[-1]) for out in outputs)
 
@@ -162,11 +154,11 @@ class LoraProjection(torch.autograd.Function):
         a16, b16 = weights[:count], weights[count:]
         grads = [g.reshape(-1, g.shape[-1]).to(x2.dtype) for g in grad_outs]
         grad_x, grad_a, grad_b = _project_backward(
-            x2, xa, grads, ctx.bases, a16, b16, ctx.scalings, ctx.needs_input_grad[0],
-            param_dtype=ctx.param_dtype)
+            x2, xa, grads, ctx.bases, a16, b16, ctx.scalings, ctx.needs_input_grad[0])
         if grad_x is not None:
             grad_x = grad_x.view(*grad_outs[0].shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
-        return (grad_x, None, None, *grad_a, *grad_b)
+        return (grad_x, None, None) + tuple(
+            grad.to(dtype) for grad, dtype in zip(grad_a + grad_b, ctx.param_dtypes))
 
 
 # ----------------------------------------------------------------------------- SwiGLU
@@ -226,7 +218,7 @@ class LoraMLP(torch.autograd.Function):
                 (out,), ha = _project(h, bases[2:], [ad], [bd], scalings[2:])
         ctx.bases, ctx.scalings, ctx.x_dtype = bases, scalings, x.dtype
         ctx.chunk_tokens = chunk_tokens
-        ctx.param_dtype = _param_dtype((a_gate, b_gate, a_up, b_up, a_down, b_down))
+        ctx.param_dtypes = [p.dtype for p in (a_gate, b_gate, a_up, b_up, a_down, b_down)]
         ctx.save_for_backward(x2, gate, up, xa, ha, ag, bg, au, bu, ad, bd)
         return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -246,8 +238,7 @@ class LoraMLP(torch.autograd.Function):
             h = _swiglu(gate[rows], up[rows])
             h_a = h @ ad.t() if ha is None else ha[rows]  # as _project computes it forward
             grad_h, (part_ad,), (part_bd,) = _project_backward(
-                h, h_a, [g[rows]], bases[2:], [ad], [bd], scalings[2:], True, [down],
-                ctx.param_dtype)
+                h, h_a, [g[rows]], bases[2:], [ad], [bd], scalings[2:], True, [down])
             del h
             grad_ad = part_ad if grad_ad is None else grad_ad.add_(part_ad)
             grad_bd = part_bd if grad_bd is None else grad_bd.add_(part_bd)
@@ -259,11 +250,12 @@ class LoraMLP(torch.autograd.Function):
         del down
         grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
             x2, xa, [gate, up], bases[:2], [ag, au], [bg, bu], scalings[:2],
-            ctx.needs_input_grad[0], param_dtype=ctx.param_dtype)
+            ctx.needs_input_grad[0])
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
-        return (grad_x, None, None, None, None, grad_ag, grad_bg, grad_au, grad_bu, grad_ad,
-                grad_bd)
+        grads = (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
+        return (grad_x, None, None, None, None) + tuple(
+            grad.to(dtype) for grad, dtype in zip(grads, ctx.param_dtypes))
 
 
 # ----------------------------------------------------------------------------- wiring

@@ -186,3 +186,23 @@ def test_shared_input_projections_match_peft_called_in_any_order():
         projections[0](x)
         torch.testing.assert_close(projections[1](y), peft(projections[1], y))
         torch.testing.assert_close(projections[2](x), peft(projections[2], x))
+
+
+def test_adapters_of_several_types_get_gradients_of_their_own_types(monkeypatch):
+    """One call's adapters need not share a type: each gradient comes back in its weight's."""
+    calls = count_calls(monkeypatch)
+    model = tiny_untied()
+    torch.manual_seed(1)
+    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0.0), True, None, fast=True)
+    attention = next(m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "v_proj"))
+    mlp = next(m for m in model.modules() if hasattr(m, "gate_proj"))
+    for layer in (attention.k_proj, mlp.up_proj):
+        layer.lora_B["default"].weight.data = layer.lora_B["default"].weight.data.double()
+    model.train()
+    ids = torch.randint(0, 512, (2, SEQ))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == {"mlp": 2 * 2, "projection": 2 * 2 * 2}  # the fast path, checkpointed
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert {p.dtype for _, p in trained} == {torch.float32, torch.float64}
+    assert all(p.grad is not None and p.grad.dtype == p.dtype for _, p in trained), [
+        (n, p.dtype, None if p.grad is None else p.grad.dtype) for n, p in trained]

@@ -1,5 +1,6 @@
-"""The operators one training step of the fast LoRA path runs, counted on the CPU: a proxy for the
-GPU's kernel launches, which bound the 7B step on short rows (bench/results/2026-12-01-peer-NOTES.md).
+"""The operators one training step of the fast LoRA path runs, counted on the CPU: a proxy for
+the GPU's kernel launches, which bound the 7B step on short rows
+(bench/results/2026-12-01-peer-NOTES.md).
 
     python bench/op_count.py [--out FILE]
 

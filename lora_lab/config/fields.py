@@ -61,9 +61,9 @@ class ModelArgs:
     fast_lora: str | bool = _f(
         "auto", "Compute LoRA layers with lora-lab's fused autograd functions "
                 "(models/fast_lora.py: the LoRA branch in 16 bits, one function per SwiGLU MLP "
-                "and one per attention's q, k and v) instead of peft's forward. auto: on for LoRA without adapter dropout, in one process or under "
-                "ddp; true / false force it (with dropout the layers fall back to peft, which "
-                "applies it).",
+                "and one per attention's q, k and v) instead of peft's forward. auto: on for "
+                "LoRA without adapter dropout, in one process or under ddp; true / false force "
+                "it (with dropout the layers fall back to peft, which applies it).",
         choices=("auto", True, False))
     fast_lora_chunk_tokens: int = _f(
         0, "The fast LoRA MLP's backward pass through down and SwiGLU runs on at most this many "

@@ -301,7 +301,7 @@ class _SharedInput:
                 return held[1]
             adapters = [_plain_adapter(m) for m in self.modules]
             if any(a is None for a in adapters):
-                own = _plain_adapter(module)
+                own = adapters[self.modules.index(module)]
                 if own is None:
                     return original(x)
                 return LoraProjection.apply(x, (module.get_base_layer(),), (own[2],), *own[:2])[0]

@@ -41,14 +41,9 @@ def rng_kept():
 def replay_bucket_rebuild(model, loss_of) -> None:
     """One synchronised backward of 0 x loss_of(model) through the DDP `model`, then every
     gradient None and every RNG as before: what a DDP run's first step leaves behind, without
-    changing a weight, an optimizer state or the next step's random draws.
-
-    The rule: a resumed DDP run reduces every step in the buckets the uninterrupted run used.
-    DDP reduces its first synchronised backward in its first layout (all gradients in
-    registration order) and rebuilds its buckets at the next forward in the order the
-    gradients became ready; a sum over more than two processes depends on an element's place
-    in its bucket (tests/e2e/test_ddp_reduction_order.py). The zero-weighted backward gives
-    every trained parameter a gradient in the order a real step does, so the rebuild follows."""
+    changing a weight, an optimizer state or the next step's random draws. The zero-weighted
+    backward gives every trained parameter a gradient in the order a real step does, so DDP's
+    rebuild at the next forward follows the uninterrupted run's (the module's rule)."""
     with rng_kept():
         sync, model.require_backward_grad_sync = model.require_backward_grad_sync, True
         try:  # inside no_sync too: DDP records the ready order only in a synchronised backward

@@ -156,6 +156,7 @@ ABLATIONS_7B_4096 = {  # label suffix: sets on top of the preset
     "d0-fast-nostream": FAST + ["train.offload_copy_stream=false"],
     "nocudnn": FAST + ["model.cudnn_attention=false"],
     "chunk": FAST + ["model.fast_lora_chunk_tokens=2048"],
+    "noexpand": FAST + ["train.expandable_segments=false"],
 }
 
 

@@ -43,6 +43,31 @@ def cap_gpu_memory() -> float | None:
 
 
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOCATOR_ENVS = (ALLOCATOR_ENV, "PYTORCH_ALLOC_CONF")
+"""Where PyTorch reads its allocator settings: the CUDA name, and the unified one (torch 2.9+)."""
+
+
+def _windows_or_wsl() -> bool:
+    """Windows, or Linux under WSL (Docker on WSL 2 included: its kernel names Microsoft), where
+    CUDA's virtual memory calls behind expandable segments fail (unslothai/unsloth#3511)."""
+    if os.name == "nt" or os.environ.get("WSL_DISTRO_NAME") or os.environ.get("WSL_INTEROP"):
+        return True
+    return "microsoft" in os.uname().release.lower()
+
+
+def use_expandable_segments(enabled: bool) -> bool:
+    """train.expandable_segments: let PyTorch's caching allocator grow its segments in place, so
+    that the memory it holds stays near what is allocated (without them, blocks of one size
+    freed between layers stay reserved beside blocks of another). Applied before the first
+    allocation of this process; not where the user set the allocator's settings. Returns
+    whether it is on."""
+    import torch
+
+    if (not enabled or any(name in os.environ for name in ALLOCATOR_ENVS)
+            or not torch.cuda.is_available() or _windows_or_wsl()):
+        return False
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return True
 
 
 def gpu_memory_gib() -> float | None:

@@ -230,6 +230,11 @@ class TrainArgs:
     offload_copy_stream: bool = _f(True, "Copy offloaded layer checkpoints on a side CUDA "
                                          "stream, overlapping the layers' compute, and fetch "
                                          "each back one layer ahead of its backward pass.")
+    expandable_segments: bool = _f(
+        True, "PyTorch's caching allocator maps its GPU memory in growable segments, so what it "
+              "holds stays near what is allocated (Unsloth sets the same). Not where "
+              "PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set, under DeepSpeed, or on "
+              "Windows / WSL, where the driver lacks it.")
     mlp_chunk_tokens: int = _f(4096, "Recompute each layer's MLP on at most this many tokens "
                                      "at a time (LoRA on one GPU, with gradient checkpointing), "
                                      "on a GPU only when the memory plan does not fit without "

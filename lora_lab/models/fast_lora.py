@@ -92,7 +92,34 @@ def _stacked(a16):
     return torch.cat(a16)
 
 
+def _gradients_as(grads, dtypes):
+    """Each gradient in its parameter's dtype. The casts are one multi-tensor copy per dtype into
+    one buffer whose views are the gradients (autograd keeps a view as the parameter's .grad as
+    it would a tensor of its own)."""
+    result = list(grads)
+    for dtype in dict.fromkeys(dtypes):
+        picked = [i for i, (g, d) in enumerate(zip(grads, dtypes)) if d == dtype and g.dtype != d]
+        if not picked:
+            continue
+        flat = torch.empty(sum(grads[i].numel() for i in picked), dtype=dtype,
+                           device=grads[picked[0]].device)
+        start = 0
+        for i in picked:
+            result[i] = flat[start:start + grads[i].numel()].view(grads[i].shape)
+            start += grads[i].numel()
+        torch._foreach_copy_([result[i] for i in picked], [grads[i] for i in picked])
+    return tuple(result)
+
+
 # ----------------------------------------------------------------------------- products
+
+def _scaled_mm(a, b, scale: float):
+    """scale * (a @ b) as one product: the scaling is the product's alpha, not a kernel of its
+    own (beta 0: the empty input is never read)."""
+    if scale == 1:
+        return a @ b
+    return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
+
 
 def _project(x2, bases, a16, b16, scalings):
     """Outputs of projections that share the input x2 [tokens, in], and x2 @ [A_1; A_2 ...].T."""
@@ -112,13 +139,13 @@ def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool
     """(dX, [dA_i], [dB_i]) for _project, given the gradients of its outputs. weights: the
     bases' 16-bit weights where the caller holds them already (de-quantized once for several
     calls)."""
-    parts = [g @ (b * s) for g, b, s in zip(grads, b16, scalings)]  # [tokens, r_i]
+    parts = [_scaled_mm(g, b, s) for g, b, s in zip(grads, b16, scalings)]  # [tokens, r_i]
     g_xa = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     grad_a = (g_xa.t() @ x2).split([a.shape[0] for a in a16])
     grad_b, start = [], 0
     for g, a, s in zip(grads, a16, scalings):
         rank = a.shape[0]
-        grad_b.append((g.t() @ xa[:, start:start + rank]).mul_(s))
+        grad_b.append(_scaled_mm(g.t(), xa[:, start:start + rank], s))
         start += rank
     grad_x = None
     if need_input:
@@ -157,8 +184,7 @@ class LoraProjection(torch.autograd.Function):
             x2, xa, grads, ctx.bases, a16, b16, ctx.scalings, ctx.needs_input_grad[0])
         if grad_x is not None:
             grad_x = grad_x.view(*grad_outs[0].shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
-        return (grad_x, None, None) + tuple(
-            grad.to(dtype) for grad, dtype in zip(grad_a + grad_b, ctx.param_dtypes))
+        return (grad_x, None, None) + _gradients_as(grad_a + grad_b, ctx.param_dtypes)
 
 
 # ----------------------------------------------------------------------------- SwiGLU
@@ -254,8 +280,7 @@ class LoraMLP(torch.autograd.Function):
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
         grads = (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
-        return (grad_x, None, None, None, None) + tuple(
-            grad.to(dtype) for grad, dtype in zip(grads, ctx.param_dtypes))
+        return (grad_x, None, None, None, None) + _gradients_as(grads, ctx.param_dtypes)
 
 
 # ----------------------------------------------------------------------------- wiring

@@ -39,7 +39,7 @@ from pathlib import Path
 import yaml
 
 from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template, main_host_port, world_size_of
-from ..device import ALLOCATOR_ENV, cuda_available, gpu_memory_gib, in_launched_worker
+from ..device import ALLOCATOR_ENV, ALLOCATOR_ENVS, cuda_available, gpu_memory_gib, in_launched_worker
 from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
 from ..models.load import Precision, choose_precision
@@ -258,13 +258,13 @@ def launch_env(config: RunConfig, environ=None, cpus: int | None = None) -> dict
 
     FSDP gathers and frees every layer's weights on its own CUDA streams, and PyTorch's caching
     allocator keeps what one stream freed from the others: unless the user set
-    PYTORCH_CUDA_ALLOC_CONF, FSDP workers get expandable segments (docs/benchmarks.md, several
-    GPUs)."""
+    PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, FSDP workers get expandable segments
+    (docs/benchmarks.md, several GPUs)."""
     env = dict(os.environ if environ is None else environ)
     if config.train.engine.endswith("-offload") and "OMP_NUM_THREADS" not in env:
         cpus = cpus or len(os.sched_getaffinity(0))
         env["OMP_NUM_THREADS"] = str(max(1, cpus // config.train.gpus))
-    if config.train.engine == "fsdp" and ALLOCATOR_ENV not in env:
+    if config.train.engine == "fsdp" and not any(name in env for name in ALLOCATOR_ENVS):
         env[ALLOCATOR_ENV] = "expandable_segments:True"
     return env
 

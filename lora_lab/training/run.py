@@ -23,7 +23,8 @@ from ..data import PreparedData, prepare_data
 from ..data.arrow import first_token_at_least, sample_lengths, trained_token_count
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
 from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_launched_worker,
-                      peak_memory_per_gpu, release_memory, use_cudnn_attention, world_size)
+                      peak_memory_per_gpu, release_memory, use_cudnn_attention,
+                      use_expandable_segments, world_size)
 from ..errors import LoraLabError, ModelError, TrainingError
 from ..log import get_logger
 from ..models.attention import CUDNN_EQUAL_LENGTHS, resolve_packed_attention
@@ -66,6 +67,8 @@ def train(config: RunConfig) -> TrainResult:
     The config is updated with what the run settles (its folder, an out-of-memory batch).
     """
     started = time.time()
+    use_expandable_segments(config.train.expandable_segments
+                            and not config.train.engine.startswith("deepspeed"))
     quiet_progress_bars()
     precision = choose_precision(config.model.dtype)
     settle_precision(config, precision)

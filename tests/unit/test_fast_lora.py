@@ -206,3 +206,18 @@ def test_adapters_of_several_types_get_gradients_of_their_own_types(monkeypatch)
     assert {p.dtype for _, p in trained} == {torch.float32, torch.float64}
     assert all(p.grad is not None and p.grad.dtype == p.dtype for _, p in trained), [
         (n, p.dtype, None if p.grad is None else p.grad.dtype) for n, p in trained]
+
+
+def test_gradients_cast_in_one_copy_accumulate_per_parameter():
+    """Under bf16 autocast each call's adapter gradients are views of one fp32 buffer: a second
+    micro-batch adds to every parameter's own .grad (2 x its first gradient, exactly)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, first, model = loss_and_grads(True, dtype=torch.bfloat16)
+        torch.manual_seed(2)
+        ids = torch.randint(0, 512, (2, SEQ))
+        torch.manual_seed(3)
+        model(input_ids=ids, labels=ids).loss.backward()
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(p.grad.dtype == torch.float32 for p in trained.values())
+    for name, param in trained.items():
+        assert torch.equal(param.grad, 2 * first[name]), name

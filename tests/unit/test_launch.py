@@ -174,3 +174,36 @@ def test_dry_run_with_engine_auto_picks_the_engine_that_fits_the_tier(tmp_path):
     saved = yaml.safe_load((tmp_path / "out" / "dry" / "launch" / "run_config.yaml").read_text())
     assert saved["train"]["engine"] == "deepspeed-zero2-offload"
     assert (tmp_path / "out" / "dry" / "launch" / "deepspeed.json").is_file()
+
+
+def test_fsdp_workers_keep_an_allocator_set_by_the_unified_variable():
+    mine = {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in launch_env(config_for("fsdp", gpus=2), mine)
+
+
+@pytest.mark.parametrize("environ, release, applied", [
+    ({}, "6.8.0-87-generic", True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, "6.8.0-87-generic", False),
+    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}, "6.8.0-87-generic", False),
+    ({}, "5.15.167.4-microsoft-standard-WSL2", False),  # WSL 2, Docker on it included
+    ({"WSL_DISTRO_NAME": "Ubuntu"}, "6.8.0-87-generic", False),
+])
+def test_expandable_segments_unless_the_user_chose_or_the_driver_lacks_them(
+        monkeypatch, environ, release, applied):
+    import os
+    import torch
+
+    from lora_lab import device
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "WSL_DISTRO_NAME",
+                 "WSL_INTEROP"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(os, "uname", lambda: os.uname_result(("Linux", "h", release, "", "")))
+    settings = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append)
+    assert device.use_expandable_segments(True) is applied
+    assert settings == (["expandable_segments:True"] if applied else [])
+    assert device.use_expandable_segments(False) is False

@@ -11,7 +11,8 @@ activations' type instead, and:
   saves only X and X @ A.T (the frozen W is re-read, or re-dequantized for nf4, in backward);
 - projections of one input share it: q_proj, k_proj and v_proj are one autograd function, and
   so are gate_proj and up_proj: one product with [A_q; A_k; A_v], one backward pass for all;
-- each call casts its adapter weights to 16 bits in one multi-tensor copy;
+- each call casts its adapter weights to 16 bits in one multi-tensor copy, and their gradients
+  back to the weights' types in one more; the scalings are the products' alpha;
 - the SwiGLU MLP (down(silu(gate(x)) * up(x))) is one autograd function that keeps gate and up
   and recomputes silu(gate) * up in the backward pass (the largest activations of a layer);
 - where a checkpointed layer is recomputed for its backward pass (models.memory_means

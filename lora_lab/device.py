@@ -45,6 +45,13 @@ def cap_gpu_memory() -> float | None:
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOCATOR_ENVS = (ALLOCATOR_ENV, "PYTORCH_ALLOC_CONF")
 """Where PyTorch reads its allocator settings: the CUDA name, and the unified one (torch 2.9+)."""
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def allocator_chosen(environ=None) -> bool:
+    """The user set PyTorch's allocator settings (lora-lab then sets none of its own)."""
+    environ = os.environ if environ is None else environ
+    return any(name in environ for name in ALLOCATOR_ENVS)
 
 
 def _windows_or_wsl() -> bool:
@@ -63,10 +70,9 @@ def use_expandable_segments(enabled: bool) -> bool:
     whether it is on."""
     import torch
 
-    if (not enabled or any(name in os.environ for name in ALLOCATOR_ENVS)
-            or not torch.cuda.is_available() or _windows_or_wsl()):
+    if not enabled or allocator_chosen() or not cuda_available() or _windows_or_wsl():
         return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    torch.cuda.memory._set_allocator_settings(EXPANDABLE_SEGMENTS)
     return True
 
 

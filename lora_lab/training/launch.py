@@ -39,7 +39,8 @@ from pathlib import Path
 import yaml
 
 from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template, main_host_port, world_size_of
-from ..device import ALLOCATOR_ENV, ALLOCATOR_ENVS, cuda_available, gpu_memory_gib, in_launched_worker
+from ..device import (ALLOCATOR_ENV, EXPANDABLE_SEGMENTS, allocator_chosen, cuda_available,
+                      gpu_memory_gib, in_launched_worker)
 from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
 from ..models.load import Precision, choose_precision
@@ -264,8 +265,8 @@ def launch_env(config: RunConfig, environ=None, cpus: int | None = None) -> dict
     if config.train.engine.endswith("-offload") and "OMP_NUM_THREADS" not in env:
         cpus = cpus or len(os.sched_getaffinity(0))
         env["OMP_NUM_THREADS"] = str(max(1, cpus // config.train.gpus))
-    if config.train.engine == "fsdp" and not any(name in env for name in ALLOCATOR_ENVS):
-        env[ALLOCATOR_ENV] = "expandable_segments:True"
+    if config.train.engine == "fsdp" and not allocator_chosen(env):
+        env[ALLOCATOR_ENV] = EXPANDABLE_SEGMENTS
     return env
 
 

@@ -44,6 +44,14 @@ def run_lora_lab(cell: dict) -> dict:
         from lora_lab.models import fast_lora
 
         fast_lora.SHARED_INPUT_PROJECTIONS = ()
+    if cell.get("native_norms") is False:  # ablation: RMSNorm through liger's Triton kernel
+        from lora_lab.models import load
+
+        load.NATIVE_RMS_NORMS = ()
+    if cell.get("cast_cache") is False:  # ablation: adapter weights cast at every call
+        from lora_lab.models import fast_lora
+
+        fast_lora._Casts.get = lambda self, a, b, dtype: fast_lora._adapter_weights(a, b, dtype)
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = WORK / f"data-{cell['label']}.jsonl"
     flags = {"model.name": str(model), "data.max_length": cell["max_length"],
@@ -67,12 +75,18 @@ def run_lora_lab(cell: dict) -> dict:
         write_full_length_rows(data, rows, cell["max_length"], vocabulary=words_within(model))
     else:
         write_full_length_pairs(data, rows, cell["max_length"])
+    history = None
+    if cell.get("memory_history"):  # what sets the peak reserved memory (bench/memory_peak.py)
+        import memory_peak
+
+        history = memory_peak.start()
     result = train(config)
+    extra = {"memory_peak": memory_peak.report(history)} if history else {}
     summary = json.loads((result.run_dir / "run_summary.json").read_text())
     performance = summary["performance"]
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
     plan = plan_memory(config, cell.get("cap_gib"))
-    return {**performance, "tokens_per_s": tokens / performance["median_step_seconds"],
+    return {**performance, **extra, "tokens_per_s": tokens / performance["median_step_seconds"],
             "tokens_per_micro_batch": row_length(config) * micro_batch_rows(config),
             "planned_gib": plan.total_gib, "resolved": resolved(config, summary)}
 

@@ -5,7 +5,8 @@
 # CELL: a label of `python bench/run.py peer` ("" for none). gpu-tests: tests/gpu first.
 # attention: bench/attention_bench.py first.
 # profile: bench/profile_step.py on lora-lab's and Unsloth's 7B 4 x 4096 cell afterwards;
-# profile:LABEL,LABEL on those cells of profile_step.CELLS.
+# profile:LABEL,LABEL on those cells of profile_step.CELLS; host:LABEL,LABEL their host's Python
+# (profile_step.py --host: cProfile).
 # families:LABEL,LABEL: those cells of `bench/run.py families` afterwards, three at once (memory
 # figures; their speeds are not clean).
 # The machine is given back after about 30 s idle: one call with every step costs one start.
@@ -32,6 +33,11 @@ for step in "$@"; do
   esac
 done
 for step in "$@"; do
+  case $step in host:*)
+    (cd bench && for label in $(echo ${step#host:} | tr , ' '); do
+        timeout 240 python3 profile_step.py "$label" --host --out $OUT >> $OUT/profile.log 2>&1
+      done)
+  esac
   case $step in profile|profile:*)
     labels=${step#profile:}; [ "$step" = profile ] && labels=ll-7b-4096,us-7b-4096
     (cd bench && for label in ${labels//,/ }; do

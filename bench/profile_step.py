@@ -7,6 +7,11 @@
       "max_length": 4096, "steps": 6, "grad_accum": 4}' --out DIR
 
   python bench/profile_step.py ll-7b-1024 --out DIR    (a label of CELLS)
+  python bench/profile_step.py ll-7b-1024 --host --out DIR
+
+--host: the host's Python instead (cProfile over the same two steps, no torch.profiler):
+host-LABEL.txt, the functions by own time and by time inside them, with the steps' wall time;
+the step whose GPU waits on the host (bench/results/2026-12-01-peer-NOTES.md) is paid there.
 
 Runs the cell as bench/cell.py does (kind lora-lab or unsloth), profiles optimizer steps 4 and 5
 (after two steps of warm-up and one for the profiler's own) and writes to DIR:
@@ -58,6 +63,40 @@ def kind_of(name: str) -> str:
         if pattern.search(name):
             return kind
     return "other"
+
+
+class HostSteps(TrainerCallback):
+    """cProfile on for the profiled optimizer steps only (as ProfilerSteps' active ones)."""
+
+    def __init__(self):
+        import cProfile
+
+        self.profile, self.step, self.active_seconds, self._start = (
+            cProfile.Profile(), 0, 0.0, None)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if WAIT + WARMUP <= self.step < WAIT + WARMUP + ACTIVE:
+            torch.cuda.synchronize()
+            self._start = time.perf_counter()
+            self.profile.enable()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._start is not None:
+            self.profile.disable()
+            torch.cuda.synchronize()
+            self.active_seconds += time.perf_counter() - self._start
+            self._start = None
+        self.step += 1
+
+    def report(self, rows: int = 70) -> str:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        stats = pstats.Stats(self.profile, stream=text)
+        stats.sort_stats("tottime").print_stats(rows)
+        stats.sort_stats("cumulative").print_stats(rows)
+        return text.getvalue()
 
 
 class ProfilerSteps(TrainerCallback):
@@ -174,6 +213,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("cell")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--host", action="store_true", help="cProfile of the host instead")
     args = parser.parse_args()
     spec = ({"label": args.cell, **CELLS[args.cell]} if args.cell in CELLS else
             {"kind": "lora-lab", **json.loads(args.cell)})
@@ -183,12 +223,21 @@ def main() -> None:
         peer_unsloth.import_unsloth()
     import cell
 
+    runner = cell.run_lora_lab if spec["kind"] == "lora-lab" else cell.run_unsloth_cell
+    if args.host:
+        host = HostSteps()
+        install_callback(spec["kind"], host)
+        result = runner(spec)
+        text = (f"{spec['label']}: wall {host.active_seconds:.3f} s over {ACTIVE} optimizer "
+                f"steps under cProfile\ncell result: {json.dumps(result)}\n\n{host.report()}")
+        (Path(args.out) / f"host-{spec['label']}.txt").write_text(text)
+        print(text[:6000])
+        return
     profiler = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
         schedule=torch.profiler.schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE))
     steps = ProfilerSteps(profiler)
     install_callback(spec["kind"], steps)
-    runner = cell.run_lora_lab if spec["kind"] == "lora-lab" else cell.run_unsloth_cell
     with profiler:
         result = runner(spec)
     events = profiler.key_averages()

@@ -185,6 +185,15 @@ def peer_cells(steps: int = 6) -> list:
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-noskip-{run}",
                               "size": size, "steps": steps, "sets": FAST,
                               "residual_skip": False, **ours})
+                # RMSNorm through liger's Triton kernel; the adapter weights cast at every call
+                for suffix, flag in (("ligernorm", "native_norms"), ("nocache", "cast_cache")):
+                    cells.append({"kind": "lora-lab", "label": f"ll-{name}-{suffix}-{run}",
+                                  "size": size, "steps": steps, "sets": FAST, flag: False,
+                                  **ours})
+                # the layer checkpoints kept on the GPU (no copies to and from the host)
+                cells.append({"kind": "lora-lab", "label": f"ll-{name}-nooffload-{run}",
+                              "size": size, "steps": steps,
+                              "sets": FAST + ["train.offload_checkpoints=false"], **ours})
             if name in ("7b-1024", "7b-4096", "7b-2048-nf4"):
                 # q, k and v as three calls (fast_lora.SHARED_INPUT_PROJECTIONS empty)
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-noshare-{run}",
@@ -194,6 +203,13 @@ def peer_cells(steps: int = 6) -> list:
             cells.append({"kind": "lora-lab", "label": f"ll-7b-4096-{suffix}-{run}",
                           "size": "7b", "steps": steps, "sets": sets,
                           **PEER_CELLS["7b-4096"][0]})
+        # what sets the peak reserved memory (bench/memory_peak.py; the history slows the step)
+        for name, sets in (("7b-4096", FAST), ("7b-4096-nostream",
+                                                FAST + ["train.offload_copy_stream=false"]),
+                           ("7b-2048-nf4-chunk", FAST + ["model.fast_lora_chunk_tokens=2048"])):
+            cells.append({"kind": "lora-lab", "label": f"ll-{name}-history-{run}",
+                          "size": "7b", "steps": 4, "sets": sets, "memory_history": True,
+                          **PEER_CELLS[name.removesuffix("-nostream").removesuffix("-chunk")][0]})
         for size in ("7b", "1.5b", "0.5b"):
             cells.append({"kind": "lora-lab-sft", "label": f"ll-sft-{size}-{run}",
                           "preset": "24gb", "size": size, "rows": 256, "sets": FAST})

@@ -11,8 +11,10 @@ activations' type instead, and:
   saves only X and X @ A.T (the frozen W is re-read, or re-dequantized for nf4, in backward);
 - projections of one input share it: q_proj, k_proj and v_proj are one autograd function, and
   so are gate_proj and up_proj: one product with [A_q; A_k; A_v], one backward pass for all;
-- each call casts its adapter weights to 16 bits in one multi-tensor copy, and their gradients
-  back to the weights' types in one more; the scalings are the products' alpha;
+- each call site casts its adapter weights to 16 bits in one multi-tensor copy, once while the
+  weights stay unchanged (_Casts: the forward pass, the checkpoint's recomputation and every
+  micro-batch of an optimizer step share it), and their gradients back to the weights' types
+  in one more; the scalings are the products' alpha;
 - the SwiGLU MLP (down(silu(gate(x)) * up(x))) is one autograd function that keeps gate and up
   and recomputes silu(gate) * up in the backward pass (the largest activations of a layer);
 - where a checkpointed layer is recomputed for its backward pass (models.memory_means
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..config import REFERENCE_TASKS
 from .memory_means import replaying_layer
@@ -79,6 +82,34 @@ def _adapter_weights(lora_as, lora_bs, dtype: torch.dtype):
             start += p.numel()
     torch._foreach_copy_(views, params)
     return views[:len(lora_as)], views[len(lora_as):]
+
+
+_optimizer_steps = [0]  # optimizer steps taken in this process (any torch.optim optimizer)
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    _optimizer_steps[0] += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+class _Casts:
+    """The 16-bit copies of one call site's adapter weights (_adapter_weights), made again when
+    an optimizer has stepped (fused AdamW and bitsandbytes' optimizers update in place without
+    moving the version counter), a weight was changed in place otherwise (its version counter:
+    a loaded checkpoint) or replaced, or another type is asked for. A new copy goes to new
+    memory: the autograd calls that saved the old one keep it."""
+
+    def __init__(self):
+        self.key, self.weights = None, None
+
+    def get(self, lora_as, lora_bs, dtype: torch.dtype):
+        key = (dtype, _optimizer_steps[0],
+               *((id(p), p.data_ptr(), p._version) for p in (*lora_as, *lora_bs)))
+        if key != self.key:
+            self.key, self.weights = key, _adapter_weights(lora_as, lora_bs, dtype)
+        return self.weights
 
 
 def _stacked(a16):
@@ -160,15 +191,16 @@ def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool
 class LoraProjection(torch.autograd.Function):
     """Projections of one input (one projection, or an attention's q, k and v):
     X @ W_i.T + b_i + s_i * (X @ A_i.T) @ B_i.T, with one product X @ [A_1; A_2 ...].T, one
-    backward pass summing the input's gradient in place. params: A_1 ... A_n, B_1 ... B_n."""
+    backward pass summing the input's gradient in place. casts: the call site's _Casts.
+    params: A_1 ... A_n, B_1 ... B_n."""
 
     @staticmethod
-    def forward(ctx, x, bases, scalings, *params):
+    def forward(ctx, x, bases, scalings, casts, *params):
         dtype = _compute_dtype(x)
         count = len(bases)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            a16, b16 = _adapter_weights(params[:count], params[count:], dtype)
+            a16, b16 = casts.get(params[:count], params[count:], dtype)
             outputs, xa = _project(x2, bases, a16, b16, scalings)
         ctx.bases, ctx.scalings, ctx.x_dtype = bases, scalings, x.dtype
         ctx.param_dtypes = [p.dtype for p in params]
@@ -185,7 +217,7 @@ class LoraProjection(torch.autograd.Function):
             x2, xa, grads, ctx.bases, a16, b16, ctx.scalings, ctx.needs_input_grad[0])
         if grad_x is not None:
             grad_x = grad_x.view(*grad_outs[0].shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
-        return (grad_x, None, None) + _gradients_as(grad_a + grad_b, ctx.param_dtypes)
+        return (grad_x, None, None, None) + _gradients_as(grad_a + grad_b, ctx.param_dtypes)
 
 
 # ----------------------------------------------------------------------------- SwiGLU
@@ -229,12 +261,12 @@ class LoraMLP(torch.autograd.Function):
     output's shape (a stride-0 view: no memory) for the residual sum."""
 
     @staticmethod
-    def forward(ctx, x, bases, scalings, output_unread, chunk_tokens, a_gate, b_gate, a_up, b_up,
-                a_down, b_down):
+    def forward(ctx, x, bases, scalings, output_unread, chunk_tokens, casts, a_gate, b_gate,
+                a_up, b_up, a_down, b_down):
         dtype = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            (ag, au, ad), (bg, bu, bd) = _adapter_weights(
+            (ag, au, ad), (bg, bu, bd) = casts.get(
                 (a_gate, a_up, a_down), (b_gate, b_up, b_down), dtype)
             (gate, up), xa = _project(x2, bases[:2], [ag, au], [bg, bu], scalings[:2])
             if output_unread:
@@ -281,7 +313,7 @@ class LoraMLP(torch.autograd.Function):
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
         grads = (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
-        return (grad_x, None, None, None, None) + _gradients_as(grads, ctx.param_dtypes)
+        return (grad_x, None, None, None, None, None) + _gradients_as(grads, ctx.param_dtypes)
 
 
 # ----------------------------------------------------------------------------- wiring
@@ -315,6 +347,8 @@ class _SharedInput:
     def __init__(self, modules):
         self.modules = tuple(modules)
         self.pending = {}  # id(module) -> (input, output) computed for it by a sibling's call
+        self.casts = _Casts()  # the call for all modules
+        self.own_casts = {id(m): _Casts() for m in self.modules}  # a module's call alone
 
     def forward_of(self, module):
         original = module.forward
@@ -330,10 +364,11 @@ class _SharedInput:
                 own = adapters[self.modules.index(module)]
                 if own is None:
                     return original(x)
-                return LoraProjection.apply(x, (module.get_base_layer(),), (own[2],), *own[:2])[0]
+                return LoraProjection.apply(x, (module.get_base_layer(),), (own[2],),
+                                            self.own_casts[id(module)], *own[:2])[0]
             outputs = LoraProjection.apply(
                 x, tuple(m.get_base_layer() for m in self.modules), tuple(a[2] for a in adapters),
-                *(a[0] for a in adapters), *(a[1] for a in adapters))
+                self.casts, *(a[0] for a in adapters), *(a[1] for a in adapters))
             self.pending = {id(m): (x, out) for m, out in zip(self.modules, outputs)
                             if m is not module}
             return outputs[self.modules.index(module)]
@@ -346,6 +381,7 @@ def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
     does nothing else with it, so a recomputation (replaying_layer) need not compute it."""
     original = mlp.forward
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    casts = _Casts()
 
     def forward(x):
         adapters = [_plain_adapter(p) for p in projections]
@@ -355,7 +391,7 @@ def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
         scalings = tuple(a[2] for a in adapters)
         params = [t for a in adapters for t in a[:2]]
         unread = output_to_residual and torch.is_grad_enabled() and replaying_layer()
-        return LoraMLP.apply(x, bases, scalings, unread, chunk_tokens, *params)
+        return LoraMLP.apply(x, bases, scalings, unread, chunk_tokens, casts, *params)
 
     return forward
 

@@ -272,12 +272,55 @@ def apply_kernels(model, kernels: str, fused_loss: bool = True) -> str:
         log.info(f"liger kernels: none for model_type {model.config.model_type!r} in this "
                  f"liger-kernel; the model trains without them")
         return "none"
-    wanted = {"rope": True, "rms_norm": True, "swiglu": True, "geglu": True,
+    native_norms = native_rms_norm_available() and any(
+        type(m).__name__ in NATIVE_RMS_NORMS for m in model.modules())
+    wanted = {"rope": True, "rms_norm": not native_norms, "swiglu": True, "geglu": True,
               "cross_entropy": not fused_loss, "fused_linear_cross_entropy": fused_loss,
               "model": model}
     params = inspect.signature(apply).parameters
     apply(**{k: v for k, v in wanted.items() if k in params})
+    if native_norms:
+        use_native_rms_norm(model)
     return "liger"
+
+
+NATIVE_RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm",
+                    "Phi3RMSNorm")
+"""RMSNorm layers that compute weight * (x * rsqrt(mean(x^2) + eps)) with the statistics in
+fp32: what torch.rms_norm computes. On a GPU it is one fused CUDA kernel each way, launched from
+C++ (liger's Triton kernel costs about ten times the host time a call, and the 7B step on short
+rows waits on the host: bench/results/2026-12-01-peer-NOTES.md). Gemma's (1 + weight) is not
+among them."""
+
+
+def native_rms_norm_available() -> bool:
+    """Whether this PyTorch has the fused RMSNorm kernels (2.9 and later)."""
+    import torch
+
+    return hasattr(torch.ops.aten, "_fused_rms_norm")
+
+
+def _native_rms_norm(module, hidden_states):
+    import torch
+
+    weight = module.weight
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        if weight.dtype == hidden_states.dtype:
+            return torch.rms_norm(hidden_states, weight.shape, weight, module.variance_epsilon)
+        # the model's types: the normalized input rounded to its type, then times the weight
+        # (fp32 norms of a k-bit model give fp32)
+        return weight * torch.rms_norm(hidden_states, weight.shape, None,
+                                       module.variance_epsilon)
+
+
+def use_native_rms_norm(model) -> int:
+    """Route the NATIVE_RMS_NORMS layers of `model` through torch.rms_norm; returns how many."""
+    import functools
+
+    layers = [m for m in model.modules() if type(m).__name__ in NATIVE_RMS_NORMS]
+    for layer in layers:
+        layer.forward = functools.partial(_native_rms_norm, layer)
+    return len(layers)
 
 
 def nf4_config(precision: Precision):

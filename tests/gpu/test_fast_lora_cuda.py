@@ -6,6 +6,7 @@ import torch
 
 from lora_lab.planning.memory import MemoryMeans
 from tests.unit.test_fast_lora import loss_and_grads
+from tests.unit.test_fast_lora import test_adamw_steps_make_the_casts_again as adamw_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -65,3 +66,8 @@ def test_fast_lora_on_nf4_weights_matches_peft(tmp_path):
     error = _relative(fast, plain)
     print(f"nf4: fast vs peft relative difference {error:.2e}")
     assert error < 3e-2
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused", "for-loop"])
+def test_adamw_steps_make_the_casts_again_on_cuda(implementation):
+    adamw_case(implementation, "cuda")

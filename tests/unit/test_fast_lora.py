@@ -221,3 +221,63 @@ def test_gradients_cast_in_one_copy_accumulate_per_parameter():
     assert trained and all(p.grad.dtype == torch.float32 for p in trained.values())
     for name, param in trained.items():
         assert torch.equal(param.grad, 2 * first[name]), name
+
+
+def test_adapter_casts_are_made_once_until_the_weights_change(monkeypatch):
+    """Under bf16 autocast each call site casts its adapter weights once: the checkpoint's
+    recomputation reuses the forward pass's copy; an optimizer step (an in-place update) makes a
+    new one, so the step after it computes exactly what casting at every call computes."""
+    from lora_lab.models import fast_lora
+
+    casts = []
+    real = fast_lora._adapter_weights
+    monkeypatch.setattr(fast_lora, "_adapter_weights",
+                        lambda *args: casts.append(1) or real(*args))
+    ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(5))
+
+    def two_steps():
+        # the update outside autocast, as the Trainer's (autocast keeps its own copies of the
+        # weights until its context ends)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, _, model = loss_and_grads(True, dtype=torch.bfloat16)
+            before = model(input_ids=ids, labels=ids).loss.item()
+        first = len(casts)
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return first, len(casts) - first, before, loss.item(), grads
+
+    first, second, before, loss, grads = two_steps()
+    # two layers, three call sites each (q, k and v; o; the MLP), checkpointed: one cast each
+    assert (first, second) == (6, 6)
+    assert loss != before  # the step changed the weights the next forward pass reads
+    monkeypatch.setattr(fast_lora._Casts, "get", lambda self, a, b, dtype: real(a, b, dtype))
+    _, _, _, every_call_loss, every_call_grads = two_steps()
+    assert loss == every_call_loss
+    for name, grad in every_call_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused", "for-loop"])
+def test_adamw_steps_make_the_casts_again(implementation, device="cpu"):
+    """After a step of any AdamW implementation (fused AdamW leaves the version counter where it
+    was) the next call casts the updated weights. tests/gpu runs it on CUDA too."""
+    from lora_lab.models.fast_lora import _Casts
+
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(8, 16, device=device))
+    b = torch.nn.Parameter(torch.randn(16, 8, device=device))
+    casts = _Casts()
+    first = casts.get([a], [b], torch.bfloat16)
+    assert casts.get([a], [b], torch.bfloat16) is first
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    options = {"foreach": {"foreach": True}, "fused": {"fused": True},
+               "for-loop": {"foreach": False}}[implementation]
+    torch.optim.AdamW([a, b], lr=0.1, **options).step()
+    second = casts.get([a], [b], torch.bfloat16)
+    assert second is not first
+    assert torch.equal(second[0][0], a.detach().to(torch.bfloat16))
+    assert torch.equal(second[1][0], b.detach().to(torch.bfloat16))

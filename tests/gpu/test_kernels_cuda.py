@@ -1,0 +1,32 @@
+"""model.kernels liger on a CUDA GPU: liger's kernels with the RMSNorm layers on torch's fused
+kernel give the plain model's loss and gradients within bf16 rounding. `make test-gpu`."""
+import copy
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_liger_with_native_norms_matches_the_plain_model():
+    pytest.importorskip("liger_kernel")
+    from lora_lab.models.load import apply_kernels, native_rms_norm_available
+    from tests.unit.test_kernels import qwen2
+
+    plain = qwen2().cuda()
+    fast = copy.deepcopy(plain)
+    assert apply_kernels(fast, "liger") == "liger"
+    norms = [m for m in fast.modules() if type(m).__name__ == "Qwen2RMSNorm"]
+    assert norms and all(("_native_rms_norm" in str(m.forward)) == native_rms_norm_available()
+                         for m in norms)
+    ids = torch.randint(0, 512, (2, 64), device="cuda")
+    losses = []
+    for model in (plain, fast):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2)
+    for (name, p), q in zip(plain.named_parameters(), fast.parameters()):
+        error = (q.grad - p.grad).norm() / p.grad.norm().clamp_min(1e-12)
+        assert error < 5e-2, (name, float(error))

@@ -46,6 +46,16 @@ def pairs(cells: dict) -> list:
     return found
 
 
+ABLATION_FLAGS = ("residual_skip", "shared_input", "native_norms", "cast_cache",
+                  "memory_history")
+"""bench/cell.py switches a cell sets beside its --set flags."""
+
+
+def _settings(row: dict) -> str:
+    flags = [f"{flag}={str(row[flag]).lower()}" for flag in ABLATION_FLAGS if flag in row]
+    return ", ".join(list(row.get("sets", [])) + flags)
+
+
 def _figures(row: dict) -> str:
     if row.get("error"):
         return f"error: {row['error'][:60]}"
@@ -72,7 +82,7 @@ def render(paths, heading: str = "###") -> str:
                  if label.startswith("ll-") and twin(cells, label) is None]
         if alone:
             lines += ["", "lora-lab cells without an Unsloth twin in this file:", ""]
-            lines += [f"- {row['label']} ({', '.join(row.get('sets', []))}): {_figures(row)}, "
+            lines += [f"- {row['label']} ({_settings(row)}): {_figures(row)}, "
                       f"median step {row.get('median_step_seconds', 0):.3f} s"
                       for row in alone]
         lines.append("")

@@ -1,7 +1,8 @@
 """Refit the planner's empirical terms (lora_lab/memory.py FIT_*) to the stored measurements.
 
   python bench/fit_planner.py      prints the coefficients and each cell's prediction error
-Weighted least squares on relative error, over every successful lora-lab cell in bench/results.
+Weighted least squares on relative error, over every successful lora-lab cell in bench/results
+on peft's path; then the fast LoRA path's two scales over its cells.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lora_lab.planning import memory  # noqa: E402
-from lora_lab.config import resolve_config
+from lora_lab.config import resolve_config, resolve_fast_lora
 from lora_lab.registry import QWEN25_SIZES, model_config_of
 
 
@@ -24,11 +25,9 @@ def measured_cells(fast_lora: bool = False) -> list:
     tier's cap, every row full (the presets and long-sequence plans; the speed plan's uncapped
     cells are left out). These ran before MLP chunks became budget-driven: chunks wherever a
     row was longer than 4096 tokens, which is what the planner assumes without a budget.
-    fast_lora: the cells that ran models/fast_lora.py (no adapter dropout) instead, which the
-    fit leaves out: the planner counts peft's path, an upper bound for the fast one. Qwen2.5
-    cells only: the other families' (family_cells) check the fitted planner, they do not fit it."""
-    from lora_lab.models.fast_lora import resolve_fast_lora
-
+    fast_lora: the cells that ran models/fast_lora.py (no adapter dropout) instead, which fit
+    its two scales (fit_fast_scales) after the terms are fitted on peft's cells. Qwen2.5 cells
+    only: the other families' (family_cells) check the fitted planner, they do not fit it."""
     cells = []
     for path in sorted((ROOT / "bench" / "results").glob("*.jsonl")):
         for line in path.read_text().splitlines()[1:]:
@@ -101,6 +100,41 @@ def family_cells() -> list:
     return cells
 
 
+def _working_terms(config) -> tuple[float, float, float]:
+    """(the plan without its per-hidden and per-intermediate working terms, those two terms as
+    peft's path counts them), in GiB."""
+    shape = memory.ModelShape.from_config(model_config_of(config.model.name))
+    tokens = memory.row_length(config) * memory.micro_batch_rows(config)
+    chunk = memory._means(shape, config, tokens).mlp_chunk_tokens
+    mlp_tokens = chunk * memory.micro_batch_rows(config) if chunk else tokens
+    per_hidden = memory.FIT_BYTES_PER_TOKEN_PER_HIDDEN + (
+        memory.FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN if config.model.quantization == "none"
+        else 0)
+    hidden = tokens * per_hidden * shape.hidden / memory.GIB
+    intermediate = (mlp_tokens * memory.FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE
+                    * shape.intermediate / memory.GIB)
+    hidden_scale, intermediate_scale = memory.fast_lora_scales(config)
+    rest = (memory.plan_memory(config).total_gib - hidden * hidden_scale
+            - intermediate * intermediate_scale)
+    return rest, hidden, intermediate
+
+
+def fit_fast_scales() -> None:
+    """FIT_FAST_HIDDEN_SCALE and FIT_FAST_INTERMEDIATE_SCALE: least squares on relative error over
+    the fast-path cells, with the peft-fitted terms held."""
+    cells = measured_cells(fast_lora=True)
+    terms = [_working_terms(config) for config, _, _ in cells]
+    x = np.array([[h / peak, i / peak] for (_, h, i), (_, peak, _) in zip(terms, cells)])
+    y = np.array([(peak - rest) / peak for (rest, _, _), (_, peak, _) in zip(terms, cells)])
+    (hidden_scale, intermediate_scale), *_ = np.linalg.lstsq(x, y, rcond=None)
+    print(f"FIT_FAST_HIDDEN_SCALE = {hidden_scale:.4f}\n"
+          f"FIT_FAST_INTERMEDIATE_SCALE = {intermediate_scale:.4f}")
+    for (rest, h, i), (_, peak, label) in zip(terms, cells):
+        predicted = rest + hidden_scale * h + intermediate_scale * i
+        print(f"{label:<28} measured {peak:6.2f}  predicted {predicted:6.2f}  "
+              f"{(predicted - peak) / peak:+.1%}")
+
+
 def main() -> None:
     cells = measured_cells()
     rows, targets, weights = [], [], []
@@ -126,6 +160,7 @@ def main() -> None:
         predicted = (peak * memory.GIB - yr + xr @ coef) / memory.GIB
         print(f"{label:<28} measured {peak:6.2f}  predicted {predicted:6.2f}  "
               f"{(predicted - peak) / peak:+.1%}")
+    fit_fast_scales()
 
 
 if __name__ == "__main__":

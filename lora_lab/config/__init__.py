@@ -9,7 +9,7 @@ from .fields import (ADAPTER_TUNERS, DEEPSPEED_ENGINES, ENGINES, FLAG_FOR_KEY, F
                      PAIRED_TASKS, PREFERENCE_TASKS, REFERENCE_TASKS, REPORT_BACKENDS, SECTIONS,
                      TUNERS, DataArgs, LoraArgs, ModelArgs, RunConfig, TrainArgs, all_keys,
                      converts_initial_adapter, engine_template, field_help, flatten,
-                     syncs_each_micro_batch, trains_adapter, DEFAULT_MAIN_PORT, main_host_port,
+                     resolve_fast_lora, syncs_each_micro_batch, trains_adapter, DEFAULT_MAIN_PORT, main_host_port,
                      world_size_of)
 from .resolve import AUTO_OR_BOOL, identity_problem, list_presets, load_preset, resolve_config
 
@@ -18,6 +18,6 @@ __all__ = ["ADAPTER_TUNERS", "DEEPSPEED_ENGINES", "ENGINES", "FLAG_FOR_KEY", "FL
            "PAIRED_TASKS", "PREFERENCE_TASKS", "REFERENCE_TASKS", "REPORT_BACKENDS", "SECTIONS",
            "TUNERS", "DataArgs", "LoraArgs", "ModelArgs", "RunConfig", "TrainArgs", "all_keys",
            "converts_initial_adapter", "engine_template", "field_help", "flatten",
-           "syncs_each_micro_batch", "trains_adapter", "DEFAULT_MAIN_PORT", "main_host_port",
+           "resolve_fast_lora", "syncs_each_micro_batch", "trains_adapter", "DEFAULT_MAIN_PORT", "main_host_port",
            "world_size_of", "AUTO_OR_BOOL", "identity_problem",
            "list_presets", "load_preset", "resolve_config"]

@@ -32,7 +32,6 @@ import torch
 from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..config import REFERENCE_TASKS
 from .memory_means import replaying_layer
 
 
@@ -457,20 +456,3 @@ def apply_fast_lora(model, chunk_tokens: int = 0) -> dict:
             module.forward = group.forward_of(module)
             projections += 1
     return {"mlps": mlps, "projections": projections}
-
-
-def resolve_fast_lora(config) -> bool:
-    """model.fast_lora -> whether this run routes its LoRA layers through the fast path: auto is
-    on for LoRA without adapter dropout (with dropout every layer would fall back to peft) under
-    DDP or one process. Not under the sharding engines by default: the fast path reads each
-    frozen weight itself, without calling the base layer, whose hooks gather ZeRO-3 shards.
-    Never for --tuner dora or ia3 (their layers compute other than W x + s B A x; true is
-    refused for them by the config's validation). lora.init pissa and olora keep the fast path:
-    after the decomposition the base holds the residual and each layer is plain LoRA again;
-    rsLoRA only changes the layer's scaling, which the fast path reads."""
-    setting = config.model.fast_lora
-    if config.train.tuner != "lora" or setting is False:
-        return False
-    if config.train.task in REFERENCE_TASKS:  # the reference is a second adapter (peft's layers)
-        return False
-    return setting is True or (config.lora.dropout == 0 and config.train.engine == "ddp")

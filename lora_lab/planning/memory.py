@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import (PAIRED_TASKS, REFERENCE_TASKS, RunConfig, engine_template,
-                      syncs_each_micro_batch, trains_adapter, world_size_of)
+                      resolve_fast_lora, syncs_each_micro_batch, trains_adapter, world_size_of)
 from ..registry import (linear_shapes, model_config_of, model_display_name, parameter_count,
                         wants_trainable_tokens)
 from .engines import ENGINE_SHARDING, FSDP_FULL_STATE_BYTES, TRAINED_STATE_BYTES
@@ -42,6 +42,12 @@ FIT_CONSTANT_GIB = 0.1543
 FIT_BYTES_PER_TOKEN_PER_HIDDEN = 39.44
 FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = 11.690
 FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 12.84  # extra per token when the base is 16-bit
+# The fast LoRA path (models/fast_lora.py: the LoRA inputs in 16 bits where peft keeps fp32
+# copies, gate and up kept for the MLP's own backward pass) works in other memory: its per-hidden
+# and per-intermediate terms are the ones above times these, fitted on the fast-path cells by the
+# same script after the terms above.
+FIT_FAST_HIDDEN_SCALE = 0.7007
+FIT_FAST_INTERMEDIATE_SCALE = 1.4734
 NF4_BYTES_PER_WEIGHT = 0.5156  # 4 bits + double-quantized absmax per 64-weight block
 UNFUSED_LOSS_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy and its gradient (estimate)
 TIERS_GIB = {"8gb": 8, "12gb": 12, "16gb": 16, "24gb": 24}
@@ -358,8 +364,10 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     mlp_tokens = tokens
     if means.mlp_chunk_tokens:
         mlp_tokens = means.mlp_chunk_tokens * micro_batch_rows(config)
-    working = (tokens * per_hidden * shape.hidden +
-               mlp_tokens * FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE * shape.intermediate)
+    hidden_scale, intermediate_scale = fast_lora_scales(config)
+    working = (tokens * per_hidden * hidden_scale * shape.hidden +
+               mlp_tokens * FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE * intermediate_scale
+               * shape.intermediate)
     other = shape.other_params - (shape.vocab * shape.hidden if means.embedding_on_cpu else 0)
     parts = {
         "weights" + (" (input embedding in CPU memory)" if means.embedding_on_cpu else ""):
@@ -389,6 +397,14 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
         parts["full logits for the loss (estimate)"] = (
             tokens * shape.vocab * UNFUSED_LOSS_BYTES_PER_LOGIT / GIB)
     return parts
+
+
+def fast_lora_scales(config: RunConfig) -> tuple[float, float]:
+    """The factors of the per-hidden and per-intermediate working terms: the fast LoRA path's
+    where the run takes it, 1 for peft's."""
+    if resolve_fast_lora(config):
+        return FIT_FAST_HIDDEN_SCALE, FIT_FAST_INTERMEDIATE_SCALE
+    return 1.0, 1.0
 
 
 def tuner_of(config: RunConfig) -> str:

@@ -18,7 +18,7 @@ import shutil
 import time
 from pathlib import Path
 
-from ..config import RunConfig, converts_initial_adapter
+from ..config import RunConfig, converts_initial_adapter, resolve_fast_lora
 from ..data import PreparedData, prepare_data
 from ..data.arrow import first_token_at_least, sample_lengths, trained_token_count
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
@@ -28,7 +28,6 @@ from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_laun
 from ..errors import LoraLabError, ModelError, TrainingError
 from ..log import get_logger
 from ..models.attention import CUDNN_EQUAL_LENGTHS, resolve_packed_attention
-from ..models.fast_lora import resolve_fast_lora
 from ..models.load import (Precision, check_model_files, check_remote_code, choose_precision,
                            load_base_model, load_tokenizer, locate_model, resolve_kernels)
 from ..models.lora import (apply_lora, check_full_finetuning_precision, prepare_full_finetuning,

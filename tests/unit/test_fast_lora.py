@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_lab.config import LoraArgs, resolve_config
-from lora_lab.models.fast_lora import LoraMLP, LoraProjection, resolve_fast_lora
+from lora_lab.config import LoraArgs, resolve_config, resolve_fast_lora
+from lora_lab.models.fast_lora import LoraMLP, LoraProjection
 from lora_lab.planning.memory import MemoryMeans
 from lora_lab.models.lora import apply_lora
 from tests.unit.test_activations import SEQ, assert_same, tiny_untied

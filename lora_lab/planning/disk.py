@@ -7,7 +7,7 @@ from pathlib import Path
 from ..config import RunConfig, converts_initial_adapter
 from ..errors import LoraLabError
 from ..registry import model_config_of, resolve_model_spec
-from .memory import ModelShape
+from .shape import ModelShape
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
                    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from lora_lab.config import resolve_config
-from lora_lab.planning.memory import ModelShape, plan_memory
+from lora_lab.planning.memory import plan_memory
+from lora_lab.planning.shape import ModelShape
 from lora_lab.registry import (FAMILIES, GENERIC, OTHER_MODELS, family_of, is_base_model,
                                missing_fast_paths, model_config_of)
 

@@ -2,7 +2,6 @@
 layers compute (CPU here; tests/gpu/test_means_cuda.py with liger's kernels on a GPU)."""
 import copy
 
-import pytest
 import torch
 
 from lora_lab.models.load import NATIVE_RMS_NORMS, _native_rms_norm, use_native_rms_norm

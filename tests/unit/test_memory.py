@@ -119,9 +119,6 @@ def test_check_fits_refuses_with_the_knobs_to_turn():
 # and the last test of this file checks them against the two-GPU runs in bench/results.
 
 def plan_for(engine, gpus, tuner="lora", **flags):
-    from lora_lab.planning.memory import ModelShape
-    from lora_lab.registry import known_model_config
-
     config = resolve_config("24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"],
                                            "model.quantization": "none", "train.gpus": gpus,
                                            "train.engine": engine, "data.packing": False,
@@ -132,7 +129,7 @@ def plan_for(engine, gpus, tuner="lora", **flags):
 
 
 def _shape():
-    from lora_lab.planning.memory import ModelShape
+    from lora_lab.planning.shape import ModelShape
     from lora_lab.registry import known_model_config
 
     return ModelShape.from_config(known_model_config("7b"))

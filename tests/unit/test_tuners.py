@@ -9,7 +9,8 @@ import torch
 from lora_lab.config import LoraArgs, resolve_config, resolve_fast_lora
 from lora_lab.errors import ConfigError
 from lora_lab.models.lora import apply_lora, save_converted_adapter, save_initial_adapter
-from lora_lab.planning.memory import ModelShape, plan_memory
+from lora_lab.planning.memory import plan_memory
+from lora_lab.planning.shape import ModelShape
 from lora_lab.planning.tuners import adapter_params, dora_parts
 from lora_lab.registry import known_model_config
 from tests.unit.test_activations import SEQ, tiny_untied

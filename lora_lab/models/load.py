@@ -288,9 +288,9 @@ NATIVE_RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSN
                     "Phi3RMSNorm")
 """RMSNorm layers that compute weight * (x * rsqrt(mean(x^2) + eps)) with the statistics in
 fp32: what torch.rms_norm computes. On a GPU it is one fused CUDA kernel each way, launched from
-C++ (liger's Triton kernel costs about ten times the host time a call, and the 7B step on short
-rows waits on the host: bench/results/2026-12-01-peer-NOTES.md). Gemma's (1 + weight) is not
-among them."""
+C++; liger's Triton launch costs about 0.3 ms of Python a call under cProfile, and the 7B step on
+short rows waits on the host (bench/results/profiles/host-ll-7b-1024-call25.txt). Gemma's
+(1 + weight) is not among them."""
 
 
 def native_rms_norm_available() -> bool:

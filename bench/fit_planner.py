@@ -105,14 +105,8 @@ def _working_terms(config) -> tuple[float, float, float]:
     peft's path counts them), in GiB."""
     shape = memory.ModelShape.from_config(model_config_of(config.model.name))
     tokens = memory.row_length(config) * memory.micro_batch_rows(config)
-    chunk = memory._means(shape, config, tokens).mlp_chunk_tokens
-    mlp_tokens = chunk * memory.micro_batch_rows(config) if chunk else tokens
-    per_hidden = memory.FIT_BYTES_PER_TOKEN_PER_HIDDEN + (
-        memory.FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN if config.model.quantization == "none"
-        else 0)
-    hidden = tokens * per_hidden * shape.hidden / memory.GIB
-    intermediate = (mlp_tokens * memory.FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE
-                    * shape.intermediate / memory.GIB)
+    hidden, intermediate = (b / memory.GIB for b in memory.working_terms(
+        shape, config, tokens, memory._means(shape, config, tokens)))
     hidden_scale, intermediate_scale = memory.fast_lora_scales(config)
     rest = (memory.plan_memory(config).total_gib - hidden * hidden_scale
             - intermediate * intermediate_scale)

@@ -1,16 +1,20 @@
 """What sets a cell's peak reserved GPU memory: the caching allocator's history, read back.
 
 bench/cell.py records it when the cell asks ("memory_history": true) and adds `report()` to the
-cell's result as "memory_peak": at each moment an allocation of 8 MiB or more made the reserved
-memory grow to a new high (the last few of them), what was allocated then, what was freed but still waited on another stream's work
-(record_stream: not yet reusable), and the allocation that made the allocator map more memory,
-with its Python frames. The gap between the peak reserved and the peak allocated is either
-memory held for other streams or free cached memory in pieces too small for that allocation
-(fragmentation); these figures say which.
+cell's result as "memory_peak": at each moment an allocation of 8 MiB or more made the
+reserved memory grow to a new high (the last few of them), what was allocated then, what was
+freed but still waited on another stream's work (record_stream: not yet reusable), and the
+allocation that made the allocator map more memory, with its Python frames. The gap between
+the peak reserved and the peak allocated is either memory held for other streams or free cached
+memory in pieces too small for that allocation (fragmentation); these figures say which.
 """
 from __future__ import annotations
 
 GIB = 2**30
+
+
+def _gib(value: int) -> float:
+    return round(value / GIB, 3)
 
 
 def start(max_entries: int = 2_000_000) -> dict:
@@ -58,11 +62,8 @@ def report(begin: dict, highs: int = 4) -> dict:
         elif action == "free_completed":
             pending -= size
             allocated -= size
-    def gib(value):
-        return round(value / GIB, 3)
-
-    return {"peak_reserved_gib": gib(max([m["reserved"] for m in moments] or [reserved])),
-            "peak_allocated_gib": gib(peak_allocated), "trace_events": len(trace),
-            "highs": [{**m, "reserved": gib(m["reserved"]), "allocated": gib(m["allocated"]),
-                       "pending_free": gib(m["pending_free"]), "size_mib": round(m["size"] / 2**20, 1)}
-                      for m in moments[-highs:]]}
+    return {"peak_reserved_gib": _gib(max([m["reserved"] for m in moments] or [reserved])),
+            "peak_allocated_gib": _gib(peak_allocated), "trace_events": len(trace),
+            "highs": [{**m, "reserved": _gib(m["reserved"]), "allocated": _gib(m["allocated"]),
+                       "pending_free": _gib(m["pending_free"]),
+                       "size_mib": round(m["size"] / 2**20, 1)} for m in moments[-highs:]]}

@@ -319,15 +319,9 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     means = means or _means(shape, config, tokens)
     tuner = tuner_of(config)
     adapter = shape.trained_params(tuner, config.lora.rank)
-    per_hidden = FIT_BYTES_PER_TOKEN_PER_HIDDEN + (
-        FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN if config.model.quantization == "none" else 0)
-    mlp_tokens = tokens
-    if means.mlp_chunk_tokens:
-        mlp_tokens = means.mlp_chunk_tokens * micro_batch_rows(config)
+    hidden_bytes, intermediate_bytes = working_terms(shape, config, tokens, means)
     hidden_scale, intermediate_scale = fast_lora_scales(config)
-    working = (tokens * per_hidden * hidden_scale * shape.hidden +
-               mlp_tokens * FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE * intermediate_scale
-               * shape.intermediate)
+    working = hidden_bytes * hidden_scale + intermediate_bytes * intermediate_scale
     other = shape.other_params - (shape.vocab * shape.hidden if means.embedding_on_cpu else 0)
     parts = {
         "weights" + (" (input embedding in CPU memory)" if means.embedding_on_cpu else ""):
@@ -357,6 +351,20 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
         parts["full logits for the loss (estimate)"] = (
             tokens * shape.vocab * UNFUSED_LOSS_BYTES_PER_LOGIT / GIB)
     return parts
+
+
+def working_terms(shape: ModelShape, config: RunConfig, tokens: int,
+                  means: MemoryMeans) -> tuple[float, float]:
+    """The recomputed layer's fitted working memory in bytes as peft's path holds it: (the
+    per-hidden term, the per-intermediate term, over a chunk's tokens where the MLP runs in
+    chunks). fast_lora_scales says what the fast path holds instead."""
+    per_hidden = FIT_BYTES_PER_TOKEN_PER_HIDDEN + (
+        FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN if config.model.quantization == "none" else 0)
+    mlp_tokens = tokens
+    if means.mlp_chunk_tokens:
+        mlp_tokens = means.mlp_chunk_tokens * micro_batch_rows(config)
+    return (tokens * per_hidden * shape.hidden,
+            mlp_tokens * FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE * shape.intermediate)
 
 
 def fast_lora_scales(config: RunConfig) -> tuple[float, float]:

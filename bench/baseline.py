@@ -6,29 +6,11 @@ tokenized here with the chat template, labels on the whole sequence as the simpl
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import (AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, TrainingArguments
 
-
-class _Timer(TrainerCallback):
-    def __init__(self):
-        self.times, self.last = [], None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self.last is None:
-            torch.cuda.synchronize()
-            self.last = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.times.append(now - self.last)
-        self.last = now
+from lora_lab.training.callbacks import StepTimer  # as lora-lab's and Unsloth's cells
 
 
 class _Rows(torch.utils.data.Dataset):
@@ -112,7 +94,7 @@ def run_baseline(model_dir: str, max_length: int, micro_batch_size: int = 1, gra
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.05,
                                              target_modules="all-linear", task_type="CAUSAL_LM"))
-    timer = _Timer()
+    timer = StepTimer()
     args = TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=micro_batch_size,
         gradient_accumulation_steps=grad_accum, max_steps=steps, learning_rate=1e-4,
@@ -122,8 +104,9 @@ def run_baseline(model_dir: str, max_length: int, micro_batch_size: int = 1, gra
     torch.cuda.reset_peak_memory_stats()
     Trainer(model=model, args=args, callbacks=[timer],
             train_dataset=_Rows(steps * grad_accum * micro_batch_size, max_length)).train()
-    step = statistics.median(timer.times[warmup_steps:])
+    performance = timer.summary(warmup_steps)
     tokens = micro_batch_size * grad_accum * max_length
-    return {"median_step_seconds": step, "tokens_per_s": tokens / step,
+    return {"median_step_seconds": performance["median_step_seconds"],
+            "tokens_per_s": tokens / performance["median_step_seconds"],
             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-            "timed_steps": len(timer.times) - warmup_steps}
+            "timed_steps": performance["timed_steps"]}

@@ -2,8 +2,9 @@
 
 Same random-weight Qwen2.5 folders (workloads.make_random_model) and data generators; Unsloth's
 recommended settings: FastLanguageModel, LoRA r 8, alpha 32 on all linear layers, dropout 0,
-use_gradient_checkpointing="unsloth". Steps are timed by lora-lab's own StepTimer (a CUDA sync at
-every optimizer step, the median after 2 warm-up steps); peak = torch.cuda.max_memory_reserved.
+use_gradient_checkpointing="unsloth". Steps are timed by lora-lab's own StepTimer (CUDA events
+at every optimizer step's end, no host wait; the median after 2 warm-up steps); peak =
+torch.cuda.max_memory_reserved.
 
 - kind "unsloth": fixed-length samples (workloads.write_full_length_rows, every sample exactly
   max_length tokens) through the plain transformers Trainer, `batch` samples a micro-batch and

@@ -173,7 +173,8 @@ def peer_cells(steps: int = 6) -> list:
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-rows4096-{run}",
                               "size": size, "steps": steps,
                               "sets": FAST + ["data.pack_length=4096"], **ours})
-            if name in ("7b-1024", "7b-2048-nf4"):  # the MLP backward in chunks
+            if name in ("7b-1024", "7b-2048-nf4", "0.5b-4096", "1.5b-4096"):
+                # the MLP backward in chunks
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-chunk-{run}",
                               "size": size, "steps": steps,
                               "sets": FAST + ["model.fast_lora_chunk_tokens=2048"], **ours})

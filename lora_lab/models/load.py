@@ -281,7 +281,35 @@ def apply_kernels(model, kernels: str, fused_loss: bool = True) -> str:
     apply(**{k: v for k, v in wanted.items() if k in params})
     if native_norms:
         use_native_rms_norm(model)
+    if fused_loss:
+        scale_loss_gradients_on_device()
     return "liger"
+
+
+def scale_on_device(grad_output, grad_input, grad_weight, grad_bias):
+    """The fused linear cross-entropy's backward: the gradients its forward pass computed,
+    times the loss's incoming gradient, multiplied on the device. liger first compares that
+    gradient with 1 (torch.equal against a new CUDA tensor), which makes the host wait for the
+    GPU once per micro-batch; multiplying by 1 is exact, so the comparison buys nothing."""
+    for grad in (grad_input, grad_weight, grad_bias):
+        if grad is not None:
+            grad.mul_(grad_output)
+    return grad_input, grad_weight, grad_bias
+
+
+def scale_loss_gradients_on_device() -> bool:
+    """Route liger's fused linear cross-entropy backward through scale_on_device; False where
+    this liger-kernel has no such function (its own backward then runs)."""
+    import inspect
+
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+
+    original = getattr(flce, "fused_linear_cross_entropy_backward", None)
+    if original is None or list(inspect.signature(original).parameters) != [
+            "grad_output", "grad_input", "grad_weight", "grad_bias"]:
+        return False
+    flce.fused_linear_cross_entropy_backward = scale_on_device
+    return True
 
 
 NATIVE_RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm",

@@ -49,7 +49,11 @@ class JsonlLog(TrainerCallback):
 
 
 class StepTimer(TrainerCallback):
-    """Wall time of every optimizer step and the memory figures of run_summary.json.
+    """The time of every optimizer step and the memory figures of run_summary.json.
+
+    On a GPU a step is timed by CUDA events (from one step's end to the next on the GPU's
+    timeline), so timing adds no host wait: the host may queue the next step before this one
+    has run, as it does untimed.
 
     GPU figures are torch.cuda's, in GiB: the reserved peak (what the planner predicts) overall,
     before training (model and engine set up) and up to the end of training; for the first
@@ -60,7 +64,7 @@ class StepTimer(TrainerCallback):
     (what the offload engines are planned with)."""
 
     def __init__(self):
-        self.step_seconds, self._last = [], None
+        self._spans, self._last = [], None  # (start, end) marks of every step
         self.phases = {}
 
     def _once(self, **figures):
@@ -92,27 +96,40 @@ class StepTimer(TrainerCallback):
         return {k: None if v is None else round(v, 4) for k, v in figures.items()}
 
     @staticmethod
-    def _now():
+    def _mark():
+        """A point in time that costs the GPU no wait: a CUDA event recorded on the current
+        stream (read after training), or the host's clock without a GPU. A step's time is from
+        one step's end to the next on the GPU's timeline, the idle stretches included."""
         import torch
 
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
+        if not torch.cuda.is_available():
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._last is None:
-            self._last = self._now()
+            self._last = self._mark()
 
     def on_step_end(self, args, state, control, **kwargs):
-        now = self._now()
-        self.step_seconds.append(now - self._last)
+        now = self._mark()
+        self._spans.append((self._last, now))
         self._last = now
 
+    @property
+    def step_seconds(self) -> list[float]:
+        if self._spans and not isinstance(self._spans[-1][1], float):
+            self._spans[-1][1].synchronize()
+        return [end - start if isinstance(end, float) else start.elapsed_time(end) / 1000
+                for start, end in self._spans]
+
     def summary(self, warmup: int = 2) -> dict:
-        timed = self.step_seconds[warmup:] or self.step_seconds
+        seconds = self.step_seconds
+        timed = seconds[warmup:] or seconds
         return {"median_step_seconds": statistics.median(timed) if timed else None,
                 "timed_steps": len(timed),
-                "first_step_seconds": [round(s, 3) for s in self.step_seconds[:warmup]]}
+                "first_step_seconds": [round(s, 3) for s in seconds[:warmup]]}
 
 
 def nonfinite_tensors(model) -> list[str]:
@@ -142,53 +159,128 @@ def nonfinite_message(step: int, what: str, precision: str, run_dir: Path) -> st
             f"continue with --resume auto, or pass --on-nonfinite skip to skip such updates.")
 
 
+def skippable_on_device(optimizer):
+    """The torch optimizer under `optimizer` when it can skip an update on its own device: fused
+    Adam or AdamW (AdamW's subclass) over parameters on one device take a `found_inf` flag, as
+    GradScaler hands them, and a nonzero flag leaves parameters, moments and step counts as they
+    were. None for any other optimizer."""
+    import torch
+
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # under accelerate's AcceleratedOptimizer
+    if not isinstance(optimizer, torch.optim.Adam):
+        return None
+    groups = optimizer.param_groups
+    devices = {param.device for group in groups for param in group["params"]}
+    return optimizer if len(devices) == 1 and all(g.get("fused") for g in groups) else None
+
+
+def _describe(figures, losses: int) -> str | None:
+    """What is not finite among a step's figures: its `losses` micro-batch losses, then (where
+    there is one) its gradient norm. figures: a 1-D tensor in host memory."""
+    import torch
+
+    finite = torch.isfinite(figures)
+    if bool(finite.all()):
+        return None
+    if not bool(finite[:losses].all()):
+        return f"the loss is {figures[:losses][~finite[:losses]][0].item()}"
+    return f"the gradient norm is {figures[losses].item()}"
+
+
 class NonFiniteGuard(TrainerCallback):
-    """Never applies a NaN or inf loss or gradient: stops the run, or skips the update."""
+    """Never applies a NaN or inf loss or gradient: stops the run, or skips the update.
+
+    With fused torch Adam / AdamW (the Trainer's default) in one process, not in fp16, the check
+    makes the host wait for nothing: the step's losses and gradient norm are tested on the GPU,
+    the verdict goes to the optimizer as its found_inf (skippable_on_device), and the host reads
+    it, from pinned memory, at the next step, or before this step's log, save, evaluation or
+    end of training: a stop then comes at the latest one step later, from weights the bad
+    update never touched, and no checkpoint is written after it. Otherwise (fp16, where the loss
+    scaler skips overflowing steps; several processes; other optimizers) the host reads the
+    verdict before the update."""
 
     def __init__(self, policy: str, precision: str, run_dir: Path):
         self.policy, self.precision, self.run_dir = policy, precision, run_dir
         self.skipped_steps: list[int] = []
-        self._losses = []  # this step's micro-batch losses, read on the host once per step
+        self._losses = []  # this step's micro-batch losses
+        self._pending = None  # (step, figures in host memory, their CUDA event, loss count)
         self.clipped_norm = None
         """The gradient norm the Trainer's clipping computed for this step (a tensor), set by
         LoraLabMixin._clip_grad_norm; the guard then reads it instead of computing its own."""
 
     def note_loss(self, loss) -> None:
-        self._losses.append(loss.detach().reshape(-1))
+        self._losses.append(loss.detach().reshape(-1).float())
 
-    def _bad_loss(self) -> str | None:
+    def _figures(self, model, fp16: bool):
+        """This step's losses and (not with fp16) gradient norm as one 1-D float tensor on the
+        device, and how many losses lead it; (None, 0) when there is nothing to check."""
         import torch
 
-        if not self._losses:
-            return None
-        losses, self._losses = torch.cat(self._losses), []
-        finite = torch.isfinite(losses)
-        if bool(finite.all()):
-            return None
-        return f"the loss is {losses[~finite][0].item()}"
-
-    def _bad_gradient(self, model) -> str | None:
-        import torch
-
+        parts, self._losses = self._losses, []
+        losses = sum(part.numel() for part in parts)
         norm, self.clipped_norm = self.clipped_norm, None
-        if not isinstance(norm, torch.Tensor):
+        if not fp16 and not isinstance(norm, torch.Tensor):
             grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
-            if not grads:
-                return None
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
-                                                         for g in grads]))
-        return None if bool(torch.isfinite(norm)) else f"the gradient norm is {norm.item()}"
+            if grads:
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
+                                                             for g in grads]))
+        if not fp16 and isinstance(norm, torch.Tensor):
+            parts.append(norm.detach().float().reshape(1).to(parts[0].device if parts else
+                                                             norm.device))
+        return (torch.cat(parts), losses) if parts else (None, 0)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-        # With fp16 the loss scaler skips steps whose (scaled) gradients overflow by design.
-        found = self._bad_loss() or (None if args.fp16 else self._bad_gradient(model))
-        if found is None:
-            return
+        import torch
+
         step = state.global_step + 1
+        on_device = (None if args.fp16 or getattr(args, "world_size", 1) > 1
+                     else skippable_on_device(optimizer))
+        self.settle()
+        figures, losses = self._figures(model, args.fp16)
+        if on_device is None or figures is None:
+            found = None if figures is None else _describe(figures.cpu(), losses)
+            if found is not None:
+                if not args.fp16:  # (with fp16 the scaler sees the NaN in the gradients)
+                    optimizer.zero_grad(set_to_none=True)  # no gradient: no update
+                self._act(step, found)
+            if on_device is not None:
+                on_device.found_inf = None
+            return
+        device = next(p.device for g in on_device.param_groups for p in g["params"])
+        on_device.found_inf = (~torch.isfinite(figures).all()).float().to(device)
+        event = None
+        if figures.is_cuda:
+            host = torch.empty(figures.shape, dtype=figures.dtype, pin_memory=True)
+            figures = host.copy_(figures, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._pending = (step, figures, event, losses)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if (control.should_log or control.should_save or control.should_evaluate
+                or control.should_training_stop):
+            self.settle()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.settle()
+
+    def settle(self) -> None:
+        """Act on the verdict of the step whose figures are still unread (the host waits, if at
+        all, only until they were computed)."""
+        if self._pending is None:
+            return
+        (step, figures, event, losses), self._pending = self._pending, None
+        if event is not None:
+            event.synchronize()
+        found = _describe(figures, losses)
+        if found is not None:
+            self._act(step, found)
+
+    def _act(self, step: int, found: str) -> None:
+        """A non-finite step whose update was not applied: stop, or count it and go on."""
         if self.policy == "stop":
             raise TrainingError(nonfinite_message(step, found, self.precision, self.run_dir))
-        if not args.fp16:  # (with fp16 the scaler sees the NaN in the gradients and skips)
-            optimizer.zero_grad(set_to_none=True)  # no gradient: the optimizer leaves it be
         self.skipped_steps.append(step)
         log.warning(f"warning: step {step}: {found}; update skipped "
                     f"({len(self.skipped_steps)} skipped so far)")

@@ -57,3 +57,15 @@ def test_only_the_listed_norms_are_routed():
     gemma = Gemma3ForCausalLM(config)  # (1 + weight): not torch.rms_norm's arithmetic
     assert "Gemma3RMSNorm" not in NATIVE_RMS_NORMS
     assert use_native_rms_norm(gemma) == 0
+
+
+def test_the_loss_gradients_are_scaled_in_place_on_their_device():
+    from lora_lab.models.load import scale_on_device
+
+    grad_input, grad_weight = torch.randn(6, 4).bfloat16(), torch.randn(5, 4)
+    kept = grad_input.clone()
+    assert scale_on_device(torch.tensor(1.0), grad_input, None, None)[0] is grad_input
+    assert torch.equal(grad_input, kept)  # times 1: bit for bit
+    scaled = scale_on_device(torch.tensor(0.25), grad_input, grad_weight.clone(), None)
+    assert torch.equal(scaled[0], (kept.float() * 0.25).bfloat16())
+    assert torch.equal(scaled[1], grad_weight * 0.25) and scaled[2] is None

@@ -19,9 +19,9 @@ def model_with_gradient(value: float):
     return model
 
 
-def pre_optimizer_step(guard, model, fp16=False, global_step=6):
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    guard.on_pre_optimizer_step(SimpleNamespace(fp16=fp16), SimpleNamespace(
+def pre_optimizer_step(guard, model, fp16=False, global_step=6, optimizer=None):
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=1.0)
+    guard.on_pre_optimizer_step(SimpleNamespace(fp16=fp16, world_size=1), SimpleNamespace(
         global_step=global_step), None, model=model, optimizer=optimizer)
 
 
@@ -66,6 +66,56 @@ def test_with_fp16_the_loss_scaler_handles_overflowing_gradients(tmp_path):
     guard.note_loss(torch.tensor(float("inf")))
     with pytest.raises(TrainingError, match=r"fp16 overflow.*--dtype bf16"):
         pre_optimizer_step(guard, model_with_gradient(1.0), fp16=True)
+
+
+def fused_step(guard, model, global_step=6):
+    """One optimizer step of fused AdamW with the guard's hook before it; the optimizer."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    pre_optimizer_step(guard, model, global_step=global_step, optimizer=optimizer)
+    optimizer.step()
+    return optimizer
+
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_fused_adamw_skips_the_update_itself_and_the_verdict_is_read_later(tmp_path, policy,
+                                                                           capsys):
+    guard = NonFiniteGuard(policy, "bf16", tmp_path)
+    model = model_with_gradient(float("nan"))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = fused_step(guard, model)  # the host has not looked: no error, no warning yet
+    assert guard.skipped_steps == [] and "skipped" not in capsys.readouterr().out
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(float(state["step"]) == 0 and not state["exp_avg"].any()
+               for state in optimizer.state.values())  # as if the step never ran
+    if policy == "stop":
+        with pytest.raises(TrainingError, match="step 7: the gradient norm is nan"):
+            guard.settle()
+    else:
+        guard.settle()
+        assert guard.skipped_steps == [7] and "update skipped" in capsys.readouterr().out
+    guard.settle()  # read once
+    assert guard.skipped_steps == ([] if policy == "stop" else [7])
+
+
+def test_a_finite_step_updates_exactly_as_fused_adamw_alone(tmp_path):
+    guarded, alone = model_with_gradient(2.0), model_with_gradient(2.0)
+    alone.load_state_dict(guarded.state_dict())
+    guard = NonFiniteGuard("stop", "bf16", tmp_path)
+    guard.note_loss(torch.tensor(1.5))
+    fused_step(guard, guarded)
+    torch.optim.AdamW(alone.parameters(), lr=0.1, fused=True).step()
+    assert all(torch.equal(a, b) for a, b in zip(guarded.parameters(), alone.parameters()))
+    assert not torch.equal(guarded.weight, model_with_gradient(2.0).weight)  # it did train
+
+
+def test_the_next_step_reads_the_verdict_before_its_own_update(tmp_path):
+    guard = NonFiniteGuard("stop", "fp32", tmp_path)
+    guard.note_loss(torch.tensor(float("inf")))
+    fused_step(guard, model_with_gradient(1.0), global_step=6)
+    with pytest.raises(TrainingError, match="step 7: the loss is inf"):
+        pre_optimizer_step(guard, model_with_gradient(1.0), global_step=7,
+                           optimizer=torch.optim.AdamW(model_with_gradient(1.0).parameters(),
+                                                       fused=True))
 
 
 def test_the_advice_depends_on_precision(tmp_path):

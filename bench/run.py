@@ -174,10 +174,11 @@ def peer_cells(steps: int = 6) -> list:
                               "size": size, "steps": steps,
                               "sets": FAST + ["data.pack_length=4096"], **ours})
             if name in ("7b-1024", "7b-2048-nf4", "0.5b-4096", "1.5b-4096"):
-                # the MLP backward in chunks
-                cells.append({"kind": "lora-lab", "label": f"ll-{name}-chunk-{run}",
-                              "size": size, "steps": steps,
-                              "sets": FAST + ["model.fast_lora_chunk_tokens=2048"], **ours})
+                # the MLP backward in chunks (of 1024 tokens: -chunk1024)
+                for suffix, tokens in (("chunk", 2048), ("chunk1024", 1024)):
+                    cells.append({"kind": "lora-lab", "label": f"ll-{name}-{suffix}-{run}",
+                                  "size": size, "steps": steps, **ours,
+                                  "sets": FAST + [f"model.fast_lora_chunk_tokens={tokens}"]})
             if name == "7b-1024":  # the embedding on the GPU, as Unsloth keeps it
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-gpuemb-{run}",
                               "size": size, "steps": steps,

@@ -170,9 +170,10 @@ def peer_cells(steps: int = 6) -> list:
             cells.append({"kind": "unsloth", "label": f"us-{name}-{run}", "size": size,
                           "steps": steps, **theirs})
             if name in ("0.5b-4096", "1.5b-4096"):  # rows of 4096 tokens, as Unsloth's batches
-                cells.append({"kind": "lora-lab", "label": f"ll-{name}-rows4096-{run}",
-                              "size": size, "steps": steps,
-                              "sets": FAST + ["data.pack_length=4096"], **ours})
+                for suffix, more in (("", []), ("-chunk", ["model.fast_lora_chunk_tokens=2048"])):
+                    cells.append({"kind": "lora-lab", "label": f"ll-{name}-rows4096{suffix}-{run}",
+                                  "size": size, "steps": steps,
+                                  "sets": FAST + ["data.pack_length=4096"] + more, **ours})
             if name in ("7b-1024", "7b-2048-nf4", "0.5b-4096", "1.5b-4096"):
                 # the MLP backward in chunks (of 1024 tokens: -chunk1024)
                 for suffix, tokens in (("chunk", 2048), ("chunk1024", 1024)):
@@ -208,10 +209,12 @@ def peer_cells(steps: int = 6) -> list:
         # what sets the peak reserved memory (bench/memory_peak.py; the history slows the step)
         for name, sets in (("7b-4096", FAST), ("7b-4096-nostream",
                                                 FAST + ["train.offload_copy_stream=false"]),
-                           ("7b-2048-nf4-chunk", FAST + ["model.fast_lora_chunk_tokens=2048"])):
+                           ("7b-2048-nf4-chunk", FAST + ["model.fast_lora_chunk_tokens=2048"]),
+                           ("1.5b-4096-chunk1024", FAST + ["model.fast_lora_chunk_tokens=1024"])):
+            cell = name.removesuffix("-nostream").removesuffix("-chunk").removesuffix("-chunk1024")
             cells.append({"kind": "lora-lab", "label": f"ll-{name}-history-{run}",
-                          "size": "7b", "steps": 4, "sets": sets, "memory_history": True,
-                          **PEER_CELLS[name.removesuffix("-nostream").removesuffix("-chunk")][0]})
+                          "size": name.split("-")[0], "steps": 4, "sets": sets,
+                          "memory_history": True, **PEER_CELLS[cell][0]})
         for size in ("7b", "1.5b", "0.5b"):
             cells.append({"kind": "lora-lab-sft", "label": f"ll-sft-{size}-{run}",
                           "preset": "24gb", "size": size, "rows": 256, "sets": FAST})

@@ -35,6 +35,7 @@ def run_lora_lab(cell: dict) -> dict:
     from lora_lab.config import resolve_config
     from lora_lab.planning.memory import micro_batch_rows, plan_memory, row_length
     from lora_lab import train
+    from lora_lab.training.run import as_planned
 
     if cell.get("residual_skip") is False:  # ablation: recomputed MLPs run to their output
         from lora_lab.models import fast_lora
@@ -85,7 +86,7 @@ def run_lora_lab(cell: dict) -> dict:
     summary = json.loads((result.run_dir / "run_summary.json").read_text())
     performance = summary["performance"]
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
-    plan = plan_memory(config, cell.get("cap_gib"))
+    plan = plan_memory(as_planned(config), cell.get("cap_gib"))
     return {**performance, **extra, "tokens_per_s": tokens / performance["median_step_seconds"],
             "tokens_per_micro_batch": row_length(config) * micro_batch_rows(config),
             "planned_gib": plan.total_gib, "resolved": resolved(config, summary)}

@@ -60,9 +60,13 @@ def cell_sets(row: dict) -> list:
     """The --set list a stored cell ran with: rows that do not record their LoRA dropout ran
     the presets when these still had the earlier dropout."""
     sets = list(row.get("sets", []))
-    if "lora_dropout" not in row.get("resolved", {}) and not any(
+    resolved = row.get("resolved", {})
+    if "lora_dropout" not in resolved and not any(
             s.startswith("lora.dropout=") for s in sets):
         sets.insert(0, EARLIER_PRESET_DROPOUT)
+    if resolved.get("packed_attention") and not any(
+            s.startswith("data.packed_attention=") for s in sets):  # auto, as the GPU ran it
+        sets.append(f"data.packed_attention={resolved['packed_attention']}")
     return sets
 
 

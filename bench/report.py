@@ -67,11 +67,11 @@ def load(plan: str, every_file: bool = False) -> tuple[list, list]:
     return headers, [row for row, _ in cells.values()]
 
 
-def load_plans(*plans: str) -> tuple[list, list]:
-    """Headers and cell rows of the newest results of each plan."""
+def load_plans(*plans: str, every_file: bool = False) -> tuple[list, list]:
+    """Headers and cell rows of the newest results of each plan (every_file: load's)."""
     headers, rows = [], []
     for plan in plans:
-        found, cells = load(plan)
+        found, cells = load(plan, every_file)
         headers += found
         rows += cells
     return headers, rows
@@ -119,7 +119,7 @@ def _cell(row: dict | None, speed: bool = True) -> str:
 
 
 def presets_table() -> str:
-    headers, rows = load_plans("presets-small", "presets-7b")
+    headers, rows = load_plans("presets-small", "presets-7b", every_file=True)
     if not rows:
         return ""
     lines = ["| preset (cap) | " + " | ".join(f"Qwen2.5-{s.upper()}" for s in SIZES) + " |",
@@ -147,12 +147,12 @@ def presets_table() -> str:
              "them (one row of pack_length tokens per step: 8192, 8gb 4096, 8gb 7B 2048); the "
              "plain recipe runs the same tokens per pass as one unpacked sequence. † = tokens/s "
              "measured while up to 7 other cells shared the GPU: a lower bound, not a speed "
-             "(clean speeds are in the next table). These cells ran with MLP chunks on every "
-             "row longer than 4096 tokens; lora-lab uses them only where the plan does not fit the "
-             "card without them (faster), so a run may peak higher than shown, up to what "
-             "`lora-lab plan` predicts for the tier, which it checks before loading. The 0.5B-3B "
-             "columns and the 7B column are two runs; each lora-lab cell and its plain recipe "
-             "are in the same run. Measured: "
+             "(clean speeds are in the next table). Each cell is the newest run of its label: "
+             "cells measured before 2026-12-02 (the plain recipes, and each cell whose run below "
+             "is dated so) ran with LoRA dropout 0.05 (peft's path) and MLP recompute chunks on "
+             "every row longer than 4096 tokens; the later ones with the presets' dropout 0 "
+             "(the fast LoRA path) and chunks only where the plan does not fit the card without "
+             "them. Measured: "
              + "; ".join(_source(h) for h in headers)]
     return "\n".join(lines) + "\n\n" + notes[0] + "\n"
 

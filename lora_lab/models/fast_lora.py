@@ -152,14 +152,12 @@ def _scaled_mm(a, b, scale: float):
     return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
 
 
-def _project(x2, bases, a16, b16, scalings, weights=None):
-    """Outputs of projections that share the input x2 [tokens, in], and x2 @ [A_1; A_2 ...].T.
-    weights: the bases' 16-bit weights where the caller holds them already."""
+def _project(x2, bases, a16, b16, scalings):
+    """Outputs of projections that share the input x2 [tokens, in], and x2 @ [A_1; A_2 ...].T."""
     xa = x2 @ _stacked(a16).t()
     outputs, start = [], 0
-    weights = weights or [_base_weight(base, x2.dtype) for base in bases]
-    for base, weight, a, b, s in zip(bases, weights, a16, b16, scalings):
-        out = F.linear(x2, weight, _bias(base, x2.dtype))
+    for base, a, b, s in zip(bases, a16, b16, scalings):
+        out = F.linear(x2, _base_weight(base, x2.dtype), _bias(base, x2.dtype))
         rank = a.shape[0]
         out.addmm_(xa[:, start:start + rank], b.t(), alpha=s)
         outputs.append(out)
@@ -250,35 +248,12 @@ def _swiglu_backward(gate, up, grad_h):
     return grad_gate, grad_up
 
 
-def _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens: int):
-    """LoraMLP's output where no gradient is taken (a checkpointed layer's first pass, an
-    evaluation), chunk_tokens tokens at a time: gate, up and silu(gate) * up, the largest
-    temporaries of a layer, are a chunk's. Each frozen weight is read (de-quantized) once."""
-    dtype = _compute_dtype(x)
-    with torch.autocast(x.device.type, enabled=False):
-        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        (ag, au, ad), (bg, bu, bd) = casts.get(params[0::2], params[1::2], dtype)
-        weights = [_base_weight(base, dtype) for base in bases]
-        out = x2.new_empty(x2.shape[0], bases[2].out_features)
-        for start in range(0, x2.shape[0], chunk_tokens):
-            rows = slice(start, start + chunk_tokens)
-            (gate, up), _ = _project(x2[rows], bases[:2], [ag, au], [bg, bu], scalings[:2],
-                                     weights[:2])
-            h = _swiglu(gate, up)
-            del gate, up
-            (down,), _ = _project(h, bases[2:], [ad], [bd], scalings[2:], weights[2:])
-            out[rows] = down
-            del h, down
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
 class LoraMLP(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with LoRA on all three; keeps x, gate, up.
 
     chunk_tokens: the backward pass through down and SwiGLU runs on at most this many tokens at
     a time (0: all), so its [tokens x intermediate] temporaries (silu(gate) * up and its
-    gradient) are a chunk's; gate and up then back-propagate over all tokens at once. Where no
-    gradient is taken the whole MLP runs in chunks (_mlp_without_graph).
+    gradient) are a chunk's; gate and up then back-propagate over all tokens at once.
     output_unread: the output's values are never read (a checkpointed layer's recomputation
     whose MLP output only enters the residual sum): the forward then stops after gate and up,
     and the backward pass computes silu(gate) * up @ A_down.T itself; it returns zeros of the
@@ -414,8 +389,6 @@ def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
         bases = tuple(p.get_base_layer() for p in projections)
         scalings = tuple(a[2] for a in adapters)
         params = [t for a in adapters for t in a[:2]]
-        if chunk_tokens and not torch.is_grad_enabled() and x[..., 0].numel() > chunk_tokens:
-            return _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens)
         unread = output_to_residual and torch.is_grad_enabled() and replaying_layer()
         return LoraMLP.apply(x, bases, scalings, unread, chunk_tokens, casts, *params)
 

@@ -38,16 +38,16 @@ GIB = 2**30
 CONTEXT_GIB = 0.5
 # Fitted by weighted least squares on every successful single-GPU lora-lab cell stored in
 # bench/results (`python bench/fit_planner.py`; docs/memory-planner.md).
-FIT_CONSTANT_GIB = 0.1543
-FIT_BYTES_PER_TOKEN_PER_HIDDEN = 39.44
-FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = 11.690
-FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 12.84  # extra per token when the base is 16-bit
+FIT_CONSTANT_GIB = 0.1480
+FIT_BYTES_PER_TOKEN_PER_HIDDEN = 39.34
+FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = 11.875
+FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 13.32  # extra per token when the base is 16-bit
 # The fast LoRA path (models/fast_lora.py: the LoRA inputs in 16 bits where peft keeps fp32
 # copies, gate and up kept for the MLP's own backward pass) works in other memory: its per-hidden
 # and per-intermediate terms are the ones above times these, fitted on the fast-path cells by the
 # same script after the terms above.
-FIT_FAST_HIDDEN_SCALE = 0.7007
-FIT_FAST_INTERMEDIATE_SCALE = 1.4734
+FIT_FAST_HIDDEN_SCALE = 0.7988
+FIT_FAST_INTERMEDIATE_SCALE = 0.6989
 NF4_BYTES_PER_WEIGHT = 0.5156  # 4 bits + double-quantized absmax per 64-weight block
 UNFUSED_LOSS_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy and its gradient (estimate)
 TIERS_GIB = {"8gb": 8, "12gb": 12, "16gb": 16, "24gb": 24}
@@ -343,7 +343,9 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     if config.train.task in REFERENCE_TASKS:
         parts["reference forward, no gradients (counted)"] = _reference_bytes(shape,
                                                                                tokens) / GIB
-    if config.data.packing:
+    if config.data.packing and config.data.packed_attention in ("mask", "auto"):
+        # segments and varlen attend from the samples' lengths: no [tokens x tokens] mask;
+        # auto is planned as mask unless the run has resolved it (training/run.py)
         parts["attention mask of a packed row (counted)"] = (
             tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)
     if config.model.kernels == "none" or wants_trainable_tokens(

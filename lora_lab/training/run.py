@@ -16,6 +16,7 @@ import contextlib
 import math
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..config import RunConfig, converts_initial_adapter, resolve_fast_lora
@@ -225,12 +226,19 @@ def longest_row(data: PreparedData, packed=None) -> int:
     return max(sample_lengths(data.train.samples))
 
 
+def as_planned(config: RunConfig) -> RunConfig:
+    """`config` with data.packed_attention as this machine runs it (auto resolved), for the
+    memory plan: segments and varlen build no [tokens x tokens] mask."""
+    kind = resolve_packed_attention(config.data.packed_attention)
+    return replace(config, data=replace(config.data, packed_attention=kind))
+
+
 def check_gpu_memory(config: RunConfig, longest_row_tokens: int) -> None:
     """On a GPU, stop before loading the model if the planner says the run will not fit."""
     gpu_gib = gpu_memory_gib()
     if not (config.train.memory_check and gpu_gib is not None):
         return
-    plan = check_fits(config, gpu_gib, longest_row_tokens)
+    plan = check_fits(as_planned(config), gpu_gib, longest_row_tokens)
     if plan:
         log.info(f"memory plan: about {plan.total_gib:.1f} GiB of {plan.budget_gib:.1f} usable")
 
@@ -335,7 +343,7 @@ def build_trainer(config: RunConfig, data: PreparedData, packed, tokenizer, prec
         if config.model.quantization == "nf4":
             model = prepare_quantized_for_training(model)
         gpu_gib = gpu_memory_gib()
-        means = choose_memory_means(config, on_gpu=gpu_gib is not None,
+        means = choose_memory_means(as_planned(config), on_gpu=gpu_gib is not None,
                                     tied_embeddings=model.config.tie_word_embeddings,
                                     row_tokens=longest_row(data, packed),
                                     budget_gib=usable_gib(gpu_gib))

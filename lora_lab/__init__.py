@@ -30,6 +30,7 @@ def plan(config: RunConfig, gpu_memory_gib: float | None = None,
 
     train.engine auto with several GPUs is settled first: the fastest engine that fits."""
     from .log import get_logger
+    from .models.attention import as_planned
     from .planning.choice import pick_engine
     from .planning.memory import plan_memory
 
@@ -37,8 +38,8 @@ def plan(config: RunConfig, gpu_memory_gib: float | None = None,
         config.train.engine, why = pick_engine(config, gpu_memory_gib)
         config.sources["train.engine"] = "auto"
         get_logger().info(f"--engine auto: {config.train.engine} ({why})")
-    try:
-        return plan_memory(config, gpu_memory_gib, longest_sample_tokens)
+    try:  # data.packed_attention auto as this machine runs it (no GPU: mask, counted)
+        return plan_memory(as_planned(config), gpu_memory_gib, longest_sample_tokens)
     except ValueError:
         raise LoraLabError(f"--model {config.model.name}: the planner needs the model's "
                            f"config.json. Pass a local model folder, or a model it ships the "

@@ -159,6 +159,15 @@ def resolve_packed_attention(kind: str) -> str:
     return "varlen" if torch.cuda.is_available() and flash_varlen() is not None else "mask"
 
 
+def as_planned(config):
+    """`config` (a RunConfig) with data.packed_attention as this machine runs it (auto
+    resolved), for the memory plan: segments and varlen build no [tokens x tokens] mask."""
+    from dataclasses import replace
+
+    kind = resolve_packed_attention(config.data.packed_attention)
+    return replace(config, data=replace(config.data, packed_attention=kind))
+
+
 def register_packed_attention(kind: str) -> str:
     """Make data.packed_attention `kind` (segments, varlen) a name from_pretrained accepts;
     returns it."""

@@ -16,7 +16,6 @@ import contextlib
 import math
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from ..config import RunConfig, converts_initial_adapter, resolve_fast_lora
@@ -28,7 +27,7 @@ from ..device import (cap_gpu_memory, distributed_state, gpu_memory_gib, in_laun
                       use_expandable_segments, world_size)
 from ..errors import LoraLabError, ModelError, TrainingError
 from ..log import get_logger
-from ..models.attention import CUDNN_EQUAL_LENGTHS, resolve_packed_attention
+from ..models.attention import CUDNN_EQUAL_LENGTHS, as_planned, resolve_packed_attention
 from ..models.load import (Precision, check_model_files, check_remote_code, choose_precision,
                            load_base_model, load_tokenizer, locate_model, resolve_kernels)
 from ..models.lora import (apply_lora, check_full_finetuning_precision, prepare_full_finetuning,
@@ -224,13 +223,6 @@ def longest_row(data: PreparedData, packed=None) -> int:
     if packed is not None:
         return packed.longest_row
     return max(sample_lengths(data.train.samples))
-
-
-def as_planned(config: RunConfig) -> RunConfig:
-    """`config` with data.packed_attention as this machine runs it (auto resolved), for the
-    memory plan: segments and varlen build no [tokens x tokens] mask."""
-    kind = resolve_packed_attention(config.data.packed_attention)
-    return replace(config, data=replace(config.data, packed_attention=kind))
 
 
 def check_gpu_memory(config: RunConfig, longest_row_tokens: int) -> None:

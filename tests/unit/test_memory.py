@@ -90,7 +90,7 @@ def test_report_breakdown_and_longest_length():
 
 
 def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one(monkeypatch):
-    from lora_lab.training import run
+    from lora_lab.models import attention
 
     flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"]}
     mask = "attention mask of a packed row (counted)"
@@ -99,9 +99,9 @@ def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one(monkey
         config = resolve_config("24gb", flags=flags, sets=[f"data.packed_attention={kind}"])
         assert (mask in plan_memory(config).parts_gib) is counted, kind
     auto = resolve_config("24gb", flags=flags)
-    assert run.as_planned(auto).data.packed_attention == "mask"  # no CUDA here
-    monkeypatch.setattr(run, "resolve_packed_attention", lambda kind: "varlen")
-    planned = run.as_planned(auto)
+    assert attention.as_planned(auto).data.packed_attention == "mask"  # no CUDA here
+    monkeypatch.setattr(attention, "resolve_packed_attention", lambda kind: "varlen")
+    planned = attention.as_planned(auto)
     assert planned.data.packed_attention == "varlen" and auto.data.packed_attention == "auto"
     assert plan_memory(planned).total_gib == pytest.approx(
         plan_memory(auto).total_gib - 8192 * 8192 * 3 / 2**30)

@@ -207,13 +207,14 @@ def peer_cells(steps: int = 6) -> list:
                           "size": "7b", "steps": steps, "sets": sets,
                           **PEER_CELLS["7b-4096"][0]})
         # what sets the peak reserved memory (bench/memory_peak.py; the history slows the step)
-        for name, sets in (("7b-4096", FAST), ("7b-4096-nostream",
-                                                FAST + ["train.offload_copy_stream=false"]),
-                           ("7b-2048-nf4-chunk", FAST + ["model.fast_lora_chunk_tokens=2048"]),
-                           ("1.5b-4096-chunk1024", FAST + ["model.fast_lora_chunk_tokens=1024"])):
-            cell = name.removesuffix("-nostream").removesuffix("-chunk").removesuffix("-chunk1024")
+        for name, cell, sets in (
+                ("7b-4096", "7b-4096", FAST),
+                ("7b-4096-nostream", "7b-4096", FAST + ["train.offload_copy_stream=false"]),
+                ("7b-2048-nf4-chunk", "7b-2048-nf4", FAST + ["model.fast_lora_chunk_tokens=2048"]),
+                ("1.5b-4096-chunk1024", "1.5b-4096",
+                 FAST + ["model.fast_lora_chunk_tokens=1024"])):
             cells.append({"kind": "lora-lab", "label": f"ll-{name}-history-{run}",
-                          "size": name.split("-")[0], "steps": 4, "sets": sets,
+                          "size": cell.split("-")[0], "steps": 4, "sets": sets,
                           "memory_history": True, **PEER_CELLS[cell][0]})
         for size in ("7b", "1.5b", "0.5b"):
             cells.append({"kind": "lora-lab-sft", "label": f"ll-sft-{size}-{run}",

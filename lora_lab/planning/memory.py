@@ -345,7 +345,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
                                                                                tokens) / GIB
     if config.data.packing and config.data.packed_attention in ("mask", "auto"):
         # segments and varlen attend from the samples' lengths: no [tokens x tokens] mask;
-        # auto is planned as mask unless the run has resolved it (training/run.py)
+        # auto counts as mask unless resolved for this machine (models/attention.as_planned)
         parts["attention mask of a packed row (counted)"] = (
             tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)
     if config.model.kernels == "none" or wants_trainable_tokens(

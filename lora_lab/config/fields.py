@@ -66,9 +66,10 @@ class ModelArgs:
                 "it (with dropout the layers fall back to peft, which applies it).",
         choices=("auto", True, False))
     fast_lora_chunk_tokens: int = _f(
-        0, "The fast LoRA MLP's backward pass through down and SwiGLU runs on at most this many "
-           "tokens at a time, so its [tokens x intermediate] temporaries are a chunk's (less "
-           "memory allocated, but the allocator may reserve more); 0: all tokens at once.",
+        0, "The fast LoRA MLP runs on at most this many tokens at a time where no gradient is "
+           "taken (a checkpointed layer's first pass) and in its backward pass (a checkpointed "
+           "layer's MLP is recomputed there a chunk at a time), so its [tokens x intermediate] "
+           "temporaries are a chunk's; 0: all tokens at once.",
         minimum=0)
     cudnn_attention: str | bool = _f(
         "auto", "sdpa's cuDNN attention kernel. auto: only for packed rows whose samples all have "

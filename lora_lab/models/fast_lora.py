@@ -19,7 +19,10 @@ activations' type instead, and:
   and recomputes silu(gate) * up in the backward pass (the largest activations of a layer);
 - where a checkpointed layer is recomputed for its backward pass (models.memory_means
   replay_backward) and its MLP output only enters the residual sum, the recomputation stops the
-  MLP after gate and up: the down projection's output is never read in the backward pass.
+  MLP after gate and up: the down projection's output is never read in the backward pass;
+- with chunk_tokens (model.fast_lora_chunk_tokens), an MLP run without autograd (a checkpointed
+  layer's first pass) and the recomputed one's backward pass go a chunk of tokens at a time, so
+  a layer's largest temporaries (gate, up, silu(gate) * up, their gradients) are a chunk's.
 
 The arithmetic is the plain path's (16-bit products with fp32 accumulation, fp32 adapter
 weights and gradients); tests/unit/test_fast_lora.py checks loss and gradients against peft.
@@ -152,12 +155,14 @@ def _scaled_mm(a, b, scale: float):
     return torch.addmm(a.new_empty(()), a, b, beta=0, alpha=scale)
 
 
-def _project(x2, bases, a16, b16, scalings):
-    """Outputs of projections that share the input x2 [tokens, in], and x2 @ [A_1; A_2 ...].T."""
+def _project(x2, bases, a16, b16, scalings, weights=None):
+    """Outputs of projections that share the input x2 [tokens, in], and x2 @ [A_1; A_2 ...].T.
+    weights: the bases' 16-bit weights where the caller holds them already."""
     xa = x2 @ _stacked(a16).t()
     outputs, start = [], 0
-    for base, a, b, s in zip(bases, a16, b16, scalings):
-        out = F.linear(x2, _base_weight(base, x2.dtype), _bias(base, x2.dtype))
+    weights = weights or [_base_weight(base, x2.dtype) for base in bases]
+    for base, weight, a, b, s in zip(bases, weights, a16, b16, scalings):
+        out = F.linear(x2, weight, _bias(base, x2.dtype))
         rank = a.shape[0]
         out.addmm_(xa[:, start:start + rank], b.t(), alpha=s)
         outputs.append(out)
@@ -248,6 +253,34 @@ def _swiglu_backward(gate, up, grad_h):
     return grad_gate, grad_up
 
 
+def _sum_into(total, part):
+    """A gradient summed over chunks of tokens: in fp32 from the second chunk on (the whole
+    pass's product accumulates in fp32 too); one chunk stays as its product made it."""
+    return part if total is None else total.float().add_(part)
+
+
+def _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens: int):
+    """LoraMLP's output where no gradient is taken (a checkpointed layer's first pass, an
+    evaluation), chunk_tokens tokens at a time: gate, up and silu(gate) * up, the largest
+    temporaries of a layer, are a chunk's. Each frozen weight is read (de-quantized) once."""
+    dtype = _compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        (ag, au, ad), (bg, bu, bd) = casts.get(params[0::2], params[1::2], dtype)
+        weights = [_base_weight(base, dtype) for base in bases]
+        out = x2.new_empty(x2.shape[0], bases[2].out_features)
+        for start in range(0, x2.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            (gate, up), _ = _project(x2[rows], bases[:2], [ag, au], [bg, bu], scalings[:2],
+                                     weights[:2])
+            h = _swiglu(gate, up)
+            del gate, up
+            (down,), _ = _project(h, bases[2:], [ad], [bd], scalings[2:], weights[2:])
+            out[rows] = down
+            del h, down
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class LoraMLP(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with LoRA on all three; keeps x, gate, up.
 
@@ -255,9 +288,11 @@ class LoraMLP(torch.autograd.Function):
     a time (0: all), so its [tokens x intermediate] temporaries (silu(gate) * up and its
     gradient) are a chunk's; gate and up then back-propagate over all tokens at once.
     output_unread: the output's values are never read (a checkpointed layer's recomputation
-    whose MLP output only enters the residual sum): the forward then stops after gate and up,
-    and the backward pass computes silu(gate) * up @ A_down.T itself; it returns zeros of the
-    output's shape (a stride-0 view: no memory) for the residual sum."""
+    whose MLP output only enters the residual sum): the forward pass returns zeros of the
+    output's shape (a stride-0 view: no memory) for the residual sum and the backward pass
+    computes silu(gate) * up @ A_down.T itself. With chunk_tokens too, the forward pass keeps x
+    alone and the backward pass runs the whole MLP a chunk at a time (_chunked_backward): no
+    [tokens x intermediate] tensor is ever made for all tokens."""
 
     @staticmethod
     def forward(ctx, x, bases, scalings, output_unread, chunk_tokens, casts, a_gate, b_gate,
@@ -267,9 +302,11 @@ class LoraMLP(torch.autograd.Function):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             (ag, au, ad), (bg, bu, bd) = casts.get(
                 (a_gate, a_up, a_down), (b_gate, b_up, b_down), dtype)
-            (gate, up), xa = _project(x2, bases[:2], [ag, au], [bg, bu], scalings[:2])
+            gate = up = xa = ha = None
+            recompute = output_unread and 0 < chunk_tokens < x2.shape[0]
+            if not recompute:
+                (gate, up), xa = _project(x2, bases[:2], [ag, au], [bg, bu], scalings[:2])
             if output_unread:
-                ha = None
                 out = x2.new_zeros(()).expand(x2.shape[0], bases[2].out_features)
             else:
                 h = _swiglu(gate, up)
@@ -283,36 +320,77 @@ class LoraMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x2, gate, up, xa, ha, ag, bg, au, bu, ad, bd = ctx.saved_tensors
-        bases, scalings = ctx.bases, ctx.scalings
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(x2.dtype)
-        tokens = x2.shape[0]
-        chunk = min(ctx.chunk_tokens or tokens, tokens)
-        down = _base_weight(bases[2], x2.dtype)
-        grad_ad = grad_bd = None
-        # down projection and SwiGLU, a chunk of tokens at a time: gate and up are overwritten
-        # with their gradients, so the [tokens x intermediate] temporaries are a chunk's
-        for start in range(0, tokens, chunk):
-            rows = slice(start, start + chunk)
-            h = _swiglu(gate[rows], up[rows])
-            h_a = h @ ad.t() if ha is None else ha[rows]  # as _project computes it forward
-            grad_h, (part_ad,), (part_bd,) = _project_backward(
-                h, h_a, [g[rows]], bases[2:], [ad], [bd], scalings[2:], True, [down])
-            del h
-            grad_ad = part_ad if grad_ad is None else grad_ad.add_(part_ad)
-            grad_bd = part_bd if grad_bd is None else grad_bd.add_(part_bd)
-            for saved, grad in zip((gate[rows], up[rows]), _swiglu_backward(
-                    gate[rows], up[rows], grad_h)):
-                if grad.data_ptr() != saved.data_ptr():
-                    saved.copy_(grad)
-            del grad_h
-        del down
-        grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
-            x2, xa, [gate, up], bases[:2], [ag, au], [bg, bu], scalings[:2],
-            ctx.needs_input_grad[0])
+        if gate is None:
+            grad_x, grads = _chunked_backward(ctx, x2, g, (ag, bg, au, bu, ad, bd))
+        else:
+            grad_x, grads = _saved_backward(ctx, x2, g, gate, up, xa, ha,
+                                            (ag, bg, au, bu, ad, bd))
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
-        grads = (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
         return (grad_x, None, None, None, None, None) + _gradients_as(grads, ctx.param_dtypes)
+
+
+def _saved_backward(ctx, x2, g, gate, up, xa, ha, adapters):
+    """LoraMLP's backward pass from the saved gate and up: (dX, (dA_gate, dB_gate, dA_up, dB_up,
+    dA_down, dB_down))."""
+    ag, bg, au, bu, ad, bd = adapters
+    bases, scalings = ctx.bases, ctx.scalings
+    tokens = x2.shape[0]
+    chunk = min(ctx.chunk_tokens or tokens, tokens)
+    down = _base_weight(bases[2], x2.dtype)
+    grad_ad = grad_bd = None
+    # down projection and SwiGLU, a chunk of tokens at a time: gate and up are overwritten
+    # with their gradients, so the [tokens x intermediate] temporaries are a chunk's
+    for start in range(0, tokens, chunk):
+        rows = slice(start, start + chunk)
+        h = _swiglu(gate[rows], up[rows])
+        h_a = h @ ad.t() if ha is None else ha[rows]  # as _project computes it forward
+        grad_h, (part_ad,), (part_bd,) = _project_backward(
+            h, h_a, [g[rows]], bases[2:], [ad], [bd], scalings[2:], True, [down])
+        del h
+        grad_ad, grad_bd = _sum_into(grad_ad, part_ad), _sum_into(grad_bd, part_bd)
+        for saved, grad in zip((gate[rows], up[rows]), _swiglu_backward(
+                gate[rows], up[rows], grad_h)):
+            if grad.data_ptr() != saved.data_ptr():
+                saved.copy_(grad)
+        del grad_h
+    del down
+    grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
+        x2, xa, [gate, up], bases[:2], [ag, au], [bg, bu], scalings[:2],
+        ctx.needs_input_grad[0])
+    return grad_x, (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
+
+
+def _chunked_backward(ctx, x2, g, adapters):
+    """LoraMLP's backward pass from x alone, chunk_tokens tokens at a time: each chunk computes
+    its gate and up, runs down and SwiGLU backward and then gate and up backward; the adapters'
+    gradients are summed over the chunks. Each frozen weight is read (de-quantized) once."""
+    ag, bg, au, bu, ad, bd = adapters
+    bases, scalings, chunk = ctx.bases, ctx.scalings, ctx.chunk_tokens
+    weights = [_base_weight(base, x2.dtype) for base in bases]
+    need_input = ctx.needs_input_grad[0]
+    grad_x = torch.empty_like(x2) if need_input else None
+    sums = [None] * 6  # dA_gate, dB_gate, dA_up, dB_up, dA_down, dB_down
+    for start in range(0, x2.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        (gate, up), xa = _project(x2[rows], bases[:2], [ag, au], [bg, bu], scalings[:2],
+                                  weights[:2])
+        h = _swiglu(gate, up)
+        grad_h, (part_ad,), (part_bd,) = _project_backward(
+            h, h @ ad.t(), [g[rows]], bases[2:], [ad], [bd], scalings[2:], True, weights[2:])
+        del h
+        grad_gate, grad_up = _swiglu_backward(gate, up, grad_h)
+        del grad_h, gate, up
+        part_x, (part_ag, part_au), (part_bg, part_bu) = _project_backward(
+            x2[rows], xa, [grad_gate, grad_up], bases[:2], [ag, au], [bg, bu], scalings[:2],
+            need_input, weights[:2])
+        del grad_gate, grad_up
+        if need_input:
+            grad_x[rows] = part_x
+        parts = (part_ag, part_bg, part_au, part_bu, part_ad, part_bd)
+        sums = [_sum_into(total, part) for total, part in zip(sums, parts)]
+    return grad_x, tuple(sums)
 
 
 # ----------------------------------------------------------------------------- wiring
@@ -389,6 +467,8 @@ def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
         bases = tuple(p.get_base_layer() for p in projections)
         scalings = tuple(a[2] for a in adapters)
         params = [t for a in adapters for t in a[:2]]
+        if chunk_tokens and not torch.is_grad_enabled() and x[..., 0].numel() > chunk_tokens:
+            return _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens)
         unread = output_to_residual and torch.is_grad_enabled() and replaying_layer()
         return LoraMLP.apply(x, bases, scalings, unread, chunk_tokens, casts, *params)
 
@@ -432,7 +512,8 @@ def apply_fast_lora(model, chunk_tokens: int = 0) -> dict:
     """Route a peft model's LoRA layers through the fast path: SwiGLU MLPs (gate, up, down with
     LoRA on all three) as one LoraMLP, every other LoRA linear layer as a LoraProjection. Each
     call checks the adapter and falls back to peft's forward where the fast path would differ.
-    chunk_tokens: the MLPs' backward passes run on at most this many tokens at a time (0: all).
+    chunk_tokens: the MLPs run on at most this many tokens at a time where LoraMLP says so
+    (0: all at once).
     Returns how many MLPs and projections were routed."""
     mlps = projections = 0
     inside_mlp, residual = set(), _mlps_by_layer(model)

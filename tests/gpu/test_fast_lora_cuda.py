@@ -42,6 +42,30 @@ def test_streamed_offload_gives_the_plain_checkpoint_result():
     assert_same(loss_and_grads(True, None, device="cuda"), plain, tol=1e-4)
 
 
+def test_streamed_checkpoints_with_mlp_chunks_match_the_whole_mlp():
+    """The first pass without autograd and the recomputation in chunks of 10 tokens (liger's
+    SwiGLU kernels on CUDA): the loss and gradients of the MLP run on all tokens at once."""
+    from tests.unit.test_activations import assert_same
+
+    means = MemoryMeans(offload_checkpoints=True)
+    assert_same(loss_and_grads(True, means, device="cuda"),
+                loss_and_grads(True, means, device="cuda", chunk_tokens=10), tol=1e-4)
+
+
+def test_chunked_mlp_in_bf16_is_as_close_to_fp32_as_peft():
+    """bf16 autocast, offloaded checkpoints, the MLP recomputed in chunks of 10 tokens: as close
+    to the fp32 reference as peft's bf16 path."""
+    reference = loss_and_grads(False, device="cuda")
+    plain = _in_bf16(False)
+    means = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        chunked = loss_and_grads(True, means, device="cuda", dtype=torch.bfloat16,
+                                 chunk_tokens=10)
+    plain_error, chunked_error = _relative(plain, reference), _relative(chunked, reference)
+    print(f"relative error to fp32: peft bf16 {plain_error:.2e}, chunked bf16 {chunked_error:.2e}")
+    assert chunked_error <= 1.25 * plain_error + 1e-3
+
+
 def test_fast_lora_on_nf4_weights_matches_peft(tmp_path):
     pytest.importorskip("bitsandbytes")
     from transformers import AutoModelForCausalLM
@@ -58,14 +82,18 @@ def test_fast_lora_on_nf4_weights_matches_peft(tmp_path):
             quantization_config=nf4_config(Precision("bf16", bf16=True)))
         return prepare_quantized_for_training(model)
 
-    def run(fast):
+    def run(fast, **more):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return loss_and_grads(fast, device="cuda", dtype=torch.bfloat16, model_fn=quantized)
+            return loss_and_grads(fast, device="cuda", dtype=torch.bfloat16, model_fn=quantized,
+                                  **more)
 
     plain, fast = run(False), run(True)
-    error = _relative(fast, plain)
-    print(f"nf4: fast vs peft relative difference {error:.2e}")
-    assert error < 3e-2
+    # offloaded checkpoints: the MLP recomputed in chunks of 10 tokens, each weight
+    # de-quantized once per backward pass
+    chunked = run(True, means=MemoryMeans(offload_checkpoints=True), chunk_tokens=10)
+    error, chunked_error = _relative(fast, plain), _relative(chunked, plain)
+    print(f"nf4: fast vs peft relative difference {error:.2e}, chunked {chunked_error:.2e}")
+    assert error < 3e-2 and chunked_error < 3e-2
 
 
 @pytest.mark.parametrize("implementation", ["foreach", "fused", "for-loop"])

@@ -69,8 +69,66 @@ def test_mlp_backward_in_chunks_gives_the_same_loss_and_gradients(monkeypatch):
     whole_calls = len(calls)
     calls.clear()
     chunked = loss_and_grads(True, chunk_tokens=10)
-    assert len(calls) == whole_calls + 2 * (5 - 1)  # two layers, five backward chunks each
+    # two layers, five backward chunks each (transformers' checkpoint runs its first pass with
+    # autograd on: the MLP runs whole there)
+    assert len(calls) == whole_calls + 2 * (5 - 1)
     assert_same(whole, chunked)
+
+
+def test_offloaded_checkpoints_with_mlp_chunks_give_the_whole_mlp_result(monkeypatch):
+    """lora-lab's offloaded checkpoint runs a layer's first pass without autograd and its
+    recomputation for the backward pass: with chunks of 10 tokens (48 tokens: 10, 10, 10, 10,
+    8) both run the MLP a chunk at a time, no SwiGLU sees all 48 tokens, and the loss and
+    gradients are the whole MLP's."""
+    import lora_lab.models.fast_lora as fast_lora
+
+    means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
+    rows, real = [], fast_lora._swiglu
+    monkeypatch.setattr(fast_lora, "_swiglu", lambda g, u: rows.append(g.shape[0]) or real(g, u))
+    whole = loss_and_grads(True, means)
+    assert rows == [48] * 4  # two layers: the first pass, the backward pass
+    rows.clear()
+    chunked = loss_and_grads(True, means, chunk_tokens=10)
+    assert rows == [10, 10, 10, 10, 8] * 4
+    assert_same(whole, chunked)
+
+
+def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch):
+    """Where no gradient is taken (an evaluation, a checkpointed layer's first pass) the MLP's
+    [tokens x intermediate] temporaries are a chunk's, and the logits are the whole pass's."""
+    import lora_lab.models.fast_lora as fast_lora
+
+    model = loss_and_grads(True, chunk_tokens=10)[2]
+    torch.manual_seed(2)
+    with torch.no_grad():  # B starts at zero: give the adapters an effect
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    ids = torch.randint(0, 512, (2, SEQ))
+    rows, real = [], fast_lora._swiglu
+    monkeypatch.setattr(fast_lora, "_swiglu", lambda g, u: rows.append(g.shape[0]) or real(g, u))
+    model.eval()
+    with torch.no_grad():
+        chunked = model(input_ids=ids).logits
+    assert rows == [10, 10, 10, 10, 8] * 2  # 48 tokens, two layers
+    with torch.enable_grad():
+        whole = model(input_ids=ids).logits  # the autograd function, all tokens at once
+    assert rows[10:] == [48, 48]
+    torch.testing.assert_close(chunked, whole.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_over_chunks_are_summed_in_fp32():
+    """bf16 parts of a gradient are summed in fp32 from the second chunk on: 300 parts of 1
+    give 300 (a bf16 sum stops at 256, where adding 1 rounds back down); one part stays as it
+    is."""
+    from lora_lab.models.fast_lora import _sum_into
+
+    one = torch.ones(3, dtype=torch.bfloat16)
+    assert _sum_into(None, one) is one
+    total = None
+    for _ in range(300):
+        total = _sum_into(total, one)
+    assert total.dtype == torch.float32 and total.tolist() == [300.0] * 3
 
 
 def count_swiglu(monkeypatch) -> list:
@@ -84,21 +142,25 @@ def count_swiglu(monkeypatch) -> list:
 @pytest.mark.parametrize("chunk_tokens, chunks", [(0, 1), (10, 5)])
 def test_recomputed_layer_skips_the_mlp_output_and_keeps_every_gradient(
         monkeypatch, chunk_tokens, chunks):
-    """A recomputed Qwen2 layer's MLP stops after gate and up (silu(gate) * up runs in the
-    forward pass and once per backward chunk, not also in the recomputation) and every gradient
-    is bit for bit the same."""
+    """A recomputed Qwen2 layer's MLP stops after gate and up (silu(gate) * up runs once per
+    chunk in the first pass and in the backward pass, not also in the recomputation) and the
+    gradients are the same: bit for bit in one chunk; in chunks, gate and up are recomputed
+    chunk by chunk in the backward pass instead of back-propagated over all tokens at once."""
     import lora_lab.models.fast_lora as fast_lora
 
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
     calls = count_swiglu(monkeypatch)
     skipped = loss_and_grads(True, means, chunk_tokens=chunk_tokens)
-    assert len(calls) == 2 * (1 + chunks)  # two layers
+    assert len(calls) == 2 * (chunks + chunks)  # two layers: first pass, backward
     monkeypatch.setattr(fast_lora, "RESIDUAL_MLP_LAYERS", ())
     calls.clear()
     full = loss_and_grads(True, means, chunk_tokens=chunk_tokens)
-    assert len(calls) == 2 * (2 + chunks)
+    assert len(calls) == 2 * (chunks + 1 + chunks)
     assert skipped[0] == full[0]
     assert skipped[1].keys() == full[1].keys()
+    if chunks > 1:
+        assert_same(skipped, full)
+        return
     for name, grad in skipped[1].items():
         assert torch.equal(grad, full[1][name]), name
 

@@ -50,9 +50,9 @@ def run_lora_lab(cell: dict) -> dict:
 
         load.NATIVE_RMS_NORMS = ()
     if cell.get("cast_cache") is False:  # ablation: adapter weights cast at every call
-        from lora_lab.models import fast_lora
+        from lora_lab.models.fast_lora import products
 
-        fast_lora._Casts.get = lambda self, a, b, dtype: fast_lora._adapter_weights(a, b, dtype)
+        products._Casts.get = lambda self, a, b, dtype: products._adapter_weights(a, b, dtype)
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = WORK / f"data-{cell['label']}.jsonl"
     flags = {"model.name": str(model), "data.max_length": cell["max_length"],

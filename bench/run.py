@@ -175,8 +175,8 @@ def peer_cells(steps: int = 6) -> list:
                                   "size": size, "steps": steps,
                                   "sets": FAST + ["data.pack_length=4096"] + more, **ours})
             if name in ("7b-1024", "7b-2048-nf4", "0.5b-4096", "1.5b-4096"):
-                # the MLP backward in chunks (of 1024 tokens: -chunk1024)
-                for suffix, tokens in (("chunk", 2048), ("chunk1024", 1024)):
+                # the MLP in chunks of 2048 tokens (of 1024: -chunk1024, of 4096: -chunk4096)
+                for suffix, tokens in (("chunk", 2048), ("chunk1024", 1024), ("chunk4096", 4096)):
                     cells.append({"kind": "lora-lab", "label": f"ll-{name}-{suffix}-{run}",
                                   "size": size, "steps": steps, **ours,
                                   "sets": FAST + [f"model.fast_lora_chunk_tokens={tokens}"]})

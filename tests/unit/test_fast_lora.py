@@ -1,4 +1,4 @@
-"""models/fast_lora.py computes what peft computes: loss and LoRA gradients (CPU, tiny Qwen2)."""
+"""models/fast_lora computes what peft computes: loss and LoRA gradients (CPU, tiny Qwen2)."""
 from __future__ import annotations
 
 import pytest
@@ -80,11 +80,11 @@ def test_offloaded_checkpoints_with_mlp_chunks_give_the_whole_mlp_result(monkeyp
     recomputation for the backward pass: with chunks of 10 tokens (48 tokens: 10, 10, 10, 10,
     8) both run the MLP a chunk at a time, no SwiGLU sees all 48 tokens, and the loss and
     gradients are the whole MLP's."""
-    import lora_lab.models.fast_lora as fast_lora
+    from lora_lab.models.fast_lora import mlp
 
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
-    rows, real = [], fast_lora._swiglu
-    monkeypatch.setattr(fast_lora, "_swiglu", lambda g, u: rows.append(g.shape[0]) or real(g, u))
+    rows, real = [], mlp._swiglu
+    monkeypatch.setattr(mlp, "_swiglu", lambda g, u: rows.append(g.shape[0]) or real(g, u))
     whole = loss_and_grads(True, means)
     assert rows == [48] * 4  # two layers: the first pass, the backward pass
     rows.clear()
@@ -96,7 +96,7 @@ def test_offloaded_checkpoints_with_mlp_chunks_give_the_whole_mlp_result(monkeyp
 def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch):
     """Where no gradient is taken (an evaluation, a checkpointed layer's first pass) the MLP's
     [tokens x intermediate] temporaries are a chunk's, and the logits are the whole pass's."""
-    import lora_lab.models.fast_lora as fast_lora
+    from lora_lab.models.fast_lora import mlp
 
     model = loss_and_grads(True, chunk_tokens=10)[2]
     torch.manual_seed(2)
@@ -105,8 +105,8 @@ def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch):
             if "lora_B" in name:
                 param.normal_(0, 0.1)
     ids = torch.randint(0, 512, (2, SEQ))
-    rows, real = [], fast_lora._swiglu
-    monkeypatch.setattr(fast_lora, "_swiglu", lambda g, u: rows.append(g.shape[0]) or real(g, u))
+    rows, real = [], mlp._swiglu
+    monkeypatch.setattr(mlp, "_swiglu", lambda g, u: rows.append(g.shape[0]) or real(g, u))
     model.eval()
     with torch.no_grad():
         chunked = model(input_ids=ids).logits
@@ -121,7 +121,7 @@ def test_gradients_over_chunks_are_summed_in_fp32():
     """bf16 parts of a gradient are summed in fp32 from the second chunk on: 300 parts of 1
     give 300 (a bf16 sum stops at 256, where adding 1 rounds back down); one part stays as it
     is."""
-    from lora_lab.models.fast_lora import _sum_into
+    from lora_lab.models.fast_lora.mlp import _sum_into
 
     one = torch.ones(3, dtype=torch.bfloat16)
     assert _sum_into(None, one) is one
@@ -132,10 +132,10 @@ def test_gradients_over_chunks_are_summed_in_fp32():
 
 
 def count_swiglu(monkeypatch) -> list:
-    import lora_lab.models.fast_lora as fast_lora
+    from lora_lab.models.fast_lora import mlp
 
-    calls, real = [], fast_lora._swiglu
-    monkeypatch.setattr(fast_lora, "_swiglu", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], mlp._swiglu
+    monkeypatch.setattr(mlp, "_swiglu", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -289,11 +289,11 @@ def test_adapter_casts_are_made_once_until_the_weights_change(monkeypatch):
     """Under bf16 autocast each call site casts its adapter weights once: the checkpoint's
     recomputation reuses the forward pass's copy; an optimizer step (an in-place update) makes a
     new one, so the step after it computes exactly what casting at every call computes."""
-    from lora_lab.models import fast_lora
+    from lora_lab.models.fast_lora import products
 
     casts = []
-    real = fast_lora._adapter_weights
-    monkeypatch.setattr(fast_lora, "_adapter_weights",
+    real = products._adapter_weights
+    monkeypatch.setattr(products, "_adapter_weights",
                         lambda *args: casts.append(1) or real(*args))
     ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(5))
 
@@ -316,7 +316,7 @@ def test_adapter_casts_are_made_once_until_the_weights_change(monkeypatch):
     # two layers, three call sites each (q, k and v; o; the MLP), checkpointed: one cast each
     assert (first, second) == (6, 6)
     assert loss != before  # the step changed the weights the next forward pass reads
-    monkeypatch.setattr(fast_lora._Casts, "get", lambda self, a, b, dtype: real(a, b, dtype))
+    monkeypatch.setattr(products._Casts, "get", lambda self, a, b, dtype: real(a, b, dtype))
     _, _, _, every_call_loss, every_call_grads = two_steps()
     assert loss == every_call_loss
     for name, grad in every_call_grads.items():

@@ -27,8 +27,10 @@ def measured_cells(fast_lora: bool = False) -> list:
     row was longer than 4096 tokens, which is what the planner assumes without a budget.
     fast_lora: the cells that ran models/fast_lora.py (no adapter dropout) instead, which fit
     its two scales (fit_fast_scales) after the terms are fitted on peft's cells. Qwen2.5 cells
-    only: the other families' (family_cells) check the fitted planner, they do not fit it."""
-    cells = []
+    only: the other families' (family_cells) check the fitted planner, they do not fit it.
+    A cell measured again on the same path (the same label in a newer file) counts only in its
+    newest run: the code it ran has changed since the older one."""
+    cells = {}
     for path in sorted((ROOT / "bench" / "results").glob("*.jsonl")):
         for line in path.read_text().splitlines()[1:]:
             row = json.loads(line)
@@ -42,8 +44,9 @@ def measured_cells(fast_lora: bool = False) -> list:
                 flags["train.grad_accum"] = row["resolved"]["grad_accum"]
             config = resolve_config(row["preset"], flags=flags, sets=cell_sets(row))
             if resolve_fast_lora(config) == fast_lora:
-                cells.append((config, row["peak_reserved_gib"], row["label"]))
-    return cells
+                cells.pop(row["label"], None)  # insertion order: oldest first, newest last
+                cells[row["label"]] = (config, row["peak_reserved_gib"], row["label"])
+    return list(cells.values())
 
 
 def is_tuner_cell(row: dict) -> bool:

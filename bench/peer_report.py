@@ -21,11 +21,24 @@ def rows_of(path: Path) -> tuple[list, dict]:
     return headers, cells
 
 
+def peer_name(label: str) -> str:
+    """The peer plan's cell (bench/run.py PEER_CELLS) that a lora-lab cell ll-NAME[-VARIANT]-RUN
+    runs: NAME, whatever setting VARIANT changes."""
+    from run import PEER_CELLS
+
+    rest = label[3:].rsplit("-", 1)[0]
+    return max((name for name in PEER_CELLS if rest == name or rest.startswith(name + "-")),
+               key=len, default=rest)
+
+
 def twin(cells: dict, label: str) -> dict | None:
-    """The Unsloth row measured beside the lora-lab cell `label` (ll-NAME-RUN): us-NAME-RUN, or
-    the one us-NAME-* of the file where the runs were numbered apart."""
-    name = label[3:].rsplit("-", 1)[0]
-    same_run = cells.get("us-" + label[3:])
+    """The Unsloth row measured beside the lora-lab cell `label` (ll-NAME[-VARIANT]-RUN):
+    us-NAME-RUN, or the one us-NAME-* of the file where the runs were numbered apart. None for
+    a cell that recorded the allocator's history (which slows its steps)."""
+    if cells[label].get("memory_history"):
+        return None
+    name, run = peer_name(label), label.rsplit("-", 1)[1]
+    same_run = cells.get(f"us-{name}-{run}")
     if same_run is not None:
         return same_run
     others = [row for other, row in cells.items()

@@ -65,8 +65,10 @@ def check_fits(config: RunConfig, gpu_memory_gib: float,
     if plan.fits:
         return plan
     fixes = plan.fixes
+    # two decimals where one would show the need equal to what is usable
+    digits = 1 if round(plan.total_gib, 1) > round(plan.budget_gib, 1) else 2
     raise LoraLabError(
-        f"--preset {config.preset} needs about {plan.total_gib:.1f} GiB for {plan.model} "
+        f"--preset {config.preset} needs about {plan.total_gib:.{digits}f} GiB for {plan.model} "
         f"({plan.quantization}) at --max-length {config.data.max_length}"
         f"{f' in packed rows of {row_length(config)} tokens' if config.data.packing else ''}; "
         f"this GPU has "

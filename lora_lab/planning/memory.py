@@ -46,8 +46,8 @@ FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 13.32  # extra per token when the base is
 # copies, gate and up kept for the MLP's own backward pass) works in other memory: its per-hidden
 # and per-intermediate terms are the ones above times these, fitted on the fast-path cells by the
 # same script after the terms above.
-FIT_FAST_HIDDEN_SCALE = 0.7988
-FIT_FAST_INTERMEDIATE_SCALE = 0.6989
+FIT_FAST_HIDDEN_SCALE = 0.8150
+FIT_FAST_INTERMEDIATE_SCALE = 0.6544
 NF4_BYTES_PER_WEIGHT = 0.5156  # 4 bits + double-quantized absmax per 64-weight block
 UNFUSED_LOSS_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy and its gradient (estimate)
 TIERS_GIB = {"8gb": 8, "12gb": 12, "16gb": 16, "24gb": 24}

@@ -71,8 +71,15 @@ def test_peer_cells_pair_with_the_unsloth_cell_of_the_same_call():
         ("7b-4096", "2", "us-7b-4096-2")]
     apart = {c["label"]: c for c in map(cell, ["ll-7b-1024-2", "us-7b-1024-1",
                                                "ll-7b-1024-noskip-1"])}
+    # an ablation of the same peer cell pairs with its Unsloth cell too
     assert [(name, run) for name, run, _, _ in pairs(apart)] == [
-        ("7b-1024", "2, Unsloth's run 1")]  # an ablation (another name) has no twin
+        ("7b-1024", "2, Unsloth's run 1"), ("7b-1024-noskip", "1")]
+    variants = {c["label"]: c for c in map(cell, ["ll-1.5b-4096-chunk4096-1", "us-1.5b-4096-1",
+                                                  "ll-1.5b-4096-chunk1024-history-1"])}
+    variants["ll-1.5b-4096-chunk1024-history-1"]["memory_history"] = True
+    # a cell that recorded the allocator's history (slower steps) has no twin
+    assert [(name, theirs["label"]) for name, _, _, theirs in pairs(variants)] == [
+        ("1.5b-4096-chunk4096", "us-1.5b-4096-1")]
     two = {c["label"]: c for c in map(cell, ["ll-7b-1024-3", "us-7b-1024-1", "us-7b-1024-2"])}
     assert pairs(two) == []  # which of the two is not known
 

@@ -128,7 +128,8 @@ def test_check_fits_refuses_with_the_knobs_to_turn():
     flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"]}
     assert check_fits(resolve_config("16gb", flags=flags), 16).fits
     sixteen_bit = resolve_config("16gb", flags={**flags, "model.quantization": "none"})
-    with pytest.raises(LoraLabError, match=r"--preset 16gb needs about 15.6 GiB for Qwen2.5-7B "
+    # the plan (15.54 GiB) over what is usable (15.5): the figures say that it is over
+    with pytest.raises(LoraLabError, match=r"--preset 16gb needs about 15.54 GiB for Qwen2.5-7B "
                                            r"\(16-bit LoRA\) at --max-length 2048 in packed rows "
                                            r"of 8192 tokens.*Try --set data.pack_length=\d+ or "
                                            r"--quantization nf4"):

@@ -2,12 +2,13 @@
 the GPU's kernel launches, which bound the 7B step on short rows
 (bench/results/2026-12-01-peer-NOTES.md).
 
-    python bench/op_count.py [--out FILE]
+    python bench/op_count.py [--chunk-tokens N] [--out FILE]
 
 A 2-layer Qwen2 (tiny_untied of tests/unit/test_activations.py) in bf16 under CPU autocast, LoRA
 rank 4 on every linear layer, dropout 0 (the fast path), layer checkpoints replayed in backward as
-on one GPU; one forward and backward of 2 x 24 tokens under torch.profiler. Prints (and appends to
-FILE) a JSON row: the aten operators of the step by name, their total, and the git commit."""
+on one GPU; one forward and backward of 2 x 24 tokens under torch.profiler, the fast LoRA MLP in
+chunks of N tokens where asked (model.fast_lora_chunk_tokens). Prints (and appends to FILE) a
+JSON row: the aten operators of the step by name, their total, and the git commit."""
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,7 @@ NO_LAUNCH = ("aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten:
              "aten::split_with_sizes", "aten::unbind", "aten::contiguous")
 
 
-def count() -> dict:
+def count(chunk_tokens: int = 0) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -43,7 +44,8 @@ def count() -> dict:
     model = tiny_untied().to(torch.bfloat16)
     torch.manual_seed(1)
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
-    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0.0), True, means, fast=True)
+    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0.0), True, means, fast=True,
+                       fast_chunk_tokens=chunk_tokens)
     model.train()
     ids = torch.randint(0, 512, (2, SEQ))
 
@@ -71,16 +73,20 @@ def count() -> dict:
                             capture_output=True, text=True).stdout.strip()
     return {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "torch": torch.__version__, "layers": 2,
-            "command": "python bench/op_count.py", "top_level_ops": sum(top.values()),
+            "command": "python bench/op_count.py"
+                       + (f" --chunk-tokens {chunk_tokens}" if chunk_tokens else ""),
+            "chunk_tokens": chunk_tokens, "top_level_ops": sum(top.values()),
             "launching_ops": sum(launching.values()),
             "by_name": dict(sorted(launching.items(), key=lambda kv: -kv[1]))}
 
 
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--chunk-tokens", type=int, default=0,
+                        help="The fast LoRA MLP in chunks of this many tokens (of 48).")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    row = count()
+    row = count(args.chunk_tokens)
     print(json.dumps(row))
     if args.out:
         with args.out.open("a") as f:

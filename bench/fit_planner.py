@@ -25,7 +25,7 @@ def measured_cells(fast_lora: bool = False) -> list:
     tier's cap, every row full (the presets and long-sequence plans; the speed plan's uncapped
     cells are left out). These ran before MLP chunks became budget-driven: chunks wherever a
     row was longer than 4096 tokens, which is what the planner assumes without a budget.
-    fast_lora: the cells that ran models/fast_lora.py (no adapter dropout) instead, which fit
+    fast_lora: the cells that ran models/fast_lora/ (no adapter dropout) instead, which fit
     its two scales (fit_fast_scales) after the terms are fitted on peft's cells. Qwen2.5 cells
     only: the other families' (family_cells) check the fitted planner, they do not fit it.
     A cell measured again on the same path (the same label in a newer file) counts only in its

@@ -60,7 +60,7 @@ class ModelArgs:
                 "embeddings (0.5B-3B). true / false force it.", choices=("auto", True, False))
     fast_lora: str | bool = _f(
         "auto", "Compute LoRA layers with lora-lab's fused autograd functions "
-                "(models/fast_lora.py: the LoRA branch in 16 bits, one function per SwiGLU MLP "
+                "(models/fast_lora/: the LoRA branch in 16 bits, one function per SwiGLU MLP "
                 "and one per attention's q, k and v) instead of peft's forward. auto: on for "
                 "LoRA without adapter dropout, in one process or under ddp; true / false force "
                 "it (with dropout the layers fall back to peft, which applies it).",

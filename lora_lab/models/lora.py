@@ -77,8 +77,8 @@ def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
     """Wrap the model with peft adapters (--tuner lora, dora or ia3); only the adapters train.
 
     means (planning.memory.MemoryMeans): the long-sequence means to put in place. fast: route
-    the LoRA layers through models/fast_lora.py (its MLP backward in chunks of fast_chunk_tokens
-    tokens; 0: all at once). offload_copy_stream: offloaded checkpoints copy
+    the LoRA layers through models/fast_lora/ (its MLP in chunks of fast_chunk_tokens tokens
+    where LoraMLP says; 0: all at once). offload_copy_stream: offloaded checkpoints copy
     on a side stream (models/fast_offload.py). trainable_tokens: token ids whose embedding and
     output-head rows train too (trainable_token_modules). adapter_dir: continue this saved
     adapter (trainable) instead of a new one; `args` are then the adapter's own."""

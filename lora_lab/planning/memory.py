@@ -42,7 +42,7 @@ FIT_CONSTANT_GIB = 0.1480
 FIT_BYTES_PER_TOKEN_PER_HIDDEN = 39.34
 FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = 11.875
 FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 13.32  # extra per token when the base is 16-bit
-# The fast LoRA path (models/fast_lora.py: the LoRA inputs in 16 bits where peft keeps fp32
+# The fast LoRA path (models/fast_lora/: the LoRA inputs in 16 bits where peft keeps fp32
 # copies, gate and up kept for the MLP's own backward pass) works in other memory: its per-hidden
 # and per-intermediate terms are the ones above times these, fitted on the fast-path cells by the
 # same script after the terms above.

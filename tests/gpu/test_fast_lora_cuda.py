@@ -1,4 +1,4 @@
-"""models/fast_lora.py and the streamed checkpoint copies on a CUDA GPU in bf16 (autocast, like the
+"""models/fast_lora/ and the streamed checkpoint copies on a CUDA GPU in bf16 (autocast, like the
 Trainer): loss and LoRA gradients as close to an fp32 reference as peft's own bf16 path is.
 `make test-gpu`; skipped without a GPU."""
 import pytest

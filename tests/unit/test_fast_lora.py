@@ -31,6 +31,15 @@ def loss_and_grads(fast: bool, means=None, dropout: float = 0.0, checkpointing: 
     return loss.item(), grads, model
 
 
+def give_adapters_an_effect(model) -> None:
+    """B starts at zero, so the adapters change nothing until B is drawn at random."""
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+
+
 def count_calls(monkeypatch):
     calls = {"mlp": 0, "projection": 0}
     for name, cls in (("mlp", LoraMLP), ("projection", LoraProjection)):
@@ -99,11 +108,7 @@ def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch):
     from lora_lab.models.fast_lora import mlp
 
     model = loss_and_grads(True, chunk_tokens=10)[2]
-    torch.manual_seed(2)
-    with torch.no_grad():  # B starts at zero: give the adapters an effect
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
+    give_adapters_an_effect(model)
     ids = torch.randint(0, 512, (2, SEQ))
     rows, real = [], mlp._swiglu
     monkeypatch.setattr(mlp, "_swiglu", lambda g, u: rows.append(g.shape[0]) or real(g, u))
@@ -174,11 +179,7 @@ def test_dropout_falls_back_to_peft(monkeypatch):
 
 def test_merged_or_disabled_adapters_fall_back():
     model = loss_and_grads(True)[2]
-    torch.manual_seed(2)
-    with torch.no_grad():  # B starts at zero: give the adapters an effect
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.1)
+    give_adapters_an_effect(model)
     ids = torch.randint(0, 512, (1, SEQ))
     model.eval()
     with torch.no_grad():

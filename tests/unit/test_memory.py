@@ -25,7 +25,7 @@ def test_prediction_within_10_percent_of_every_measured_cell():
 
 
 def test_fast_lora_cells_are_planned_within_10_percent():
-    """Cells on models/fast_lora.py (no adapter dropout, the GPU presets' setting), planned with
+    """Cells on models/fast_lora/ (no adapter dropout, the GPU presets' setting), planned with
     the fast path's own fitted scales (FIT_FAST_*)."""
     cells = measured_cells(fast_lora=True)
     assert len(cells) >= 6

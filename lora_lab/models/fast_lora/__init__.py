@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..memory_means import replaying_layer
-from .mlp import LoraMLP, _mlp_without_graph
+from .mlp import LoraMLP, _mlp_without_graph, in_chunks
 from .products import LoraProjection, _Casts
 
 
@@ -110,7 +110,7 @@ def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
         bases = tuple(p.get_base_layer() for p in projections)
         scalings = tuple(a[2] for a in adapters)
         params = [t for a in adapters for t in a[:2]]
-        if chunk_tokens and not torch.is_grad_enabled() and x[..., 0].numel() > chunk_tokens:
+        if not torch.is_grad_enabled() and in_chunks(x[..., 0].numel(), chunk_tokens):
             return _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens)
         unread = output_to_residual and torch.is_grad_enabled() and replaying_layer()
         return LoraMLP.apply(x, bases, scalings, unread, chunk_tokens, casts, *params)

@@ -43,6 +43,11 @@ def _sum_into(total, part):
     return part if total is None else total.float().add_(part)
 
 
+def in_chunks(tokens: int, chunk_tokens: int) -> bool:
+    """Whether chunk_tokens (0: off) splits `tokens` into more than one chunk."""
+    return 0 < chunk_tokens < tokens
+
+
 def _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens: int):
     """LoraMLP's output where no gradient is taken (a checkpointed layer's first pass, an
     evaluation), chunk_tokens tokens at a time: gate, up and silu(gate) * up, the largest
@@ -66,11 +71,12 @@ def _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens: int):
 
 
 class LoraMLP(torch.autograd.Function):
-    """down(silu(gate(x)) * up(x)) with LoRA on all three; keeps x, gate, up.
+    """down(silu(gate(x)) * up(x)) with LoRA on all three; keeps x, and gate and up unless the
+    whole MLP runs in chunks (below).
 
     chunk_tokens: the backward pass through down and SwiGLU runs on at most this many tokens at
     a time (0: all), so its [tokens x intermediate] temporaries (silu(gate) * up and its
-    gradient) are a chunk's; gate and up then back-propagate over all tokens at once.
+    gradient) are a chunk's; saved gate and up then back-propagate over all tokens at once.
     output_unread: the output's values are never read (a checkpointed layer's recomputation
     whose MLP output only enters the residual sum): the forward pass returns zeros of the
     output's shape (a stride-0 view: no memory) for the residual sum and the backward pass
@@ -87,8 +93,7 @@ class LoraMLP(torch.autograd.Function):
             (ag, au, ad), (bg, bu, bd) = casts.get(
                 (a_gate, a_up, a_down), (b_gate, b_up, b_down), dtype)
             gate = up = xa = ha = None
-            recompute = output_unread and 0 < chunk_tokens < x2.shape[0]
-            if not recompute:
+            if not (output_unread and in_chunks(x2.shape[0], chunk_tokens)):
                 (gate, up), xa = _project(x2, bases[:2], [ag, au], [bg, bu], scalings[:2])
             if output_unread:
                 out = x2.new_zeros(()).expand(x2.shape[0], bases[2].out_features)

@@ -4,7 +4,9 @@ bench/cell.py records it when the cell asks ("memory_history": true) and adds `r
 cell's result as "memory_peak": at each moment an allocation of 8 MiB or more made the
 reserved memory grow to a new high (the last few of them), what was allocated then, what was
 freed but still waited on another stream's work (record_stream: not yet reusable), and the
-allocation that made the allocator map more memory, with its Python frames. The gap between
+allocation that made the allocator map more memory, with its Python frames; and what was live
+at the allocated peak (the tensors made since recording began, summed by the frames that made
+them: "live_at_peak"). The gap between
 the peak reserved and the peak allocated is either memory held for other streams or free cached
 memory in pieces too small for that allocation (fragmentation); these figures say which.
 """
@@ -63,7 +65,33 @@ def report(begin: dict, highs: int = 4) -> dict:
             pending -= size
             allocated -= size
     return {"peak_reserved_gib": _gib(max([m["reserved"] for m in moments] or [reserved])),
+            "live_at_peak": _live_at_peak(trace, begin["allocated"]),
             "peak_allocated_gib": _gib(peak_allocated), "trace_events": len(trace),
             "highs": [{**m, "reserved": _gib(m["reserved"]), "allocated": _gib(m["allocated"]),
                        "pending_free": _gib(m["pending_free"]),
                        "size_mib": round(m["size"] / 2**20, 1)} for m in moments[-highs:]]}
+
+
+def _live_at_peak(trace, allocated: int, top: int = 12) -> list:
+    """The blocks live at the allocated peak, summed by the frames that allocated them (largest
+    first; tensors allocated before recording began are not in the trace)."""
+    def replay(stop=None):
+        live, now, peak, peak_index = {}, allocated, allocated, -1
+        for index, event in enumerate(trace[:stop]):
+            if event["action"] == "alloc":
+                live[event["addr"]] = event
+                now += event["size"]
+                if now > peak:
+                    peak, peak_index = now, index
+            elif event["action"] == "free_completed" and live.pop(event["addr"], None):
+                now -= event["size"]
+        return live, peak_index
+
+    at_peak = replay(replay()[1] + 1)[0]
+    sums = {}
+    for event in at_peak.values():
+        key = " < ".join(_frames(event, 3)) or "(no Python frame)"
+        count, size = sums.get(key, (0, 0))
+        sums[key] = (count + 1, size + event["size"])
+    return [{"frames": key, "tensors": count, "mib": round(size / 2**20, 1)}
+            for key, (count, size) in sorted(sums.items(), key=lambda kv: -kv[1][1])[:top]]

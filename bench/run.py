@@ -180,6 +180,12 @@ def peer_cells(steps: int = 6) -> list:
                     cells.append({"kind": "lora-lab", "label": f"ll-{name}-{suffix}-{run}",
                                   "size": size, "steps": steps, **ours,
                                   "sets": FAST + [f"model.fast_lora_chunk_tokens={tokens}"]})
+            if name in ("7b-1024", "7b-4096"):
+                # the last N layers not recomputed (their activations kept: more memory)
+                for layers in (8, 14):
+                    cells.append({"kind": "lora-lab", "label": f"ll-{name}-keep{layers}-{run}",
+                                  "size": size, "steps": steps, **ours, "sets": FAST + [
+                                      f"train.uncheckpointed_layers={layers}"]})
             if name == "7b-1024":  # the embedding on the GPU, as Unsloth keeps it
                 cells.append({"kind": "lora-lab", "label": f"ll-{name}-gpuemb-{run}",
                               "size": size, "steps": steps,
@@ -212,7 +218,9 @@ def peer_cells(steps: int = 6) -> list:
                 ("7b-4096-nostream", "7b-4096", FAST + ["train.offload_copy_stream=false"]),
                 ("7b-2048-nf4-chunk", "7b-2048-nf4", FAST + ["model.fast_lora_chunk_tokens=2048"]),
                 ("1.5b-4096-chunk1024", "1.5b-4096",
-                 FAST + ["model.fast_lora_chunk_tokens=1024"])):
+                 FAST + ["model.fast_lora_chunk_tokens=1024"]),
+                ("0.5b-4096-chunk4096", "0.5b-4096",
+                 FAST + ["model.fast_lora_chunk_tokens=4096"])):
             cells.append({"kind": "lora-lab", "label": f"ll-{name}-history-{run}",
                           "size": cell.split("-")[0], "steps": 4, "sets": sets,
                           "memory_history": True, **PEER_CELLS[cell][0]})

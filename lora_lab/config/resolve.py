@@ -370,6 +370,9 @@ def _validate(config: RunConfig, need_data: bool = True,
             problems.append((key, "true serves LoRA in one process with gradient checkpointing "
                                   "(DDP and DeepSpeed do not see its recomputed gradients). "
                                   "Use auto or false here."))
+    if config.train.uncheckpointed_layers and not (single and config.train.gradient_checkpointing):
+        problems.append(("train.uncheckpointed_layers", "serves LoRA in one process with gradient "
+                                                        "checkpointing on. Set it to 0 here."))
     if config.train.max_steps == 0 or config.train.max_steps < -1:
         problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
     problem = report_to_problem(config.train.report_to, check_installed=training)

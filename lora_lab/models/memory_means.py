@@ -23,6 +23,8 @@ import contextlib
 import torch
 from torch import nn
 
+from ..errors import ConfigError
+
 # ----------------------------------------------------------------------------- embedding
 
 class CpuEmbedding(nn.Module):
@@ -206,9 +208,33 @@ def chunk_mlps(model, chunk_tokens: int) -> int:
     return count
 
 
+def checkpointed_layers(model) -> list:
+    """The decoder layers whose gradient checkpointing is on, first to last."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules()
+            if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+
+
+def keep_last_layers(model, count: int) -> int:
+    """Turn gradient checkpointing off for the last `count` decoder layers: they keep their
+    activations from the forward pass to the backward pass instead of running again. Returns
+    how many were turned off; more than the model has is refused."""
+    layers = checkpointed_layers(model)
+    if count > len(layers):
+        raise ConfigError([f"train.uncheckpointed_layers {count}: the model has {len(layers)} "
+                           f"checkpointed decoder layers. Use at most {len(layers)}, or "
+                           f"--no-gradient-checkpointing to recompute none."])
+    for layer in layers[len(layers) - count:]:
+        layer.gradient_checkpointing = False
+    return count
+
+
 def apply_memory_means(model, means) -> None:
     """Put the chosen lora_lab.memory.MemoryMeans in place on a model whose checkpointing is on
     (the embedding before PEFT wraps the model, so its input-grad hook lands on the new one)."""
+    if means.uncheckpointed_layers:  # first: the offload below takes the checkpointed ones
+        keep_last_layers(model, means.uncheckpointed_layers)
     if means.offload_checkpoints:
         offload_layer_checkpoints(model)
     if means.mlp_chunk_tokens:

@@ -17,7 +17,7 @@ is why a card of G GiB is planned with G - 0.5 GiB.
 Several GPUs (train.gpus > 1) and the distributed engines (train.engine) are planned per GPU by
 `_distributed_parts`: weights, gradients and optimizer state are divided by N where the engine
 shards them, and moved to CPU memory where it offloads them, plus DeepSpeed's own buffers
-(`_deepspeed_buffers`, counted from presets/engines/*.json). Those terms are COUNTED from the
+(engines.deepspeed_buffers, counted from presets/engines/*.json). Those terms are COUNTED from the
 engines' behaviour; tests/unit/test_memory.py holds them within 15% of the stored two-GPU runs
 (CHECKED_ON_GPUS). The offload engines miss by more (GAPS_ON_GPUS, and the plan report says so),
 and their CPU plan is low (CPU_PLAN_MARGIN). The activation terms are the single-GPU
@@ -27,10 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..config import (PAIRED_TASKS, REFERENCE_TASKS, RunConfig, engine_template,
+from ..config import (PAIRED_TASKS, REFERENCE_TASKS, RunConfig,
                       resolve_fast_lora, syncs_each_micro_batch, trains_adapter, world_size_of)
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
-from .engines import ENGINE_SHARDING, FSDP_FULL_STATE_BYTES, TRAINED_STATE_BYTES
+from .engines import (ENGINE_SHARDING, FSDP_FULL_STATE_BYTES, TRAINED_STATE_BYTES,
+                      deepspeed_buffers, gathered_bytes)
 from .shape import ModelShape
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
 
@@ -62,6 +63,7 @@ class MemoryMeans:
     embedding_on_cpu: bool = False
     offload_checkpoints: bool = False
     mlp_chunk_tokens: int = 0
+    uncheckpointed_layers: int = 0  # the last N decoder layers are not recomputed
 
     def describe(self) -> str:
         parts = [name for name, on in (("input embedding in CPU memory", self.embedding_on_cpu),
@@ -69,6 +71,8 @@ class MemoryMeans:
                                         self.offload_checkpoints)) if on]
         if self.mlp_chunk_tokens:
             parts.append(f"MLP in chunks of {self.mlp_chunk_tokens} tokens")
+        if self.uncheckpointed_layers:
+            parts.append(f"the last {self.uncheckpointed_layers} layers not recomputed")
         return ", ".join(parts) or "none"
 
 
@@ -93,7 +97,8 @@ def choose_memory_means(config: RunConfig, on_gpu: bool, tied_embeddings: bool,
     means = MemoryMeans(
         embedding_on_cpu=not tied_embeddings and wanted(config.model.embedding_on_cpu, on_gpu),
         offload_checkpoints=wanted(t.offload_checkpoints, on_gpu),
-        mlp_chunk_tokens=chunk)
+        mlp_chunk_tokens=chunk,
+        uncheckpointed_layers=t.uncheckpointed_layers if single else 0)
     model_config = model_config_of(config.model.name)
     if chunk and budget_gib is not None and model_config is not None:
         unchunked = replace(means, mlp_chunk_tokens=0)
@@ -231,8 +236,9 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
         plan.parts_gib = _parts(shape, config, tokens, means)
         plan.means = means.describe()
         if means.offload_checkpoints:
+            recomputed = shape.layers - min(means.uncheckpointed_layers, shape.layers)
             plan.cpu_parts_gib["activation checkpoints (pinned)"] = (
-                _checkpoint_bytes(shape, tokens) / GIB)
+                _checkpoint_bytes(shape, tokens) * recomputed / shape.layers / GIB)
         if means.embedding_on_cpu:
             plan.cpu_parts_gib["input embedding table"] = shape.vocab * shape.hidden * 2 / GIB
     else:
@@ -306,6 +312,16 @@ def _no_checkpoint_bytes(shape: ModelShape, tokens: int) -> float:
     return tokens * shape.layers * 2 * (14 * shape.hidden + 4 * shape.intermediate)
 
 
+def _kept_layer_bytes(shape: ModelShape, tokens: int, fast: bool) -> float:
+    """A layer that is not recomputed keeps its activations for the backward pass: on the fast
+    LoRA path (models/fast_lora) about 6 hidden-sized (the norms' inputs, the projections'
+    inputs, q and the attention's output) and 2 intermediate-sized (gate, up) bf16 tensors a
+    token; on peft's path _no_checkpoint_bytes' count. Counted."""
+    if not fast:
+        return _no_checkpoint_bytes(shape, tokens) / shape.layers
+    return tokens * 2 * (6 * shape.hidden + 2 * shape.intermediate)
+
+
 def usable_gib(gpu_memory_gib: float | None) -> float | None:
     """What a run may plan with on a GPU of this size: less the CUDA context. None: no GPU."""
     return gpu_memory_gib - CONTEXT_GIB if gpu_memory_gib else None
@@ -332,6 +348,11 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
         "recomputed layer + fused loss (fitted)": working / GIB,
         "allocator and workspaces (fitted)": FIT_CONSTANT_GIB,
     }
+    kept = min(means.uncheckpointed_layers, shape.layers)
+    if kept:  # their checkpoints are not made; their activations are kept instead
+        parts["activation checkpoints"] *= (shape.layers - kept) / shape.layers
+        parts[f"activations of the last {kept} layers (not recomputed; counted)"] = (
+            _kept_layer_bytes(shape, tokens, resolve_fast_lora(config)) * kept / GIB)
     if not config.train.gradient_checkpointing:
         del parts["activation checkpoints"]
         parts["activations of every layer (no checkpointing; counted)"] = (
@@ -449,45 +470,10 @@ def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tup
     if engine == "fsdp" and held:
         gpu["whole gradients between micro-batches"] = trained * UNSHARDED_GRAD_BYTES / GIB
     if engine.startswith("deepspeed"):
-        gpu.update(_deepspeed_buffers(shape, config, trained, optim_where == "cpu"))
+        gpu.update(deepspeed_buffers(shape, config, trained, optim_where == "cpu"))
     elif params_where != "replica":
-        gpu["gathered parameters in flight"] = _gathered_bytes(shape) / GIB
+        gpu["gathered parameters in flight"] = gathered_bytes(shape) / GIB
     return {**gpu, **single}, cpu
-
-
-def _gathered_bytes(shape: ModelShape) -> float:
-    """Sharded parameters are all-gathered for the layer that computes and the one prefetched,
-    or for the embedding / output head, whichever is larger (16-bit). Counted, not measured."""
-    per_layer = shape.linear_params / shape.layers * 2
-    embedding = shape.vocab * shape.hidden * 2
-    return max(2 * per_layer, embedding)
-
-
-def _deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int,
-                       cpu_optimizer: bool) -> dict:
-    """DeepSpeed's own GPU buffers, counted from the engine's JSON in presets/engines/:
-    ZeRO-3 keeps up to stage3_max_live_parameters gathered and stage3_prefetch_bucket_size more
-    in flight (16-bit); ZeRO-2 reduces and gathers in buckets (double-buffered with
-    overlap_comm); with the optimizer on the GPU the step turns this GPU's gradient partition
-    into fp32 (sub_group_size, 1e9 by default, is larger than the partitions here).
-    The 1.5B ZeRO-3 run on two H200s reserved 20.27 GiB where these terms give 17.8."""
-    import json
-
-    zero = json.loads(engine_template(config.train.engine).read_text())["zero_optimization"]
-    n, total = world_size_of(config.train), shape.params
-    parts = {}
-    if not cpu_optimizer:
-        parts["fp32 gradient partition at the optimizer step"] = trained * 4 / n / GIB
-    if zero["stage"] == 3:
-        in_flight = zero["stage3_max_live_parameters"] + zero["stage3_prefetch_bucket_size"]
-        parts["gathered parameters (live + prefetch, 16-bit)"] = (
-            max(min(in_flight, total) * 2, _gathered_bytes(shape)) / GIB)
-    else:
-        copies = 2 if zero.get("overlap_comm") else 1
-        parts["reduce and all-gather buckets"] = (
-            min(zero["reduce_bucket_size"], trained) * 2 * copies
-            + min(zero["allgather_bucket_size"], trained) * 2) / GIB
-    return parts
 
 
 def _longest(shape: ModelShape, config: RunConfig, budget_gib: float) -> int | None:

@@ -52,6 +52,18 @@ def test_streamed_checkpoints_with_mlp_chunks_match_the_whole_mlp():
                 loss_and_grads(True, means, device="cuda", chunk_tokens=10), tol=1e-4)
 
 
+def test_streamed_checkpoints_with_the_last_layer_kept_match_every_layer_recomputed():
+    """train.uncheckpointed_layers 1 of 2 with the streamed copies (the first layer's input
+    is fetched back past a layer that was never offloaded)."""
+    from tests.unit.test_activations import assert_same
+
+    every = loss_and_grads(True, MemoryMeans(offload_checkpoints=True), device="cuda",
+                           chunk_tokens=10)
+    kept = loss_and_grads(True, MemoryMeans(offload_checkpoints=True, uncheckpointed_layers=1),
+                          device="cuda", chunk_tokens=10)
+    assert_same(every, kept, tol=1e-4)
+
+
 def test_chunked_mlp_in_bf16_is_as_close_to_fp32_as_peft():
     """bf16 autocast, offloaded checkpoints, the MLP recomputed in chunks of 10 tokens: as close
     to the fp32 reference as peft's bf16 path."""

@@ -102,6 +102,29 @@ def test_offloaded_checkpoints_with_mlp_chunks_give_the_whole_mlp_result(monkeyp
     assert_same(whole, chunked)
 
 
+@pytest.mark.parametrize("offload, chunk_tokens", [(False, 0), (False, 10), (True, 10)])
+def test_swiglu_gradient_is_written_over_its_output(offload, chunk_tokens, monkeypatch):
+    """The backward pass through the down projection writes d(silu(gate) * up) over
+    silu(gate) * up (read before, by dA_down alone): a chunk holds one [tokens x intermediate]
+    tensor fewer. Saved gate and up (whole or in chunks), and the chunked recomputation."""
+    from lora_lab.models.fast_lora import mlp
+
+    made, given = [], []
+    real_forward, real_backward = mlp._swiglu, mlp._swiglu_backward
+    monkeypatch.setattr(mlp, "_swiglu",
+                        lambda g, u: made.append(real_forward(g, u)) or made[-1])
+    monkeypatch.setattr(mlp, "_swiglu_backward",
+                        lambda g, u, grad: given.append(grad) or real_backward(g, u, grad))
+    means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload, mlp_chunk_tokens=0)
+    whole = loss_and_grads(True, means)
+    made.clear(), given.clear()
+    result = loss_and_grads(True, means, chunk_tokens=chunk_tokens)
+    assert len(given) == 2 * (5 if chunk_tokens else 1)  # two layers
+    outputs = {h.data_ptr() for h in made}
+    assert all(grad.data_ptr() in outputs for grad in given)
+    assert_same(whole, result)
+
+
 def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch):
     """Where no gradient is taken (an evaluation, a checkpointed layer's first pass) the MLP's
     [tokens x intermediate] temporaries are a chunk's, and the logits are the whole pass's."""
@@ -344,3 +367,24 @@ def test_adamw_steps_make_the_casts_again(implementation, device="cpu"):
     assert second is not first
     assert torch.equal(second[0][0], a.detach().to(torch.bfloat16))
     assert torch.equal(second[1][0], b.detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_uncheckpointed_last_layers_are_not_recomputed_and_give_the_same_gradients(
+        offload, monkeypatch):
+    """train.uncheckpointed_layers 1 (of 2): the last layer keeps its activations (its MLP runs
+    once), the first is still recomputed; loss and gradients are those of recomputing both."""
+    means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload)
+    every = loss_and_grads(True, means)
+    calls = count_calls(monkeypatch)
+    kept = loss_and_grads(True, MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload,
+                                            uncheckpointed_layers=1))
+    assert calls["mlp"] == 3  # 2 forward passes, 1 recomputation
+    assert_same(every, kept)
+
+
+def test_more_uncheckpointed_layers_than_the_model_has_is_refused():
+    from lora_lab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.uncheckpointed_layers 3: the model has 2 "):
+        loss_and_grads(True, MemoryMeans(uncheckpointed_layers=3))

@@ -351,3 +351,23 @@ def test_warm_up_never_takes_the_only_steps_there_are():
     assert [warmup_steps(0.05, n) for n in (1, 2, 19, 20, 100)] == [0, 0, 0, 1, 5]
     assert [warmup_steps(0.5, n) for n in (1, 2, 3)] == [0, 1, 1]
     assert warmup_steps(1.0, 4) == 3 and warmup_steps(0.0, 4) == 0
+
+
+def test_uncheckpointed_layers_are_planned_with_their_activations():
+    """train.uncheckpointed_layers 8 of 7B's 28: the plan adds 8 layers' activations (fast
+    path: 6 hidden- and 2 intermediate-sized bf16 tensors a token) and offloads 20 checkpoints;
+    all 28 on a 24 GB card are refused."""
+    flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"], "data.max_length": 1024}
+    sets = ["data.pack_length=4096", "lora.dropout=0"]
+    config = resolve_config("24gb", flags=flags, sets=sets)
+    kept = resolve_config("24gb", flags=flags, sets=sets + ["train.uncheckpointed_layers=8"])
+    every, some = plan_memory(config, gpu_memory_gib=24), plan_memory(kept, gpu_memory_gib=24)
+    part = some.parts_gib["activations of the last 8 layers (not recomputed; counted)"]
+    assert part == pytest.approx(8 * 4096 * 2 * (6 * 3584 + 2 * 18944) / 2**30)
+    assert some.total_gib == pytest.approx(every.total_gib + part)
+    pinned = "activation checkpoints (pinned)"
+    assert some.cpu_parts_gib[pinned] == pytest.approx(every.cpu_parts_gib[pinned] * 20 / 28)
+    assert "the last 8 layers not recomputed" in some.means
+    assert some.fits is True
+    whole = resolve_config("24gb", flags=flags, sets=sets + ["train.uncheckpointed_layers=28"])
+    assert plan_memory(whole, gpu_memory_gib=24).fits is False

@@ -120,6 +120,14 @@ class LoraMLP(torch.autograd.Function):
         return (grad_x, None, None, None, None, None) + _gradients_as(grads, ctx.param_dtypes)
 
 
+def _down_backward(h, h_a, g, bases, ad, bd, scalings, down):
+    """The down projection's backward pass for one chunk: (d h, [dA_down], [dB_down]). d h is
+    written over h (h is read only by dA_down, which comes first), so a chunk holds one
+    [tokens x intermediate] tensor fewer."""
+    return _project_backward(h, h_a, [g], bases[2:], [ad], [bd], scalings[2:], True, [down],
+                             grad_x_out=h)
+
+
 def _saved_backward(ctx, x2, g, gate, up, xa, ha, adapters):
     """LoraMLP's backward pass from the saved gate and up: (dX, (dA_gate, dB_gate, dA_up, dB_up,
     dA_down, dB_down))."""
@@ -135,9 +143,8 @@ def _saved_backward(ctx, x2, g, gate, up, xa, ha, adapters):
         rows = slice(start, start + chunk)
         h = _swiglu(gate[rows], up[rows])
         h_a = h @ ad.t() if ha is None else ha[rows]  # as _project computes it forward
-        grad_h, (part_ad,), (part_bd,) = _project_backward(
-            h, h_a, [g[rows]], bases[2:], [ad], [bd], scalings[2:], True, [down])
-        del h
+        grad_h, (part_ad,), (part_bd,) = _down_backward(h, h_a, g[rows], bases, ad, bd,
+                                                        scalings, down)
         grad_ad, grad_bd = _sum_into(grad_ad, part_ad), _sum_into(grad_bd, part_bd)
         for saved, grad in zip((gate[rows], up[rows]), _swiglu_backward(
                 gate[rows], up[rows], grad_h)):
@@ -169,9 +176,8 @@ def _chunked_backward(ctx, x2, g, adapters):
         (gate, up), xa = _project(x2[rows], bases[:2], [ag, au], [bg, bu], scalings[:2],
                                   weights[:2])
         h = _swiglu(gate, up)
-        grad_h, (part_ad,), (part_bd,) = _project_backward(
-            h, h @ ad.t(), [g[rows]], bases[2:], [ad], [bd], scalings[2:], True, weights[2:])
-        del h
+        grad_h, (part_ad,), (part_bd,) = _down_backward(h, h @ ad.t(), g[rows], bases, ad, bd,
+                                                        scalings, weights[2])
         grad_gate, grad_up = _swiglu_backward(gate, up, grad_h)
         del grad_h, gate, up
         _, (part_ag, part_au), (part_bg, part_bu) = _project_backward(

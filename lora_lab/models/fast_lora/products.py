@@ -147,7 +147,8 @@ def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool
                       weights=None, grad_x_out=None):
     """(dX, [dA_i], [dB_i]) for _project, given the gradients of its outputs. weights: the
     bases' 16-bit weights where the caller holds them already (de-quantized once for several
-    calls); grad_x_out: where dX is written (a caller's buffer), else new memory."""
+    calls); grad_x_out: where dX is written (a caller's buffer, x2's own memory included: x2 is
+    read before dX is written), else new memory."""
     parts = [_scaled_mm(g, b, s) for g, b, s in zip(grads, b16, scalings)]  # [tokens, r_i]
     g_xa = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     grad_a = (g_xa.t() @ x2).split([a.shape[0] for a in a16])

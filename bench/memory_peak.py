@@ -90,7 +90,9 @@ def _live_at_peak(trace, allocated: int, top: int = 12) -> list:
     at_peak = replay(replay()[1] + 1)[0]
     sums = {}
     for event in at_peak.values():
-        key = " < ".join(_frames(event, 3)) or "(no Python frame)"
+        frames = event.get("frames", [])
+        inner = f"{frames[0]['filename'].rsplit('/', 2)[-1]}:{frames[0]['line']}" if frames else ""
+        key = f"[{inner}] " + (" < ".join(_frames(event, 3)) or "(no Python frame)")
         count, size = sums.get(key, (0, 0))
         sums[key] = (count + 1, size + event["size"])
     return [{"frames": key, "tensors": count, "mib": round(size / 2**20, 1)}

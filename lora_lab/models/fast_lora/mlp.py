@@ -150,7 +150,7 @@ def _saved_backward(ctx, x2, g, gate, up, xa, ha, adapters):
                 gate[rows], up[rows], grad_h)):
             if grad.data_ptr() != saved.data_ptr():
                 saved.copy_(grad)
-        del grad_h
+        del grad_h, h
     del down
     grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
         x2, xa, [gate, up], bases[:2], [ag, au], [bg, bu], scalings[:2],
@@ -179,7 +179,7 @@ def _chunked_backward(ctx, x2, g, adapters):
         grad_h, (part_ad,), (part_bd,) = _down_backward(h, h @ ad.t(), g[rows], bases, ad, bd,
                                                         scalings, weights[2])
         grad_gate, grad_up = _swiglu_backward(gate, up, grad_h)
-        del grad_h, gate, up
+        del grad_h, h, gate, up
         _, (part_ag, part_au), (part_bg, part_bu) = _project_backward(
             x2[rows], xa, [grad_gate, grad_up], bases[:2], [ag, au], [bg, bu], scalings[:2],
             need_input, weights[:2], grad_x[rows] if need_input else None)

@@ -168,14 +168,43 @@ def as_planned(config):
     return replace(config, data=replace(config.data, packed_attention=kind))
 
 
+_LENGTHS_GIVEN = {"on": False}  # a decoder runs on a packed row with its sample lengths
+
+
+def _packed_attention_mask(*args, **kwargs):
+    """The mask function of the packed attentions: nothing for a packed row whose sample lengths
+    the attention is given (it attends from them and never reads a mask, where transformers
+    would build the [tokens x tokens] block mask from the restarting position ids: 64 MiB at
+    8192 tokens, held by every checkpointed layer until its backward pass); sdpa's otherwise
+    (evaluation's padded batches)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _LENGTHS_GIVEN["on"] else sdpa_mask(*args, **kwargs)
+
+
 def register_packed_attention(kind: str) -> str:
     """Make data.packed_attention `kind` (segments, varlen) a name from_pretrained accepts;
-    returns it."""
+    returns it. skip_masks_of_packed_rows puts its mask function to use."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     name = PACKED_ATTENTION[kind]
     AttentionInterface.register(name, {"segments": segments_attention,
                                        "varlen": varlen_attention}[kind])
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _packed_attention_mask)
     return name
+
+
+def skip_masks_of_packed_rows(model) -> None:
+    """While the model's decoder runs with packed_lengths (the packed collator's rows for
+    segments and varlen), the packed attentions' mask function builds no mask."""
+    decoder = model.get_decoder()
+
+    def before(module, args, kwargs):
+        _LENGTHS_GIVEN["on"] = kwargs.get("packed_lengths") is not None
+
+    def after(module, args, kwargs, output):
+        _LENGTHS_GIVEN["on"] = False
+
+    decoder.register_forward_pre_hook(before, with_kwargs=True)
+    decoder.register_forward_hook(after, with_kwargs=True, always_call=True)

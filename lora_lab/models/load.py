@@ -229,6 +229,10 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
             raise ModelError(f"--model {args.name}: needs its own Python code; pass "
                              f"--trust-remote-code if you trust it.") from None
         raise _hub_error(args.name, exc) from None
+    if packed_attention in ("segments", "varlen") and args.attn_implementation == "sdpa":
+        from .attention import skip_masks_of_packed_rows
+
+        skip_masks_of_packed_rows(model)
     if for_training:
         model.config.use_cache = False
         apply_kernels(model, args.kernels, fused_loss)

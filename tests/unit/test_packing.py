@@ -82,10 +82,15 @@ def test_attention_from_sample_lengths_gives_the_loss_and_gradients_one_by_one(a
     """data.packed_attention=segments|varlen: no mask, the lengths and their cumulative sums
     (varlen's flash kernel is CUDA-only: on CPU it computes the segments way; the same check on
     the GPU is tests/gpu/test_means_cuda.py)."""
-    from lora_lab.models.attention import register_packed_attention
+    from lora_lab.models.attention import register_packed_attention, skip_masks_of_packed_rows
 
     model = tiny_lora_model()
     model.base_model.model.set_attn_implementation(register_packed_attention(attention))
+    skip_masks_of_packed_rows(model.base_model.model)
+    masks = []
+    for layer in model.base_model.model.model.layers:
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, a, kw: masks.append(kw.get("attention_mask")), with_kwargs=True)
     batch, one_by_one, packed = packed_and_alone(model, attention)
     lengths = packed.rows[0].lengths
     assert "attention_mask" not in batch and batch["packed_lengths"] == lengths
@@ -93,6 +98,16 @@ def test_attention_from_sample_lengths_gives_the_loss_and_gradients_one_by_one(a
                                                    range(len(lengths) + 1)]
     assert batch["packed_cu_seqlens"].dtype == torch.int32
     assert_same_loss_and_gradients(model, batch, one_by_one)
+    masks.clear()
+    with torch.no_grad():
+        model(**batch)
+    assert masks == [None, None]  # the packed row's two layers: no [tokens x tokens] mask
+    padded = {"input_ids": torch.tensor([[5, 6, 7, 0]]),
+              "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+    masks.clear()
+    with torch.no_grad():
+        model(**padded)
+    assert masks[0] is not None and masks[0].shape[-2:] == (4, 4)  # evaluation's padding
 
 
 def test_no_token_attends_across_a_sample_boundary():

@@ -362,7 +362,7 @@ def test_uncheckpointed_layers_are_planned_with_their_activations():
     config = resolve_config("24gb", flags=flags, sets=sets)
     kept = resolve_config("24gb", flags=flags, sets=sets + ["train.uncheckpointed_layers=8"])
     every, some = plan_memory(config, gpu_memory_gib=24), plan_memory(kept, gpu_memory_gib=24)
-    part = some.parts_gib["activations of the last 8 layers (not recomputed; counted)"]
+    part = some.parts_gib["activations of the last 8 layers (not recomputed; fitted)"]
     assert part == pytest.approx(8 * 4096 * 2 * (4 * 3584 + 2 * 18944) / 2**30)
     assert some.total_gib == pytest.approx(every.total_gib + part)
     pinned = "activation checkpoints (pinned)"
@@ -371,3 +371,22 @@ def test_uncheckpointed_layers_are_planned_with_their_activations():
     assert some.fits is True
     whole = resolve_config("24gb", flags=flags, sets=sets + ["train.uncheckpointed_layers=28"])
     assert plan_memory(whole, gpu_memory_gib=24).fits is False
+
+
+def test_the_plan_says_how_many_layers_could_skip_their_recomputation():
+    """A 7B row of 4096 tokens on the 24gb preset leaves room: the plan names the setting and
+    the number that fits in 95% of the usable memory; planned with it, the run still fits; a
+    plan that does not fit offers fewer such layers first."""
+    flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"], "data.max_length": 1024}
+    sets = ["data.pack_length=4096", "lora.dropout=0"]
+    plan = plan_memory(resolve_config("24gb", flags=flags, sets=sets), gpu_memory_gib=24)
+    room = plan.room_for_layers
+    assert 5 <= room <= 28
+    assert f"--set train.uncheckpointed_layers={room}" in plan.report()
+    kept = plan_memory(resolve_config("24gb", flags=flags, sets=sets + [
+        f"train.uncheckpointed_layers={room}"]), gpu_memory_gib=24)
+    assert kept.fits and kept.total_gib <= 0.95 * 23.5 and kept.room_for_layers == 0
+    assert "room for" not in kept.report()
+    over = plan_memory(resolve_config("24gb", flags=flags, sets=sets + [
+        "train.uncheckpointed_layers=28"]), gpu_memory_gib=24)
+    assert over.fixes[0] == "fewer train.uncheckpointed_layers"

@@ -6,6 +6,8 @@ import functools
 import torch
 from torch import nn
 
+from ..errors import ModelError
+
 PACKED_ATTENTION = {"segments": "lora_lab_segments", "varlen": "lora_lab_varlen"}
 """data.packed_attention, other than the block-diagonal mask: the name each registers as a
 transformers attention implementation. Both attend within each sample of a packed row only, from
@@ -31,6 +33,10 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
 
     kwargs.pop("packed_cu_seqlens", None)
     if packed_lengths is None:
+        if _LENGTHS_GIVEN["on"]:  # no mask was built for this row: it must not attend whole
+            raise ModelError("data.packed_attention: this model's decoder does not pass the "
+                             "packed row's sample lengths to its attention layers. Use --set "
+                             "data.packed_attention=mask.")
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
     gqa = key.shape[1] != query.shape[1]

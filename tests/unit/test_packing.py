@@ -202,3 +202,64 @@ def test_packed_attention_keeps_a_sliding_window_within_each_sample():
         torch.testing.assert_close(out, expected)
     unwindowed, _ = segments_attention(module, q, k, v, None, packed_lengths=lengths)
     assert not torch.allclose(unwindowed, expected)
+
+
+def tiny_family_model(family: str):
+    """A 2-layer model of `family` with LoRA on every linear layer, random B (a real effect)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    shape = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                 pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config_class, model_class, extra = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+        # a sliding window shorter than the samples: its layers attend within a band
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 6,
+                                                              "layer_types": ["sliding_attention",
+                                                                              "full_attention"]}),
+    }[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**shape, **extra)
+    model = getattr(transformers, model_class)._from_config(config, attn_implementation="sdpa")
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
+                      init_lora_weights=False)
+    return get_peft_model(model, lora)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "phi3", "qwen3", "gemma3"])
+def test_every_family_passes_the_sample_lengths_to_its_attention(family):
+    """The packed attentions build no mask for a packed row (skip_masks_of_packed_rows), so each
+    family's decoder must hand the collator's sample lengths down to its attention: a packed row
+    gives the loss and gradients of its samples one by one (with no mask and no lengths the
+    samples would attend to each other)."""
+    from lora_lab.models.attention import register_packed_attention, skip_masks_of_packed_rows
+
+    model = tiny_family_model(family)
+    model.base_model.model.set_attn_implementation(register_packed_attention("segments"))
+    skip_masks_of_packed_rows(model.base_model.model)
+    batch, one_by_one, _ = packed_and_alone(model, "segments")
+    assert_same_loss_and_gradients(model, batch, one_by_one)
+
+
+def test_a_decoder_that_drops_the_sample_lengths_is_refused_not_attended_whole():
+    """Where a decoder took the lengths but its attention got none (a model's own code that does
+    not pass them on), the row has no mask either: the attention refuses, naming the setting."""
+    from lora_lab.errors import ModelError
+    from lora_lab.models.attention import register_packed_attention, skip_masks_of_packed_rows
+
+    model = tiny_family_model("llama")
+    model.base_model.model.set_attn_implementation(register_packed_attention("segments"))
+    skip_masks_of_packed_rows(model.base_model.model)
+    for layer in model.base_model.model.model.layers:
+        def without_lengths(*args, _forward=layer.self_attn.forward, **kwargs):
+            kwargs.pop("packed_lengths", None)
+            return _forward(*args, **kwargs)
+
+        layer.self_attn.forward = without_lengths
+    batch, _, _ = packed_and_alone(model, "segments")
+    with pytest.raises(ModelError, match="data.packed_attention=mask"):
+        model(**batch)

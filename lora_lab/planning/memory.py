@@ -188,6 +188,13 @@ class MemoryPlan:
     def cpu_total_gib(self) -> float:
         return sum(self.cpu_parts_gib.values())
 
+    def room_hint(self) -> str:
+        """The train.uncheckpointed_layers that room_for_layers allows, or "" for no room."""
+        if not self.room_for_layers:
+            return ""
+        return (f"room for {self.room_for_layers} more layers not recomputed (faster): --set "
+                f"train.uncheckpointed_layers={self.room_for_layers + self.kept}")
+
     def report(self) -> str:
         lines = [f"{self.model}, {self.quantization}, {self.tokens_per_micro_batch} tokens per "
                  f"micro-batch"]
@@ -221,8 +228,7 @@ class MemoryPlan:
         if self.fits is False:
             lines.append(f"  to fit: {' or '.join(self.fixes) or 'a smaller model'}")
         if self.room_for_layers:
-            lines.append(f"  room for {self.room_for_layers} more layers not recomputed (faster): "
-                         f"--set train.uncheckpointed_layers={self.room_for_layers + self.kept}")
+            lines.append(f"  {self.room_hint()}")
         if self.traffic is not None:
             lines.append(self.traffic.report())
         return "\n".join(lines)

@@ -232,7 +232,9 @@ def check_gpu_memory(config: RunConfig, longest_row_tokens: int) -> None:
         return
     plan = check_fits(as_planned(config), gpu_gib, longest_row_tokens)
     if plan:
-        log.info(f"memory plan: about {plan.total_gib:.1f} GiB of {plan.budget_gib:.1f} usable")
+        hint = plan.room_hint()
+        log.info(f"memory plan: about {plan.total_gib:.1f} GiB of {plan.budget_gib:.1f} usable"
+                 + (f"; {hint}" if hint else ""))
 
 
 def remove_unfinished_saves(run_dir: Path) -> None:

@@ -154,3 +154,19 @@ def test_impossible_values_are_refused_together():
     for flags in ({"train.lr": "inf"}, {"train.run_name": "a/b"}, {"train.run_name": ".."}):
         with pytest.raises(ConfigError):
             resolve_config("cpu", flags={**DATA, **flags})
+
+
+def test_uncheckpointed_layers_are_refused_where_layers_are_not_checkpointed_by_lora_lab():
+    from lora_lab.errors import ConfigError
+
+    flags = {"data.datasets": ["x"]}
+    assert resolve_config("24gb", flags=flags, sets=[
+        "train.uncheckpointed_layers=4"]).train.uncheckpointed_layers == 4
+    for sets in (["train.gradient_checkpointing=false"], ["train.tuner=full"]):
+        with pytest.raises(ConfigError) as refused:
+            resolve_config("24gb", flags=flags, sets=sets + ["train.uncheckpointed_layers=4"])
+        assert refused.value.problems == [
+            "--set train.uncheckpointed_layers=4: serves LoRA in one process with gradient "
+            "checkpointing on. Set it to 0 here."]
+    with pytest.raises(ConfigError, match="train.uncheckpointed_layers=-1: must be at least 0"):
+        resolve_config("24gb", flags=flags, sets=["train.uncheckpointed_layers=-1"])

@@ -19,7 +19,8 @@ from pathlib import Path
 from cell import multi_gpu_config
 from run import PLANS, SCALING_RUNS, scaling_cells
 
-from lora_lab.planning.memory import CPU_PLAN_MARGIN, plan_memory
+from lora_lab.planning.engines import CPU_PLAN_MARGIN
+from lora_lab.planning.memory import plan_memory
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"

@@ -228,12 +228,13 @@ class TrainArgs:
         "auto", "Keep each layer's checkpoint in pinned CPU memory until the backward pass (LoRA "
                 "on one GPU, with gradient checkpointing). auto: on when training on a GPU; true "
                 "/ false force it.", choices=("auto", True, False))
-    uncheckpointed_layers: int = _f(
+    uncheckpointed_layers: int | str = _f(
         0, "With gradient checkpointing, the last N decoder layers keep their activations on "
            "the GPU instead of being recomputed in the backward pass (LoRA on one GPU): each "
            "saves about a third of its compute for its activations' memory, which the plan "
            "counts. For a card with room to spare (a 7B row of 4096 tokens: about 0.4 GiB a "
-           "layer). 0 recomputes every layer.", minimum=0)
+           "layer). 0 recomputes every layer; auto: as many as the memory plan fits in 90% of "
+           "the GPU's usable memory (0 without a GPU).", minimum=0)
     offload_copy_stream: bool = _f(True, "Copy offloaded layer checkpoints on a side CUDA "
                                          "stream, overlapping the layers' compute, and fetch "
                                          "each back one layer ahead of its backward pass.")

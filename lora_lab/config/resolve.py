@@ -207,6 +207,11 @@ def _coerce(key: str, value) -> tuple[Any, str | None]:
     kind = get_type_hints(SECTIONS[section])[name]
     if value is None:
         return None, None
+    or_auto = kind == int | str  # auto, or a number
+    if or_auto:
+        if str(value).strip().lower() == "auto":
+            return "auto", None
+        kind = int
     if kind == str | bool:  # auto, or a forced true / false
         if str(value).strip().lower() == "auto":
             return "auto", None
@@ -227,7 +232,8 @@ def _coerce(key: str, value) -> tuple[Any, str | None]:
                 raise ValueError
             return int(float(value)), None
         except (TypeError, ValueError):
-            return None, f"expected a whole number, got {value!r}."
+            return None, f"expected a whole number{' (or auto)' if or_auto else ''}, got " \
+                         f"{value!r}."
     if kind is float:
         try:
             if isinstance(value, bool):
@@ -334,7 +340,7 @@ def _validate(config: RunConfig, need_data: bool = True,
             choices, minimum = spec.metadata["choices"], spec.metadata["minimum"]
             if choices and value not in choices:
                 problems.append((key, f"must be one of {', '.join(choices)}; got {value!r}."))
-            if minimum is not None and value is not None and value < minimum:
+            if minimum is not None and isinstance(value, (int, float)) and value < minimum:
                 problems.append((key, f"must be at least {minimum}; got {value!r}."))
             maximum = spec.metadata["maximum"]
             if maximum is not None and value is not None and value > maximum:
@@ -370,7 +376,8 @@ def _validate(config: RunConfig, need_data: bool = True,
             problems.append((key, "true serves LoRA in one process with gradient checkpointing "
                                   "(DDP and DeepSpeed do not see its recomputed gradients). "
                                   "Use auto or false here."))
-    if config.train.uncheckpointed_layers and not (single and config.train.gradient_checkpointing):
+    if (config.train.uncheckpointed_layers not in (0, "auto")
+            and not (single and config.train.gradient_checkpointing)):
         problems.append(("train.uncheckpointed_layers", "serves LoRA in one process with gradient "
                                                         "checkpointing on. Set it to 0 here."))
     if config.train.max_steps == 0 or config.train.max_steps < -1:

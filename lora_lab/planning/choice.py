@@ -7,7 +7,8 @@ from dataclasses import replace
 from ..config import RunConfig, world_size_of
 from ..errors import LoraLabError
 from ..registry import model_config_of
-from .memory import CPU_PLAN_MARGIN, TIERS_GIB, MemoryPlan, plan_memory, row_length
+from .engines import CPU_PLAN_MARGIN
+from .memory import TIERS_GIB, MemoryPlan, plan_memory, row_length
 
 ENGINE_PREFERENCE = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
                      "deepspeed-zero3-offload")

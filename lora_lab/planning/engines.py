@@ -31,6 +31,33 @@ FSDP_FULL_STATE_BYTES = (4, 4, 8)
 follow them, and there is no separate master copy."""
 
 
+CHECKED_ON_GPUS = {("ddp", "lora"), ("deepspeed-zero2", "lora"), ("deepspeed-zero3", "full"),
+                   ("fsdp", "full"), ("fsdp", "lora")}
+"""(engine, tuner) whose plan a stored two-GPU run matched within 15%
+(tests/unit/test_memory.py)."""
+GAPS_ON_GPUS = {
+    ("deepspeed-zero2-offload", "full"): (
+        0.82, "a two-GPU run of full 1.5B reserved 7.48 GiB per GPU where the plan gives 6.10; "
+              "6.30 GiB were allocated: the caching allocator held the rest"),
+    ("deepspeed-zero3-offload", "full"): (
+        1.17, "a two-GPU run of full 7B reserved 9.57 GiB per GPU where the plan gives 11.20 "
+              "(on the safe side): DeepSpeed moves the gradient partitions to CPU memory, where "
+              "the plan keeps them on the GPU, and its caching allocator held 3.7 GiB over the "
+              "5.9 allocated"),
+}
+"""(engine, tuner) whose plan a two-GPU run missed by more than 15%: plan / measured, and why."""
+OFFLOAD_FP32_GRAD_BYTES = 4
+"""DeepSpeed's CPU optimizer steps on an fp32 copy of the gradients kept in CPU memory."""
+PROCESS_CPU_GIB = 4.3
+"""Resident CPU memory of a training process besides its model state: an FSDP worker of full
+1.5B peaked at 10.06 GiB, 5.74 of them its fp32 weights (docs/benchmarks.md)."""
+CPU_PLAN_MARGIN = 1.45
+"""The offload runs' resident CPU peaks, added up over the processes, were up to 1.43x the CPU
+plan (ZeRO-3 offload 7B, its final save included): --engine auto asks for this much more."""
+UNSHARDED_GRAD_BYTES = 2
+"""FSDP2 under no_sync accumulates each parameter's whole gradient in its compute dtype (bf16)."""
+
+
 def gathered_bytes(shape: ModelShape) -> float:
     """Sharded parameters are all-gathered for the layer that computes and the one prefetched,
     or for the embedding / output head, whichever is larger (16-bit). Counted, not measured."""

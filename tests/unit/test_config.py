@@ -170,3 +170,9 @@ def test_uncheckpointed_layers_are_refused_where_layers_are_not_checkpointed_by_
             "checkpointing on. Set it to 0 here."]
     with pytest.raises(ConfigError, match="train.uncheckpointed_layers=-1: must be at least 0"):
         resolve_config("24gb", flags=flags, sets=["train.uncheckpointed_layers=-1"])
+    with pytest.raises(ConfigError, match=r"expected a whole number \(or auto\), got 'many'"):
+        resolve_config("24gb", flags=flags, sets=["train.uncheckpointed_layers=many"])
+    # auto means none where lora-lab does not checkpoint the layers, as the other autos do
+    full = resolve_config("24gb", flags=flags, sets=["train.tuner=full",
+                                                      "train.uncheckpointed_layers=AUTO"])
+    assert full.train.uncheckpointed_layers == "auto"

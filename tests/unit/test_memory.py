@@ -7,7 +7,8 @@ import pytest
 
 from lora_lab.config import resolve_config
 from lora_lab.planning.choice import pick_preset
-from lora_lab.planning.memory import CHECKED_ON_GPUS, GAPS_ON_GPUS, plan_memory
+from lora_lab.planning.engines import CHECKED_ON_GPUS, GAPS_ON_GPUS
+from lora_lab.planning.memory import plan_memory
 from lora_lab.registry import QWEN25_SIZES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -239,7 +240,7 @@ def test_the_trainer_is_told_to_sync_each_micro_batch_for_fsdp(engine, synced, t
 
 
 def test_offload_moves_optimizer_state_and_zero3_parameters_to_cpu():
-    from lora_lab.planning.memory import PROCESS_CPU_GIB
+    from lora_lab.planning.engines import PROCESS_CPU_GIB
 
     params = _shape().linear_params + _shape().other_params
     zero2 = plan_for("deepspeed-zero2-offload", 2, "full", **{"train.grad_accum": 4})
@@ -323,7 +324,7 @@ def test_the_cpu_plan_of_the_offload_runs_with_its_margin():
     counted CPU plan, by at most CPU_PLAN_MARGIN, which --engine auto applies."""
     from report import load, plan_of
 
-    from lora_lab.planning.memory import CPU_PLAN_MARGIN
+    from lora_lab.planning.engines import CPU_PLAN_MARGIN
 
     _, rows = load("multi-gpu")
     offload = [r for r in rows if "offload" in r["engine"] and r.get("cpu_peak_rss_gib_per_gpu")]
@@ -375,8 +376,8 @@ def test_uncheckpointed_layers_are_planned_with_their_activations():
 
 def test_the_plan_says_how_many_layers_could_skip_their_recomputation():
     """A 7B row of 4096 tokens on the 24gb preset leaves room: the plan names the setting and
-    the number that fits in 95% of the usable memory; planned with it, the run still fits; a
-    plan that does not fit offers fewer such layers first."""
+    the number that fits in 90% of the usable memory (auto takes that number); planned with it,
+    the run still fits; a plan that does not fit offers fewer such layers first."""
     flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"], "data.max_length": 1024}
     sets = ["data.pack_length=4096", "lora.dropout=0"]
     plan = plan_memory(resolve_config("24gb", flags=flags, sets=sets), gpu_memory_gib=24)
@@ -385,8 +386,15 @@ def test_the_plan_says_how_many_layers_could_skip_their_recomputation():
     assert f"--set train.uncheckpointed_layers={room}" in plan.report()
     kept = plan_memory(resolve_config("24gb", flags=flags, sets=sets + [
         f"train.uncheckpointed_layers={room}"]), gpu_memory_gib=24)
-    assert kept.fits and kept.total_gib <= 0.95 * 23.5 and kept.room_for_layers == 0
+    assert kept.fits and kept.total_gib <= 0.90 * 23.5 and kept.room_for_layers == 0
     assert "room for" not in kept.report()
+    auto = plan_memory(resolve_config("24gb", flags=flags, sets=sets + [
+        "train.uncheckpointed_layers=auto"]), gpu_memory_gib=24)
+    assert auto.kept == room and auto.total_gib == pytest.approx(kept.total_gib)
+    assert f"the last {room} layers not recomputed" in auto.means
+    no_gpu = plan_memory(resolve_config("24gb", flags=flags, sets=sets + [
+        "train.uncheckpointed_layers=auto"]))
+    assert no_gpu.kept == 0  # nothing to fill
     over = plan_memory(resolve_config("24gb", flags=flags, sets=sets + [
         "train.uncheckpointed_layers=28"]), gpu_memory_gib=24)
     assert over.fixes[0] == "fewer train.uncheckpointed_layers"

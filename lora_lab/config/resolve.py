@@ -14,7 +14,7 @@ import yaml
 
 from ..errors import ConfigError, ModelError
 from ..paths import identity_datasets, presets_dir
-from ..registry import resolve_model_spec, size_class
+from ..registry import model_config_of, resolve_model_spec, size_class
 from .fields import (FLAG_FOR_KEY, FULL_FINETUNING_LR, LORA_INITS, REPORT_BACKENDS, SECTIONS,
                      ModelArgs, RunConfig, all_keys, converts_initial_adapter, main_host_port,
                      trains_adapter, world_size_of)
@@ -376,10 +376,14 @@ def _validate(config: RunConfig, need_data: bool = True,
             problems.append((key, "true serves LoRA in one process with gradient checkpointing "
                                   "(DDP and DeepSpeed do not see its recomputed gradients). "
                                   "Use auto or false here."))
-    if (config.train.uncheckpointed_layers not in (0, "auto")
-            and not (single and config.train.gradient_checkpointing)):
+    kept = config.train.uncheckpointed_layers
+    if kept not in (0, "auto") and not (single and config.train.gradient_checkpointing):
         problems.append(("train.uncheckpointed_layers", "serves LoRA in one process with gradient "
                                                         "checkpointing on. Set it to 0 here."))
+    layers = (model_config_of(config.model.name) or {}).get("num_hidden_layers")
+    if isinstance(kept, int) and layers and kept > layers:
+        problems.append(("train.uncheckpointed_layers", f"the model has {layers} decoder layers: "
+                                                        f"use at most {layers}, or auto."))
     if config.train.max_steps == 0 or config.train.max_steps < -1:
         problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
     problem = report_to_problem(config.train.report_to, check_installed=training)

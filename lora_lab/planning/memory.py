@@ -365,7 +365,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     kept = min(means.uncheckpointed_layers, shape.layers)
     if kept:  # their checkpoints are not made; their activations are kept instead
         parts["activation checkpoints"] *= (shape.layers - kept) / shape.layers
-        parts[f"activations of the last {kept} layers (not recomputed; fitted)"] = (
+        parts[f"{kept} layers kept, not recomputed (fitted)"] = (
             _kept_layer_bytes(shape, tokens, resolve_fast_lora(config)) * kept / GIB)
     if not config.train.gradient_checkpointing:
         del parts["activation checkpoints"]

@@ -172,6 +172,10 @@ def test_uncheckpointed_layers_are_refused_where_layers_are_not_checkpointed_by_
         resolve_config("24gb", flags=flags, sets=["train.uncheckpointed_layers=-1"])
     with pytest.raises(ConfigError, match=r"expected a whole number \(or auto\), got 'many'"):
         resolve_config("24gb", flags=flags, sets=["train.uncheckpointed_layers=many"])
+    with pytest.raises(ConfigError, match=r"uncheckpointed_layers=29: the model has 28 decoder "
+                                          r"layers: use at most 28, or auto."):
+        resolve_config("24gb", flags={**flags, "model.name": "qwen2.5-7b"},
+                       sets=["train.uncheckpointed_layers=29"])
     # auto means none where lora-lab does not checkpoint the layers, as the other autos do
     full = resolve_config("24gb", flags=flags, sets=["train.tuner=full",
                                                       "train.uncheckpointed_layers=AUTO"])

@@ -363,7 +363,7 @@ def test_uncheckpointed_layers_are_planned_with_their_activations():
     config = resolve_config("24gb", flags=flags, sets=sets)
     kept = resolve_config("24gb", flags=flags, sets=sets + ["train.uncheckpointed_layers=8"])
     every, some = plan_memory(config, gpu_memory_gib=24), plan_memory(kept, gpu_memory_gib=24)
-    part = some.parts_gib["activations of the last 8 layers (not recomputed; fitted)"]
+    part = some.parts_gib["8 layers kept, not recomputed (fitted)"]
     assert part == pytest.approx(8 * 4096 * 2 * (4 * 3584 + 2 * 18944) / 2**30)
     assert some.total_gib == pytest.approx(every.total_gib + part)
     pinned = "activation checkpoints (pinned)"

@@ -245,7 +245,7 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
         plan.means = means.describe()
         plan.kept = min(means.uncheckpointed_layers, shape.layers)
         if means.offload_checkpoints:
-            recomputed = shape.layers - min(means.uncheckpointed_layers, shape.layers)
+            recomputed = shape.layers - plan.kept
             plan.cpu_parts_gib["activation checkpoints (pinned)"] = (
                 _checkpoint_bytes(shape, tokens) * recomputed / shape.layers / GIB)
         if means.embedding_on_cpu:

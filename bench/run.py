@@ -174,6 +174,11 @@ def peer_cells(steps: int = 6) -> list:
                     cells.append({"kind": "lora-lab", "label": f"ll-{name}-rows4096{suffix}-{run}",
                                   "size": size, "steps": steps,
                                   "sets": FAST + ["data.pack_length=4096"] + more, **ours})
+            if name in ("7b-4096", "0.5b-4096", "1.5b-4096"):
+                # the backward pass through down and SwiGLU over all tokens at once
+                cells.append({"kind": "lora-lab", "label": f"ll-{name}-wholeback-{run}",
+                              "size": size, "steps": steps, "sets": FAST,
+                              "down_backward_chunks": False, **ours})
             if name in ("7b-1024", "7b-2048-nf4", "0.5b-4096", "1.5b-4096"):
                 # the MLP in chunks of 2048 tokens (of 1024: -chunk1024, of 4096: -chunk4096)
                 for suffix, tokens in (("chunk", 2048), ("chunk1024", 1024), ("chunk4096", 4096)):
@@ -220,7 +225,8 @@ def peer_cells(steps: int = 6) -> list:
                 ("1.5b-4096-chunk1024", "1.5b-4096",
                  FAST + ["model.fast_lora_chunk_tokens=1024"]),
                 ("0.5b-4096-chunk4096", "0.5b-4096",
-                 FAST + ["model.fast_lora_chunk_tokens=4096"])):
+                 FAST + ["model.fast_lora_chunk_tokens=4096"]),
+                ("0.5b-4096", "0.5b-4096", FAST)):
             cells.append({"kind": "lora-lab", "label": f"ll-{name}-history-{run}",
                           "size": cell.split("-")[0], "steps": 4, "sets": sets,
                           "memory_history": True, **PEER_CELLS[cell][0]})

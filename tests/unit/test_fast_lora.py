@@ -93,7 +93,7 @@ def test_offloaded_checkpoints_with_mlp_chunks_give_the_whole_mlp_result(monkeyp
 
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
     rows, real = [], mlp._swiglu
-    monkeypatch.setattr(mlp, "_swiglu", lambda g, u: rows.append(g.shape[0]) or real(g, u))
+    monkeypatch.setattr(mlp, "_swiglu", lambda g, u, **kw: rows.append(g.shape[0]) or real(g, u, **kw))
     whole = loss_and_grads(True, means)
     assert rows == [48] * 4  # two layers: the first pass, the backward pass
     rows.clear()
@@ -112,7 +112,7 @@ def test_swiglu_gradient_is_written_over_its_output(offload, chunk_tokens, monke
     made, given = [], []
     real_forward, real_backward = mlp._swiglu, mlp._swiglu_backward
     monkeypatch.setattr(mlp, "_swiglu",
-                        lambda g, u: made.append(real_forward(g, u)) or made[-1])
+                        lambda g, u, **kw: made.append(real_forward(g, u, **kw)) or made[-1])
     monkeypatch.setattr(mlp, "_swiglu_backward",
                         lambda g, u, grad: given.append(grad) or real_backward(g, u, grad))
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload, mlp_chunk_tokens=0)
@@ -125,6 +125,34 @@ def test_swiglu_gradient_is_written_over_its_output(offload, chunk_tokens, monke
     assert_same(whole, result)
 
 
+def test_saved_mlp_backward_goes_down_and_swiglu_a_chunk_at_a_time(monkeypatch):
+    """Without model.fast_lora_chunk_tokens, the backward pass through down and SwiGLU from the
+    saved gate and up still runs on at most mlp.DOWN_BACKWARD_TOKENS tokens at a time (10 of 48
+    here: 10, 10, 10, 10, 8), so no silu(gate) * up of the whole row is made there; the first
+    pass (no autograd) writes silu(gate) * up over gate. The loss and gradients are those of
+    one pass over all tokens."""
+    from lora_lab.models.fast_lora import mlp
+
+    means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
+    calls, real = [], mlp._swiglu
+
+    def swiglu(gate, up, over_gate=False):
+        h = real(gate, up, over_gate=over_gate)
+        calls.append((gate.shape[0], over_gate, h.data_ptr() == gate.data_ptr()))
+        return h
+
+    monkeypatch.setattr(mlp, "_swiglu", swiglu)
+    monkeypatch.setattr(mlp, "DOWN_BACKWARD_TOKENS", 0)
+    whole = loss_and_grads(True, means)
+    assert calls == [(48, True, True)] * 2 + [(48, False, False)] * 2  # two layers
+    calls.clear()
+    monkeypatch.setattr(mlp, "DOWN_BACKWARD_TOKENS", 10)
+    chunked = loss_and_grads(True, means)
+    assert calls == [(48, True, True)] * 2 + [
+        (rows, False, False) for rows in (10, 10, 10, 10, 8)] * 2
+    assert_same(whole, chunked)
+
+
 def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch):
     """Where no gradient is taken (an evaluation, a checkpointed layer's first pass) the MLP's
     [tokens x intermediate] temporaries are a chunk's, and the logits are the whole pass's."""
@@ -134,7 +162,7 @@ def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch):
     give_adapters_an_effect(model)
     ids = torch.randint(0, 512, (2, SEQ))
     rows, real = [], mlp._swiglu
-    monkeypatch.setattr(mlp, "_swiglu", lambda g, u: rows.append(g.shape[0]) or real(g, u))
+    monkeypatch.setattr(mlp, "_swiglu", lambda g, u, **kw: rows.append(g.shape[0]) or real(g, u, **kw))
     model.eval()
     with torch.no_grad():
         chunked = model(input_ids=ids).logits
@@ -163,7 +191,7 @@ def count_swiglu(monkeypatch) -> list:
     from lora_lab.models.fast_lora import mlp
 
     calls, real = [], mlp._swiglu
-    monkeypatch.setattr(mlp, "_swiglu", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(mlp, "_swiglu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
 
 
@@ -374,12 +402,22 @@ def test_uncheckpointed_last_layers_are_not_recomputed_and_give_the_same_gradien
         offload, monkeypatch):
     """train.uncheckpointed_layers 1 (of 2): the last layer keeps its activations (its MLP runs
     once), the first is still recomputed; loss and gradients are those of recomputing both."""
+    import lora_lab.models.fast_lora as fast_lora
+
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload)
+    from lora_lab.models.fast_lora import mlp
+
     every = loss_and_grads(True, means)
     calls = count_calls(monkeypatch)
+    first_passes, real = [], mlp._mlp_without_graph
+    monkeypatch.setattr(mlp, "_mlp_without_graph",
+                        lambda *a: first_passes.append(1) or real(*a))
+    monkeypatch.setattr(fast_lora, "_mlp_without_graph", mlp._mlp_without_graph)
     kept = loss_and_grads(True, MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload,
                                             uncheckpointed_layers=1))
-    assert calls["mlp"] == 3  # 2 forward passes, 1 recomputation
+    # the first layer: a first pass (without autograd in lora-lab's offloaded checkpoint, with
+    # it in transformers'), then its recomputation; the last: one pass with autograd
+    assert (len(first_passes), calls["mlp"]) == ((1, 2) if offload else (0, 3))
     assert_same(every, kept)
 
 

@@ -16,7 +16,9 @@ activations' type instead, and:
   micro-batch of an optimizer step share it), and their gradients back to the weights' types
   in one more; the scalings are the products' alpha;
 - the SwiGLU MLP (down(silu(gate(x)) * up(x))) is one autograd function that keeps gate and up
-  and recomputes silu(gate) * up in the backward pass (the largest activations of a layer);
+  and recomputes silu(gate) * up in the backward pass (the largest activations of a layer), a
+  chunk of at most mlp.DOWN_BACKWARD_TOKENS tokens at a time; run without autograd (a
+  checkpointed layer's first pass, an evaluation) it writes silu(gate) * up over gate;
 - where a checkpointed layer is recomputed for its backward pass (models.memory_means
   replay_backward) and its MLP output only enters the residual sum, the recomputation stops the
   MLP after gate and up: the down projection's output is never read in the backward pass;
@@ -34,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ..memory_means import replaying_layer
-from .mlp import LoraMLP, _mlp_without_graph, in_chunks
+from .mlp import LoraMLP, _mlp_without_graph
 from .products import LoraProjection, _Casts
 
 
@@ -110,7 +112,7 @@ def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
         bases = tuple(p.get_base_layer() for p in projections)
         scalings = tuple(a[2] for a in adapters)
         params = [t for a in adapters for t in a[:2]]
-        if not torch.is_grad_enabled() and in_chunks(x[..., 0].numel(), chunk_tokens):
+        if not torch.is_grad_enabled():
             return _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens)
         unread = output_to_residual and torch.is_grad_enabled() and replaying_layer()
         return LoraMLP.apply(x, bases, scalings, unread, chunk_tokens, casts, *params)

@@ -305,6 +305,15 @@ PLANS = {
                                   ("16gb", 8192, True), ("12gb", 8192, True),
                                   ("8gb", 3072, True), ("16gb", 1024, False))),
     "presets-7b": lambda: preset_cells(("7b",)),
+    # train.uncheckpointed_layers=auto under a tier's cap: the layers it keeps, the peak, the
+    # speed against the preset's cell (every layer recomputed)
+    "auto-layers": lambda: [
+        {"kind": "lora-lab", "label": f"auto-{tier}-{size}-{length}", "preset": tier,
+         "size": size, "max_length": length, "steps": 8, "cap_gib": TIERS[tier],
+         "sets": ["train.uncheckpointed_layers=auto"]}
+        for tier, size, length in (("24gb", "7b", 2048), ("24gb", "3b", 2048),
+                                   ("24gb", "1.5b", 2048), ("16gb", "3b", 2048),
+                                   ("12gb", "1.5b", 2048))],
 }
 
 

@@ -9,6 +9,8 @@
 # (profile_step.py --host: cProfile).
 # families:LABEL,LABEL: those cells of `bench/run.py families` afterwards, three at once (memory
 # figures; their speeds are not clean).
+# plan:NAME[:N]: every cell of `bench/run.py NAME` afterwards, N at once (default 4; memory
+# figures under the tiers' caps: presets-small, presets-7b, auto-layers).
 # The machine is given back after about 30 s idle: one call with every step costs one start.
 # Results, logs, profiles and kernel traces go to $OUT.
 set -o pipefail
@@ -29,6 +31,14 @@ done
 for step in "$@"; do
   case $step in families:*)
     python3 bench/run.py families --out $OUT --parallel 3 --cells "${step#families:}" 2>&1 \
+      | grep -v "Writing model shards" | tee -a $OUT/run.log
+  esac
+done
+for step in "$@"; do
+  case $step in plan:*)
+    spec=${step#plan:}; name=${spec%%:*}; parallel=4
+    [ "$spec" != "$name" ] && parallel=${spec#*:}
+    python3 bench/run.py "$name" --out $OUT --parallel "$parallel" 2>&1 \
       | grep -v "Writing model shards" | tee -a $OUT/run.log
   esac
 done

@@ -2,12 +2,14 @@
 the GPU's kernel launches, which bound the 7B step on short rows
 (bench/results/2026-12-01-peer-NOTES.md).
 
-    python bench/op_count.py [--chunk-tokens N] [--out FILE]
+    python bench/op_count.py [--chunk-tokens N] [--down-backward-tokens N] [--out FILE]
 
 A 2-layer Qwen2 (tiny_untied of tests/unit/test_activations.py) in bf16 under CPU autocast, LoRA
 rank 4 on every linear layer, dropout 0 (the fast path), layer checkpoints replayed in backward as
 on one GPU; one forward and backward of 2 x 24 tokens under torch.profiler, the fast LoRA MLP in
-chunks of N tokens where asked (model.fast_lora_chunk_tokens). Prints (and appends to FILE) a
+chunks of N tokens where asked (model.fast_lora_chunk_tokens), the backward pass through down and
+SwiGLU from saved gate and up in chunks of --down-backward-tokens (fast_lora.mlp's
+DOWN_BACKWARD_TOKENS, 4096 unless given: one chunk here). Prints (and appends to FILE) a
 JSON row: the aten operators of the step by name, their total, and the git commit."""
 from __future__ import annotations
 
@@ -32,15 +34,19 @@ NO_LAUNCH = ("aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten:
              "aten::split_with_sizes", "aten::unbind", "aten::contiguous")
 
 
-def count(chunk_tokens: int = 0) -> dict:
+def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from lora_lab.models.fast_lora import mlp
 
     from lora_lab.config import LoraArgs
     from lora_lab.models.lora import apply_lora
     from lora_lab.planning.memory import MemoryMeans
     from tests.unit.test_activations import SEQ, tiny_untied
 
+    if down_backward_tokens is not None:
+        mlp.DOWN_BACKWARD_TOKENS = down_backward_tokens
     model = tiny_untied().to(torch.bfloat16)
     torch.manual_seed(1)
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
@@ -74,8 +80,11 @@ def count(chunk_tokens: int = 0) -> dict:
     return {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "torch": torch.__version__, "layers": 2,
             "command": "python bench/op_count.py"
-                       + (f" --chunk-tokens {chunk_tokens}" if chunk_tokens else ""),
-            "chunk_tokens": chunk_tokens, "top_level_ops": sum(top.values()),
+                       + (f" --chunk-tokens {chunk_tokens}" if chunk_tokens else "")
+                       + (f" --down-backward-tokens {down_backward_tokens}"
+                          if down_backward_tokens is not None else ""),
+            "chunk_tokens": chunk_tokens, "down_backward_tokens": mlp.DOWN_BACKWARD_TOKENS,
+            "top_level_ops": sum(top.values()),
             "launching_ops": sum(launching.values()),
             "by_name": dict(sorted(launching.items(), key=lambda kv: -kv[1]))}
 
@@ -84,9 +93,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunk-tokens", type=int, default=0,
                         help="The fast LoRA MLP in chunks of this many tokens (of 48).")
+    parser.add_argument("--down-backward-tokens", type=int,
+                        help="The saved MLP's backward through down and SwiGLU in chunks of "
+                             "this many tokens (of 48; 0: all).")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    row = count(args.chunk_tokens)
+    row = count(args.chunk_tokens, args.down_backward_tokens)
     print(json.dumps(row))
     if args.out:
         with args.out.open("a") as f:

@@ -12,8 +12,9 @@ from .products import (_base_weight, _compute_dtype, _gradients_as, _project, _p
 
 # The backward pass through down and SwiGLU from saved gate and up (LoraMLP without chunks)
 # runs on at most this many tokens at a time: silu(gate) * up, rewritten as its gradient, is a
-# chunk's (148 MiB instead of 296 for a 7B row of 8192 tokens), for about ten more launches a
-# chunk and no more compute. 0: all tokens at once.
+# chunk's (148 MiB instead of 296 for a 7B row of 8192 tokens), for about a dozen more kernel
+# launches a chunk on a GPU and no more compute (`bench/op_count.py --down-backward-tokens`).
+# 0: all tokens at once.
 DOWN_BACKWARD_TOKENS = 4096
 
 

@@ -9,8 +9,9 @@
 # (profile_step.py --host: cProfile).
 # families:LABEL,LABEL: those cells of `bench/run.py families` afterwards, three at once (memory
 # figures; their speeds are not clean).
-# plan:NAME[:N]: every cell of `bench/run.py NAME` afterwards, N at once (default 4; memory
-# figures under the tiers' caps: presets-small, presets-7b, auto-layers).
+# plan:NAME[:N[:LABEL,LABEL]]: the cells of `bench/run.py NAME` afterwards (those labels; all
+# without), N at once (default 4; memory figures under the tiers' caps: presets-small,
+# presets-7b, auto-layers).
 # The machine is given back after about 30 s idle: one call with every step costs one start.
 # Results, logs, profiles and kernel traces go to $OUT.
 set -o pipefail
@@ -36,9 +37,9 @@ for step in "$@"; do
 done
 for step in "$@"; do
   case $step in plan:*)
-    spec=${step#plan:}; name=${spec%%:*}; parallel=4
-    [ "$spec" != "$name" ] && parallel=${spec#*:}
-    python3 bench/run.py "$name" --out $OUT --parallel "$parallel" 2>&1 \
+    IFS=: read -r name parallel labels <<< "${step#plan:}"
+    python3 bench/run.py "$name" --out $OUT --parallel "${parallel:-4}" \
+        ${labels:+--cells "$labels"} 2>&1 \
       | grep -v "Writing model shards" | tee -a $OUT/run.log
   esac
 done

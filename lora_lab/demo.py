@@ -11,7 +11,8 @@ from datetime import datetime
 from pathlib import Path
 
 from .log import get_logger
-from .models.shipped import fetch_shipped_gguf, fetch_shipped_model, shipped_model
+from .models.gguf import fetch_shipped_model
+from .models.shipped import fetch_shipped_gguf, shipped_model
 
 log = get_logger()
 

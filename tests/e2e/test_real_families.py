@@ -40,7 +40,8 @@ EXPECTED = {
 @pytest.fixture(scope="module", params=list(EXPECTED))
 def family(request):
     """(shipped model name, its GGUF file, its converted folder)."""
-    from lora_lab.models.shipped import fetch_shipped_gguf, fetch_shipped_model
+    from lora_lab.models.gguf import fetch_shipped_model
+    from lora_lab.models.shipped import fetch_shipped_gguf
 
     return request.param, fetch_shipped_gguf(request.param), fetch_shipped_model(request.param)
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.real_model  # the stand-in tokenizer comes from SmolLM2
 def stand_in_mistral(tmp_path_factory) -> Path:
     """A folder as bench/workloads.make_random_model writes it for mistral-7b, without weights:
     Mistral-7B's config.json and the stand-in tokenizer."""
-    from lora_lab.models.shipped import fetch_shipped_model
+    from lora_lab.models.gguf import fetch_shipped_model
 
     folder = tmp_path_factory.mktemp("random-mistral-7b")
     shipped = fetch_shipped_model("smollm2-135m-instruct")

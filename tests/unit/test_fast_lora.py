@@ -93,7 +93,8 @@ def test_offloaded_checkpoints_with_mlp_chunks_give_the_whole_mlp_result(monkeyp
 
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
     rows, real = [], mlp._swiglu
-    monkeypatch.setattr(mlp, "_swiglu", lambda g, u, **kw: rows.append(g.shape[0]) or real(g, u, **kw))
+    monkeypatch.setattr(mlp, "_swiglu",
+                        lambda g, u, **kw: rows.append(g.shape[0]) or real(g, u, **kw))
     whole = loss_and_grads(True, means)
     assert rows == [48] * 4  # two layers: the first pass, the backward pass
     rows.clear()
@@ -153,23 +154,26 @@ def test_saved_mlp_backward_goes_down_and_swiglu_a_chunk_at_a_time(monkeypatch):
     assert_same(whole, chunked)
 
 
-def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch):
+@pytest.mark.parametrize("chunk_tokens, rows", [(10, [10, 10, 10, 10, 8]), (0, [48])])
+def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch, chunk_tokens, rows):
     """Where no gradient is taken (an evaluation, a checkpointed layer's first pass) the MLP's
-    [tokens x intermediate] temporaries are a chunk's, and the logits are the whole pass's."""
+    [tokens x intermediate] temporaries are a chunk's (all tokens without chunks), and the
+    logits are those of the autograd function."""
     from lora_lab.models.fast_lora import mlp
 
-    model = loss_and_grads(True, chunk_tokens=10)[2]
+    model = loss_and_grads(True, chunk_tokens=chunk_tokens)[2]
     give_adapters_an_effect(model)
     ids = torch.randint(0, 512, (2, SEQ))
-    rows, real = [], mlp._swiglu
-    monkeypatch.setattr(mlp, "_swiglu", lambda g, u, **kw: rows.append(g.shape[0]) or real(g, u, **kw))
+    seen, real = [], mlp._swiglu
+    monkeypatch.setattr(mlp, "_swiglu",
+                        lambda g, u, **kw: seen.append(g.shape[0]) or real(g, u, **kw))
     model.eval()
     with torch.no_grad():
         chunked = model(input_ids=ids).logits
-    assert rows == [10, 10, 10, 10, 8] * 2  # 48 tokens, two layers
+    assert seen == rows * 2  # 48 tokens, two layers
     with torch.enable_grad():
         whole = model(input_ids=ids).logits  # the autograd function, all tokens at once
-    assert rows[10:] == [48, 48]
+    assert seen[2 * len(rows):] == [48, 48]
     torch.testing.assert_close(chunked, whole.detach(), atol=1e-5, rtol=1e-5)
 
 

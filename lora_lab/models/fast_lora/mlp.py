@@ -90,8 +90,9 @@ class LoraMLP(torch.autograd.Function):
     whole MLP runs in chunks (below).
 
     chunk_tokens: the backward pass through down and SwiGLU runs on at most this many tokens at
-    a time (0: DOWN_BACKWARD_TOKENS), so its [tokens x intermediate] temporaries (silu(gate) * up and its
-    gradient) are a chunk's; saved gate and up then back-propagate over all tokens at once.
+    a time (0: DOWN_BACKWARD_TOKENS), so its [tokens x intermediate] temporaries (silu(gate) *
+    up and its gradient) are a chunk's; saved gate and up then back-propagate over all tokens
+    at once.
     output_unread: the output's values are never read (a checkpointed layer's recomputation
     whose MLP output only enters the residual sum): the forward pass returns zeros of the
     output's shape (a stride-0 view: no memory) for the residual sum and the backward pass

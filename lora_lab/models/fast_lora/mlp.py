@@ -20,8 +20,8 @@ DOWN_BACKWARD_TOKENS = 4096
 
 def _swiglu(gate, up, over_gate: bool = False):
     """silu(gate) * up; over_gate: written over gate (where gate is not read afterwards: no
-    new [tokens x intermediate] tensor), by the same arithmetic as liger's kernel (silu in
-    fp32, rounded to the inputs' type, times up)."""
+    new [tokens x intermediate] tensor) by PyTorch's in-place silu and product, which compute
+    it as liger's kernel does (silu in fp32, rounded to the inputs' type, times up)."""
     if over_gate:
         return F.silu(gate, inplace=True).mul_(up)
     try:

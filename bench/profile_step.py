@@ -38,17 +38,13 @@ from transformers import TrainerCallback
 
 WAIT, WARMUP, ACTIVE = 2, 1, 2
 
-FAST = ["lora.dropout=0", "data.packed_attention=varlen"]
-CELLS = {  # issue 17's 7B cells (bench/run.py PEER_CELLS), by label
-    "ll-7b-4096": {"kind": "lora-lab", "preset": "24gb", "size": "7b", "max_length": 4096,
-                   "steps": 6, "grad_accum": 4, "sets": FAST},
-    "us-7b-4096": {"kind": "unsloth", "size": "7b", "max_length": 4096, "steps": 6,
-                   "grad_accum": 4},
-    "ll-7b-1024": {"kind": "lora-lab", "preset": "24gb", "size": "7b", "max_length": 1024,
-                   "steps": 6, "grad_accum": 4, "sets": FAST},
-    "us-7b-1024": {"kind": "unsloth", "size": "7b", "max_length": 1024, "steps": 6,
-                   "grad_accum": 1, "batch": 4},
-}
+from run import FAST, PEER_CELLS
+
+# issue 17's cells (bench/run.py PEER_CELLS) by label: ll-NAME lora-lab's, us-NAME Unsloth's
+CELLS = {label: {"kind": kind, "size": name.split("-")[0], "steps": 6, **settings}
+         for name, (ours, theirs) in PEER_CELLS.items()
+         for label, kind, settings in ((f"ll-{name}", "lora-lab", {"sets": FAST, **ours}),
+                                       (f"us-{name}", "unsloth", theirs))}
 
 KINDS = (("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|sm90_|cublas|matmul", re.I)),
          ("attention", re.compile(r"flash|fmha|attention", re.I)),

@@ -72,7 +72,7 @@ def _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens: int):
         (ag, au, ad), (bg, bu, bd) = casts.get(params[0::2], params[1::2], dtype)
         weights = [_base_weight(base, dtype) for base in bases]
         out = x2.new_empty(x2.shape[0], bases[2].out_features)
-        chunk_tokens = chunk_tokens or x2.shape[0]
+        chunk_tokens = chunk_tokens or max(x2.shape[0], 1)  # an empty input: no chunk
         for start in range(0, x2.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             (gate, up), _ = _project(x2[rows], bases[:2], [ag, au], [bg, bu], scalings[:2],
@@ -150,7 +150,7 @@ def _saved_backward(ctx, x2, g, gate, up, xa, ha, adapters):
     ag, bg, au, bu, ad, bd = adapters
     bases, scalings = ctx.bases, ctx.scalings
     tokens = x2.shape[0]
-    chunk = min(ctx.chunk_tokens or DOWN_BACKWARD_TOKENS or tokens, tokens)
+    chunk = max(1, min(ctx.chunk_tokens or DOWN_BACKWARD_TOKENS or tokens, tokens))
     down = _base_weight(bases[2], x2.dtype)
     grad_ad = grad_bd = None
     # down projection and SwiGLU, a chunk of tokens at a time: gate and up are overwritten

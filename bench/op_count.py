@@ -38,9 +38,8 @@ def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dic
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from lora_lab.models.fast_lora import mlp
-
     from lora_lab.config import LoraArgs
+    from lora_lab.models.fast_lora import mlp
     from lora_lab.models.lora import apply_lora
     from lora_lab.planning.memory import MemoryMeans
     from tests.unit.test_activations import SEQ, tiny_untied

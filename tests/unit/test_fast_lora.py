@@ -409,14 +409,11 @@ def test_uncheckpointed_last_layers_are_not_recomputed_and_give_the_same_gradien
     import lora_lab.models.fast_lora as fast_lora
 
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload)
-    from lora_lab.models.fast_lora import mlp
-
     every = loss_and_grads(True, means)
     calls = count_calls(monkeypatch)
-    first_passes, real = [], mlp._mlp_without_graph
-    monkeypatch.setattr(mlp, "_mlp_without_graph",
+    first_passes, real = [], fast_lora._mlp_without_graph
+    monkeypatch.setattr(fast_lora, "_mlp_without_graph",
                         lambda *a: first_passes.append(1) or real(*a))
-    monkeypatch.setattr(fast_lora, "_mlp_without_graph", mlp._mlp_without_graph)
     kept = loss_and_grads(True, MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload,
                                             uncheckpointed_layers=1))
     # the first layer: a first pass (without autograd in lora-lab's offloaded checkpoint, with

@@ -114,7 +114,7 @@ def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
         params = [t for a in adapters for t in a[:2]]
         if not torch.is_grad_enabled():
             return _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens)
-        unread = output_to_residual and torch.is_grad_enabled() and replaying_layer()
+        unread = output_to_residual and replaying_layer()
         return LoraMLP.apply(x, bases, scalings, unread, chunk_tokens, casts, *params)
 
     return forward

@@ -49,10 +49,10 @@ def run_lora_lab(cell: dict) -> dict:
         from lora_lab.models import load
 
         load.NATIVE_RMS_NORMS = ()
-    if cell.get("down_backward_chunks") is False:  # ablation: SwiGLU's backward over all tokens
+    if "down_backward_tokens" in cell:  # ablation: SwiGLU's backward N tokens at a time (0: all)
         from lora_lab.models.fast_lora import mlp
 
-        mlp.DOWN_BACKWARD_TOKENS = 0
+        mlp.DOWN_BACKWARD_TOKENS = cell["down_backward_tokens"]
     if cell.get("cast_cache") is False:  # ablation: adapter weights cast at every call
         from lora_lab.models.fast_lora import products
 

@@ -175,10 +175,12 @@ def peer_cells(steps: int = 6) -> list:
                                   "size": size, "steps": steps,
                                   "sets": FAST + ["data.pack_length=4096"] + more, **ours})
             if name in ("7b-4096", "0.5b-4096", "1.5b-4096"):
-                # the backward pass through down and SwiGLU over all tokens at once
-                cells.append({"kind": "lora-lab", "label": f"ll-{name}-wholeback-{run}",
-                              "size": size, "steps": steps, "sets": FAST,
-                              "down_backward_chunks": False, **ours})
+                # the backward pass through down and SwiGLU over all tokens at once (wholeback)
+                # or 2048 at a time (back2048) instead of mlp.DOWN_BACKWARD_TOKENS
+                for suffix, tokens in (("wholeback", 0), ("back2048", 2048)):
+                    cells.append({"kind": "lora-lab", "label": f"ll-{name}-{suffix}-{run}",
+                                  "size": size, "steps": steps, "sets": FAST,
+                                  "down_backward_tokens": tokens, **ours})
             if name in ("7b-1024", "7b-2048-nf4", "0.5b-4096", "1.5b-4096"):
                 # the MLP in chunks of 2048 tokens (of 1024: -chunk1024, of 4096: -chunk4096)
                 for suffix, tokens in (("chunk", 2048), ("chunk1024", 1024), ("chunk4096", 4096)):

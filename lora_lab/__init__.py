@@ -26,20 +26,28 @@ def train(config: RunConfig):
 
 def plan(config: RunConfig, gpu_memory_gib: float | None = None,
          longest_sample_tokens: int | None = None):
-    """The memory plan of `config` (planning.memory.MemoryPlan) on a GPU of gpu_memory_gib.
+    """The memory plan of `config` (planning.memory.MemoryPlan) on a GPU of gpu_memory_gib;
+    without it, on the card of the config's tier (the 16gb preset: 16 GiB).
 
-    train.engine auto with several GPUs is settled first: the fastest engine that fits."""
+    A plan is of a GPU run wherever it is made: data.packed_attention auto is planned as a CUDA
+    GPU runs it. train.engine auto with several GPUs is settled first: the fastest engine that
+    fits."""
     from .log import get_logger
     from .models.attention import as_planned
     from .planning.choice import pick_engine
-    from .planning.memory import plan_memory
+    from .planning.memory import TIERS_GIB, plan_memory
 
+    if gpu_memory_gib is None and config.preset in TIERS_GIB:
+        gpu_memory_gib = TIERS_GIB[config.preset]
+        get_logger().info(f"planned for the {config.preset} preset's card, {gpu_memory_gib} GiB "
+                          f"(--gpu-memory GIB plans for another)")
     if config.train.engine == "auto":
         config.train.engine, why = pick_engine(config, gpu_memory_gib)
         config.sources["train.engine"] = "auto"
         get_logger().info(f"--engine auto: {config.train.engine} ({why})")
-    try:  # data.packed_attention auto as this machine runs it (no GPU: mask, counted)
-        return plan_memory(as_planned(config), gpu_memory_gib, longest_sample_tokens)
+    try:
+        return plan_memory(as_planned(config, on_cuda=True), gpu_memory_gib,
+                           longest_sample_tokens)
     except ValueError:
         raise LoraLabError(f"--model {config.model.name}: the planner needs the model's "
                            f"config.json. Pass a local model folder, or a model it ships the "

@@ -114,7 +114,9 @@ def run(preset, config_file, sets, dry_run, **flag_values):
 @main.command()
 @click.option("--preset", default="auto", show_default=True,
               help="Hardware tier, or auto to pick it from --gpu-memory (or this GPU).")
-@click.option("--gpu-memory", type=float, help="GPU memory in GiB (default: this machine's GPU).")
+@click.option("--gpu-memory", type=float,
+              help="GPU memory in GiB (default: this machine's GPU, else the preset's card: "
+                   "16 for 16gb).")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @run_options
 def plan(preset, gpu_memory, sets, **flag_values):

@@ -380,7 +380,8 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
                                                                                tokens) / GIB
     if config.data.packing and config.data.packed_attention in ("mask", "auto"):
         # segments and varlen attend from the samples' lengths: no [tokens x tokens] mask;
-        # auto counts as mask unless resolved for this machine (models/attention.as_planned)
+        # auto counts as mask unless resolved first (models/attention.as_planned: the plan
+        # API resolves it as a CUDA GPU runs it)
         parts["attention mask of a packed row (counted)"] = (
             tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)
     if config.model.kernels == "none" or wants_trainable_tokens(

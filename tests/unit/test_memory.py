@@ -87,7 +87,8 @@ def test_report_breakdown_and_longest_length():
                  "memory, layer checkpoints in CPU memory", "attention mask of a packed row",
                  "fits in 15.5 GiB", "longest data.pack_length that fits"):
         assert part in text
-    assert 32768 <= plan.longest_max_length < 65536  # measured: 49152 fits in 15.5 GiB
+    # a packed row's mask, counted here (data.packed_attention auto resolved for no GPU)
+    assert 32768 <= plan.longest_max_length < 65536
 
 
 def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one(monkeypatch):
@@ -101,11 +102,26 @@ def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one(monkey
         assert (mask in plan_memory(config).parts_gib) is counted, kind
     auto = resolve_config("24gb", flags=flags)
     assert attention.as_planned(auto).data.packed_attention == "mask"  # no CUDA here
-    monkeypatch.setattr(attention, "resolve_packed_attention", lambda kind: "varlen")
-    planned = attention.as_planned(auto)
+    planned = attention.as_planned(auto, on_cuda=True)  # this PyTorch has the varlen kernel
     assert planned.data.packed_attention == "varlen" and auto.data.packed_attention == "auto"
     assert plan_memory(planned).total_gib == pytest.approx(
         plan_memory(auto).total_gib - 8192 * 8192 * 3 / 2**30)
+    monkeypatch.setattr(attention, "flash_varlen", lambda: None)  # a PyTorch without it
+    assert attention.as_planned(auto, on_cuda=True).data.packed_attention == "mask"
+
+
+def test_the_plan_api_plans_a_gpu_run_on_the_tiers_card_wherever_it_is_made():
+    import lora_lab
+
+    config = resolve_config("16gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"]})
+    plan = lora_lab.plan(config)  # no GPU here, no memory given: the 16gb tier's card
+    assert plan.budget_gib == 15.5 and plan.fits
+    assert "attention mask of a packed row (counted)" not in plan.parts_gib  # varlen, as on CUDA
+    # measured: 65,536 tokens at 11.49 GiB under a 15.5 GiB cap (2026-12-04-peer-call40.jsonl)
+    assert plan.longest_max_length >= 65536
+    assert lora_lab.plan(config, gpu_memory_gib=12).budget_gib == 11.5
+    cpu = resolve_config("cpu", flags={"model.name": "qwen2.5-0.5b", "data.datasets": ["x"]})
+    assert lora_lab.plan(cpu).budget_gib is None  # no card to plan for
 
 
 def test_short_data_is_planned_at_its_real_length():

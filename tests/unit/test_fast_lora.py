@@ -154,6 +154,24 @@ def test_saved_mlp_backward_goes_down_and_swiglu_a_chunk_at_a_time(monkeypatch):
     assert_same(whole, chunked)
 
 
+def test_the_cpu_step_tries_no_gpu_kernel_import(monkeypatch):
+    """liger's SwiGLU kernels run on CUDA only: a CPU step does not try to import them (where
+    liger is not installed, each failed import searches the whole path again)."""
+    import builtins
+
+    tried, real = [], builtins.__import__
+
+    def recording(name, *args, **kwargs):
+        if name.startswith("liger_kernel"):
+            tried.append(name)
+        return real(name, *args, **kwargs)
+
+    means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
+    monkeypatch.setattr(builtins, "__import__", recording)
+    loss, grads, _ = loss_and_grads(True, means)
+    assert tried == [] and grads
+
+
 @pytest.mark.parametrize("chunk_tokens, rows", [(10, [10, 10, 10, 10, 8]), (0, [48])])
 def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch, chunk_tokens, rows):
     """Where no gradient is taken (an evaluation, a checkpointed layer's first pass) the MLP's

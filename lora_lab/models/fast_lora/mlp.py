@@ -24,13 +24,14 @@ def _swiglu(gate, up, over_gate: bool = False):
     it as liger's kernel does (silu in fp32, rounded to the inputs' type, times up)."""
     if over_gate:
         return F.silu(gate, inplace=True).mul_(up)
-    try:
-        from liger_kernel.ops.swiglu import swiglu_forward
-    except ImportError:
-        return F.silu(gate) * up
-    if not gate.is_cuda:
-        return F.silu(gate) * up
-    return swiglu_forward(gate, up)[2]
+    if gate.is_cuda:  # liger's kernel; not imported off CUDA (a failed import searches the path)
+        try:
+            from liger_kernel.ops.swiglu import swiglu_forward
+        except ImportError:
+            pass
+        else:
+            return swiglu_forward(gate, up)[2]
+    return F.silu(gate) * up
 
 
 def _swiglu_backward(gate, up, grad_h):

@@ -87,7 +87,7 @@ def test_report_breakdown_and_longest_length():
                  "memory, layer checkpoints in CPU memory", "attention mask of a packed row",
                  "fits in 15.5 GiB", "longest data.pack_length that fits"):
         assert part in text
-    # a packed row's mask, counted here (data.packed_attention auto resolved for no GPU)
+    # plan_memory counts auto, unresolved, as a packed row's mask (lora_lab.plan resolves it)
     assert 32768 <= plan.longest_max_length < 65536
 
 

@@ -100,6 +100,7 @@ def resolved(config, summary: dict) -> dict:
     """The settings a cell trained with; the memory means as the run chose them."""
     from lora_lab.models.attention import resolve_packed_attention
     from lora_lab.planning.memory import row_length
+    from lora_lab.models.fast_lora import mlp
     from lora_lab.models.load import resolve_kernels
 
     return {"quantization": config.model.quantization,
@@ -112,7 +113,8 @@ def resolved(config, summary: dict) -> dict:
             "memory_means": summary["memory_means"],
             "packed_attention": resolve_packed_attention(config.data.packed_attention),
             "cudnn_attention": config.model.cudnn_attention,
-            "fast_lora_chunk_tokens": config.model.fast_lora_chunk_tokens}
+            "fast_lora_chunk_tokens": config.model.fast_lora_chunk_tokens,
+            "down_backward_tokens": mlp.DOWN_BACKWARD_TOKENS}
 
 
 def run_lora_lab_sft(cell: dict) -> dict:

@@ -7,6 +7,7 @@ on peft's path; then the fast LoRA path's two scales over its cells.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -70,6 +71,11 @@ def cell_sets(row: dict) -> list:
     if resolved.get("packed_attention") and not any(
             s.startswith("data.packed_attention=") for s in sets):  # auto, as the GPU ran it
         sets.append(f"data.packed_attention={resolved['packed_attention']}")
+    means = resolved.get("memory_means")
+    if means and not any(s.startswith("train.mlp_chunk_tokens=") for s in sets):
+        # MLP chunks as the run chose them (from its budget); a plan without one assumes them
+        chunk = re.search(r"MLP in chunks of (\d+) tokens", means)
+        sets.append(f"train.mlp_chunk_tokens={chunk[1] if chunk else 0}")
     return sets
 
 
@@ -107,31 +113,44 @@ def family_cells() -> list:
     return cells
 
 
-def _working_terms(config) -> tuple[float, float, float]:
-    """(the plan without its per-hidden and per-intermediate working terms, those two terms as
-    peft's path counts them), in GiB."""
+def _working_terms(config) -> tuple[float, float, float, float]:
+    """(the plan without its fast-path fitted terms, then those terms before their factors: the
+    per-hidden and per-intermediate working terms as peft's path counts them, and one layer's
+    MLP weights dequantized from 4 bits), in GiB."""
     shape = memory.ModelShape.from_config(model_config_of(config.model.name))
     tokens = memory.row_length(config) * memory.micro_batch_rows(config)
     hidden, intermediate = (b / memory.GIB for b in memory.working_terms(
         shape, config, tokens, memory._means(shape, config, tokens)))
+    dequantized = memory.dequantized_mlp_bytes(shape, config) / memory.GIB
     hidden_scale, intermediate_scale = memory.fast_lora_scales(config)
     rest = (memory.plan_memory(config).total_gib - hidden * hidden_scale
-            - intermediate * intermediate_scale)
-    return rest, hidden, intermediate
+            - intermediate * intermediate_scale - dequantized * memory.FIT_FAST_NF4_MLP_COPIES)
+    return rest, hidden, intermediate, dequantized
+
+
+FAST_TERMS = ("FIT_FAST_HIDDEN_SCALE", "FIT_FAST_INTERMEDIATE_SCALE", "FIT_FAST_NF4_MLP_COPIES")
 
 
 def fit_fast_scales() -> None:
-    """FIT_FAST_HIDDEN_SCALE and FIT_FAST_INTERMEDIATE_SCALE: least squares on relative error over
-    the fast-path cells, with the peft-fitted terms held."""
+    """FAST_TERMS: least squares on relative error over the fast-path cells, with the
+    peft-fitted terms held; a factor the fit takes below 0 is 0 and the others are refitted
+    (no term gives memory back)."""
     cells = measured_cells(fast_lora=True)
     terms = [_working_terms(config) for config, _, _ in cells]
-    x = np.array([[h / peak, i / peak] for (_, h, i), (_, peak, _) in zip(terms, cells)])
-    y = np.array([(peak - rest) / peak for (rest, _, _), (_, peak, _) in zip(terms, cells)])
-    (hidden_scale, intermediate_scale), *_ = np.linalg.lstsq(x, y, rcond=None)
-    print(f"FIT_FAST_HIDDEN_SCALE = {hidden_scale:.4f}\n"
-          f"FIT_FAST_INTERMEDIATE_SCALE = {intermediate_scale:.4f}")
-    for (rest, h, i), (_, peak, label) in zip(terms, cells):
-        predicted = rest + hidden_scale * h + intermediate_scale * i
+    x = np.array([[h / peak, i / peak, q / peak]
+                  for (_, h, i, q), (_, peak, _) in zip(terms, cells)])
+    y = np.array([(peak - rest) / peak for (rest, *_), (_, peak, _) in zip(terms, cells)])
+    free = [True] * x.shape[1]
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[free], *_ = np.linalg.lstsq(x[:, free], y, rcond=None)
+        if (coef >= 0).all():
+            break
+        free = [f and c >= 0 for f, c in zip(free, coef)]
+    for name, value in zip(FAST_TERMS, coef):
+        print(f"{name} = {value:.4f}")
+    for (rest, *parts), (_, peak, label) in zip(terms, cells):
+        predicted = rest + float(np.dot(coef, parts))
         print(f"{label:<28} measured {peak:6.2f}  predicted {predicted:6.2f}  "
               f"{(predicted - peak) / peak:+.1%}")
 

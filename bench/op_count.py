@@ -9,7 +9,7 @@ rank 4 on every linear layer, dropout 0 (the fast path), layer checkpoints repla
 on one GPU; one forward and backward of 2 x 24 tokens under torch.profiler, the fast LoRA MLP in
 chunks of N tokens where asked (model.fast_lora_chunk_tokens), the backward pass through down and
 SwiGLU from saved gate and up in chunks of --down-backward-tokens (fast_lora.mlp's
-DOWN_BACKWARD_TOKENS, 4096 unless given: one chunk here). Prints (and appends to FILE) a
+DOWN_BACKWARD_TOKENS, 2048 unless given: one chunk here). Prints (and appends to FILE) a
 JSON row: the aten operators of the step by name, their total, and the git commit."""
 from __future__ import annotations
 

@@ -47,9 +47,12 @@ FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = 13.32  # extra per token when the base is
 # The fast LoRA path (models/fast_lora/: the LoRA inputs in 16 bits where peft keeps fp32
 # copies, gate and up kept for the MLP's own backward pass) works in other memory: its per-hidden
 # and per-intermediate terms are the ones above times these, fitted on the fast-path cells by the
-# same script after the terms above.
-FIT_FAST_HIDDEN_SCALE = 0.8150
-FIT_FAST_INTERMEDIATE_SCALE = 0.6544
+# same script after the terms above. On a 4-bit base it also holds base weights dequantized to
+# bf16 for its products: FIT_FAST_NF4_MLP_COPIES times one decoder layer's MLP weights, fitted
+# with the two scales (a count of weights, not of tokens).
+FIT_FAST_HIDDEN_SCALE = 0.7444
+FIT_FAST_INTERMEDIATE_SCALE = 0.0587
+FIT_FAST_NF4_MLP_COPIES = 1.1803
 NF4_BYTES_PER_WEIGHT = 0.5156  # 4 bits + double-quantized absmax per 64-weight block
 UNFUSED_LOSS_BYTES_PER_LOGIT = 10  # bf16 logits, their fp32 copy and its gradient (estimate)
 TIERS_GIB = {"8gb": 8, "12gb": 12, "16gb": 16, "24gb": 24}
@@ -362,6 +365,10 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
         "recomputed layer + fused loss (fitted)": working / GIB,
         "allocator and workspaces (fitted)": FIT_CONSTANT_GIB,
     }
+    dequantized = dequantized_mlp_bytes(shape, config)
+    if dequantized:
+        parts["4-bit weights dequantized (fitted)"] = (
+            FIT_FAST_NF4_MLP_COPIES * dequantized / GIB)
     kept = min(means.uncheckpointed_layers, shape.layers)
     if kept:  # their checkpoints are not made; their activations are kept instead
         parts["activation checkpoints"] *= (shape.layers - kept) / shape.layers
@@ -411,6 +418,15 @@ def fast_lora_scales(config: RunConfig) -> tuple[float, float]:
     if resolve_fast_lora(config):
         return FIT_FAST_HIDDEN_SCALE, FIT_FAST_INTERMEDIATE_SCALE
     return 1.0, 1.0
+
+
+def dequantized_mlp_bytes(shape: ModelShape, config: RunConfig) -> float:
+    """One decoder layer's MLP weights in bf16 (gate, up, down) where the fast LoRA path runs
+    on a 4-bit base and dequantizes them for its products; 0 elsewhere (peft's path: part of
+    the fitted terms above)."""
+    if config.model.quantization == "none" or not resolve_fast_lora(config):
+        return 0.0
+    return 3 * shape.hidden * shape.intermediate * 2
 
 
 def tuner_of(config: RunConfig) -> str:

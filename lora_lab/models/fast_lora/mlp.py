@@ -12,10 +12,11 @@ from .products import (_base_weight, _compute_dtype, _gradients_as, _project, _p
 
 # The backward pass through down and SwiGLU from saved gate and up (LoraMLP without chunks)
 # runs on at most this many tokens at a time: silu(gate) * up, rewritten as its gradient, is a
-# chunk's (148 MiB instead of 296 for a 7B row of 8192 tokens), for about a dozen more kernel
+# chunk's (74 MiB instead of 296 for a 7B row of 8192 tokens), for about a dozen more kernel
 # launches a chunk on a GPU and no more compute (`bench/op_count.py --down-backward-tokens`).
-# 0: all tokens at once.
-DOWN_BACKWARD_TOKENS = 4096
+# 2048 keeps the 1.5B 24gb preset at or under Unsloth's peak at no measured cost in speed
+# (bench/results/2026-12-05-peer-call46.jsonl, -call48, -call49). 0: all tokens at once.
+DOWN_BACKWARD_TOKENS = 2048
 
 
 def _swiglu(gate, up, over_gate: bool = False):

@@ -99,9 +99,9 @@ def run_lora_lab(cell: dict) -> dict:
 def resolved(config, summary: dict) -> dict:
     """The settings a cell trained with; the memory means as the run chose them."""
     from lora_lab.models.attention import resolve_packed_attention
-    from lora_lab.planning.memory import row_length
     from lora_lab.models.fast_lora import mlp
     from lora_lab.models.load import resolve_kernels
+    from lora_lab.planning.memory import row_length
 
     return {"quantization": config.model.quantization,
             "kernels": resolve_kernels(config.model.kernels), "dtype": config.model.dtype,

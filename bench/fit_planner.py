@@ -1,8 +1,9 @@
-"""Refit the planner's empirical terms (lora_lab/memory.py FIT_*) to the stored measurements.
+"""Refit the planner's empirical terms (lora_lab/planning/memory.py FIT_*) to the stored
+measurements.
 
   python bench/fit_planner.py      prints the coefficients and each cell's prediction error
 Weighted least squares on relative error, over every successful lora-lab cell in bench/results
-on peft's path; then the fast LoRA path's two scales over its cells.
+on peft's path; then the fast LoRA path's three terms (FAST_TERMS) over its cells.
 """
 from __future__ import annotations
 
@@ -24,10 +25,9 @@ from lora_lab.registry import QWEN25_SIZES, model_config_of
 def measured_cells(fast_lora: bool = False) -> list:
     """(RunConfig, measured peak GiB, label) of every successful lora-lab cell run under a
     tier's cap, every row full (the presets and long-sequence plans; the speed plan's uncapped
-    cells are left out). These ran before MLP chunks became budget-driven: chunks wherever a
-    row was longer than 4096 tokens, which is what the planner assumes without a budget.
+    cells are left out), each planned with the MLP recompute chunks its run chose (cell_sets).
     fast_lora: the cells that ran models/fast_lora/ (no adapter dropout) instead, which fit
-    its two scales (fit_fast_scales) after the terms are fitted on peft's cells. Qwen2.5 cells
+    its terms (fit_fast_scales) after the terms are fitted on peft's cells. Qwen2.5 cells
     only: the other families' (family_cells) check the fitted planner, they do not fit it.
     A cell measured again on the same path (the same label in a newer file) counts only in its
     newest run: the code it ran has changed since the older one."""

@@ -176,8 +176,8 @@ def peer_cells(steps: int = 6) -> list:
                                   "sets": FAST + ["data.pack_length=4096"] + more, **ours})
             if name in ("7b-4096", "0.5b-4096", "1.5b-4096"):
                 # the backward pass through down and SwiGLU over all tokens at once (wholeback)
-                # or 2048 at a time (back2048: mlp.DOWN_BACKWARD_TOKENS, the default)
-                for suffix, tokens in (("wholeback", 0), ("back2048", 2048)):
+                # or N at a time (backN) instead of mlp.DOWN_BACKWARD_TOKENS
+                for suffix, tokens in (("wholeback", 0), ("back2048", 2048), ("back4096", 4096)):
                     cells.append({"kind": "lora-lab", "label": f"ll-{name}-{suffix}-{run}",
                                   "size": size, "steps": steps, "sets": FAST,
                                   "down_backward_tokens": tokens, **ours})

@@ -33,9 +33,8 @@ def plan(config: RunConfig, gpu_memory_gib: float | None = None,
     GPU runs it. train.engine auto with several GPUs is settled first: the fastest engine that
     fits."""
     from .log import get_logger
-    from .models.attention import as_planned
     from .planning.choice import pick_engine
-    from .planning.memory import TIERS_GIB, plan_memory
+    from .planning.memory import TIERS_GIB, as_planned_on_cuda, plan_memory
 
     if gpu_memory_gib is None and config.preset in TIERS_GIB:
         gpu_memory_gib = TIERS_GIB[config.preset]
@@ -46,7 +45,7 @@ def plan(config: RunConfig, gpu_memory_gib: float | None = None,
         config.sources["train.engine"] = "auto"
         get_logger().info(f"--engine auto: {config.train.engine} ({why})")
     try:
-        return plan_memory(as_planned(config, on_cuda=True), gpu_memory_gib,
+        return plan_memory(as_planned_on_cuda(config), gpu_memory_gib,
                            longest_sample_tokens)
     except ValueError:
         raise LoraLabError(f"--model {config.model.name}: the planner needs the model's "

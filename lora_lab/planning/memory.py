@@ -25,7 +25,9 @@ ones (each GPU runs its own micro-batch).
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ..config import (PAIRED_TASKS, REFERENCE_TASKS, RunConfig,
                       resolve_fast_lora, syncs_each_micro_batch, trains_adapter, world_size_of)
@@ -387,7 +389,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
                                                                                tokens) / GIB
     if config.data.packing and config.data.packed_attention in ("mask", "auto"):
         # segments and varlen attend from the samples' lengths: no [tokens x tokens] mask;
-        # auto counts as mask unless resolved first (models/attention.as_planned: the plan
+        # auto counts as mask unless resolved first (as_planned_on_cuda: the plan
         # API resolves it as a CUDA GPU runs it)
         parts["attention mask of a packed row (counted)"] = (
             tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)
@@ -427,6 +429,24 @@ def dequantized_mlp_bytes(shape: ModelShape, config: RunConfig) -> float:
     if config.model.quantization == "none" or not resolve_fast_lora(config):
         return 0.0
     return 3 * shape.hidden * shape.intermediate * 2
+
+
+def torch_has_varlen() -> bool:
+    """Whether the installed PyTorch ships torch.nn.attention.varlen (the kernel
+    data.packed_attention auto takes on a CUDA GPU), found on disk: planning imports no torch."""
+    spec = importlib.util.find_spec("torch")
+    return spec is not None and any((Path(folder) / "nn" / "attention" / "varlen.py").exists()
+                                    for folder in spec.submodule_search_locations or ())
+
+
+def as_planned_on_cuda(config: RunConfig) -> RunConfig:
+    """`config` with data.packed_attention auto as a CUDA GPU with the installed PyTorch runs
+    it (models/attention.resolve_packed_attention): varlen, no [tokens x tokens] mask, where
+    PyTorch has the kernel; else mask."""
+    if config.data.packed_attention != "auto":
+        return config
+    kind = "varlen" if torch_has_varlen() else "mask"
+    return replace(config, data=replace(config.data, packed_attention=kind))
 
 
 def tuner_of(config: RunConfig) -> str:

@@ -112,6 +112,20 @@ def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one(monkey
     assert attention.as_planned(auto, on_cuda=True).data.packed_attention == "mask"
 
 
+def test_the_plan_api_plans_auto_as_cuda_runs_it_without_importing_torch():
+    """`lora-lab plan` answers at once on any machine: the varlen kernel is found on disk."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lora_lab\n"
+            "from lora_lab.config import resolve_config\n"
+            "c = resolve_config('16gb', flags={'model.name': 'qwen2.5-7b', 'data.datasets': ['x']})\n"
+            "p = lora_lab.plan(c)\n"
+            "print('attention mask of a packed row (counted)' in p.parts_gib, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-2:] == ["False", "False"]  # this PyTorch has varlen: no mask
+
+
 def test_the_plan_api_plans_a_gpu_run_on_the_tiers_card_wherever_it_is_made():
     import lora_lab
 

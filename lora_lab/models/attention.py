@@ -156,25 +156,23 @@ def cudnn_equal_lengths(query, key, value, lengths, dtype, scaling):
     return out.transpose(1, 2).reshape(1, n * length, out.shape[1], out.shape[3])
 
 
-def resolve_packed_attention(kind: str, on_cuda: bool | None = None) -> str:
-    """data.packed_attention -> what a machine runs: auto is varlen on a CUDA GPU whose
+def resolve_packed_attention(kind: str) -> str:
+    """data.packed_attention -> what this machine runs: auto is varlen on a CUDA GPU whose
     PyTorch has the varlen kernel (fastest of the three on an H200: docs/benchmarks.md), else
-    mask (on CPU, varlen and segments compute sample by sample). on_cuda: whether the machine
-    has a CUDA GPU (None: this machine)."""
+    mask (on CPU, varlen and segments compute sample by sample). A plan made anywhere resolves
+    it as a CUDA GPU would, without torch: planning.memory.as_planned_on_cuda."""
     if kind != "auto":
         return kind
-    if on_cuda is None:
-        on_cuda = torch.cuda.is_available()
-    return "varlen" if on_cuda and flash_varlen() is not None else "mask"
+    return "varlen" if torch.cuda.is_available() and flash_varlen() is not None else "mask"
 
 
-def as_planned(config, on_cuda: bool | None = None):
-    """`config` (a RunConfig) with data.packed_attention as a machine runs it (auto resolved;
-    on_cuda as in resolve_packed_attention), for the memory plan: segments and varlen build no
-    [tokens x tokens] mask."""
+def as_planned(config):
+    """`config` (a RunConfig) with data.packed_attention as this machine runs it (auto
+    resolved), for the run's own memory check: segments and varlen build no [tokens x tokens]
+    mask."""
     from dataclasses import replace
 
-    kind = resolve_packed_attention(config.data.packed_attention, on_cuda)
+    kind = resolve_packed_attention(config.data.packed_attention)
     return replace(config, data=replace(config.data, packed_attention=kind))
 
 

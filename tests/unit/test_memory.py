@@ -95,6 +95,7 @@ def test_report_breakdown_and_longest_length():
 
 def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one(monkeypatch):
     from lora_lab.models import attention
+    from lora_lab.planning import memory
 
     flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"]}
     mask = "attention mask of a packed row (counted)"
@@ -104,12 +105,12 @@ def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one(monkey
         assert (mask in plan_memory(config).parts_gib) is counted, kind
     auto = resolve_config("24gb", flags=flags)
     assert attention.as_planned(auto).data.packed_attention == "mask"  # no CUDA here
-    planned = attention.as_planned(auto, on_cuda=True)  # this PyTorch has the varlen kernel
+    planned = memory.as_planned_on_cuda(auto)  # this PyTorch has the varlen kernel
     assert planned.data.packed_attention == "varlen" and auto.data.packed_attention == "auto"
     assert plan_memory(planned).total_gib == pytest.approx(
         plan_memory(auto).total_gib - 8192 * 8192 * 3 / 2**30)
-    monkeypatch.setattr(attention, "flash_varlen", lambda: None)  # a PyTorch without it
-    assert attention.as_planned(auto, on_cuda=True).data.packed_attention == "mask"
+    monkeypatch.setattr(memory, "torch_has_varlen", lambda: False)  # a PyTorch without it
+    assert memory.as_planned_on_cuda(auto).data.packed_attention == "mask"
 
 
 def test_the_plan_api_plans_auto_as_cuda_runs_it_without_importing_torch():

@@ -1,12 +1,13 @@
 """What each distributed engine does with the training state: the tables the memory planner
-(memory.py) and the interconnect planner (traffic.py) both count from, and the engines' own
-GPU buffers."""
+(memory.py) and the interconnect planner (traffic.py) both count from, the engines' own GPU
+buffers, and where each part of a plan lands on N GPUs (engine_parts)."""
 from __future__ import annotations
 
 import json
 
-from ..config import RunConfig, engine_template, world_size_of
+from ..config import RunConfig, engine_template, syncs_each_micro_batch, world_size_of
 from .shape import ModelShape
+from .tuners import adapter_state_part
 
 GIB = 2**30
 
@@ -89,3 +90,63 @@ def deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int,
             min(zero["reduce_bucket_size"], trained) * 2 * copies
             + min(zero["allgather_bucket_size"], trained) * 2) / GIB
     return parts
+
+
+def engine_parts(shape: ModelShape, config: RunConfig, single: dict) -> tuple[dict, dict]:
+    """Per-GPU parts and CPU (offload) parts for N GPUs and an engine, from `single`, the
+    single-GPU plan's parts (counted; memory.py's docstring says what the GPU runs checked).
+
+    Parameters, gradients and optimizer state are each kept whole on every GPU (replica),
+    divided by N (shard) or moved to CPU memory (cpu) as ENGINE_SHARDING says. The activation
+    terms are the fitted single-GPU ones."""
+    n, engine, tuner = world_size_of(config.train), config.train.engine, config.train.tuner
+    per_machine = config.train.gpus  # CPU memory is a machine's: its --gpus processes
+    params_where, grads_where, optim_where = ENGINE_SHARDING[engine]
+    single = dict(single)
+    base_bytes = single.pop("weights") * GIB
+    single.pop(adapter_state_part(tuner))
+    weight_b, grad_b, optim_b = TRAINED_STATE_BYTES[tuner]
+    if (engine, tuner) == ("fsdp", "full"):
+        # accelerate upcasts the weights FSDP shards to fp32 (bf16 only while gathered), the
+        # gradients follow them: the same 16 bytes a parameter, with no separate master copy
+        weight_b, grad_b, optim_b = FSDP_FULL_STATE_BYTES
+    trained = shape.trained_params(tuner, config.lora.rank)
+    # full fine-tuning trains the base weights themselves: they are the trained weights
+    params_bytes = trained * weight_b if tuner == "full" else base_bytes + trained * weight_b
+    grads_bytes, optim_bytes = trained * grad_b, trained * optim_b
+    gpu, cpu = {}, {}
+
+    def place(name: str, total_bytes: float, where: str):
+        if where == "cpu":  # every process's partition, the machine's share of them
+            cpu[name] = total_bytes / config.train.nodes / GIB
+        else:
+            gpu[f"{name} ({'1/' + str(n) if where == 'shard' and n > 1 else 'whole'})"] = (
+                total_bytes / (n if where == "shard" else 1) / GIB)
+
+    place("weights" if tuner == "full" else "weights (16-bit base, fp32 LoRA)", params_bytes,
+          params_where)
+    place("gradients", grads_bytes, grads_where)
+    master = tuner == "full" and optim_b > 8
+    place("optimizer state" + (" (fp32 master + Adam)" if master else " (Adam)"),
+          optim_bytes, optim_where)
+    if optim_where == "cpu":
+        cpu["fp32 gradient copy for the CPU optimizer"] = (
+            trained * OFFLOAD_FP32_GRAD_BYTES / config.train.nodes / GIB)
+        if engine == "deepspeed-zero2-offload":
+            # stage_1_and_2.py: a pinned 16-bit copy of each process's partition, and with
+            # gradient accumulation a pinned 16-bit buffer of every parameter's whole gradient
+            # in every process (buffer_to_accumulate_to_in_cpu)
+            cpu["16-bit partition buffers"] = trained * 2 / config.train.nodes / GIB
+            if config.train.grad_accum > 1:
+                cpu["whole 16-bit gradients, in every process"] = trained * 2 * per_machine / GIB
+        cpu["the processes' own memory (measured)"] = PROCESS_CPU_GIB * per_machine
+    if engine == "ddp" and n > 1:
+        gpu["DDP buckets (a copy of the gradients)"] = grads_bytes / GIB
+    held = config.train.grad_accum > 1 and not syncs_each_micro_batch(config.train)
+    if engine == "fsdp" and held:
+        gpu["whole gradients between micro-batches"] = trained * UNSHARDED_GRAD_BYTES / GIB
+    if engine.startswith("deepspeed"):
+        gpu.update(deepspeed_buffers(shape, config, trained, optim_where == "cpu"))
+    elif params_where != "replica":
+        gpu["gathered parameters in flight"] = gathered_bytes(shape) / GIB
+    return {**gpu, **single}, cpu

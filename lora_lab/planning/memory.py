@@ -15,7 +15,7 @@ config.
 is why a card of G GiB is planned with G - 0.5 GiB.
 
 Several GPUs (train.gpus > 1) and the distributed engines (train.engine) are planned per GPU by
-`_distributed_parts`: weights, gradients and optimizer state are divided by N where the engine
+`engines.engine_parts`: weights, gradients and optimizer state are divided by N where the engine
 shards them, and moved to CPU memory where it offloads them, plus DeepSpeed's own buffers
 (engines.deepspeed_buffers, counted from presets/engines/*.json). Those terms are COUNTED from the
 engines' behaviour; tests/unit/test_memory.py holds them within 15% of the stored two-GPU runs
@@ -30,11 +30,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..config import (PAIRED_TASKS, REFERENCE_TASKS, RunConfig,
-                      resolve_fast_lora, syncs_each_micro_batch, trains_adapter, world_size_of)
+                      resolve_fast_lora, trains_adapter, world_size_of)
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
-from .engines import (CHECKED_ON_GPUS, ENGINE_SHARDING, FSDP_FULL_STATE_BYTES, GAPS_ON_GPUS,
-                      OFFLOAD_FP32_GRAD_BYTES, PROCESS_CPU_GIB, TRAINED_STATE_BYTES,
-                      UNSHARDED_GRAD_BYTES, deepspeed_buffers, gathered_bytes)
+from .engines import CHECKED_ON_GPUS, GAPS_ON_GPUS, engine_parts
 from .shape import ModelShape
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
 
@@ -468,63 +466,9 @@ def _single_gpu_lora(config: RunConfig) -> bool:
 
 
 def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tuple[dict, dict]:
-    """Per-GPU parts and CPU (offload) parts for N GPUs and an engine (counted; see the module
-    docstring for what the GPU runs checked).
-
-    Parameters, gradients and optimizer state are each kept whole on every GPU (replica),
-    divided by N (shard) or moved to CPU memory (cpu) as ENGINE_SHARDING says. The activation
-    terms are the fitted single-GPU ones."""
-    n, engine, tuner = world_size_of(config.train), config.train.engine, tuner_of(config)
-    per_machine = config.train.gpus  # CPU memory is a machine's: its --gpus processes
-    params_where, grads_where, optim_where = ENGINE_SHARDING[engine]
-    single = _parts(shape, config, tokens)
-    base_bytes = single.pop("weights") * GIB
-    single.pop(adapter_state_part(tuner))
-    weight_b, grad_b, optim_b = TRAINED_STATE_BYTES[tuner]
-    if (engine, tuner) == ("fsdp", "full"):
-        # accelerate upcasts the weights FSDP shards to fp32 (bf16 only while gathered), the
-        # gradients follow them: the same 16 bytes a parameter, with no separate master copy
-        weight_b, grad_b, optim_b = FSDP_FULL_STATE_BYTES
-    trained = shape.trained_params(tuner, config.lora.rank)
-    # full fine-tuning trains the base weights themselves: they are the trained weights
-    params_bytes = trained * weight_b if tuner == "full" else base_bytes + trained * weight_b
-    grads_bytes, optim_bytes = trained * grad_b, trained * optim_b
-    gpu, cpu = {}, {}
-
-    def place(name: str, total_bytes: float, where: str):
-        if where == "cpu":  # every process's partition, the machine's share of them
-            cpu[name] = total_bytes / config.train.nodes / GIB
-        else:
-            gpu[f"{name} ({'1/' + str(n) if where == 'shard' and n > 1 else 'whole'})"] = (
-                total_bytes / (n if where == "shard" else 1) / GIB)
-
-    place("weights" if tuner == "full" else "weights (16-bit base, fp32 LoRA)", params_bytes,
-          params_where)
-    place("gradients", grads_bytes, grads_where)
-    master = tuner == "full" and optim_b > 8
-    place("optimizer state" + (" (fp32 master + Adam)" if master else " (Adam)"),
-          optim_bytes, optim_where)
-    if optim_where == "cpu":
-        cpu["fp32 gradient copy for the CPU optimizer"] = (
-            trained * OFFLOAD_FP32_GRAD_BYTES / config.train.nodes / GIB)
-        if engine == "deepspeed-zero2-offload":
-            # stage_1_and_2.py: a pinned 16-bit copy of each process's partition, and with
-            # gradient accumulation a pinned 16-bit buffer of every parameter's whole gradient
-            # in every process (buffer_to_accumulate_to_in_cpu)
-            cpu["16-bit partition buffers"] = trained * 2 / config.train.nodes / GIB
-            if config.train.grad_accum > 1:
-                cpu["whole 16-bit gradients, in every process"] = trained * 2 * per_machine / GIB
-        cpu["the processes' own memory (measured)"] = PROCESS_CPU_GIB * per_machine
-    if engine == "ddp" and n > 1:
-        gpu["DDP buckets (a copy of the gradients)"] = grads_bytes / GIB
-    held = config.train.grad_accum > 1 and not syncs_each_micro_batch(config.train)
-    if engine == "fsdp" and held:
-        gpu["whole gradients between micro-batches"] = trained * UNSHARDED_GRAD_BYTES / GIB
-    if engine.startswith("deepspeed"):
-        gpu.update(deepspeed_buffers(shape, config, trained, optim_where == "cpu"))
-    elif params_where != "replica":
-        gpu["gathered parameters in flight"] = gathered_bytes(shape) / GIB
-    return {**gpu, **single}, cpu
+    """Per-GPU parts and CPU (offload) parts for N GPUs and an engine (engines.engine_parts over
+    the single-GPU parts)."""
+    return engine_parts(shape, config, _parts(shape, config, tokens))
 
 
 def _longest(shape: ModelShape, config: RunConfig, budget_gib: float) -> int | None:

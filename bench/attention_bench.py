@@ -12,6 +12,7 @@ Each is checked against flash varlen (output and input gradients) and timed forw
 (median of 10 after 3 warm-up calls); "first" is the first call on a new set of lengths.
 Prints one JSON line per (kernel, row) and writes DIR/attention-bench.jsonl.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ HEADS, KV_HEADS, DIM, ROW = 28, 4, 128, 8192
 
 
 def flash_varlen(q, k, v, lengths):
-    from torch.nn.attention.varlen import varlen_attn
     import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
 
     cu = cumulative(lengths, q.device)
     params = inspect.signature(varlen_attn).parameters
@@ -43,8 +45,7 @@ def flash_varlen(q, k, v, lengths):
 
 
 def cumulative(lengths, device):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                        device=device)
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
 class CudnnVarlen(torch.autograd.Function):
@@ -53,9 +54,9 @@ class CudnnVarlen(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu, longest):
-        result = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest,
-                                                         True, 0.0, True, False,
-                                                         scale=DIM ** -0.5)
+        result = torch.ops.aten._cudnn_attention_forward(
+            q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False, scale=DIM**-0.5
+        )
         out, lse, seed, offset = result[0], result[1], result[6], result[7]
         ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu)
         ctx.longest = longest
@@ -65,8 +66,23 @@ class CudnnVarlen(torch.autograd.Function):
     def backward(ctx, grad):
         q, k, v, out, lse, seed, offset, cu = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, seed, offset, torch.empty(0, device=q.device),
-            cu, cu, ctx.longest, ctx.longest, 0.0, True, scale=DIM ** -0.5)
+            grad.contiguous(),
+            q,
+            k,
+            v,
+            out,
+            lse,
+            seed,
+            offset,
+            torch.empty(0, device=q.device),
+            cu,
+            cu,
+            ctx.longest,
+            ctx.longest,
+            0.0,
+            True,
+            scale=DIM**-0.5,
+        )
         return dq, dk, dv, None, None
 
 
@@ -80,11 +96,13 @@ def per_sample(backend):
         outputs, start = [], 0
         with sdpa_kernel(backend):
             for length in lengths:
-                part = [t[start:start + length].transpose(0, 1)[None] for t in (q, k, v)]
-                outputs.append(F.scaled_dot_product_attention(*part, is_causal=True,
-                                                              enable_gqa=True)[0].transpose(0, 1))
+                part = [t[start : start + length].transpose(0, 1)[None] for t in (q, k, v)]
+                outputs.append(
+                    F.scaled_dot_product_attention(*part, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+                )
                 start += length
         return torch.cat(outputs)
+
     return attend
 
 
@@ -94,17 +112,19 @@ def cudnn_batch(q, k, v, lengths):
 
     if len(set(lengths)) != 1:
         raise ValueError("rows of mixed lengths stay on flash varlen")
-    out = cudnn_equal_lengths(*(t.transpose(0, 1)[None] for t in (q, k, v)), lengths,
-                              torch.bfloat16, DIM ** -0.5)
+    out = cudnn_equal_lengths(*(t.transpose(0, 1)[None] for t in (q, k, v)), lengths, torch.bfloat16, DIM**-0.5)
     if out is None:
         raise RuntimeError("cuDNN did not take the shape")
     return out[0]
 
 
-KERNELS = {"flash-varlen": flash_varlen, "cudnn-varlen": cudnn_varlen,
-           "sdpa-cudnn-per-sample": per_sample(SDPBackend.CUDNN_ATTENTION),
-           "sdpa-flash-per-sample": per_sample(SDPBackend.FLASH_ATTENTION),
-           "cudnn-batch": cudnn_batch}
+KERNELS = {
+    "flash-varlen": flash_varlen,
+    "cudnn-varlen": cudnn_varlen,
+    "sdpa-cudnn-per-sample": per_sample(SDPBackend.CUDNN_ATTENTION),
+    "sdpa-flash-per-sample": per_sample(SDPBackend.FLASH_ATTENTION),
+    "cudnn-batch": cudnn_batch,
+}
 
 
 def mixed_rows(count: int, seed: int = 0) -> list:
@@ -112,8 +132,7 @@ def mixed_rows(count: int, seed: int = 0) -> list:
     for _ in range(count):
         lengths, left = [], ROW
         while left > 64:
-            length = min(left, rng.choice([rng.randint(40, 300), rng.randint(200, 1500),
-                                           rng.randint(1500, 4096)]))
+            length = min(left, rng.choice([rng.randint(40, 300), rng.randint(200, 1500), rng.randint(1500, 4096)]))
             lengths.append(length)
             left -= length
         rows.append(lengths)
@@ -138,7 +157,7 @@ def run(kernel, lengths, grad):
 def timed(kernel, lengths, repeat=10):
     (q, k, v), grad = inputs(lengths)
     seconds = []
-    for i in range(repeat + 3):
+    for _i in range(repeat + 3):
         torch.cuda.synchronize()
         start = time.perf_counter()
         kernel(q, k, v, lengths).backward(grad)
@@ -151,8 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    rows = {"2x4096": [4096, 4096], "4x2048": [2048] * 4, "8x1024": [1024] * 8,
-            "1x8192": [8192]}
+    rows = {"2x4096": [4096, 4096], "4x2048": [2048] * 4, "8x1024": [1024] * 8, "1x8192": [8192]}
     rows.update({f"mixed-{i}": r for i, r in enumerate(mixed_rows(4))})
     records = []
     for row_name, lengths in rows.items():
@@ -163,21 +181,29 @@ def main() -> None:
             try:
                 first, median = timed(kernel, lengths)
                 out, grads = run(kernel, lengths, grad)
-                record.update({
-                    "first_call_ms": round(first * 1e3, 2), "fwd_bwd_ms": round(median * 1e3, 3),
-                    "max_diff_out": (out.float() - reference.float()).abs().max().item(),
-                    "max_diff_grads": [(a.float() - b.float()).abs().max().item()
-                                       for a, b in zip(grads, reference_grads)]})
-            except Exception as exc:  # noqa: BLE001 - a benchmark records every failure
+                record.update(
+                    {
+                        "first_call_ms": round(first * 1e3, 2),
+                        "fwd_bwd_ms": round(median * 1e3, 3),
+                        "max_diff_out": (out.float() - reference.float()).abs().max().item(),
+                        "max_diff_grads": [
+                            (a.float() - b.float()).abs().max().item() for a, b in zip(grads, reference_grads)
+                        ],
+                    }
+                )
+            except Exception as exc:
                 record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print(json.dumps(record), flush=True)
             records.append(record)
-    header = {"header": True, "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": "python bench/attention_bench.py"}
-    Path(args.out, "attention-bench.jsonl").write_text(
-        "\n".join(json.dumps(r) for r in [header, *records]) + "\n")
+    header = {
+        "header": True,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": "python bench/attention_bench.py",
+    }
+    Path(args.out, "attention-bench.jsonl").write_text("\n".join(json.dumps(r) for r in [header, *records]) + "\n")
 
 
 if __name__ == "__main__":

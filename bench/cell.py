@@ -6,6 +6,7 @@ kind "lora-lab" runs lora_lab.train() on full-length synthetic samples with the 
 kind "baseline" runs the plain Trainer+PEFT recipe (bench/baseline.py); kinds "unsloth" and
 "unsloth-sft" the peer (bench/peer_unsloth.py). Prints one JSON line.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from workloads import (make_random_model, words_within, write_full_length_pairs,
-                       write_full_length_rows, write_sft_mix_rows)
+from workloads import (
+    make_random_model,
+    words_within,
+    write_full_length_pairs,
+    write_full_length_rows,
+    write_sft_mix_rows,
+)
 
 WORK = Path("/tmp/lora-lab-bench")
 
@@ -32,10 +38,10 @@ def cap_memory(cap_gib: float | None) -> None:
 
 
 def run_lora_lab(cell: dict) -> dict:
-    from lora_lab.config import resolve_config
-    from lora_lab.planning.memory import micro_batch_rows, plan_memory, row_length
     from lora_lab import train
+    from lora_lab.config import resolve_config
     from lora_lab.models.attention import as_planned
+    from lora_lab.planning.memory import micro_batch_rows, plan_memory, row_length
 
     if cell.get("residual_skip") is False:  # ablation: recomputed MLPs run to their output
         from lora_lab.models import fast_lora
@@ -59,13 +65,19 @@ def run_lora_lab(cell: dict) -> dict:
         products._Casts.get = lambda self, a, b, dtype: products._adapter_weights(a, b, dtype)
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = WORK / f"data-{cell['label']}.jsonl"
-    flags = {"model.name": str(model), "data.max_length": cell["max_length"],
-             "data.datasets": [str(data)],
-             "train.max_steps": cell["steps"], "train.output_dir": str(WORK / "runs"),
-             "train.run_name": cell["label"], "train.save_steps": 10**6,
-             "train.logging_steps": 1,
-             # Measure the cell as asked: no up-front refusal, no retry at a smaller batch.
-             "train.memory_check": False, "train.oom_retry": False}
+    flags = {
+        "model.name": str(model),
+        "data.max_length": cell["max_length"],
+        "data.datasets": [str(data)],
+        "train.max_steps": cell["steps"],
+        "train.output_dir": str(WORK / "runs"),
+        "train.run_name": cell["label"],
+        "train.save_steps": 10**6,
+        "train.logging_steps": 1,
+        # Measure the cell as asked: no up-front refusal, no retry at a smaller batch.
+        "train.memory_check": False,
+        "train.oom_retry": False,
+    }
     if cell.get("grad_accum"):
         flags["train.grad_accum"] = cell["grad_accum"]
     task = cell.get("task", "sft")
@@ -91,9 +103,14 @@ def run_lora_lab(cell: dict) -> dict:
     performance = summary["performance"]
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
     plan = plan_memory(as_planned(config), cell.get("cap_gib"))
-    return {**performance, **extra, "tokens_per_s": tokens / performance["median_step_seconds"],
-            "tokens_per_micro_batch": row_length(config) * micro_batch_rows(config),
-            "planned_gib": plan.total_gib, "resolved": resolved(config, summary)}
+    return {
+        **performance,
+        **extra,
+        "tokens_per_s": tokens / performance["median_step_seconds"],
+        "tokens_per_micro_batch": row_length(config) * micro_batch_rows(config),
+        "planned_gib": plan.total_gib,
+        "resolved": resolved(config, summary),
+    }
 
 
 def resolved(config, summary: dict) -> dict:
@@ -103,45 +120,62 @@ def resolved(config, summary: dict) -> dict:
     from lora_lab.models.load import resolve_kernels
     from lora_lab.planning.memory import row_length
 
-    return {"quantization": config.model.quantization,
-            "kernels": resolve_kernels(config.model.kernels), "dtype": config.model.dtype,
-            "rank": config.lora.rank, "lora_dropout": config.lora.dropout,
-            "micro_batch_size": config.train.micro_batch_size,
-            "grad_accum": config.train.grad_accum, "max_length": config.data.max_length,
-            "packing": config.data.packing, "pack_length": row_length(config),
-            "gradient_checkpointing": config.train.gradient_checkpointing,
-            "memory_means": summary["memory_means"],
-            "packed_attention": resolve_packed_attention(config.data.packed_attention),
-            "cudnn_attention": config.model.cudnn_attention,
-            "fast_lora_chunk_tokens": config.model.fast_lora_chunk_tokens,
-            "down_backward_tokens": mlp.DOWN_BACKWARD_TOKENS}
+    return {
+        "quantization": config.model.quantization,
+        "kernels": resolve_kernels(config.model.kernels),
+        "dtype": config.model.dtype,
+        "rank": config.lora.rank,
+        "lora_dropout": config.lora.dropout,
+        "micro_batch_size": config.train.micro_batch_size,
+        "grad_accum": config.train.grad_accum,
+        "max_length": config.data.max_length,
+        "packing": config.data.packing,
+        "pack_length": row_length(config),
+        "gradient_checkpointing": config.train.gradient_checkpointing,
+        "memory_means": summary["memory_means"],
+        "packed_attention": resolve_packed_attention(config.data.packed_attention),
+        "cudnn_attention": config.model.cudnn_attention,
+        "fast_lora_chunk_tokens": config.model.fast_lora_chunk_tokens,
+        "down_backward_tokens": mlp.DOWN_BACKWARD_TOKENS,
+    }
 
 
 def run_lora_lab_sft(cell: dict) -> dict:
     """One epoch of the realistic SFT mix with the preset (packing as the preset says)."""
-    from lora_lab.config import resolve_config
     from lora_lab import train
+    from lora_lab.config import resolve_config
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = write_sft_mix_rows(WORK / f"sft-mix-{cell['rows']}.jsonl", cell["rows"])
-    flags = {"model.name": str(model), "data.datasets": [str(data)], "train.epochs": 1,
-             "train.output_dir": str(WORK / "runs"), "train.run_name": cell["label"],
-             "train.save_steps": 10**6, "train.logging_steps": 1,
-             "train.memory_check": False, "train.oom_retry": False}
+    flags = {
+        "model.name": str(model),
+        "data.datasets": [str(data)],
+        "train.epochs": 1,
+        "train.output_dir": str(WORK / "runs"),
+        "train.run_name": cell["label"],
+        "train.save_steps": 10**6,
+        "train.logging_steps": 1,
+        "train.memory_check": False,
+        "train.oom_retry": False,
+    }
     config = resolve_config(cell["preset"], flags=flags, sets=cell.get("sets", []))
     result = train(config)
-    log = [json.loads(line) for line in
-           (result.run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
+    log = [json.loads(line) for line in (result.run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
     seconds = next(entry["train_runtime"] for entry in log if "train_runtime" in entry)
     summary = json.loads((result.run_dir / "run_summary.json").read_text())
     tokens = sum(len(s) for s in encoded_lengths(config))
-    return {"train_seconds": seconds, "samples": result.train_samples, "tokens": tokens,
-            "optimizer_steps": result.global_step, "tokens_per_s": tokens / seconds,
-            "peak_reserved_gib": summary["performance"]["peak_reserved_gib"],
-            "median_step_seconds": summary["performance"]["median_step_seconds"],
-            "first_step_seconds": summary["performance"]["first_step_seconds"],
-            "final_loss": result.train_loss,
-            "resolved": resolved(config, summary)}
+    return {
+        "train_seconds": seconds,
+        "samples": result.train_samples,
+        "tokens": tokens,
+        "optimizer_steps": result.global_step,
+        "tokens_per_s": tokens / seconds,
+        "peak_reserved_gib": summary["performance"]["peak_reserved_gib"],
+        "median_step_seconds": summary["performance"]["median_step_seconds"],
+        "first_step_seconds": summary["performance"]["first_step_seconds"],
+        "final_loss": result.train_loss,
+        "resolved": resolved(config, summary),
+    }
 
 
 def encoded_lengths(config) -> list:
@@ -156,12 +190,20 @@ def multi_gpu_config(cell: dict):
     """The RunConfig a multi-GPU cell trains with (model named by size, for the planner)."""
     from lora_lab.config import resolve_config
 
-    return resolve_config("24gb", flags={
-        "model.name": f"qwen2.5-{cell['size']}", "data.datasets": ["x"],
-        "data.max_length": cell["max_length"], "train.micro_batch_size": 1,
-        "train.grad_accum": cell["grad_accum"], "train.gpus": cell["gpus"],
-        "train.engine": cell["engine"], "train.tuner": cell["tuner"]},
-        sets=["data.packing=false", *cell.get("sets", [])])
+    return resolve_config(
+        "24gb",
+        flags={
+            "model.name": f"qwen2.5-{cell['size']}",
+            "data.datasets": ["x"],
+            "data.max_length": cell["max_length"],
+            "train.micro_batch_size": 1,
+            "train.grad_accum": cell["grad_accum"],
+            "train.gpus": cell["gpus"],
+            "train.engine": cell["engine"],
+            "train.tuner": cell["tuner"],
+        },
+        sets=["data.packing=false", *cell.get("sets", [])],
+    )
 
 
 def run_multi_gpu(cell: dict) -> dict:
@@ -173,46 +215,89 @@ def run_multi_gpu(cell: dict) -> dict:
     from lora_lab.planning.memory import plan_memory
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
-    data = write_full_length_rows(WORK / f"data-{cell['label']}.jsonl",
-                                  cell["steps"] * cell["grad_accum"] * cell["gpus"],
-                                  cell["max_length"])
-    flags = ["--preset", "24gb", "--model", model, "--data", data, "--max-length",
-             cell["max_length"], "--max-steps", cell["steps"], "--micro-batch-size", 1,
-             "--grad-accum", cell["grad_accum"], "--gpus", cell["gpus"], "--engine",
-             cell["engine"], "--tuner", cell["tuner"], "--no-memory-check", "--no-oom-retry",
-             "--logging-steps", 1, "--save-steps", 100000, "--seed", 1,
-             "--output-dir", WORK / "multi", "--run-name", cell["label"],
-             "--set", "data.packing=false", *[x for s in cell.get("sets", []) for x in
-                                              ("--set", s)]]
+    data = write_full_length_rows(
+        WORK / f"data-{cell['label']}.jsonl", cell["steps"] * cell["grad_accum"] * cell["gpus"], cell["max_length"]
+    )
+    flags = [
+        "--preset",
+        "24gb",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--max-length",
+        cell["max_length"],
+        "--max-steps",
+        cell["steps"],
+        "--micro-batch-size",
+        1,
+        "--grad-accum",
+        cell["grad_accum"],
+        "--gpus",
+        cell["gpus"],
+        "--engine",
+        cell["engine"],
+        "--tuner",
+        cell["tuner"],
+        "--no-memory-check",
+        "--no-oom-retry",
+        "--logging-steps",
+        1,
+        "--save-steps",
+        100000,
+        "--seed",
+        1,
+        "--output-dir",
+        WORK / "multi",
+        "--run-name",
+        cell["label"],
+        "--set",
+        "data.packing=false",
+        *[x for s in cell.get("sets", []) for x in ("--set", s)],
+    ]
     root = str(Path(__file__).resolve().parents[1])
     # OMP_NUM_THREADS is left to the launcher (offload engines: the cores / GPUs)
-    env = {**os.environ, "LORA_LAB_GPU_MEMORY_GIB": str(cell["cap_gib"]),
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "lora_lab", "run", *map(str, flags)],
-                          env=env, capture_output=True, text=True, cwd=WORK)
+    env = {
+        **os.environ,
+        "LORA_LAB_GPU_MEMORY_GIB": str(cell["cap_gib"]),
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "lora_lab", "run", *map(str, flags)], env=env, capture_output=True, text=True, cwd=WORK
+    )
     run_dir = WORK / "multi" / cell["label"]
     if proc.returncode != 0:
         # the launcher's own traceback ends the output; the workers' exceptions come earlier
         output = (proc.stderr or "") + (proc.stdout or "")
-        raised = [line for line in output.splitlines()
-                  if any(word in line for word in ("Error", "Exception", "Signal", "exitcode",
-                                                   "Killed", "core dumped", "error:"))
-                  and "elastic" not in line]
-        return {"error": f"exit {proc.returncode}: " + " | ".join(dict.fromkeys(raised))[-2500:],
-                "output_tail": (proc.stderr or "")[-5000:],
-                "stdout_tail": (proc.stdout or "")[-1500:]}
+        raised = [
+            line
+            for line in output.splitlines()
+            if any(
+                word in line
+                for word in ("Error", "Exception", "Signal", "exitcode", "Killed", "core dumped", "error:")
+            )
+            and "elastic" not in line
+        ]
+        return {
+            "error": f"exit {proc.returncode}: " + " | ".join(dict.fromkeys(raised))[-2500:],
+            "output_tail": (proc.stderr or "")[-5000:],
+            "stdout_tail": (proc.stdout or "")[-1500:],
+        }
     summary = json.loads((run_dir / "run_summary.json").read_text())
-    log = [json.loads(line) for line in
-           (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
+    log = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
     plan = plan_memory(multi_gpu_config(cell))
     performance = summary["performance"]
     tokens = cell["grad_accum"] * cell["gpus"] * cell["max_length"]
     saved = run_dir / ("model" if cell["tuner"] == "full" else "adapter")
-    return {**performance, "tokens_per_s": tokens / performance["median_step_seconds"],
-            "iterations_per_s": 1 / performance["median_step_seconds"],
-            "losses": [e["loss"] for e in log if "loss" in e and "train_runtime" not in e],
-            "planned_gib_per_gpu": plan.total_gib, "planned_cpu_gib": plan.cpu_total_gib,
-            "saved_files": sorted(p.name for p in saved.iterdir()) if saved.is_dir() else None}
+    return {
+        **performance,
+        "tokens_per_s": tokens / performance["median_step_seconds"],
+        "iterations_per_s": 1 / performance["median_step_seconds"],
+        "losses": [e["loss"] for e in log if "loss" in e and "train_runtime" not in e],
+        "planned_gib_per_gpu": plan.total_gib,
+        "planned_cpu_gib": plan.cpu_total_gib,
+        "saved_files": sorted(p.name for p in saved.iterdir()) if saved.is_dir() else None,
+    }
 
 
 def run_baseline_sft_cell(cell: dict) -> dict:
@@ -227,9 +312,14 @@ def run_baseline_cell(cell: dict) -> dict:
     from baseline import run_baseline
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
-    return run_baseline(str(model), cell["max_length"], grad_accum=cell.get("grad_accum", 4),
-                        steps=cell["steps"], qlora=cell.get("qlora", False),
-                        output_dir=str(WORK / "baseline"))
+    return run_baseline(
+        str(model),
+        cell["max_length"],
+        grad_accum=cell.get("grad_accum", 4),
+        steps=cell["steps"],
+        qlora=cell.get("qlora", False),
+        output_dir=str(WORK / "baseline"),
+    )
 
 
 def run_unsloth_cell(cell: dict) -> dict:
@@ -253,18 +343,25 @@ def main() -> None:
         peer_unsloth.import_unsloth()  # before transformers and peft, which it patches
     if cell["kind"] != "multi":  # the launched processes cap themselves
         cap_memory(cell.get("cap_gib"))
-    runner = {"lora-lab": run_lora_lab, "baseline": run_baseline_cell,
-              "lora-lab-sft": run_lora_lab_sft, "baseline-sft": run_baseline_sft_cell,
-              "multi": run_multi_gpu, "unsloth": run_unsloth_cell,
-              "unsloth-sft": run_unsloth_cell}[cell["kind"]]
+    runner = {
+        "lora-lab": run_lora_lab,
+        "baseline": run_baseline_cell,
+        "lora-lab-sft": run_lora_lab_sft,
+        "baseline-sft": run_baseline_sft_cell,
+        "multi": run_multi_gpu,
+        "unsloth": run_unsloth_cell,
+        "unsloth-sft": run_unsloth_cell,
+    }[cell["kind"]]
     try:
         outcome = {"error": None, **runner(cell)}
-    except Exception as exc:  # noqa: BLE001 - a benchmark records every failure
+    except Exception as exc:
         import torch
 
         oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
-        outcome = {"error": "OOM" if oom else f"{type(exc).__name__}: {str(exc)[:300]}",
-                   "trace": "" if oom else traceback.format_exc()[-1500:]}
+        outcome = {
+            "error": "OOM" if oom else f"{type(exc).__name__}: {str(exc)[:300]}",
+            "trace": "" if oom else traceback.format_exc()[-1500:],
+        }
     print("CELL " + json.dumps({**cell, **outcome}), flush=True)
 
 

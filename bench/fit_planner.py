@@ -5,6 +5,7 @@ measurements.
 Weighted least squares on relative error, over every successful lora-lab cell in bench/results
 on peft's path; then the fast LoRA path's three terms (FAST_TERMS) over its cells.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lora_lab.planning import memory  # noqa: E402
 from lora_lab.config import resolve_config, resolve_fast_lora
+from lora_lab.planning import memory
 from lora_lab.registry import QWEN25_SIZES, model_config_of
 
 
@@ -35,12 +36,20 @@ def measured_cells(fast_lora: bool = False) -> list:
     for path in sorted((ROOT / "bench" / "results").glob("*.jsonl")):
         for line in path.read_text().splitlines()[1:]:
             row = json.loads(line)
-            if (row.get("kind") != "lora-lab" or row.get("error") or not row.get("cap_gib")
-                    or not row.get("peak_reserved_gib") or row["size"] not in QWEN25_SIZES
-                    or is_tuner_cell(row)):
+            if (
+                row.get("kind") != "lora-lab"
+                or row.get("error")
+                or not row.get("cap_gib")
+                or not row.get("peak_reserved_gib")
+                or row["size"] not in QWEN25_SIZES
+                or is_tuner_cell(row)
+            ):
                 continue
-            flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
-                     "data.max_length": row["max_length"]}
+            flags = {
+                "model.name": f"qwen2.5-{row['size']}",
+                "data.datasets": ["x"],
+                "data.max_length": row["max_length"],
+            }
             if row.get("resolved", {}).get("grad_accum"):  # packed cells: one full row a step
                 flags["train.grad_accum"] = row["resolved"]["grad_accum"]
             config = resolve_config(row["preset"], flags=flags, sets=cell_sets(row))
@@ -54,7 +63,8 @@ def is_tuner_cell(row: dict) -> bool:
     """A cell of bench/run.py tuners (another tuner or a preference task): they check the
     fitted planner, they do not fit it."""
     return row.get("task", "sft") != "sft" or any(
-        s.startswith("train.tuner=") and s != "train.tuner=lora" for s in row.get("sets", []))
+        s.startswith("train.tuner=") and s != "train.tuner=lora" for s in row.get("sets", [])
+    )
 
 
 EARLIER_PRESET_DROPOUT = "lora.dropout=0.05"  # the GPU presets' dropout before they took 0
@@ -65,11 +75,11 @@ def cell_sets(row: dict) -> list:
     the presets when these still had the earlier dropout."""
     sets = list(row.get("sets", []))
     resolved = row.get("resolved", {})
-    if "lora_dropout" not in resolved and not any(
-            s.startswith("lora.dropout=") for s in sets):
+    if "lora_dropout" not in resolved and not any(s.startswith("lora.dropout=") for s in sets):
         sets.insert(0, EARLIER_PRESET_DROPOUT)
     if resolved.get("packed_attention") and not any(
-            s.startswith("data.packed_attention=") for s in sets):  # auto, as the GPU ran it
+        s.startswith("data.packed_attention=") for s in sets
+    ):  # auto, as the GPU ran it
         sets.append(f"data.packed_attention={resolved['packed_attention']}")
     means = resolved.get("memory_means")
     if means and not any(s.startswith("train.mlp_chunk_tokens=") for s in sets):
@@ -93,9 +103,13 @@ def tuner_cells() -> list:
     ORPO on 7B under the tiers' caps), configured as bench/cell.py ran them."""
     cells = []
     for row in stored_cells("*-tuners*.jsonl"):
-        flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"],
-                 "data.max_length": row["max_length"], "train.task": row.get("task", "sft"),
-                 "train.grad_accum": row["resolved"]["grad_accum"]}
+        flags = {
+            "model.name": f"qwen2.5-{row['size']}",
+            "data.datasets": ["x"],
+            "data.max_length": row["max_length"],
+            "train.task": row.get("task", "sft"),
+            "train.grad_accum": row["resolved"]["grad_accum"],
+        }
         config = resolve_config(row["preset"], flags=flags, sets=cell_sets(row))
         cells.append((config, row["peak_reserved_gib"], row["label"], row["cap_gib"]))
     return cells
@@ -106,9 +120,11 @@ def family_cells() -> list:
     families: --model is the shipped config's name)."""
     cells = []
     for row in stored_cells("*-families*.jsonl"):
-        config = resolve_config(row["preset"], flags={
-            "model.name": row["size"], "data.datasets": ["x"],
-            "data.max_length": row["max_length"]}, sets=cell_sets(row))
+        config = resolve_config(
+            row["preset"],
+            flags={"model.name": row["size"], "data.datasets": ["x"], "data.max_length": row["max_length"]},
+            sets=cell_sets(row),
+        )
         cells.append((config, row["peak_reserved_gib"], row["label"]))
     return cells
 
@@ -119,12 +135,17 @@ def _working_terms(config) -> tuple[float, float, float, float]:
     MLP weights dequantized from 4 bits), in GiB."""
     shape = memory.ModelShape.from_config(model_config_of(config.model.name))
     tokens = memory.row_length(config) * memory.micro_batch_rows(config)
-    hidden, intermediate = (b / memory.GIB for b in memory.working_terms(
-        shape, config, tokens, memory._means(shape, config, tokens)))
+    hidden, intermediate = (
+        b / memory.GIB for b in memory.working_terms(shape, config, tokens, memory._means(shape, config, tokens))
+    )
     dequantized = memory.dequantized_mlp_bytes(shape, config) / memory.GIB
     hidden_scale, intermediate_scale = memory.fast_lora_scales(config)
-    rest = (memory.plan_memory(config).total_gib - hidden * hidden_scale
-            - intermediate * intermediate_scale - dequantized * memory.FIT_FAST_NF4_MLP_COPIES)
+    rest = (
+        memory.plan_memory(config).total_gib
+        - hidden * hidden_scale
+        - intermediate * intermediate_scale
+        - dequantized * memory.FIT_FAST_NF4_MLP_COPIES
+    )
     return rest, hidden, intermediate, dequantized
 
 
@@ -137,8 +158,7 @@ def fit_fast_scales() -> None:
     (no term gives memory back)."""
     cells = measured_cells(fast_lora=True)
     terms = [_working_terms(config) for config, _, _ in cells]
-    x = np.array([[h / peak, i / peak, q / peak]
-                  for (_, h, i, q), (_, peak, _) in zip(terms, cells)])
+    x = np.array([[h / peak, i / peak, q / peak] for (_, h, i, q), (_, peak, _) in zip(terms, cells)])
     y = np.array([(peak - rest) / peak for (rest, *_), (_, peak, _) in zip(terms, cells)])
     free = [True] * x.shape[1]
     while True:
@@ -151,8 +171,7 @@ def fit_fast_scales() -> None:
         print(f"{name} = {value:.4f}")
     for (rest, *parts), (_, peak, label) in zip(terms, cells):
         predicted = rest + float(np.dot(coef, parts))
-        print(f"{label:<28} measured {peak:6.2f}  predicted {predicted:6.2f}  "
-              f"{(predicted - peak) / peak:+.1%}")
+        print(f"{label:<28} measured {peak:6.2f}  predicted {predicted:6.2f}  {(predicted - peak) / peak:+.1%}")
 
 
 def main() -> None:
@@ -166,20 +185,20 @@ def main() -> None:
         sixteen_bit = config.model.quantization == "none"
         chunk = memory._means(shape, config, tokens).mlp_chunk_tokens
         mlp_tokens = chunk * memory.micro_batch_rows(config) if chunk else tokens
-        rows.append([1, tokens * shape.hidden, mlp_tokens * shape.intermediate,
-                     tokens * shape.hidden * sixteen_bit])
+        rows.append([1, tokens * shape.hidden, mlp_tokens * shape.intermediate, tokens * shape.hidden * sixteen_bit])
         targets.append(peak * memory.GIB - counted)
         weights.append(1 / peak)
     x, y, w = np.array(rows, float), np.array(targets), np.array(weights)
     coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-    print(f"FIT_CONSTANT_GIB = {coef[0] / memory.GIB:.4f}\n"
-          f"FIT_BYTES_PER_TOKEN_PER_HIDDEN = {coef[1]:.2f}\n"
-          f"FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = {coef[2]:.3f}\n"
-          f"FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = {coef[3]:.2f}")
-    for (config, peak, label), xr, yr in zip(cells, x, y):
+    print(
+        f"FIT_CONSTANT_GIB = {coef[0] / memory.GIB:.4f}\n"
+        f"FIT_BYTES_PER_TOKEN_PER_HIDDEN = {coef[1]:.2f}\n"
+        f"FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = {coef[2]:.3f}\n"
+        f"FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN = {coef[3]:.2f}"
+    )
+    for (_config, peak, label), xr, yr in zip(cells, x, y):
         predicted = (peak * memory.GIB - yr + xr @ coef) / memory.GIB
-        print(f"{label:<28} measured {peak:6.2f}  predicted {predicted:6.2f}  "
-              f"{(predicted - peak) / peak:+.1%}")
+        print(f"{label:<28} measured {peak:6.2f}  predicted {predicted:6.2f}  {(predicted - peak) / peak:+.1%}")
     fit_fast_scales()
 
 

@@ -10,6 +10,7 @@ them: "live_at_peak"). The gap between
 the peak reserved and the peak allocated is either memory held for other streams or free cached
 memory in pieces too small for that allocation (fragmentation); these figures say which.
 """
+
 from __future__ import annotations
 
 GIB = 2**30
@@ -29,8 +30,9 @@ def start(max_entries: int = 2_000_000) -> dict:
 
 
 def _frames(event, count: int = 4) -> list:
-    frames = [f for f in event.get("frames", []) if f.get("filename", "").endswith(".py")
-              and "/torch/" not in f["filename"]]
+    frames = [
+        f for f in event.get("frames", []) if f.get("filename", "").endswith(".py") and "/torch/" not in f["filename"]
+    ]
     return [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']} {f['name']}" for f in frames[:count]]
 
 
@@ -53,28 +55,45 @@ def report(begin: dict, highs: int = 4) -> dict:
         elif action == "alloc":
             allocated += size
             peak_allocated = max(peak_allocated, allocated)
-            if grew and size >= 8 * 2**20 and (not moments
-                                               or reserved > moments[-1]["reserved"]):
-                moments.append({"reserved": reserved, "allocated": allocated,
-                                "pending_free": pending, "size": size,
-                                "stream": event.get("stream"), "frames": _frames(event)})
+            if grew and size >= 8 * 2**20 and (not moments or reserved > moments[-1]["reserved"]):
+                moments.append(
+                    {
+                        "reserved": reserved,
+                        "allocated": allocated,
+                        "pending_free": pending,
+                        "size": size,
+                        "stream": event.get("stream"),
+                        "frames": _frames(event),
+                    }
+                )
             grew = False
         elif action == "free_requested":
             pending += size
         elif action == "free_completed":
             pending -= size
             allocated -= size
-    return {"peak_reserved_gib": _gib(max([m["reserved"] for m in moments] or [reserved])),
-            "live_at_peak": _live_at_peak(trace, begin["allocated"]),
-            "peak_allocated_gib": _gib(peak_allocated), "trace_events": len(trace),
-            "highs": [{**m, "reserved": _gib(m["reserved"]), "allocated": _gib(m["allocated"]),
-                       "pending_free": _gib(m["pending_free"]),
-                       "size_mib": round(m["size"] / 2**20, 1)} for m in moments[-highs:]]}
+    return {
+        "peak_reserved_gib": _gib(max([m["reserved"] for m in moments] or [reserved])),
+        "live_at_peak": _live_at_peak(trace, begin["allocated"]),
+        "peak_allocated_gib": _gib(peak_allocated),
+        "trace_events": len(trace),
+        "highs": [
+            {
+                **m,
+                "reserved": _gib(m["reserved"]),
+                "allocated": _gib(m["allocated"]),
+                "pending_free": _gib(m["pending_free"]),
+                "size_mib": round(m["size"] / 2**20, 1),
+            }
+            for m in moments[-highs:]
+        ],
+    }
 
 
 def _live_at_peak(trace, allocated: int, top: int = 12) -> list:
     """The blocks live at the allocated peak, summed by the frames that allocated them (largest
     first; tensors allocated before recording began are not in the trace)."""
+
     def replay(stop=None):
         live, now, peak, peak_index = {}, allocated, allocated, -1
         for index, event in enumerate(trace[:stop]):
@@ -95,5 +114,7 @@ def _live_at_peak(trace, allocated: int, top: int = 12) -> list:
         key = f"[{inner}] " + (" < ".join(_frames(event, 3)) or "(no Python frame)")
         count, size = sums.get(key, (0, 0))
         sums[key] = (count + 1, size + event["size"])
-    return [{"frames": key, "tensors": count, "mib": round(size / 2**20, 1)}
-            for key, (count, size) in sorted(sums.items(), key=lambda kv: -kv[1][1])[:top]]
+    return [
+        {"frames": key, "tensors": count, "mib": round(size / 2**20, 1)}
+        for key, (count, size) in sorted(sums.items(), key=lambda kv: -kv[1][1])[:top]
+    ]

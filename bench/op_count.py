@@ -11,6 +11,7 @@ chunks of N tokens where asked (model.fast_lora_chunk_tokens), the backward pass
 SwiGLU from saved gate and up in chunks of --down-backward-tokens (fast_lora.mlp's
 DOWN_BACKWARD_TOKENS, 2048 unless given: one chunk here). Prints (and appends to FILE) a
 JSON row: the aten operators of the step by name, their total, and the git commit."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,13 +26,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # operators that launch work on a GPU (views, reshapes and empty allocations launch none)
-NO_LAUNCH = ("aten::view", "aten::reshape", "aten::t", "aten::transpose", "aten::as_strided",
-             "aten::empty", "aten::split", "aten::slice", "aten::expand", "aten::_reshape_alias",
-             "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::detach", "aten::alias",
-             "aten::select", "aten::narrow", "aten::empty_like", "aten::empty_strided",
-             "aten::resolve_conj", "aten::resolve_neg", "aten::_unsafe_view", "aten::lift_fresh",
-             "aten::result_type", "aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
-             "aten::split_with_sizes", "aten::unbind", "aten::contiguous")
+NO_LAUNCH = (
+    "aten::view",
+    "aten::reshape",
+    "aten::t",
+    "aten::transpose",
+    "aten::as_strided",
+    "aten::empty",
+    "aten::split",
+    "aten::slice",
+    "aten::expand",
+    "aten::_reshape_alias",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::permute",
+    "aten::detach",
+    "aten::alias",
+    "aten::select",
+    "aten::narrow",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::_unsafe_view",
+    "aten::lift_fresh",
+    "aten::result_type",
+    "aten::is_nonzero",
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "aten::split_with_sizes",
+    "aten::unbind",
+    "aten::contiguous",
+)
 
 
 def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dict:
@@ -49,8 +75,9 @@ def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dic
     model = tiny_untied().to(torch.bfloat16)
     torch.manual_seed(1)
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
-    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0.0), True, means, fast=True,
-                       fast_chunk_tokens=chunk_tokens)
+    model = apply_lora(
+        model, LoraArgs(rank=4, alpha=8, dropout=0.0), True, means, fast=True, fast_chunk_tokens=chunk_tokens
+    )
     model.train()
     ids = torch.randint(0, 512, (2, SEQ))
 
@@ -69,32 +96,39 @@ def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dic
         parent = event.cpu_parent
         if event.name == "aten::_to_copy":
             casts += 1
-        elif event.name.startswith("aten::") and (
-                parent is None or not parent.name.startswith("aten::")):
+        elif event.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
             top[event.name] += 1
     launching = {k: v for k, v in top.items() if k not in NO_LAUNCH and k != "aten::to"}
     launching["aten::_to_copy (casts)"] = casts
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
-    return {"commit": commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "torch": torch.__version__, "layers": 2,
-            "command": "python bench/op_count.py"
-                       + (f" --chunk-tokens {chunk_tokens}" if chunk_tokens else "")
-                       + (f" --down-backward-tokens {down_backward_tokens}"
-                          if down_backward_tokens is not None else ""),
-            "chunk_tokens": chunk_tokens, "down_backward_tokens": mlp.DOWN_BACKWARD_TOKENS,
-            "top_level_ops": sum(top.values()),
-            "launching_ops": sum(launching.values()),
-            "by_name": dict(sorted(launching.items(), key=lambda kv: -kv[1]))}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "torch": torch.__version__,
+        "layers": 2,
+        "command": "python bench/op_count.py"
+        + (f" --chunk-tokens {chunk_tokens}" if chunk_tokens else "")
+        + (f" --down-backward-tokens {down_backward_tokens}" if down_backward_tokens is not None else ""),
+        "chunk_tokens": chunk_tokens,
+        "down_backward_tokens": mlp.DOWN_BACKWARD_TOKENS,
+        "top_level_ops": sum(top.values()),
+        "launching_ops": sum(launching.values()),
+        "by_name": dict(sorted(launching.items(), key=lambda kv: -kv[1])),
+    }
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--chunk-tokens", type=int, default=0,
-                        help="The fast LoRA MLP in chunks of this many tokens (of 48).")
-    parser.add_argument("--down-backward-tokens", type=int,
-                        help="The saved MLP's backward through down and SwiGLU in chunks of "
-                             "this many tokens (of 48; 0: all).")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=0, help="The fast LoRA MLP in chunks of this many tokens (of 48)."
+    )
+    parser.add_argument(
+        "--down-backward-tokens",
+        type=int,
+        help="The saved MLP's backward through down and SwiGLU in chunks of this many tokens (of 48; 0: all).",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     row = count(args.chunk_tokens, args.down_backward_tokens)

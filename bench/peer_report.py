@@ -4,6 +4,7 @@
 
 A ratio is formed only from two cells of one results file (one device call, one machine).
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,7 @@ def peer_name(label: str) -> str:
     from run import PEER_CELLS
 
     rest = label[3:].rsplit("-", 1)[0]
-    return max((name for name in PEER_CELLS if rest == name or rest.startswith(name + "-")),
-               key=len, default=rest)
+    return max((name for name in PEER_CELLS if rest == name or rest.startswith(name + "-")), key=len, default=rest)
 
 
 def twin(cells: dict, label: str) -> dict | None:
@@ -41,8 +41,7 @@ def twin(cells: dict, label: str) -> dict | None:
     same_run = cells.get(f"us-{name}-{run}")
     if same_run is not None:
         return same_run
-    others = [row for other, row in cells.items()
-              if other.startswith("us-") and other[3:].rsplit("-", 1)[0] == name]
+    others = [row for other, row in cells.items() if other.startswith("us-") and other[3:].rsplit("-", 1)[0] == name]
     return others[0] if len(others) == 1 else None
 
 
@@ -54,13 +53,11 @@ def pairs(cells: dict) -> list:
         if theirs is not None:
             name, run = label[3:].rsplit("-", 1)
             their_run = theirs["label"].rsplit("-", 1)[1]
-            found.append((name, run if their_run == run else f"{run}, Unsloth's run {their_run}",
-                          ours, theirs))
+            found.append((name, run if their_run == run else f"{run}, Unsloth's run {their_run}", ours, theirs))
     return found
 
 
-ABLATION_FLAGS = ("residual_skip", "shared_input", "native_norms", "cast_cache",
-                  "memory_history")
+ABLATION_FLAGS = ("residual_skip", "shared_input", "native_norms", "cast_cache", "memory_history")
 """bench/cell.py switches a cell sets beside its --set flags."""
 
 
@@ -81,23 +78,21 @@ def render(paths, heading: str = "###") -> str:
         headers, cells = rows_of(path)
         lines += [f"{heading} {path.name}", ""]
         bullet = "- " if len(headers) > 1 else ""  # a run in parts: one line per part
-        lines += [f"{bullet}{head.get('gpu')}, {head.get('date')}; `{head.get('command')}`"
-                  for head in headers]
-        lines += ["", "| cell | lora-lab | Unsloth | speed ratio | peak ratio |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"{bullet}{head.get('gpu')}, {head.get('date')}; `{head.get('command')}`" for head in headers]
+        lines += ["", "| cell | lora-lab | Unsloth | speed ratio | peak ratio |", "| --- | --- | --- | --- | --- |"]
         for name, run, ours, theirs in pairs(cells):
             ok = not ours.get("error") and not theirs.get("error")
             speed = f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.3f}x" if ok else "-"
             peak = f"{ours['peak_reserved_gib'] / theirs['peak_reserved_gib']:.3f}" if ok else "-"
-            lines.append(f"| {name} (run {run}) | {_figures(ours)} | {_figures(theirs)} | "
-                         f"{speed} | {peak} |")
-        alone = [row for label, row in cells.items()
-                 if label.startswith("ll-") and twin(cells, label) is None]
+            lines.append(f"| {name} (run {run}) | {_figures(ours)} | {_figures(theirs)} | {speed} | {peak} |")
+        alone = [row for label, row in cells.items() if label.startswith("ll-") and twin(cells, label) is None]
         if alone:
             lines += ["", "lora-lab cells without an Unsloth twin in this file:", ""]
-            lines += [f"- {row['label']} ({_settings(row)}): {_figures(row)}, "
-                      f"median step {row.get('median_step_seconds', 0):.3f} s"
-                      for row in alone]
+            lines += [
+                f"- {row['label']} ({_settings(row)}): {_figures(row)}, "
+                f"median step {row.get('median_step_seconds', 0):.3f} s"
+                for row in alone
+            ]
         lines.append("")
     return "\n".join(lines)
 

@@ -14,6 +14,7 @@ torch.cuda.max_memory_reserved.
 
 Where Unsloth is not installed the cell records error "not installed".
 """
+
 from __future__ import annotations
 
 import importlib.metadata as metadata
@@ -26,8 +27,7 @@ PACK_LENGTH = 8192
 
 def versions() -> dict:
     found = {}
-    for name in ("unsloth", "unsloth_zoo", "trl", "transformers", "peft", "torch",
-                 "bitsandbytes"):
+    for name in ("unsloth", "unsloth_zoo", "trl", "transformers", "peft", "torch", "bitsandbytes"):
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -51,11 +51,20 @@ def import_unsloth():
 def load(fast, model_dir: str, max_length: int, qlora: bool):
     import torch
 
-    model, tokenizer = fast.from_pretrained(model_name=model_dir, max_seq_length=max_length,
-                                            dtype=torch.bfloat16, load_in_4bit=qlora)
-    model = fast.get_peft_model(model, r=8, lora_alpha=32, lora_dropout=0, bias="none",
-                                target_modules=TARGETS, use_gradient_checkpointing="unsloth",
-                                random_state=0, max_seq_length=max_length)
+    model, tokenizer = fast.from_pretrained(
+        model_name=model_dir, max_seq_length=max_length, dtype=torch.bfloat16, load_in_4bit=qlora
+    )
+    model = fast.get_peft_model(
+        model,
+        r=8,
+        lora_alpha=32,
+        lora_dropout=0,
+        bias="none",
+        target_modules=TARGETS,
+        use_gradient_checkpointing="unsloth",
+        random_state=0,
+        max_seq_length=max_length,
+    )
     return model, tokenizer
 
 
@@ -101,23 +110,35 @@ def run_fixed(cell: dict, model_dir: str, data_path) -> dict:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
     timer = StepTimer()
-    args = TrainingArguments(output_dir="/tmp/lora-lab-bench/unsloth", max_steps=cell["steps"],
-                             per_device_train_batch_size=batch,
-                             gradient_accumulation_steps=accum, learning_rate=1e-4,
-                             bf16=True, logging_steps=1, save_strategy="no", report_to="none",
-                             remove_unused_columns=False, dataloader_num_workers=0, seed=0,
-                             warmup_steps=0)
-    trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=collate,
-                      callbacks=[timer])
+    args = TrainingArguments(
+        output_dir="/tmp/lora-lab-bench/unsloth",
+        max_steps=cell["steps"],
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accum,
+        learning_rate=1e-4,
+        bf16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        seed=0,
+        warmup_steps=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=collate, callbacks=[timer])
     trainer.train()
     steps = timer.step_seconds[2:]
     median = statistics.median(steps)
     tokens = batch * accum * cell["max_length"]
-    return {"median_step_seconds": median, "timed_steps": len(steps),
-            "first_step_seconds": [round(s, 3) for s in timer.step_seconds[:2]],
-            "tokens_per_s": tokens / median,
-            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 4),
-            "batch": batch, "versions": versions()}
+    return {
+        "median_step_seconds": median,
+        "timed_steps": len(steps),
+        "first_step_seconds": [round(s, 3) for s in timer.step_seconds[:2]],
+        "tokens_per_s": tokens / median,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 4),
+        "batch": batch,
+        "versions": versions(),
+    }
 
 
 def run_sft(cell: dict, model_dir: str, data_path) -> dict:
@@ -138,18 +159,34 @@ def run_sft(cell: dict, model_dir: str, data_path) -> dict:
     dataset = Dataset.from_list(rows)
     tokens = sum(len(chat_ids(tokenizer, r["messages"])) for r in rows)
     timer = StepTimer()
-    config = SFTConfig(output_dir="/tmp/lora-lab-bench/unsloth-sft", num_train_epochs=1,
-                       per_device_train_batch_size=1, gradient_accumulation_steps=1,
-                       learning_rate=1e-4, bf16=True, logging_steps=1, save_strategy="no",
-                       report_to="none", max_length=PACK_LENGTH, packing=True, seed=0,
-                       dataset_num_proc=1)
-    trainer = SFTTrainer(model=model, processing_class=tokenizer, train_dataset=dataset,
-                         args=config, callbacks=[timer])
+    config = SFTConfig(
+        output_dir="/tmp/lora-lab-bench/unsloth-sft",
+        num_train_epochs=1,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=1,
+        learning_rate=1e-4,
+        bf16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        max_length=PACK_LENGTH,
+        packing=True,
+        seed=0,
+        dataset_num_proc=1,
+    )
+    trainer = SFTTrainer(
+        model=model, processing_class=tokenizer, train_dataset=dataset, args=config, callbacks=[timer]
+    )
     output = trainer.train()
     seconds = output.metrics["train_runtime"]
-    return {"train_seconds": seconds, "samples": len(rows), "tokens": tokens,
-            "optimizer_steps": output.global_step, "tokens_per_s": tokens / seconds,
-            "final_loss": output.training_loss,
-            "median_step_seconds": statistics.median(timer.step_seconds[2:] or [0]),
-            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 4),
-            "versions": versions()}
+    return {
+        "train_seconds": seconds,
+        "samples": len(rows),
+        "tokens": tokens,
+        "optimizer_steps": output.global_step,
+        "tokens_per_s": tokens / seconds,
+        "final_loss": output.training_loss,
+        "median_step_seconds": statistics.median(timer.step_seconds[2:] or [0]),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 4),
+        "versions": versions(),
+    }

@@ -23,6 +23,7 @@ Runs the cell as bench/cell.py does (kind lora-lab or unsloth), profiles optimiz
   stream is "host"), so that trace_gaps.py can say which phase each idle stretch of the
   compute stream fell in.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,17 +42,22 @@ WAIT, WARMUP, ACTIVE = 2, 1, 2
 from run import FAST, PEER_CELLS
 
 # issue 17's cells (bench/run.py PEER_CELLS) by label: ll-NAME lora-lab's, us-NAME Unsloth's
-CELLS = {label: {"kind": kind, "size": name.split("-")[0], "steps": 6, **settings}
-         for name, (ours, theirs) in PEER_CELLS.items()
-         for label, kind, settings in ((f"ll-{name}", "lora-lab", {"sets": FAST, **ours}),
-                                       (f"us-{name}", "unsloth", theirs))}
+CELLS = {
+    label: {"kind": kind, "size": name.split("-")[0], "steps": 6, **settings}
+    for name, (ours, theirs) in PEER_CELLS.items()
+    for label, kind, settings in (
+        (f"ll-{name}", "lora-lab", {"sets": FAST, **ours}),
+        (f"us-{name}", "unsloth", theirs),
+    )
+}
 
-KINDS = (("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|sm90_|cublas|matmul", re.I)),
-         ("attention", re.compile(r"flash|fmha|attention", re.I)),
-         ("copy", re.compile(r"memcpy|memset", re.I)),
-         ("triton", re.compile(r"^triton_|_kernel$|liger", re.I)),
-         ("elementwise", re.compile(r"elementwise|vectorized|unrolled|reduce|cat|copy|index",
-                                    re.I)))
+KINDS = (
+    ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|sm90_|cublas|matmul", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention", re.I)),
+    ("copy", re.compile(r"memcpy|memset", re.I)),
+    ("triton", re.compile(r"^triton_|_kernel$|liger", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|reduce|cat|copy|index", re.I)),
+)
 
 
 def kind_of(name: str) -> str:
@@ -67,8 +73,7 @@ class HostSteps(TrainerCallback):
     def __init__(self):
         import cProfile
 
-        self.profile, self.step, self.active_seconds, self._start = (
-            cProfile.Profile(), 0, 0.0, None)
+        self.profile, self.step, self.active_seconds, self._start = (cProfile.Profile(), 0, 0.0, None)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if WAIT + WARMUP <= self.step < WAIT + WARMUP + ACTIVE:
@@ -139,12 +144,15 @@ def annotate_trainer() -> None:
         setattr(owner, attribute, wrapped)
 
     trainer = transformers.Trainer
-    for attribute, name in (("get_batch_samples", "batch"), ("compute_loss", "forward"),
-                            ("_clip_grad_norm", "clip"), ("_prepare_inputs", "inputs"),
-                            ("_maybe_log_save_evaluate", "log-save")):
+    for attribute, name in (
+        ("get_batch_samples", "batch"),
+        ("compute_loss", "forward"),
+        ("_clip_grad_norm", "clip"),
+        ("_prepare_inputs", "inputs"),
+        ("_maybe_log_save_evaluate", "log-save"),
+    ):
         wrap(trainer, attribute, name)
-    for event in ("on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end",
-                  "on_substep_end"):
+    for event in ("on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_substep_end"):
         wrap(CallbackHandler, event, event)
     import accelerate
 
@@ -159,12 +167,18 @@ def gpu_kernels(profiler, scratch: Path) -> list:
     profiler.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    rows = [(e["name"], e.get("args", {}).get("stream", e.get("tid")), float(e["ts"]),
-             float(e.get("dur", 0))) for e in events
-            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    rows += [(e["name"], "host", float(e["ts"]), float(e.get("dur", 0))) for e in events
-             if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-             and (e["name"].startswith(PHASE) or e["name"].startswith("Optimizer.step"))]
+    rows = [
+        (e["name"], e.get("args", {}).get("stream", e.get("tid")), float(e["ts"]), float(e.get("dur", 0)))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
+    rows += [
+        (e["name"], "host", float(e["ts"]), float(e.get("dur", 0)))
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
+        and (e["name"].startswith(PHASE) or e["name"].startswith("Optimizer.step"))
+    ]
     trace.unlink()
     return sorted(rows, key=lambda row: row[2])
 
@@ -178,8 +192,7 @@ def summary(rows: list, wall_seconds: float) -> str:
         by_stream[stream] += duration
     lines = [f"wall {wall_seconds:.3f} s over {ACTIVE} optimizer steps"]
     for stream, busy in sorted(by_stream.items(), key=lambda kv: -kv[1]):
-        lines.append(f"stream {stream}: busy {busy / 1e6:.3f} s "
-                     f"({busy / 1e6 / wall_seconds:.0%} of wall)")
+        lines.append(f"stream {stream}: busy {busy / 1e6:.3f} s ({busy / 1e6 / wall_seconds:.0%} of wall)")
     total = sum(by_kind.values())
     for kind, busy in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         lines.append(f"{kind:12s} {busy / 1e6:8.3f} s  {busy / total:6.1%}")
@@ -211,8 +224,11 @@ def main() -> None:
     parser.add_argument("--out", default=".")
     parser.add_argument("--host", action="store_true", help="cProfile of the host instead")
     args = parser.parse_args()
-    spec = ({"label": args.cell, **CELLS[args.cell]} if args.cell in CELLS else
-            {"kind": "lora-lab", **json.loads(args.cell)})
+    spec = (
+        {"label": args.cell, **CELLS[args.cell]}
+        if args.cell in CELLS
+        else {"kind": "lora-lab", **json.loads(args.cell)}
+    )
     if spec["kind"] == "unsloth":
         import peer_unsloth
 
@@ -224,14 +240,17 @@ def main() -> None:
         host = HostSteps()
         install_callback(spec["kind"], host)
         result = runner(spec)
-        text = (f"{spec['label']}: wall {host.active_seconds:.3f} s over {ACTIVE} optimizer "
-                f"steps under cProfile\ncell result: {json.dumps(result)}\n\n{host.report()}")
+        text = (
+            f"{spec['label']}: wall {host.active_seconds:.3f} s over {ACTIVE} optimizer "
+            f"steps under cProfile\ncell result: {json.dumps(result)}\n\n{host.report()}"
+        )
         (Path(args.out) / f"host-{spec['label']}.txt").write_text(text)
         print(text[:6000])
         return
     profiler = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
-        schedule=torch.profiler.schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE))
+        schedule=torch.profiler.schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE),
+    )
     steps = ProfilerSteps(profiler)
     install_callback(spec["kind"], steps)
     with profiler:
@@ -239,8 +258,7 @@ def main() -> None:
     events = profiler.key_averages()
     table = events.table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
     rows = gpu_kernels(profiler, Path(args.out))
-    header = (f"{spec['label']}: {summary(rows, steps.active_seconds)}\n"
-              f"cell result: {json.dumps(result)}\n\n")
+    header = f"{spec['label']}: {summary(rows, steps.active_seconds)}\ncell result: {json.dumps(result)}\n\n"
     out = Path(args.out)
     (out / f"profile-{spec['label']}.txt").write_text(header + table)
     with gzip.open(out / f"trace-{spec['label']}.json.gz", "wt") as handle:

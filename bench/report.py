@@ -7,6 +7,7 @@
 Every figure comes from a stored row; where a run stored its own memory plan, the table shows
 that plan. tests/unit/test_docs.py fails when the page differs from what this file generates.
 """
+
 from __future__ import annotations
 
 import json
@@ -87,6 +88,7 @@ def plan_labels(*plans: str) -> set:
 def headers_of(headers: list, labels) -> list:
     """The header lines of the runs that measured `labels` (the newest run of each label: a
     part run with --cells names its cells in its command; a whole-plan run has none)."""
+
     def measured(header: dict, label: str) -> bool:
         if "--cells" in header["command"]:
             return label in header["command"].split("--cells ", 1)[1].split()[0].split(",")
@@ -102,8 +104,7 @@ def headers_of(headers: list, labels) -> list:
 
 def _source(header: dict, path: str | None = None) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in header["versions"].items() if v)
-    path = (path or header.get("_path")
-            or f"bench/results/{header['date'][:10]}-{header['plan']}.jsonl")
+    path = path or header.get("_path") or f"bench/results/{header['date'][:10]}-{header['plan']}.jsonl"
     return f"{header['gpu']}, {header['date']}; {versions}; `{header['command']}` ({path})"
 
 
@@ -123,14 +124,17 @@ def presets_table() -> str:
     headers, rows = load_plans("presets-small", "presets-7b", every_file=True)
     if not rows:
         return ""
-    lines = ["| preset (cap) | " + " | ".join(f"Qwen2.5-{s.upper()}" for s in SIZES) + " |",
-             "|---" * (len(SIZES) + 1) + "|"]
+    lines = [
+        "| preset (cap) | " + " | ".join(f"Qwen2.5-{s.upper()}" for s in SIZES) + " |",
+        "|---" * (len(SIZES) + 1) + "|",
+    ]
     caps = {"24gb": 23.5, "16gb": 15.5, "12gb": 11.5, "8gb": 7.5}
     for tier in TIERS:
         cells = []
         for size in SIZES:
-            row = next((r for r in rows if r["kind"] == "lora-lab" and r["preset"] == tier
-                        and r["size"] == size), None)
+            row = next(
+                (r for r in rows if r["kind"] == "lora-lab" and r["preset"] == tier and r["size"] == size), None
+            )
             if row is None:
                 cells.append("-")
                 continue
@@ -140,21 +144,23 @@ def presets_table() -> str:
     baselines = []
     for size in SIZES:
         found = [r for r in rows if r["kind"] == "baseline" and r["size"] == size]
-        baselines.append("; ".join(f"{_cell(r)} @{r['max_length']}"
-                                   f"{' nf4' if r.get('qlora') else ''}" for r in found) or "-")
+        baselines.append(
+            "; ".join(f"{_cell(r)} @{r['max_length']}{' nf4' if r.get('qlora') else ''}" for r in found) or "-"
+        )
     lines.append("| plain Trainer+PEFT, uncapped | " + " | ".join(baselines) + " |")
-    notes = ["Peak GiB = torch.cuda.max_memory_reserved over 20 optimizer steps under the "
-             "tier's cap, every sample exactly max_length tokens, packed as the preset packs "
-             "them (one row of pack_length tokens per step: 8192, 8gb 4096, 8gb 7B 2048); the "
-             "plain recipe runs the same tokens per pass as one unpacked sequence. † = tokens/s "
-             "measured while up to 7 other cells shared the GPU: a lower bound, not a speed "
-             "(clean speeds are in the next table). Each cell is the newest run of its label: "
-             "cells measured before 2026-12-02 (the plain recipes, and each cell whose run below "
-             "is dated so) ran with LoRA dropout 0.05 (peft's path) and MLP recompute chunks on "
-             "every row longer than 4096 tokens; the later ones with the presets' dropout 0 "
-             "(the fast LoRA path) and chunks only where the plan does not fit the card without "
-             "them. Measured: "
-             + "; ".join(_source(h) for h in headers)]
+    notes = [
+        "Peak GiB = torch.cuda.max_memory_reserved over 20 optimizer steps under the "
+        "tier's cap, every sample exactly max_length tokens, packed as the preset packs "
+        "them (one row of pack_length tokens per step: 8192, 8gb 4096, 8gb 7B 2048); the "
+        "plain recipe runs the same tokens per pass as one unpacked sequence. † = tokens/s "
+        "measured while up to 7 other cells shared the GPU: a lower bound, not a speed "
+        "(clean speeds are in the next table). Each cell is the newest run of its label: "
+        "cells measured before 2026-12-02 (the plain recipes, and each cell whose run below "
+        "is dated so) ran with LoRA dropout 0.05 (peft's path) and MLP recompute chunks on "
+        "every row longer than 4096 tokens; the later ones with the presets' dropout 0 "
+        "(the fast LoRA path) and chunks only where the plan does not fit the card without "
+        "them. Measured: " + "; ".join(_source(h) for h in headers)
+    ]
     return "\n".join(lines) + "\n\n" + notes[0] + "\n"
 
 
@@ -173,8 +179,7 @@ def attention_of(row: dict) -> str:
 
 def lora_lab_name(row: dict) -> str:
     no_recompute = (row.get("resolved") or {}).get("gradient_checkpointing") is False
-    return (f"lora-lab 24gb preset, {attention_of(row)}"
-            + (", gradient checkpointing off" if no_recompute else ""))
+    return f"lora-lab 24gb preset, {attention_of(row)}" + (", gradient checkpointing off" if no_recompute else "")
 
 
 def speed_table() -> str:
@@ -182,32 +187,41 @@ def speed_table() -> str:
     if not rows:
         return ""
     planned = plan_labels("speed")
-    lines = ["| Qwen2.5-7B, bf16 LoRA r8, 4 samples per optimizer step | tokens/s | peak GiB | "
-             "step s | MFU | speed vs plain |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| Qwen2.5-7B, bf16 LoRA r8, 4 samples per optimizer step | tokens/s | peak GiB | "
+        "step s | MFU | speed vs plain |",
+        "|---|---|---|---|---|---|",
+    ]
     for length in sorted({r["max_length"] for r in rows}):
         base = next(r for r in rows if r["kind"] == "baseline" and r["max_length"] == length)
-        ours = [(f"{lora_lab_name(r)}, {length} tokens", r) for r in rows
-                if r["kind"] == "lora-lab" and r["max_length"] == length and r["label"] in planned]
+        ours = [
+            (f"{lora_lab_name(r)}, {length} tokens", r)
+            for r in rows
+            if r["kind"] == "lora-lab" and r["max_length"] == length and r["label"] in planned
+        ]
         for name, row in [(f"plain Trainer+PEFT, {length} tokens", base)] + ours:
             if row.get("error"):
                 lines.append(f"| {name} | {_cell(row, speed=False)} | | | | |")
                 continue
             mfu = 6 * MATMUL_PARAMS_7B * row["tokens_per_s"] / (BF16_PEAK_TFLOPS * 1e12)
-            lines.append(f"| {name} | {row['tokens_per_s']:,.0f} | "
-                         f"{row['peak_reserved_gib']:.2f} | {row['median_step_seconds']:.3f} | "
-                         f"{mfu:.0%} | {row['tokens_per_s'] / base['tokens_per_s']:.2f}x |")
-    return ("\n".join(lines) + f"\n\nOne run: every ratio is against the plain recipe of the "
-            f"same run. The plain recipe: micro-batch 1 x gradient accumulation 4, gradient "
-            f"checkpointing. lora-lab's 24gb preset packs the 4 samples of a step into rows of "
-            f"up to 8192 tokens (one row of 4096 at 1024, two of 8192 at 4096: 16,384 tokens a "
-            f"step). MFU = 6 x {MATMUL_PARAMS_7B:.3g} (matmul weights) x tokens/s / "
-            f"{BF16_PEAK_TFLOPS} TFLOP/s, a bf16 8192 x 8192 x 8192 matrix product on random "
-            f"data measured on that kind of machine (not stored in bench/results). Without "
-            f"recomputation the GPU does about 4 x params x tokens (frozen weights need no "
-            f"weight gradients), so the hardware utilization of the checkpointing-off row is two "
-            f"thirds of the MFU shown. Measured on one GPU of a 2-GPU host whose other GPU ran "
-            f"the 7B SFT cells below at the time: " + "; ".join(_source(h) for h in headers)
-            + "\n" + cudnn_note())
+            lines.append(
+                f"| {name} | {row['tokens_per_s']:,.0f} | "
+                f"{row['peak_reserved_gib']:.2f} | {row['median_step_seconds']:.3f} | "
+                f"{mfu:.0%} | {row['tokens_per_s'] / base['tokens_per_s']:.2f}x |"
+            )
+    return (
+        "\n".join(lines) + f"\n\nOne run: every ratio is against the plain recipe of the "
+        f"same run. The plain recipe: micro-batch 1 x gradient accumulation 4, gradient "
+        f"checkpointing. lora-lab's 24gb preset packs the 4 samples of a step into rows of "
+        f"up to 8192 tokens (one row of 4096 at 1024, two of 8192 at 4096: 16,384 tokens a "
+        f"step). MFU = 6 x {MATMUL_PARAMS_7B:.3g} (matmul weights) x tokens/s / "
+        f"{BF16_PEAK_TFLOPS} TFLOP/s, a bf16 8192 x 8192 x 8192 matrix product on random "
+        f"data measured on that kind of machine (not stored in bench/results). Without "
+        f"recomputation the GPU does about 4 x params x tokens (frozen weights need no "
+        f"weight gradients), so the hardware utilization of the checkpointing-off row is two "
+        f"thirds of the MFU shown. Measured on one GPU of a 2-GPU host whose other GPU ran "
+        f"the 7B SFT cells below at the time: " + "; ".join(_source(h) for h in headers) + "\n" + cudnn_note()
+    )
 
 
 def cudnn_note() -> str:
@@ -217,19 +231,21 @@ def cudnn_note() -> str:
     _, now = load("speed")
     if path is None or not now:
         return ""
-    (header, old), = runs_of(path)
+    ((header, old),) = runs_of(path)
 
     def ratio(rows):
         pick = {r["kind"]: r for r in rows if r["max_length"] == 1024 and not r.get("sets")}
         return pick["lora-lab"]["tokens_per_s"], pick["baseline"]["tokens_per_s"]
 
     (on, on_base), (off, off_base) = ratio(old), ratio(now)
-    return (f"\ncuDNN sdpa at a fixed length (1024-token samples, the mask): with cuDNN on, "
-            f"{on:,.0f} tokens/s against that run's plain recipe at {on_base:,.0f} "
-            f"({on / on_base:.2f}x); with it off (the table above), {off:,.0f} against "
-            f"{off_base:,.0f} ({off / off_base:.2f}x). Two runs: each is compared only with its "
-            f"own plain recipe. cuDNN on: "
-            f"{_source(header, 'bench/results/superseded/' + path.name)}\n")
+    return (
+        f"\ncuDNN sdpa at a fixed length (1024-token samples, the mask): with cuDNN on, "
+        f"{on:,.0f} tokens/s against that run's plain recipe at {on_base:,.0f} "
+        f"({on / on_base:.2f}x); with it off (the table above), {off:,.0f} against "
+        f"{off_base:,.0f} ({off / off_base:.2f}x). Two runs: each is compared only with its "
+        f"own plain recipe. cuDNN on: "
+        f"{_source(header, 'bench/results/superseded/' + path.name)}\n"
+    )
 
 
 def longest_table() -> str:
@@ -240,13 +256,16 @@ def longest_table() -> str:
     caps = {"24gb": 23.5, "16gb": 15.5, "12gb": 11.5, "8gb": 7.5}
     for row in sorted(rows, key=lambda r: (TIERS.index(r["preset"]), r["max_length"])):
         quant = "QLoRA nf4" if "model.quantization=nf4" in row.get("sets", []) else "16-bit LoRA"
-        lines.append(f"| {row['preset']} ({caps[row['preset']]} GiB) | {quant} | "
-                     f"{row['max_length']} | {_cell(row, speed=False)} |")
-    return ("\n".join(lines) + "\n\nOne sample of max_length tokens per optimizer step, 4 steps "
-            "(long-7b) or 3 (longer-7b): the peak is reached by the second step, once the "
-            "optimizer state exists. Cells ran side by side on one GPU, each under its own cap. "
-            "Measured: "
-            + "; ".join(_source(h) for h in headers) + "\n")
+        lines.append(
+            f"| {row['preset']} ({caps[row['preset']]} GiB) | {quant} | "
+            f"{row['max_length']} | {_cell(row, speed=False)} |"
+        )
+    return (
+        "\n".join(lines) + "\n\nOne sample of max_length tokens per optimizer step, 4 steps "
+        "(long-7b) or 3 (longer-7b): the peak is reached by the second step, once the "
+        "optimizer state exists. Cells ran side by side on one GPU, each under its own cap. "
+        "Measured: " + "; ".join(_source(h) for h in headers) + "\n"
+    )
 
 
 def sft_startups(*plans: str) -> list[float]:
@@ -255,8 +274,12 @@ def sft_startups(*plans: str) -> list[float]:
     out = []
     for plan in plans:
         for path in RESULTS.glob(f"*-{plan}.jsonl"):
-            out += [r["wall_seconds"] - r["train_seconds"] for _, rows in runs_of(path)
-                    for r in rows if r.get("train_seconds") and r.get("wall_seconds")]
+            out += [
+                r["wall_seconds"] - r["train_seconds"]
+                for _, rows in runs_of(path)
+                for r in rows
+                if r.get("train_seconds") and r.get("wall_seconds")
+            ]
     return out
 
 
@@ -265,12 +288,16 @@ def sft_table() -> str:
     if not rows:
         return ""
     startups = sft_startups("sft-mix", "sft-mix-small")
-    lines = ["| one epoch, 256 samples | plain recipe (1 x accum 16) | lora-lab 24gb preset | "
-             "speed-up | peak GiB plain / lora-lab |", "|---|---|---|---|---|"]
+    lines = [
+        "| one epoch, 256 samples | plain recipe (1 x accum 16) | lora-lab 24gb preset | "
+        "speed-up | peak GiB plain / lora-lab |",
+        "|---|---|---|---|---|",
+    ]
     planned = plan_labels("sft-mix", "sft-mix-small")
-    ours_rows = sorted((r for r in rows if r["kind"] == "lora-lab-sft" and not r.get("error")
-                        and r["label"] in planned),
-                       key=lambda r: (SIZES.index(r["size"]), len(r.get("sets") or [])))
+    ours_rows = sorted(
+        (r for r in rows if r["kind"] == "lora-lab-sft" and not r.get("error") and r["label"] in planned),
+        key=lambda r: (SIZES.index(r["size"]), len(r.get("sets") or [])),
+    )
     shown = []
     for ours in ours_rows:
         size = ours["size"]
@@ -281,43 +308,55 @@ def sft_table() -> str:
             peaks = f"{base['peak_reserved_gib']:.2f} / {ours['peak_reserved_gib']:.2f}"
         else:  # did not finish inside the cell's time limit: a lower bound
             floor = base["wall_seconds"] - max(startups)  # rounded down: still a lower bound
-            plain = (f"> {math.floor(floor)} s (stopped at the {base['wall_seconds']:.0f} s "
-                     f"cell limit)")
+            plain = f"> {math.floor(floor)} s (stopped at the {base['wall_seconds']:.0f} s cell limit)"
             ratio = f"> {math.floor(10 * floor / ours['train_seconds']) / 10:.1f}x"
             peaks = f"- / {ours['peak_reserved_gib']:.2f}"
         variant = f", {attention_of(ours)}"
         shown += [ours["label"], base["label"]]
-        lines.append(f"| Qwen2.5-{size.upper()}{variant} | {plain} | "
-                     f"{ours['train_seconds']:.1f} s | "
-                     f"{ratio} | {peaks} |")
+        lines.append(
+            f"| Qwen2.5-{size.upper()}{variant} | {plain} | {ours['train_seconds']:.1f} s | {ratio} | {peaks} |"
+        )
     tokens = rows[0].get("tokens") or next(r["tokens"] for r in rows if r.get("tokens"))
-    return ("\n".join(lines) + f"\n\nThe same 256 samples ({tokens:,} tokens with the chat "
-            f"template; bench/workloads.write_sft_mix_rows: 40% self-cognition-like, 45% "
-            f"alpaca-like, 15% long) and 16 samples per optimizer step in both; wall time of "
-            f"Trainer.train(). Each ratio is within one run. Where the plain run did not finish "
-            f"inside the cell's limit, its time is bounded below by the limit less the longest "
-            f"start-up (process start, imports, model loading, tokenizing) of any stored SFT "
-            f"cell: {min(startups):.0f} to {max(startups):.0f} s, so {max(startups):.0f} s. The "
-            f"0.5B and 1.5B rows are from another, earlier run, with cuDNN sdpa on and the mask. "
-            f"The 7B rows ran on one GPU of a 2-GPU host whose other GPU ran the speed cells "
-            f"above at the time. Measured: "
-            + "; ".join(_source(h) for h in headers_of(headers, shown)) + "\n" + cudnn_sft_note())
+    return (
+        "\n".join(lines) + f"\n\nThe same 256 samples ({tokens:,} tokens with the chat "
+        f"template; bench/workloads.write_sft_mix_rows: 40% self-cognition-like, 45% "
+        f"alpaca-like, 15% long) and 16 samples per optimizer step in both; wall time of "
+        f"Trainer.train(). Each ratio is within one run. Where the plain run did not finish "
+        f"inside the cell's limit, its time is bounded below by the limit less the longest "
+        f"start-up (process start, imports, model loading, tokenizing) of any stored SFT "
+        f"cell: {min(startups):.0f} to {max(startups):.0f} s, so {max(startups):.0f} s. The "
+        f"0.5B and 1.5B rows are from another, earlier run, with cuDNN sdpa on and the mask. "
+        f"The 7B rows ran on one GPU of a 2-GPU host whose other GPU ran the speed cells "
+        f"above at the time. Measured: "
+        + "; ".join(_source(h) for h in headers_of(headers, shown))
+        + "\n"
+        + cudnn_sft_note()
+    )
 
 
 def cudnn_sft_note() -> str:
     """One stored 7B SFT run with the mask both with and without cuDNN sdpa."""
     path = max(RESULTS.glob("*-sft-mix.jsonl"), default=None)
     for header, rows in runs_of(path) if path else []:
-        mask = {("model.cudnn_attention=false" in (r.get("sets") or [])): r for r in rows
-                if r["kind"] == "lora-lab-sft" and not r.get("error")
-                and "data.packed_attention=segments" not in (r.get("sets") or [])}
+        mask = {
+            ("model.cudnn_attention=false" in (r.get("sets") or [])): r
+            for r in rows
+            if r["kind"] == "lora-lab-sft"
+            and not r.get("error")
+            and "data.packed_attention=segments" not in (r.get("sets") or [])
+        }
         if len(mask) == 2:
             on, off = mask[False], mask[True]
-            steps = lambda r: " + ".join(f"{s:.1f}" for s in r["first_step_seconds"])
-            return (f"\ncuDNN sdpa on packed rows of varying length (one run, 7B, the mask): "
-                    f"the epoch took {on['train_seconds']:.1f} s with it and "
-                    f"{off['train_seconds']:.1f} s without; its first two steps {steps(on)} s "
-                    f"against {steps(off)} s. {_source(header)}\n")
+
+            def steps(r):
+                return " + ".join(f"{s:.1f}" for s in r["first_step_seconds"])
+
+            return (
+                f"\ncuDNN sdpa on packed rows of varying length (one run, 7B, the mask): "
+                f"the epoch took {on['train_seconds']:.1f} s with it and "
+                f"{off['train_seconds']:.1f} s without; its first two steps {steps(on)} s "
+                f"against {steps(off)} s. {_source(header)}\n"
+            )
     return ""
 
 
@@ -336,68 +375,76 @@ def planned_gib(row: dict) -> float:
 def _error_reason(row: dict) -> str:
     """The workers' own exception first ("[rank0]: RuntimeError: ..."), not the launcher's."""
     parts = [p.strip() for line in row["error"].splitlines() for p in line.split(" | ")]
-    return next((p for p in parts if re.match(r"\[rank\d+\]: \w+Error", p)),
-                next((p for p in reversed(parts) if "Error" in p), row["error"][:80]))[:140]
+    return next(
+        (p for p in parts if re.match(r"\[rank\d+\]: \w+Error", p)),
+        next((p for p in reversed(parts) if "Error" in p), row["error"][:80]),
+    )[:140]
 
 
 def multi_gpu_table() -> str:
     headers, rows = load("multi-gpu")
     if not rows:
         return ""
-    lines = ["| run | GPUs | engine | per-GPU peak GiB: training (with the final save) | "
-             "planned GiB (stored by the run) | plan / measured | CPU GiB: measured / planned | "
-             "step s | it/s | tokens/s | loss first -> last |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | GPUs | engine | per-GPU peak GiB: training (with the final save) | "
+        "planned GiB (stored by the run) | plan / measured | CPU GiB: measured / planned | "
+        "step s | it/s | tokens/s | loss first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         name = f"Qwen2.5-{row['size'].upper()} {'LoRA' if row['tuner'] == 'lora' else 'full'}"
         if "train.sync_each_micro_batch=false" in row.get("sets", []):
             name += " (no sync between micro-batches)"
         if row.get("error"):
-            lines.append(f"| {name} | {row['gpus']} | {row['engine']} | failed: "
-                         f"{_error_reason(row)} | | | | | | | |")
+            lines.append(f"| {name} | {row['gpus']} | {row['engine']} | failed: {_error_reason(row)} | | | | | | | |")
             continue
         training = row.get("peak_reserved_gib_training") or row["peak_reserved_gib"]
-        peak = (f"{training:.2f} ({row['peak_reserved_gib']:.2f})"
-                if row.get("peak_reserved_gib_training") else f"{row['peak_reserved_gib']:.2f}")
+        peak = (
+            f"{training:.2f} ({row['peak_reserved_gib']:.2f})"
+            if row.get("peak_reserved_gib_training")
+            else f"{row['peak_reserved_gib']:.2f}"
+        )
         losses = row.get("losses") or []
         planned = row["planned_gib_per_gpu"]
         lines.append(
             f"| {name} | {row['gpus']} | {row['engine']} | {peak} | "
             f"{planned:.2f} | {planned / training:.2f} | {_cpu_memory(row)} | "
             f"{row['median_step_seconds']:.2f} | {row['iterations_per_s']:.3f} | "
-            f"{row['tokens_per_s']:,.0f} | "
-            + (f"{losses[0]:.3f} -> {losses[-1]:.3f} |" if losses else "- |"))
+            f"{row['tokens_per_s']:,.0f} | " + (f"{losses[0]:.3f} -> {losses[-1]:.3f} |" if losses else "- |")
+        )
     same = ""
-    pair = [next((r for r in rows if r["label"] == f"loss-{n}gpu-0.5b" and r.get("losses")),
-                 None) for n in (1, 2)]
+    pair = [next((r for r in rows if r["label"] == f"loss-{n}gpu-0.5b" and r.get("losses")), None) for n in (1, 2)]
     if all(pair):
         (one, two), mean = [p["losses"] for p in pair], lambda xs: sum(xs) / len(xs)
         runs = headers_of(headers, [p["label"] for p in pair])
-        which = (f"two runs ({runs[0]['date']} and {runs[-1]['date']}), not one"
-                 if len(runs) > 1 else "one run")
-        same = (f"One against two GPUs at the same effective batch (4 samples per step: 1 x 4 "
-                f"on one GPU, 1 x 2 on each of two), same data and seed, LoRA dropout 0, "
-                f"{which}: final loss {one[-1]:.3f} against {two[-1]:.3f} "
-                f"({abs(one[-1] - two[-1]) / one[-1]:.1%} apart), mean over the {len(one)} "
-                f"steps {mean(one):.3f} against {mean(two):.3f} "
-                f"({abs(mean(one) - mean(two)) / mean(one):.1%}); step by step they differ by "
-                f"at most {max(abs(a - b) for a, b in zip(one, two)):.3f} (the samples reach "
-                f"each step in another order).")
-    return ("\n".join(lines) + "\n\n" + same + "\n\nThe rows come from several runs (listed "
-            "below, one cell or a few per run); speeds of rows from different runs are not one "
-            "comparison. Each GPU capped to 40 GiB (LORA_LAB_GPU_MEMORY_GIB=40, like an A100 "
-            "40GB); every run through `lora-lab run --gpus N --engine E` as a user runs it; "
-            "micro-batch 1, gradient accumulation 4 per GPU, 2048-token samples, bf16, "
-            "gradient checkpointing, random weights with the real config. it/s = optimizer "
-            "steps per second (median after 2 warm-up steps). Peak = torch.cuda."
-            "max_memory_reserved of the larger GPU up to the end of training (in brackets: "
-            "including the final evaluation and consolidated save). Planned = the per-GPU and "
-            "CPU plan the run stored, made by the planner of that run's code; "
-            "tests/unit/test_memory.py holds today's planner to these measurements. CPU GiB, "
-            "for the offload engines: the processes' resident peaks (ru_maxrss) added up, "
-            "loading and the final save included, against the planned CPU memory. Measured: "
-            + "; ".join(_source(h) for h in headers_of(headers, [r["label"] for r in rows]))
-            + "\n")
+        which = f"two runs ({runs[0]['date']} and {runs[-1]['date']}), not one" if len(runs) > 1 else "one run"
+        same = (
+            f"One against two GPUs at the same effective batch (4 samples per step: 1 x 4 "
+            f"on one GPU, 1 x 2 on each of two), same data and seed, LoRA dropout 0, "
+            f"{which}: final loss {one[-1]:.3f} against {two[-1]:.3f} "
+            f"({abs(one[-1] - two[-1]) / one[-1]:.1%} apart), mean over the {len(one)} "
+            f"steps {mean(one):.3f} against {mean(two):.3f} "
+            f"({abs(mean(one) - mean(two)) / mean(one):.1%}); step by step they differ by "
+            f"at most {max(abs(a - b) for a, b in zip(one, two)):.3f} (the samples reach "
+            f"each step in another order)."
+        )
+    return (
+        "\n".join(lines) + "\n\n" + same + "\n\nThe rows come from several runs (listed "
+        "below, one cell or a few per run); speeds of rows from different runs are not one "
+        "comparison. Each GPU capped to 40 GiB (LORA_LAB_GPU_MEMORY_GIB=40, like an A100 "
+        "40GB); every run through `lora-lab run --gpus N --engine E` as a user runs it; "
+        "micro-batch 1, gradient accumulation 4 per GPU, 2048-token samples, bf16, "
+        "gradient checkpointing, random weights with the real config. it/s = optimizer "
+        "steps per second (median after 2 warm-up steps). Peak = torch.cuda."
+        "max_memory_reserved of the larger GPU up to the end of training (in brackets: "
+        "including the final evaluation and consolidated save). Planned = the per-GPU and "
+        "CPU plan the run stored, made by the planner of that run's code; "
+        "tests/unit/test_memory.py holds today's planner to these measurements. CPU GiB, "
+        "for the offload engines: the processes' resident peaks (ru_maxrss) added up, "
+        "loading and the final save included, against the planned CPU memory. Measured: "
+        + "; ".join(_source(h) for h in headers_of(headers, [r["label"] for r in rows]))
+        + "\n"
+    )
 
 
 def _cpu_memory(row: dict) -> str:
@@ -406,31 +453,37 @@ def _cpu_memory(row: dict) -> str:
         return "-"
     measured = row.get("cpu_peak_rss_gib_per_gpu")
     planned = row.get("planned_cpu_gib")
-    return (f"{sum(measured):.1f} / {planned:.1f}" if measured else f"- / {planned:.1f}")
+    return f"{sum(measured):.1f} / {planned:.1f}" if measured else f"- / {planned:.1f}"
 
 
 def scaling_plan_table() -> str:
     """The planner's per-GPU and CPU predictions for 4- and 8-GPU runs (a plan, not a
     measurement: nothing here has run)."""
-    lines = ["| GPUs | engine | checkpointing | reference claim (4 x A100 40GB) | planned GiB per "
-             "GPU | fits 39.5 | planned CPU GiB (x margin) |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| GPUs | engine | checkpointing | reference claim (4 x A100 40GB) | planned GiB per "
+        "GPU | fits 39.5 | planned CPU GiB (x margin) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     claims = {(engine, checkpointing): claim for engine, checkpointing, claim in SCALING_RUNS}
     for cell in scaling_cells():
         checkpointing = "train.gradient_checkpointing=true" in cell["sets"]
         plan = plan_memory(multi_gpu_config(cell), cell["cap_gib"])
-        cpu = (f"{plan.cpu_total_gib:.0f} ({plan.cpu_total_gib * CPU_PLAN_MARGIN:.0f})"
-               if plan.cpu_total_gib else "-")
+        cpu = f"{plan.cpu_total_gib:.0f} ({plan.cpu_total_gib * CPU_PLAN_MARGIN:.0f})" if plan.cpu_total_gib else "-"
         claim = claims[cell["engine"], checkpointing] if cell["gpus"] == 4 else ""
-        lines.append(f"| {cell['gpus']} | {cell['engine']} | {'on' if checkpointing else 'off'} "
-                     f"| {claim} | {plan.total_gib:.2f} | {'yes' if plan.fits else 'no'} | "
-                     f"{cpu} |")
-    return ("\n".join(lines) + "\n\nPlanned by today's planner, not measured (no 4- or 8-GPU "
-            "run is stored): Qwen2.5-7B full fine-tuning, micro-batch 1, gradient accumulation "
-            "4, 2048 tokens, bf16, each GPU capped to 40 GiB; `lora-lab plan --model qwen2.5-7b "
-            "--gpu-memory 40 --gpus N --engine E --set train.tuner=full --grad-accum 4 "
-            "--max-length 2048 --micro-batch-size 1 --set train.gradient_checkpointing=...` "
-            "prints each row; `lora-lab run ... --dry-run` writes its launch files. The runs: "
-            "`python bench/run.py scaling-7b` on such a machine.\n")
+        lines.append(
+            f"| {cell['gpus']} | {cell['engine']} | {'on' if checkpointing else 'off'} "
+            f"| {claim} | {plan.total_gib:.2f} | {'yes' if plan.fits else 'no'} | "
+            f"{cpu} |"
+        )
+    return (
+        "\n".join(lines) + "\n\nPlanned by today's planner, not measured (no 4- or 8-GPU "
+        "run is stored): Qwen2.5-7B full fine-tuning, micro-batch 1, gradient accumulation "
+        "4, 2048 tokens, bf16, each GPU capped to 40 GiB; `lora-lab plan --model qwen2.5-7b "
+        "--gpu-memory 40 --gpus N --engine E --set train.tuner=full --grad-accum 4 "
+        "--max-length 2048 --micro-batch-size 1 --set train.gradient_checkpointing=...` "
+        "prints each row; `lora-lab run ... --dry-run` writes its launch files. The runs: "
+        "`python bench/run.py scaling-7b` on such a machine.\n"
+    )
 
 
 def export_tables() -> str:
@@ -440,35 +493,48 @@ def export_tables() -> str:
     headers, rows = load("export", every_file=True)
     loads = [r for r in rows if r["kind"] == "load"]
     if loads:
-        lines = ["| model | format | weights on disk GiB | GPU peak after loading GiB | "
-                 "after a 16-token generation GiB |", "|---|---|---|---|---|"]
-        for row in sorted(loads, key=lambda r: (SIZES.index(r["size"]),
-                                                ("bf16", "nf4", "w4a16", "awq").index(r["format"]))):
+        lines = [
+            "| model | format | weights on disk GiB | GPU peak after loading GiB | after a 16-token generation GiB |",
+            "|---|---|---|---|---|",
+        ]
+        for row in sorted(
+            loads, key=lambda r: (SIZES.index(r["size"]), ("bf16", "nf4", "w4a16", "awq").index(r["format"]))
+        ):
             if row.get("error"):
-                lines.append(f"| Qwen2.5-{row['size'].upper()} | {row['format']} | failed: "
-                             f"{row['error'][:100]} | | |")
+                lines.append(f"| Qwen2.5-{row['size'].upper()} | {row['format']} | failed: {row['error'][:100]} | | |")
                 continue
-            lines.append(f"| Qwen2.5-{row['size'].upper()} | {row['format']} | "
-                         f"{row['weights_bytes'] / 2**30:.2f} | {row['peak_reserved_gib_after_load']:.2f} "
-                         f"| {row['peak_reserved_gib_after_generate']:.2f} |")
+            lines.append(
+                f"| Qwen2.5-{row['size'].upper()} | {row['format']} | "
+                f"{row['weights_bytes'] / 2**30:.2f} | {row['peak_reserved_gib_after_load']:.2f} "
+                f"| {row['peak_reserved_gib_after_generate']:.2f} |"
+            )
         failed = [r for r in rows if r["kind"] in ("build", "export") and r.get("error")]
         lines.append("")
-        lines.append("Random weights with the real configs (size and memory do not depend on the "
-                     "values); each folder loaded in a fresh process with transformers "
-                     "(torch.cuda.max_memory_reserved). w4a16 is kept packed in int4 by vLLM; "
-                     "transformers de-quantizes it to 16 bits at the first forward, which the "
-                     "last column shows. GiB on disk = the safetensors bytes / 2^30." + (" Not measured: " + "; ".join(
-                         f"{r['model']} {r['format']} ({r['error'][:80]})" for r in failed)
-                         + "." if failed else "") + (
-                         " Rows from different runs (listed below) are not one comparison: the "
-                         "newest run of each model and format is shown." if len(headers) > 1
-                         else "") + " Measured: "
-                     + "; ".join(_source(h) for h in headers))
+        lines.append(
+            "Random weights with the real configs (size and memory do not depend on the "
+            "values); each folder loaded in a fresh process with transformers "
+            "(torch.cuda.max_memory_reserved). w4a16 is kept packed in int4 by vLLM; "
+            "transformers de-quantizes it to 16 bits at the first forward, which the "
+            "last column shows. GiB on disk = the safetensors bytes / 2^30."
+            + (
+                " Not measured: " + "; ".join(f"{r['model']} {r['format']} ({r['error'][:80]})" for r in failed) + "."
+                if failed
+                else ""
+            )
+            + (
+                " Rows from different runs (listed below) are not one comparison: the "
+                "newest run of each model and format is shown."
+                if len(headers) > 1
+                else ""
+            )
+            + " Measured: "
+            + "; ".join(_source(h) for h in headers)
+        )
         parts.append("\n".join(lines) + "\n")
-    runs = [run for path in sorted(RESULTS.glob("*-export-quality-cpu.jsonl"))
-            for run in runs_of(path)]
-    runs = [(header, rows) for header, rows in runs
-            if any(r["kind"] == "quality" and not r.get("error") for r in rows)]
+    runs = [run for path in sorted(RESULTS.glob("*-export-quality-cpu.jsonl")) for run in runs_of(path)]
+    runs = [
+        (header, rows) for header, rows in runs if any(r["kind"] == "quality" and not r.get("error") for r in rows)
+    ]
     if runs:
         parts.append(quality_table(runs))
     return "\n".join(parts)
@@ -477,36 +543,42 @@ def export_tables() -> str:
 def quality_table(runs: list) -> str:
     """The real fine-tuned 0.5B exported by each stored CPU run: every run's rows beside its own
     bf16 row (the answers are compared with that run's bf16 answers)."""
-    lines = ["| run | real fine-tuned Qwen2.5-Coder-0.5B-Instruct | calibration samples | "
-             "weights GiB | held-out eval loss | perplexity | prompts | greedy answers "
-             "identical to bf16 | answers with the new name |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | real fine-tuned Qwen2.5-Coder-0.5B-Instruct | calibration samples | "
+        "weights GiB | held-out eval loss | perplexity | prompts | greedy answers "
+        "identical to bf16 | answers with the new name |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for header, rows in runs:
-        calibration = {r["format"]: r.get("calibration_samples") for r in rows
-                       if r["kind"] == "export"}
+        calibration = {r["format"]: r.get("calibration_samples") for r in rows if r["kind"] == "export"}
         for row in rows:
             if row["kind"] != "quality" or row.get("error"):
                 continue
-            lines.append(f"| {header['date']} | {row['format']} | "
-                         f"{calibration.get(row['format']) or '-'} | "
-                         f"{row['weights_bytes'] / 2**30:.2f} | {row['eval_loss']:.4f} | "
-                         f"{row['perplexity']:.3f} | {row['prompts']} | "
-                         f"{row['answers_identical_to_bf16']:.0%} | "
-                         f"{row['answers_with_name']:.0%} |")
+            lines.append(
+                f"| {header['date']} | {row['format']} | "
+                f"{calibration.get(row['format']) or '-'} | "
+                f"{row['weights_bytes'] / 2**30:.2f} | {row['eval_loss']:.4f} | "
+                f"{row['perplexity']:.3f} | {row['prompts']} | "
+                f"{row['answers_identical_to_bf16']:.0%} | "
+                f"{row['answers_with_name']:.0%} |"
+            )
     first = next(r for _, rows in runs for r in rows if r["kind"] == "quality")
     lines.append("")
-    lines.append(f"The `make demo` run (30 LoRA steps of self-cognition, name Aurora) merged "
-                 f"onto its 16-bit base, then exported; w4a16 and awq calibrated on the run's own "
-                 f"training conversations (the samples column; the run has 120). Eval loss on "
-                 f"the assistant tokens of bench/export_heldout.jsonl "
-                 f"({first['heldout_samples']} conversations not in training, "
-                 f"{first['assistant_tokens']} tokens); answers: greedy, 48 tokens, to the first "
-                 f"`prompts` self-cognition prompts, compared with the same run's bf16 answers. "
-                 f"Rows of different runs are not one comparison. Reproduce: `lora-lab demo "
-                 f"--output-dir D`, then the command below with `--real-run D/demo-*`. On CPU: "
-                 + "; ".join(f"{h['date']}; " + ", ".join(
-                     f"{k} {v}" for k, v in h["versions"].items() if v)
-                     + f"; `{h['command']}`" for h, _ in runs))
+    lines.append(
+        f"The `make demo` run (30 LoRA steps of self-cognition, name Aurora) merged "
+        f"onto its 16-bit base, then exported; w4a16 and awq calibrated on the run's own "
+        f"training conversations (the samples column; the run has 120). Eval loss on "
+        f"the assistant tokens of bench/export_heldout.jsonl "
+        f"({first['heldout_samples']} conversations not in training, "
+        f"{first['assistant_tokens']} tokens); answers: greedy, 48 tokens, to the first "
+        f"`prompts` self-cognition prompts, compared with the same run's bf16 answers. "
+        f"Rows of different runs are not one comparison. Reproduce: `lora-lab demo "
+        f"--output-dir D`, then the command below with `--real-run D/demo-*`. On CPU: "
+        + "; ".join(
+            f"{h['date']}; " + ", ".join(f"{k} {v}" for k, v in h["versions"].items() if v) + f"; `{h['command']}`"
+            for h, _ in runs
+        )
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -517,8 +589,10 @@ def reproduce() -> str:
         for header, _ in runs_of(path):
             if header["command"] not in commands:
                 commands.append(header["command"])
-    return ("Each stored run's command, exactly as its results header records it (paths such as "
-            "`--out` were the benchmark machine's):\n\n```\n" + "\n".join(commands) + "\n```\n")
+    return (
+        "Each stored run's command, exactly as its results header records it (paths such as "
+        "`--out` were the benchmark machine's):\n\n```\n" + "\n".join(commands) + "\n```\n"
+    )
 
 
 def families_table() -> str:
@@ -527,8 +601,11 @@ def families_table() -> str:
     headers, rows = load("families", every_file=True)
     if not rows:
         return ""
-    lines = ["| model | preset (cap) | precision | max_length | peak reserved GiB | planned GiB "
-             "| planned / measured | tokens/s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | preset (cap) | precision | max_length | peak reserved GiB | planned GiB "
+        "| planned / measured | tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         if row.get("error"):
             continue
@@ -537,47 +614,56 @@ def families_table() -> str:
         lines.append(
             f"| {row['size']} | {row['preset']} ({row['cap_gib']} GiB) | {precision} "
             f"| {row['max_length']} | {row['peak_reserved_gib']:.2f} | {row['planned_gib']:.2f} "
-            f"| {row['planned_gib'] / row['peak_reserved_gib']:.3f} | {row['tokens_per_s']:,.0f} |")
+            f"| {row['planned_gib'] / row['peak_reserved_gib']:.3f} | {row['tokens_per_s']:,.0f} |"
+        )
     sources = "\n".join(f"- {_source(h)}" for h in headers)
-    return ("Random weights from each model's published config.json "
-            "(lora_lab/model_configs), SmolLM2's tokenizer (ids within every vocabulary), "
-            "4 optimizer steps of full-length packed samples under the tier's cap "
-            "(`LORA_LAB_GPU_MEMORY_GIB`); the preset's own choices (the `sizes` block by "
-            "parameter count).\n\n" + "\n".join(lines) + "\n\n" + sources + "\n")
+    return (
+        "Random weights from each model's published config.json "
+        "(lora_lab/model_configs), SmolLM2's tokenizer (ids within every vocabulary), "
+        "4 optimizer steps of full-length packed samples under the tier's cap "
+        "(`LORA_LAB_GPU_MEMORY_GIB`); the preset's own choices (the `sizes` block by "
+        "parameter count).\n\n" + "\n".join(lines) + "\n\n" + sources + "\n"
+    )
 
 
 def tuners_table() -> str:
     """7B with DoRA and the preference tasks under the tiers' caps: the measured peak against
     the planner's figure for the same run."""
     from fit_planner import tuner_cells
+
     from lora_lab.planning.memory import plan_memory
 
-    today = {label: plan_memory(config, gpu_memory_gib=cap).total_gib
-             for config, _, label, cap in tuner_cells()}
+    today = {label: plan_memory(config, gpu_memory_gib=cap).total_gib for config, _, label, cap in tuner_cells()}
     headers, rows = load("tuners")
-    lines = ["| cell | tuner / task | preset (cap) | precision | peak reserved GiB | planned GiB "
-             "then | today's plan | today / measured |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cell | tuner / task | preset (cap) | precision | peak reserved GiB | planned GiB "
+        "then | today's plan | today / measured |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         if row.get("error"):
             continue
         resolved = row["resolved"]
-        what = row.get("task") or next((s.split("=")[1] for s in row.get("sets", [])
-                                        if s.startswith("train.tuner=")), "lora")
+        what = row.get("task") or next(
+            (s.split("=")[1] for s in row.get("sets", []) if s.startswith("train.tuner=")), "lora"
+        )
         precision = "nf4" if resolved["quantization"] == "nf4" else resolved["dtype"]
-        lines.append(f"| {row['label']} | {what} | {row['preset']} ({row['cap_gib']} GiB) "
-                     f"| {precision} | {row['peak_reserved_gib']:.2f} | {row['planned_gib']:.2f} "
-                     f"| {today[row['label']]:.2f} "
-                     f"| {today[row['label']] / row['peak_reserved_gib']:.3f} |")
+        lines.append(
+            f"| {row['label']} | {what} | {row['preset']} ({row['cap_gib']} GiB) "
+            f"| {precision} | {row['peak_reserved_gib']:.2f} | {row['planned_gib']:.2f} "
+            f"| {today[row['label']]:.2f} "
+            f"| {today[row['label']] / row['peak_reserved_gib']:.3f} |"
+        )
     if len(lines) == 2:
         return ""
-    sources = "\n".join(f"- {_source(h, 'bench/results/2026-12-01-tuners.jsonl')}"
-                         for h in headers)
-    return ("Qwen2.5-7B (random weights), the presets' own choices, 4 optimizer steps of "
-            "full-length samples (DPO: chosen and rejected both full length) under the tier's "
-            "cap. \"Then\" is the planner of the commit that ran; the DoRA terms were "
-            "refitted to these runs afterwards (tests/unit/test_memory.py holds today's "
-            "planner within 10% of each).\n\n" + "\n".join(lines) + "\n\n"
-            + sources + "\n")
+    sources = "\n".join(f"- {_source(h, 'bench/results/2026-12-01-tuners.jsonl')}" for h in headers)
+    return (
+        "Qwen2.5-7B (random weights), the presets' own choices, 4 optimizer steps of "
+        "full-length samples (DPO: chosen and rejected both full length) under the tier's "
+        'cap. "Then" is the planner of the commit that ran; the DoRA terms were '
+        "refitted to these runs afterwards (tests/unit/test_memory.py holds today's "
+        "planner within 10% of each).\n\n" + "\n".join(lines) + "\n\n" + sources + "\n"
+    )
 
 
 def peer_tables() -> str:
@@ -588,17 +674,19 @@ def peer_tables() -> str:
 
 
 def render() -> str:
-    parts = [("Presets under their caps", presets_table()),
-             ("Speed against the plain recipe", speed_table()),
-             ("Against Unsloth: each ratio within one device call", peer_tables()),
-             ("Real-length SFT data, one epoch", sft_table()),
-             ("Other families under the tiers' caps (the planner checked)", families_table()),
-             ("DoRA and preference tasks under the tiers' caps", tuners_table()),
-             ("Long sequences on Qwen2.5-7B", longest_table()),
-             ("Several GPUs (DeepSpeed, FSDP, DDP)", multi_gpu_table()),
-             ("4 and 8 GPUs: the plan (not run)", scaling_plan_table()),
-             ("Quantized export (lora-lab export --quantize)", export_tables()),
-             ("The commands behind these tables", reproduce())]
+    parts = [
+        ("Presets under their caps", presets_table()),
+        ("Speed against the plain recipe", speed_table()),
+        ("Against Unsloth: each ratio within one device call", peer_tables()),
+        ("Real-length SFT data, one epoch", sft_table()),
+        ("Other families under the tiers' caps (the planner checked)", families_table()),
+        ("DoRA and preference tasks under the tiers' caps", tuners_table()),
+        ("Long sequences on Qwen2.5-7B", longest_table()),
+        ("Several GPUs (DeepSpeed, FSDP, DDP)", multi_gpu_table()),
+        ("4 and 8 GPUs: the plan (not run)", scaling_plan_table()),
+        ("Quantized export (lora-lab export --quantize)", export_tables()),
+        ("The commands behind these tables", reproduce()),
+    ]
     return "\n".join(f"### {title}\n\n{body}" for title, body in parts if body)
 
 

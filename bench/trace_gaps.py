@@ -5,6 +5,7 @@ which phase the host was in while the compute stream waited.
 
   python bench/trace_gaps.py bench/results/profiles/trace-ll-7b-4096.json.gz [TRACE ...]
 """
+
 from __future__ import annotations
 
 import gzip
@@ -14,14 +15,16 @@ import sys
 from collections import Counter, defaultdict
 
 STEPS = 2  # optimizer steps profile_step.py records
-KINDS = (("attention", r"flash|fmha|sdpa"),
-         ("matrix products", r"nvjet|gemm|cutlass|xmma|splitK"),
-         ("copies", r"Memcpy|Memset"), ("torch elementwise", r"elementwise|reduce|cat|index|copy"))
+KINDS = (
+    ("attention", r"flash|fmha|sdpa"),
+    ("matrix products", r"nvjet|gemm|cutlass|xmma|splitK"),
+    ("copies", r"Memcpy|Memset"),
+    ("torch elementwise", r"elementwise|reduce|cat|index|copy"),
+)
 
 
 def kind_of(name: str) -> str:
-    return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.I)),
-                "Triton and other")
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name, re.I)), "Triton and other")
 
 
 def idle_by_phase(kernels: list, phases: list) -> dict:
@@ -49,8 +52,9 @@ def summarise(path: str) -> str:
     kernels = [r for r in rows if r[1] == stream]
     span = kernels[-1][2] + kernels[-1][3] - kernels[0][2]
     idle = span - sum(r[3] for r in kernels)
-    lines = [path] + [f"  {kind:18s} {us / STEPS / 1e3:8.1f} ms a step"
-                      for kind, us in sorted(busy.items(), key=lambda kv: -kv[1])]
+    lines = [path] + [
+        f"  {kind:18s} {us / STEPS / 1e3:8.1f} ms a step" for kind, us in sorted(busy.items(), key=lambda kv: -kv[1])
+    ]
     lines.append(f"  compute stream {stream} idle {idle / STEPS / 1e3:.1f} ms a step")
     if phases:
         host = defaultdict(float)
@@ -59,8 +63,9 @@ def summarise(path: str) -> str:
         lines.append("  host phase: wall ms a step / compute stream idle during it, ms a step")
         waits = idle_by_phase(kernels, phases)
         for name in sorted(set(host) | set(waits), key=lambda n: -waits.get(n, 0)):
-            lines.append(f"    {name:36s} {host.get(name, 0) / STEPS / 1e3:8.1f} "
-                         f"{waits.get(name, 0) / STEPS / 1e3:8.1f}")
+            lines.append(
+                f"    {name:36s} {host.get(name, 0) / STEPS / 1e3:8.1f} {waits.get(name, 0) / STEPS / 1e3:8.1f}"
+            )
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 A model built from the real config.json with random weights costs exactly the memory and time of
 the pretrained one, so GPU benchmarks need no download.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,44 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TOKENIZER_DIR = ROOT / "lora_lab" / "qwen25_tokenizer"
 
-WORDS = ("the model learns to answer questions about data training memory speed kernel "
-         "attention layer token batch gradient adapter rank alpha weight bias loss step "
-         "epoch card budget plan preset length sample dataset answer reply user system").split()
+WORDS = [
+    "the",
+    "model",
+    "learns",
+    "to",
+    "answer",
+    "questions",
+    "about",
+    "data",
+    "training",
+    "memory",
+    "speed",
+    "kernel",
+    "attention",
+    "layer",
+    "token",
+    "batch",
+    "gradient",
+    "adapter",
+    "rank",
+    "alpha",
+    "weight",
+    "bias",
+    "loss",
+    "step",
+    "epoch",
+    "card",
+    "budget",
+    "plan",
+    "preset",
+    "length",
+    "sample",
+    "dataset",
+    "answer",
+    "reply",
+    "user",
+    "system",
+]
 
 
 OTHER_TOKENIZER_DIR = ROOT / ".peer" / "smollm2-tokenizer"
@@ -40,14 +76,21 @@ def make_random_model(size: str, out: Path) -> Path:
     qwen = size in ("0.5b", "1.5b", "3b", "7b")
     body = dict(known_model_config(size) if qwen else _shipped_config(size))
     body.pop("_name_or_path", None)
-    config = AutoConfig.for_model(**{k: v for k, v in body.items() if not k.startswith("_")
-                                     and k not in ("architectures", "transformers_version")})
+    config = AutoConfig.for_model(
+        **{
+            k: v
+            for k, v in body.items()
+            if not k.startswith("_") and k not in ("architectures", "transformers_version")
+        }
+    )
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(
-        TOKENIZER_DIR if qwen or size.startswith("qwen") else OTHER_TOKENIZER_DIR)
-    model.generation_config.eos_token_id = ([151645, 151643] if qwen or size.startswith("qwen")
-                                            else tokenizer.eos_token_id)
+        TOKENIZER_DIR if qwen or size.startswith("qwen") else OTHER_TOKENIZER_DIR
+    )
+    model.generation_config.eos_token_id = (
+        [151645, 151643] if qwen or size.startswith("qwen") else tokenizer.eos_token_id
+    )
     staging = out.with_name(out.name + ".partial")
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
@@ -81,21 +124,26 @@ def words_within(model_dir: Path) -> tuple:
 
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return tuple(w for w in WORDS if max(tokenizer.encode(w, add_special_tokens=False)
-                                         + tokenizer.encode(" " + w, add_special_tokens=False))
-                 < vocab)
+    return tuple(
+        w
+        for w in WORDS
+        if max(tokenizer.encode(w, add_special_tokens=False) + tokenizer.encode(" " + w, add_special_tokens=False))
+        < vocab
+    )
 
 
-def write_full_length_rows(path: Path, rows: int, tokens: int, seed: int = 0,
-                           vocabulary=WORDS) -> Path:
+def write_full_length_rows(path: Path, rows: int, tokens: int, seed: int = 0, vocabulary=WORDS) -> Path:
     """Conversations longer than `tokens`: with --truncation truncate every sample is exactly
     `tokens` long, and almost all of it is the assistant reply (trained)."""
     rng = random.Random(seed)
     with open(path, "w") as handle:
         for _ in range(rows):
-            row = {"messages": [{"role": "user", "content": _text(rng, 12, vocabulary)},
-                                {"role": "assistant",
-                                 "content": _text(rng, tokens + 64, vocabulary)}]}
+            row = {
+                "messages": [
+                    {"role": "user", "content": _text(rng, 12, vocabulary)},
+                    {"role": "assistant", "content": _text(rng, tokens + 64, vocabulary)},
+                ]
+            }
             handle.write(json.dumps(row) + "\n")
     return path
 
@@ -107,8 +155,7 @@ def write_full_length_pairs(path: Path, rows: int, tokens: int, seed: int = 0) -
     rng = random.Random(seed)
     with open(path, "w") as handle:
         for _ in range(rows):
-            row = {"prompt": _text(rng, 12), "chosen": _text(rng, tokens + 64),
-                   "rejected": _text(rng, tokens + 64)}
+            row = {"prompt": _text(rng, 12), "chosen": _text(rng, tokens + 64), "rejected": _text(rng, tokens + 64)}
             handle.write(json.dumps(row) + "\n")
     return path
 
@@ -127,8 +174,12 @@ def write_sft_mix_rows(path: Path, rows: int, seed: int = 0) -> Path:
                 prompt, reply = rng.randint(10, 60), rng.randint(20, 250)
             else:
                 prompt, reply = rng.randint(50, 300), rng.randint(300, 900)
-            row = {"messages": [{"role": "user", "content": _text(rng, prompt)},
-                                {"role": "assistant", "content": _text(rng, reply)}]}
+            row = {
+                "messages": [
+                    {"role": "user", "content": _text(rng, prompt)},
+                    {"role": "assistant", "content": _text(rng, reply)},
+                ]
+            }
             handle.write(json.dumps(row) + "\n")
     return path
 

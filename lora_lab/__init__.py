@@ -4,14 +4,29 @@ The Python API behind the `lora-lab` command: each command is a thin layer over 
 here. Heavy libraries (torch, transformers, peft) are imported only when a function that needs
 them runs.
 """
+
 from .config import RunConfig, list_presets, resolve_config
 from .errors import ConfigError, DataError, LoraLabError, ModelError
 from .run_folder import load_saved_config
 
-__all__ = ["RunConfig", "resolve_config", "load_saved_config", "list_presets", "train",
-           "plan", "choose_preset", "merge_adapter", "export_quantized", "export_gguf",
-           "evaluate_run", "report_run",
-           "LoraLabError", "ConfigError", "DataError", "ModelError"]
+__all__ = [
+    "RunConfig",
+    "resolve_config",
+    "load_saved_config",
+    "list_presets",
+    "train",
+    "plan",
+    "choose_preset",
+    "merge_adapter",
+    "export_quantized",
+    "export_gguf",
+    "evaluate_run",
+    "report_run",
+    "LoraLabError",
+    "ConfigError",
+    "DataError",
+    "ModelError",
+]
 __version__ = "0.1.0"
 
 
@@ -24,8 +39,7 @@ def train(config: RunConfig):
     return launch_run(config) if needs_launch(config) else train_here(config)
 
 
-def plan(config: RunConfig, gpu_memory_gib: float | None = None,
-         longest_sample_tokens: int | None = None):
+def plan(config: RunConfig, gpu_memory_gib: float | None = None, longest_sample_tokens: int | None = None):
     """The memory plan of `config` (planning.memory.MemoryPlan) on a GPU of gpu_memory_gib;
     without it, on the card of the config's tier (the 16gb preset: 16 GiB).
 
@@ -38,20 +52,22 @@ def plan(config: RunConfig, gpu_memory_gib: float | None = None,
 
     if gpu_memory_gib is None and config.preset in TIERS_GIB:
         gpu_memory_gib = TIERS_GIB[config.preset]
-        get_logger().info(f"planned for the {config.preset} preset's card, {gpu_memory_gib} GiB "
-                          f"(--gpu-memory GIB plans for another)")
+        get_logger().info(
+            f"planned for the {config.preset} preset's card, {gpu_memory_gib} GiB (--gpu-memory GIB plans for another)"
+        )
     if config.train.engine == "auto":
         config.train.engine, why = pick_engine(config, gpu_memory_gib)
         config.sources["train.engine"] = "auto"
         get_logger().info(f"--engine auto: {config.train.engine} ({why})")
     try:
-        return plan_memory(as_planned_on_cuda(config), gpu_memory_gib,
-                           longest_sample_tokens)
+        return plan_memory(as_planned_on_cuda(config), gpu_memory_gib, longest_sample_tokens)
     except ValueError:
-        raise LoraLabError(f"--model {config.model.name}: the planner needs the model's "
-                           f"config.json. Pass a local model folder, or a model it ships the "
-                           f"config of (docs/families.md: qwen2.5-7b, qwen3-8b, llama-3.1-8b, "
-                           f"gemma-3-4b, phi-4-mini, mistral-7b ...).") from None
+        raise LoraLabError(
+            f"--model {config.model.name}: the planner needs the model's "
+            f"config.json. Pass a local model folder, or a model it ships the "
+            f"config of (docs/families.md: qwen2.5-7b, qwen3-8b, llama-3.1-8b, "
+            f"gemma-3-4b, phi-4-mini, mistral-7b ...)."
+        ) from None
 
 
 def choose_preset(preset: str, gpu_memory_gib: float | None = None) -> str:

@@ -7,6 +7,7 @@
 tests/unit/test_docs.py fails when the page differs from what this module generates, so a new
 field, default, help text or flag reaches the docs in the same change.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,11 +67,17 @@ def key_rows() -> list[dict]:
             key = f"{section}.{spec.name}"
             choices = spec.metadata.get("choices")
             minimum = spec.metadata.get("minimum")
-            rows.append({"key": key, "type": _type_name(hints[spec.name]),
-                         "default": _show(_default(spec)),
-                         "choices": ", ".join(_show(c) for c in choices) if choices else "",
-                         "minimum": "" if minimum is None else _show(minimum),
-                         "flag": flags.get(key, ""), "help": field_help(key)})
+            rows.append(
+                {
+                    "key": key,
+                    "type": _type_name(hints[spec.name]),
+                    "default": _show(_default(spec)),
+                    "choices": ", ".join(_show(c) for c in choices) if choices else "",
+                    "minimum": "" if minimum is None else _show(minimum),
+                    "flag": flags.get(key, ""),
+                    "help": field_help(key),
+                }
+            )
     return rows
 
 
@@ -79,14 +86,15 @@ def render() -> str:
     parts = []
     rows = key_rows()
     for section in SECTIONS:
-        lines = [f"### `{section}:`", "",
-                 "| key | type | default | flag | what it does |", "|---|---|---|---|---|"]
+        lines = [f"### `{section}:`", "", "| key | type | default | flag | what it does |", "|---|---|---|---|---|"]
         for row in (r for r in rows if r["key"].startswith(section + ".")):
             choices = f" Choices: {row['choices']}." if row["choices"] else ""
             choices += f" At least {row['minimum']}." if row["minimum"] else ""
             flag = f"`{row['flag']}`" if row["flag"] else f"`--set {row['key']}=...`"
-            lines.append(f"| `{row['key']}` | {row['type']} | `{_cell(row['default'])}` | "
-                         f"{_cell(flag)} | {_cell(row['help'] + choices)} |")
+            lines.append(
+                f"| `{row['key']}` | {row['type']} | `{_cell(row['default'])}` | "
+                f"{_cell(flag)} | {_cell(row['help'] + choices)} |"
+            )
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
@@ -100,7 +108,7 @@ def write_page(page: Path = PAGE) -> None:
 def generated_block(page: Path = PAGE) -> str:
     """The block between the markers as the page holds it now."""
     text = page.read_text()
-    return text[text.index(BEGIN) + len(BEGIN):text.index(END)]
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)]
 
 
 if __name__ == "__main__":

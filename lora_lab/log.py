@@ -3,6 +3,7 @@
 Messages go to standard output as plain lines. With several processes (accelerate launch) only
 global rank 0 speaks; the other ranks' warnings and errors are kept, prefixed with their rank.
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,5 +1,6 @@
 """Files on disk that are nobody's format: the folders lora-lab ships, its cache folder, and the
 one way every writer (checkpoints, merge, export, GGUF conversion) puts a folder in place."""
+
 from __future__ import annotations
 
 import contextlib
@@ -7,8 +8,8 @@ import hashlib
 import importlib
 import json
 import os
-import struct
 import shutil
+import struct
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -136,7 +137,6 @@ def readable_by_umask(folder: Path) -> None:
             path.chmod(0o666 & ~umask)
 
 
-
 SAFETENSORS_HEADER_LIMIT = 100_000_000
 """The safetensors format's own cap on a header's size: a larger length is not safetensors."""
 
@@ -152,16 +152,13 @@ def safetensors_problem(path: Path) -> str | None:
             if length > SAFETENSORS_HEADER_LIMIT:
                 raise ValueError
             if length > size - 8:
-                return (f"{path} is cut short: {size:,} bytes where its header alone needs "
-                        f"{8 + length:,}")
+                return f"{path} is cut short: {size:,} bytes where its header alone needs {8 + length:,}"
             header = json.loads(handle.read(length))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
-                  default=0)
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
     except (struct.error, ValueError, KeyError, TypeError, IndexError):
         return f"{path} is not a readable safetensors file ({size:,} bytes)"
     if 8 + length + end > size:
-        return (f"{path} is cut short: {size:,} bytes where its header needs "
-                f"{8 + length + end:,}")
+        return f"{path} is cut short: {size:,} bytes where its header needs {8 + length + end:,}"
     return None
 
 

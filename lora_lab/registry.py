@@ -1,6 +1,7 @@
 """The models lora-lab knows: what differs per family (keyed by config.json's model_type), the
 aliases and the real config.json of the models it can plan without downloading, and how a
 --model value is classified (hub id, folder or .gguf)."""
+
 from __future__ import annotations
 
 import json
@@ -65,6 +66,7 @@ _BASE_HUB_IDS = {MODEL_ALIASES[a].lower() for a in MODEL_ALIASES if a.endswith("
 @dataclass(frozen=True)
 class Family:
     """What lora-lab does differently for one model_type."""
+
     name: str
     liger: str | None = None
     """liger_kernel.transformers function that patches this family (None: no fused kernels)."""
@@ -72,19 +74,21 @@ class Family:
     """The modules vLLM's LoRA support accepts for this family (None: not known here)."""
 
 
-_LINEAR7 = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                      "down_proj"})
+_LINEAR7 = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 FAMILIES = {
-    "qwen2": Family("Qwen2 / Qwen2.5 (and the DeepSeek-R1 distills of Qwen2.5)",
-                    "apply_liger_kernel_to_qwen2", _LINEAR7),
+    "qwen2": Family(
+        "Qwen2 / Qwen2.5 (and the DeepSeek-R1 distills of Qwen2.5)", "apply_liger_kernel_to_qwen2", _LINEAR7
+    ),
     "qwen3": Family("Qwen3", "apply_liger_kernel_to_qwen3", _LINEAR7),
     "llama": Family("Llama 3.x, SmolLM2, TinyLlama", "apply_liger_kernel_to_llama", _LINEAR7),
     "mistral": Family("Mistral", "apply_liger_kernel_to_mistral", _LINEAR7),
     "gemma3_text": Family("Gemma 3 (text)", "apply_liger_kernel_to_gemma3_text", _LINEAR7),
-    "phi3": Family("Phi-3, Phi-4-mini", "apply_liger_kernel_to_phi3",
-                   frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})),
-    "starcoder2": Family("StarCoder2", None, frozenset({"q_proj", "k_proj", "v_proj", "o_proj",
-                                                        "c_fc", "c_proj"})),
+    "phi3": Family(
+        "Phi-3, Phi-4-mini",
+        "apply_liger_kernel_to_phi3",
+        frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
+    ),
+    "starcoder2": Family("StarCoder2", None, frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"})),
 }
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 """The tokens chat templates close a turn with (ChatML and Qwen, Qwen, Gemma, Llama 3, Phi-3):
@@ -106,8 +110,14 @@ def missing_fast_paths(family: Family) -> list[str]:
     return missing
 
 
-_MARKED_INSTRUCT_REPOS = ("qwen/qwen2.5-", "meta-llama/", "google/gemma-", "mistralai/",
-                          "microsoft/phi-", "huggingfacetb/smollm")
+_MARKED_INSTRUCT_REPOS = (
+    "qwen/qwen2.5-",
+    "meta-llama/",
+    "google/gemma-",
+    "mistralai/",
+    "microsoft/phi-",
+    "huggingfacetb/smollm",
+)
 """Hub repositories whose instruction-tuned models say so in their name (-Instruct, -it, -chat):
 one without it is a base checkpoint. Qwen3's post-trained models carry no such mark."""
 
@@ -119,8 +129,7 @@ def is_base_model(spec: str) -> bool:
     text = str(spec).strip().lower()
     hub = MODEL_ALIASES.get(text, text).lower()
     name = hub.rsplit("/", 1)[-1]
-    marked = hub.startswith(_MARKED_INSTRUCT_REPOS) and not any(
-        mark in name for mark in ("instruct", "-it", "chat"))
+    marked = hub.startswith(_MARKED_INSTRUCT_REPOS) and not any(mark in name for mark in ("instruct", "-it", "chat"))
     return hub in _BASE_HUB_IDS or name.endswith("-base") or marked
 
 
@@ -132,8 +141,7 @@ def wants_trainable_tokens(setting, tuner: str, model_name: str) -> bool:
     return setting is True or is_base_model(model_name)
 
 
-_SHIPPED_TOKENIZER_MODELS = {f"qwen/qwen2.5-{spelled.lower()}-instruct"
-                             for spelled in _SIZE_SPELLING.values()}
+_SHIPPED_TOKENIZER_MODELS = {f"qwen/qwen2.5-{spelled.lower()}-instruct" for spelled in _SIZE_SPELLING.values()}
 
 
 def uses_shipped_tokenizer(repo_id: str) -> bool:
@@ -161,18 +169,23 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
         hint = " (1.8B is a Qwen1.5 size)" if size == "1.8" else ""
         raise ModelError(
             f"--model {text}: Qwen2.5 has no {size}B size{hint}. Qwen2.5 comes in "
-            f"0.5B, 1.5B, 3B and 7B; try --model qwen2.5-1.5b.")
+            f"0.5B, 1.5B, 3B and 7B; try --model qwen2.5-1.5b."
+        )
     if text.lower() in MODEL_ALIASES:
         return "hub", MODEL_ALIASES[text.lower()]
     looks_like_path = text.startswith((".", "/", "~")) or text.count("/") > 1
     if looks_like_path:
-        raise ModelError(f"--model {text}: no such folder. Pass an existing model folder, "
-                         f"a .gguf file or a hub id such as Qwen/Qwen2.5-7B-Instruct.")
+        raise ModelError(
+            f"--model {text}: no such folder. Pass an existing model folder, "
+            f"a .gguf file or a hub id such as Qwen/Qwen2.5-7B-Instruct."
+        )
     if re.fullmatch(r"[\w.-]+/[\w.-]+", text):
         return "hub", text
-    raise ModelError(f"--model {text}: not a folder, .gguf file, hub id or known alias. "
-                     f"Aliases: {', '.join(sorted(MODEL_ALIASES)[:4])} ... (see "
-                     f"docs/training.md).")
+    raise ModelError(
+        f"--model {text}: not a folder, .gguf file, hub id or known alias. "
+        f"Aliases: {', '.join(sorted(MODEL_ALIASES)[:4])} ... (see "
+        f"docs/training.md)."
+    )
 
 
 def _local_config(kind: str, value: str) -> dict | None:
@@ -215,8 +228,12 @@ def model_config_of(spec: str) -> dict | None:
         size = guess_model_size(spec)
         config = known_model_config(size) if size else None
     if config is not None and isinstance(config.get("text_config"), dict):
-        config = {**config["text_config"], "tie_word_embeddings": config.get(
-            "tie_word_embeddings", config["text_config"].get("tie_word_embeddings", True))}
+        config = {
+            **config["text_config"],
+            "tie_word_embeddings": config.get(
+                "tie_word_embeddings", config["text_config"].get("tie_word_embeddings", True)
+            ),
+        }
     return config
 
 

@@ -21,6 +21,7 @@ output/<run-name>/
 
 With several processes only rank 0 writes here; every rank may read.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,6 +66,7 @@ CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 # ----------------------------------------------------------------------------- config.yaml
 
+
 def save_config(config: RunConfig, path: Path) -> None:
     """Write the resolved config (and where each value came from) as YAML."""
     body = config.to_dict()
@@ -79,18 +81,20 @@ def load_saved_config(path: Path) -> RunConfig:
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark else ""
-        raise CheckpointError(f"{path}: not readable{where}: the run's config.yaml is damaged. "
-                              f"Restore it from a copy, or pass the adapter folder itself "
-                              f"(RUN/adapter) where a command takes one.") from None
-    if not isinstance(body, dict) or not all(isinstance(body.get(s, {}), dict)
-                                             for s in SECTIONS):
-        raise CheckpointError(f"{path}: not a lora-lab run config (expected the sections "
-                              f"model:, lora:, data:, train:). Restore it from a copy.")
+        raise CheckpointError(
+            f"{path}: not readable{where}: the run's config.yaml is damaged. "
+            f"Restore it from a copy, or pass the adapter folder itself "
+            f"(RUN/adapter) where a command takes one."
+        ) from None
+    if not isinstance(body, dict) or not all(isinstance(body.get(s, {}), dict) for s in SECTIONS):
+        raise CheckpointError(
+            f"{path}: not a lora-lab run config (expected the sections "
+            f"model:, lora:, data:, train:). Restore it from a copy."
+        )
     config = RunConfig(preset=body.get("preset", "?"), sources=body.get("resolved_from", {}))
     for section, cls in SECTIONS.items():
         known = {f.name for f in dataclasses.fields(cls)}
-        setattr(config, section, cls(**{k: v for k, v in body.get(section, {}).items()
-                                        if k in known}))
+        setattr(config, section, cls(**{k: v for k, v in body.get(section, {}).items() if k in known}))
     return config
 
 
@@ -104,8 +108,7 @@ def checkpoint_step(folder: Path) -> int | None:
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """checkpoint-N folders of a run, lowest step first."""
-    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and checkpoint_step(p)
-             is not None]
+    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) is not None]
     return sorted(found, key=checkpoint_step)
 
 
@@ -151,11 +154,15 @@ def tracker_locations(run_dir: Path) -> dict[str, str]:
     each reads: wandb makes its wandb/ folder in WANDB_DIR, swanlab logs to SWANLAB_LOG_DIR,
     mlflow to the SQLite database of MLFLOW_TRACKING_URI."""
     run_dir = Path(run_dir).resolve()
-    return {"WANDB_DIR": str(run_dir), "SWANLAB_LOG_DIR": str(run_dir / SWANLAB_FOLDER),
-            "MLFLOW_TRACKING_URI": f"sqlite:///{run_dir / MLFLOW_DATABASE}"}
+    return {
+        "WANDB_DIR": str(run_dir),
+        "SWANLAB_LOG_DIR": str(run_dir / SWANLAB_FOLDER),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{run_dir / MLFLOW_DATABASE}",
+    }
 
 
 # ----------------------------------------------------------------------------- adapter/, model/
+
 
 def is_run_dir(path: Path) -> bool:
     """A run folder is one with its config.yaml."""
@@ -174,9 +181,11 @@ def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
     """A run folder or an adapter folder -> (adapter folder, run folder or None)."""
     path = Path(path)
     if full_model_of(path):
-        raise CheckpointError(f"{path}: a full fine-tuning run (--tuner full) has no adapter; "
-                              f"its model is {path / 'model'} (pass it as --model, or to "
-                              f"`lora-lab export`; there is nothing to merge).")
+        raise CheckpointError(
+            f"{path}: a full fine-tuning run (--tuner full) has no adapter; "
+            f"its model is {path / 'model'} (pass it as --model, or to "
+            f"`lora-lab export`; there is nothing to merge)."
+        )
     if (path / "adapter_config.json").is_file():
         run_dir = path.parent if is_run_dir(path.parent) else None
         return check_adapter(path), run_dir
@@ -186,10 +195,10 @@ def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
         checkpoints = [c for c in list_checkpoints(path) if (c / "adapter_config.json").is_file()]
         if checkpoints:
             return check_adapter(checkpoints[-1]), path
-        raise CheckpointError(f"{path}: this run has no adapter yet (no adapter/ or "
-                              f"checkpoint-*/ folder). Did the run finish?")
-    raise CheckpointError(f"{path}: not a run folder (config.yaml) or an adapter folder "
-                          f"(adapter_config.json).")
+        raise CheckpointError(
+            f"{path}: this run has no adapter yet (no adapter/ or checkpoint-*/ folder). Did the run finish?"
+        )
+    raise CheckpointError(f"{path}: not a run folder (config.yaml) or an adapter folder (adapter_config.json).")
 
 
 def check_adapter(folder: Path) -> Path:
@@ -198,12 +207,15 @@ def check_adapter(folder: Path) -> Path:
     try:
         json.loads(config.read_text())
     except (ValueError, UnicodeDecodeError):
-        raise CheckpointError(f"{config} is not valid JSON: the adapter is damaged. Use a "
-                              f"checkpoint-N/ folder of the run, or train again.") from None
+        raise CheckpointError(
+            f"{config} is not valid JSON: the adapter is damaged. Use a "
+            f"checkpoint-N/ folder of the run, or train again."
+        ) from None
     problem = safetensors_problem(weights) if weights.is_file() else f"{weights} is missing"
     if problem:
-        raise CheckpointError(f"{problem}: the adapter is damaged. Use a checkpoint-N/ folder "
-                              f"of the run, or train again.")
+        raise CheckpointError(
+            f"{problem}: the adapter is damaged. Use a checkpoint-N/ folder of the run, or train again."
+        )
     return folder
 
 
@@ -220,14 +232,18 @@ def read_sft_run(path: str | Path) -> tuple[Path, RunConfig]:
     finished adapter/ is taken: a checkpoint is a run still under way."""
     run_dir = Path(path)
     if not is_run_dir(run_dir):
-        raise CheckpointError(f"--from-run {path}: not a run folder (no {CONFIG_FILE}); pass the "
-                              f"folder of a finished `lora-lab run`.")
+        raise CheckpointError(
+            f"--from-run {path}: not a run folder (no {CONFIG_FILE}); pass the folder of a finished `lora-lab run`."
+        )
     if full_model_of(run_dir):
-        raise CheckpointError(f"--from-run {path}: a full fine-tuning run has no adapter to "
-                              f"continue; pass its model/ as --model instead.")
+        raise CheckpointError(
+            f"--from-run {path}: a full fine-tuning run has no adapter to "
+            f"continue; pass its model/ as --model instead."
+        )
     if not (run_dir / ADAPTER_FOLDER / "adapter_config.json").is_file():
-        raise CheckpointError(f"--from-run {path}: the run has no {ADAPTER_FOLDER}/ yet; let it "
-                              f"finish (or resume it) first.")
+        raise CheckpointError(
+            f"--from-run {path}: the run has no {ADAPTER_FOLDER}/ yet; let it finish (or resume it) first."
+        )
     saved = load_saved_config(run_dir / CONFIG_FILE)
     return check_adapter(run_dir / ADAPTER_FOLDER), saved
 
@@ -252,7 +268,6 @@ def owning_run_dir(path: Path) -> Path | None:
     return None
 
 
-
 @dataclass
 class TrainResult:
     run_dir: Path
@@ -271,6 +286,7 @@ class TrainResult:
 
 # ----------------------------------------------------------------------------- the run
 
+
 def default_run_name(config: RunConfig) -> str:
     """<model>-<preset>-<date-time>: the model's folder or file name, without .gguf and without
     the cache key a converted GGUF's folder carries."""
@@ -288,8 +304,12 @@ def locate_run_dir(config: RunConfig) -> Path:
     if named is not None:
         return named
     if resume == "auto" and not config.train.run_name:
-        raise ConfigError(["--resume auto: also pass --run-name (and --output-dir) to say which "
-                           "run to continue, or pass the run folder: --resume output/NAME."])
+        raise ConfigError(
+            [
+                "--resume auto: also pass --run-name (and --output-dir) to say which "
+                "run to continue, or pass the run folder: --resume output/NAME."
+            ]
+        )
     return Path(config.train.output_dir) / (config.train.run_name or default_run_name(config))
 
 
@@ -299,8 +319,9 @@ def fix_run_dir(config: RunConfig, run_dir: Path) -> None:
 
 
 def holds_run(run_dir: Path) -> bool:
-    return ((run_dir / ADAPTER_FOLDER).exists() or (run_dir / MODEL_FOLDER).exists()
-            or any(run_dir.glob("checkpoint-*")))
+    return (
+        (run_dir / ADAPTER_FOLDER).exists() or (run_dir / MODEL_FOLDER).exists() or any(run_dir.glob("checkpoint-*"))
+    )
 
 
 def check_run_dir(run_dir: Path, config: RunConfig, resume_from: Path | None) -> None:
@@ -308,32 +329,39 @@ def check_run_dir(run_dir: Path, config: RunConfig, resume_from: Path | None) ->
     if resume_from is not None or not holds_run(run_dir):
         return
     if config.train.resume and (run_dir / ADAPTER_FOLDER).exists():
-        raise CheckpointError(f"--resume {config.train.resume}: {run_dir} holds a finished run "
-                              f"(adapter/) but no complete checkpoint of it; refusing to start "
-                              f"over in it. Pick another --run-name.")
+        raise CheckpointError(
+            f"--resume {config.train.resume}: {run_dir} holds a finished run "
+            f"(adapter/) but no complete checkpoint of it; refusing to start "
+            f"over in it. Pick another --run-name."
+        )
     if config.train.resume:
         return  # only incomplete checkpoints: a fresh start replaces them step by step
-    raise LoraLabError(f"--run-name {run_dir.name}: {run_dir} already holds a run. Pass --resume "
-                       f"auto to continue it, pick another --run-name or --output-dir, or delete "
-                       f"that folder.")
+    raise LoraLabError(
+        f"--run-name {run_dir.name}: {run_dir} already holds a run. Pass --resume "
+        f"auto to continue it, pick another --run-name or --output-dir, or delete "
+        f"that folder."
+    )
 
 
 def write_data_problems(run_dir: Path, data) -> None:
     """Every row not used (error), truncated or read with a remark (warning), one JSON line each."""
     truncated = data.train.truncated + (data.val.truncated if data.val else [])
     with open(run_dir / DATA_PROBLEMS, "w") as handle:
-        for severity, problems in (("error", data.all_problems()),
-                                   ("warning", data.all_warnings())):
+        for severity, problems in (("error", data.all_problems()), ("warning", data.all_warnings())):
             for problem in problems:
-                handle.write(json.dumps({"origin": problem.origin, "severity": severity,
-                                         "reason": problem.reason}, ensure_ascii=False) + "\n")
+                handle.write(
+                    json.dumps(
+                        {"origin": problem.origin, "severity": severity, "reason": problem.reason}, ensure_ascii=False
+                    )
+                    + "\n"
+                )
         for origin in truncated:
-            handle.write(json.dumps({"origin": origin, "severity": "warning",
-                                     "reason": "truncated to max_length"}) + "\n")
+            handle.write(
+                json.dumps({"origin": origin, "severity": "warning", "reason": "truncated to max_length"}) + "\n"
+            )
 
 
-def write_summary(result: TrainResult, timer, peaks: list,
-                  memory_means: str = "none") -> None:
+def write_summary(result: TrainResult, timer, peaks: list, memory_means: str = "none") -> None:
     """run_summary.json; with several processes each memory figure is the largest of them, and
     the figure of every process is kept under <name>_per_gpu (rank order)."""
     summary = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
@@ -361,6 +389,7 @@ def read_result(run_dir: Path) -> TrainResult:
 
 # ----------------------------------------------------------------------------- the lock
 
+
 @contextlib.contextmanager
 def run_lock(run_dir: Path):
     """Hold the run folder while a run writes into it: a second run into the same folder stops
@@ -380,8 +409,7 @@ def run_lock(run_dir: Path):
 
 
 def _take_lock(lock: Path) -> None:
-    me = {"pid": os.getpid(), "host": socket.gethostname(),
-          "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     for _ in range(2):
         try:
             descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -393,12 +421,14 @@ def _take_lock(lock: Path) -> None:
                 f"--run-name {lock.parent.name}: another run is writing into {lock.parent} "
                 f"(pid {holder.get('pid')} on {holder.get('host')}, since "
                 f"{holder.get('started')}). Wait for it to finish, or pick another --run-name "
-                f"or --output-dir. If no such run is alive, delete {lock}.")
+                f"or --output-dir. If no such run is alive, delete {lock}."
+            ) from None
         with os.fdopen(descriptor, "w") as handle:
             handle.write(json.dumps(me) + "\n")
         return
-    raise LoraLabError(f"{lock}: another process keeps taking this run folder's lock. Wait for "
-                       f"it, or pick another --run-name.")
+    raise LoraLabError(
+        f"{lock}: another process keeps taking this run folder's lock. Wait for it, or pick another --run-name."
+    )
 
 
 def _lock_holder(lock: Path) -> dict | None:
@@ -414,8 +444,7 @@ def _lock_holder(lock: Path) -> dict | None:
     alive = holder.get("host") != socket.gethostname() or _process_alive(holder.get("pid"))
     if holder and alive:
         return holder
-    log.info(f"{lock}: the run that held this folder (pid {holder.get('pid')}) is gone; "
-             f"taking it over")
+    log.info(f"{lock}: the run that held this folder (pid {holder.get('pid')}) is gone; taking it over")
     lock.unlink(missing_ok=True)
     return None
 
@@ -445,6 +474,7 @@ def _process_alive(pid) -> bool:
 
 # ----------------------------------------------------------------------------- a signal stop
 
+
 def record_stop(run_dir: Path, signum: int, step: int) -> RunStopped:
     """Note in logs/stopped.json that a signal stopped the run after `step` (for the launcher
     of several processes, which reads it back); returns the error that says how to continue."""
@@ -463,7 +493,9 @@ def recorded_stop(run_dir: Path) -> RunStopped | None:
 
 def stop_error(run_dir: Path, signum: int, step: int) -> RunStopped:
     run_dir = Path(run_dir)
-    return RunStopped(f"stopped by {signal.Signals(signum).name} after step {step}: "
-                      f"{run_dir / f'checkpoint-{step}'} is complete. The same command with "
-                      f"--resume auto --run-name {run_dir.name} continues the run.",
-                      128 + signum)
+    return RunStopped(
+        f"stopped by {signal.Signals(signum).name} after step {step}: "
+        f"{run_dir / f'checkpoint-{step}'} is complete. The same command with "
+        f"--resume auto --run-name {run_dir.name} continues the run.",
+        128 + signum,
+    )

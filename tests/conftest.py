@@ -1,4 +1,5 @@
 """Shared fixtures: the real Qwen2.5 tokenizer, a tiny random Qwen2 model, the real 0.5B model."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,8 @@ SUPPORT = Path(__file__).parent / "support"
 # Fault hooks (tests/support/faults.py): in this process, and in every Python process a test
 # starts (through tests/support/sitecustomize.py on their PYTHONPATH).
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(SUPPORT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    [str(SUPPORT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+)
 
 
 def pytest_configure(config):
@@ -40,12 +42,13 @@ def fault_hooks():
     from tests.support.faults import install
 
     install()
+
+
 TOKENIZER_DIR = Path(__file__).parents[1] / "lora_lab" / "qwen25_tokenizer"  # real Qwen2.5, shipped
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
-                    encoding="utf-8")
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return path
 
 
@@ -62,12 +65,19 @@ def build_tiny_qwen2(folder: Path, hidden_size: int = 32) -> Path:
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=151936, hidden_size=hidden_size,
-                         intermediate_size=2 * hidden_size, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=4096, tie_word_embeddings=True,
-                         bos_token_id=151643, eos_token_id=151645,
-                         initializer_range=0.3)  # large enough that LoRA can move the logits
+    config = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=151643,
+        eos_token_id=151645,
+        initializer_range=0.3,
+    )  # large enough that LoRA can move the logits
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = [151645, 151643]
     model.generation_config.pad_token_id = 151643
@@ -89,10 +99,32 @@ def train_tiny_run(model_dir: Path, out: Path, rows: list):
     from lora_lab.cli import main
 
     data = write_jsonl(out / "d.jsonl", rows)
-    result = CliRunner().invoke(main, [str(a) for a in (
-        "run", "--model", model_dir, "--data", f"{data}#8", "--max-steps", 40, "--lr", "1e-2",
-        "--lora-rank", 16, "--lora-dropout", 0, "--output-dir", out, "--run-name", "r")],
-        catch_exceptions=False)
+    result = CliRunner().invoke(
+        main,
+        [
+            str(a)
+            for a in (
+                "run",
+                "--model",
+                model_dir,
+                "--data",
+                f"{data}#8",
+                "--max-steps",
+                40,
+                "--lr",
+                "1e-2",
+                "--lora-rank",
+                16,
+                "--lora-dropout",
+                0,
+                "--output-dir",
+                out,
+                "--run-name",
+                "r",
+            )
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     return out / "r", data
 
@@ -108,11 +140,19 @@ def real_model_gguf() -> Path:
 @pytest.fixture
 def chat_rows():
     return [
-        {"messages": [{"role": "user", "content": "Who are you?"},
-                      {"role": "assistant", "content": "I am {{NAME}}, made by {{AUTHOR}}."}]},
-        {"messages": [{"role": "system", "content": "Be brief."},
-                      {"role": "user", "content": "2+2?"},
-                      {"role": "assistant", "content": "4"},
-                      {"role": "user", "content": "And 3+3?"},
-                      {"role": "assistant", "content": "6"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "Who are you?"},
+                {"role": "assistant", "content": "I am {{NAME}}, made by {{AUTHOR}}."},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "And 3+3?"},
+                {"role": "assistant", "content": "6"},
+            ]
+        },
     ]

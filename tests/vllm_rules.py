@@ -60,8 +60,11 @@ VLLM_COMMIT = "055e47c28003156421365af985d676fc921cb075"
 PACK_QUANTIZED = "pack-quantized"
 # utils.py @008014e is_activation_quantization_format: _ACTIVATION_QUANTIZATION_FORMATS
 ACTIVATION_QUANTIZATION_FORMATS = (
-    "naive-quantized", "int-quantized", "float-quantized",
-    "nvfp4-pack-quantized", "mxfp4-pack-quantized",
+    "naive-quantized",
+    "int-quantized",
+    "float-quantized",
+    "nvfp4-pack-quantized",
+    "mxfp4-pack-quantized",
 )
 # schemes/compressed_tensors_wNa16.py @055e47c: WNA16_SUPPORTED_TYPES_MAP keys (older: 4, 8)
 WNA16_SUPPORTED_BITS = (2, 3, 4, 5, 6, 7, 8)
@@ -77,15 +80,27 @@ GPTQ_MARLIN_MIN_THREAD_N = 64
 GPTQ_MARLIN_MIN_THREAD_K = 128
 
 # compressed-tensors quant_args.py @0201243: QuantizationArgs fields (model_config extra="forbid")
-QUANT_ARGS_FIELDS = frozenset({
-    "num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic",
-    "actorder", "scale_dtype", "zp_dtype", "observer", "observer_kwargs"})
+QUANT_ARGS_FIELDS = frozenset(
+    {
+        "num_bits",
+        "type",
+        "symmetric",
+        "group_size",
+        "strategy",
+        "block_structure",
+        "dynamic",
+        "actorder",
+        "scale_dtype",
+        "zp_dtype",
+        "observer",
+        "observer_kwargs",
+    }
+)
 QUANT_STRATEGIES = ("tensor", "channel", "group", "block", "token", "tensor_group", "attn_head")
 ACTORDER_VALUES = {"group": "group", "weight": "weight", "dynamic": "group", "static": "weight"}
 
 # models/qwen2.py @055e47c Qwen2ForCausalLM.packed_modules_mapping
-QWEN2_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                        "gate_up_proj": ["gate_proj", "up_proj"]}
+QWEN2_PACKED_MODULES = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 # model types whose vLLM decoder has the Qwen2 Linear layout simulated below
 QWEN2_LAYOUT_MODEL_TYPES = ("qwen2",)
 
@@ -93,6 +108,7 @@ QWEN2_LAYOUT_MODEL_TYPES = ("qwen2",)
 # ---------------------------------------------------------------------------------------
 # vLLM helpers, mirrored
 # ---------------------------------------------------------------------------------------
+
 
 def _is_equal_or_regex_match(value: str, target: str, check_contains: bool = False) -> bool:
     # utils.py @008014e _is_equal_or_regex_match ("re:" prefix -> re.match; class names
@@ -116,14 +132,14 @@ def _should_ignore_layer(layer_name: str, ignore, fused_mapping) -> bool:
     if proj_name in fused_mapping and layer_name not in ignore:
         result = None
         for shard in fused_mapping[proj_name]:
-            shard_ignored = _check_equal_or_regex_match(
-                layer_name.replace(proj_name, shard), ignore)
+            shard_ignored = _check_equal_or_regex_match(layer_name.replace(proj_name, shard), ignore)
             if result is None:
                 result = shard_ignored
             elif shard_ignored != result:
                 raise ValueError(
                     f"Found a different quantization schemes for {fused_mapping[proj_name]} "
-                    f"in {layer_name}. vLLM requires all to use the same scheme.")
+                    f"in {layer_name}. vLLM requires all to use the same scheme."
+                )
         return bool(result)
     return _check_equal_or_regex_match(layer_name, ignore)
 
@@ -153,16 +169,28 @@ def _validate_quant_args(args, where: str):
     runs on every group's weights (_quantization_scheme_map_from_config ->
     QuantizationArgs.model_validate). Returns (normalised args or None, problems)."""
     if not isinstance(args, dict):
-        return None, [f"{where}: must be a dict of QuantizationArgs, got {args!r} "
-                      "(QuantizationArgs.model_validate fails in from_config)"]
+        return None, [
+            f"{where}: must be a dict of QuantizationArgs, got {args!r} "
+            "(QuantizationArgs.model_validate fails in from_config)"
+        ]
     problems = []
     # quant_args.py: model_config = ConfigDict(extra="forbid")
     extra = sorted(set(args) - QUANT_ARGS_FIELDS)
     if extra:
-        problems.append(f"{where}: unknown QuantizationArgs field(s) {extra} "
-                        "(extra='forbid' -> pydantic ValidationError)")
-    a = dict(num_bits=8, type="int", symmetric=True, group_size=None, strategy=None,
-             block_structure=None, dynamic=False, actorder=None, scale_dtype=None)
+        problems.append(
+            f"{where}: unknown QuantizationArgs field(s) {extra} (extra='forbid' -> pydantic ValidationError)"
+        )
+    a = dict(
+        num_bits=8,
+        type="int",
+        symmetric=True,
+        group_size=None,
+        strategy=None,
+        block_structure=None,
+        dynamic=False,
+        actorder=None,
+        scale_dtype=None,
+    )
     a.update({k: v for k, v in args.items() if k in a})
     # validate_type / validate_strategy / validate_actorder / validate_dynamic (lower-cased enums)
     if isinstance(a["type"], str):
@@ -214,48 +242,61 @@ def _scheme_problems(w: dict, input_quant, fmt, where: str) -> list[str]:
     problems = []
     float_t = w["type"] == "float"
     # _is_nvfp4_format(weight) -> CompressedTensorsW4A4Fp4(use_a16=True), checked first
-    if (w["strategy"] == "tensor_group" and float_t and w["num_bits"] == 4
-            and w["group_size"] == 16 and w["symmetric"]):
-        return [f"{where}: weights are NVFP4 (float/tensor_group/4-bit/g16) -> "
-                "CompressedTensorsW4A4Fp4, not WNA16"]
+    if w["strategy"] == "tensor_group" and float_t and w["num_bits"] == 4 and w["group_size"] == 16 and w["symmetric"]:
+        return [f"{where}: weights are NVFP4 (float/tensor_group/4-bit/g16) -> CompressedTensorsW4A4Fp4, not WNA16"]
     # _is_mxfp4(weight) -> CompressedTensorsW4A4Mxfp4
-    if (w["strategy"] == "group" and float_t and w["num_bits"] == 4
-            and w["group_size"] == 32 and w["symmetric"]):
-        return [f"{where}: weights are MXFP4 (float/group/4-bit/g32) -> "
-                "CompressedTensorsW4A4Mxfp4, not WNA16"]
+    if w["strategy"] == "group" and float_t and w["num_bits"] == 4 and w["group_size"] == 32 and w["symmetric"]:
+        return [f"{where}: weights are MXFP4 (float/group/4-bit/g32) -> CompressedTensorsW4A4Mxfp4, not WNA16"]
     # _is_mxfp8(weight) -> CompressedTensorsW8A8Mxfp8
-    if (w["strategy"] == "group" and float_t and w["num_bits"] == 8 and w["group_size"] == 32
-            and w["symmetric"] and w["scale_dtype"] in ("torch.uint8", "uint8")):
-        return [f"{where}: weights are MXFP8 (float/group/8-bit/g32/uint8 scales) -> "
-                "CompressedTensorsW8A8Mxfp8, not WNA16"]
+    if (
+        w["strategy"] == "group"
+        and float_t
+        and w["num_bits"] == 8
+        and w["group_size"] == 32
+        and w["symmetric"]
+        and w["scale_dtype"] in ("torch.uint8", "uint8")
+    ):
+        return [
+            f"{where}: weights are MXFP8 (float/group/8-bit/g32/uint8 scales) -> CompressedTensorsW8A8Mxfp8, not WNA16"
+        ]
     # (_is_fp8_w4a8_sm90, _is_wNa8o8_int, _is_wNaM_int all need input_quant, here None)
     # _is_wNa16_group_channel: strategy channel|group, input_quant is None, not dynamic
     if w["strategy"] not in ("channel", "group"):
-        problems.append(f"{where}: weights.strategy={w['strategy']!r}; WNA16 needs "
-                        "'group' or 'channel' (_is_wNa16_group_channel)")
+        problems.append(
+            f"{where}: weights.strategy={w['strategy']!r}; WNA16 needs 'group' or 'channel' (_is_wNa16_group_channel)"
+        )
     if w["dynamic"]:
-        problems.append(f"{where}: weights.dynamic={w['dynamic']!r}; WNA16 needs static weights "
-                        "(_is_wNa16_group_channel)")
+        problems.append(
+            f"{where}: weights.dynamic={w['dynamic']!r}; WNA16 needs static weights (_is_wNa16_group_channel)"
+        )
     # ... and format == CompressionFormat.pack_quantized.value
     if fmt != PACK_QUANTIZED:
-        problems.append(f"{where}: format={fmt!r}; WNA16 is only chosen for {PACK_QUANTIZED!r} "
-                        "(_get_scheme_from_parts)")
+        problems.append(
+            f"{where}: format={fmt!r}; WNA16 is only chosen for {PACK_QUANTIZED!r} (_get_scheme_from_parts)"
+        )
     if problems:
         if w["type"] == "int":  # every non-WNA16 branch left needs float weights or inputs
-            problems.append(f"{where}: no other scheme matches -> NotImplementedError "
-                            "'No compressed-tensors compatible scheme was found'")
+            problems.append(
+                f"{where}: no other scheme matches -> NotImplementedError "
+                "'No compressed-tensors compatible scheme was found'"
+            )
         return problems
     # CompressedTensorsWNA16.__init__ (schemes/compressed_tensors_wNa16.py @055e47c)
     if w["group_size"] in (None, -1) and w["strategy"] != "channel":
-        problems.append(f"{where}: no group size and strategy is not 'channel' "
-                        "(CompressedTensorsWNA16.__init__ ValueError)")
+        problems.append(
+            f"{where}: no group size and strategy is not 'channel' (CompressedTensorsWNA16.__init__ ValueError)"
+        )
     if w["num_bits"] not in WNA16_SUPPORTED_BITS:
-        problems.append(f"{where}: num_bits={w['num_bits']} not in WNA16_SUPPORTED_TYPES_MAP "
-                        f"{list(WNA16_SUPPORTED_BITS)} (CompressedTensorsWNA16.__init__ ValueError; "
-                        "releases before 055e47c: only 4, 8)")
+        problems.append(
+            f"{where}: num_bits={w['num_bits']} not in WNA16_SUPPORTED_TYPES_MAP "
+            f"{list(WNA16_SUPPORTED_BITS)} (CompressedTensorsWNA16.__init__ ValueError; "
+            "releases before 055e47c: only 4, 8)"
+        )
     elif not w["symmetric"] and w["num_bits"] not in WNA16_ZP_SUPPORTED_BITS:
-        problems.append(f"{where}: asymmetric num_bits={w['num_bits']} not in "
-                        f"WNA16_ZP_SUPPORTED_TYPES_MAP {list(WNA16_ZP_SUPPORTED_BITS)}")
+        problems.append(
+            f"{where}: asymmetric num_bits={w['num_bits']} not in "
+            f"WNA16_ZP_SUPPORTED_TYPES_MAP {list(WNA16_ZP_SUPPORTED_BITS)}"
+        )
     return problems
 
 
@@ -267,11 +308,14 @@ def _marlin_type_problems(w: dict, where: str) -> list[str]:
         problems.append(
             f"{where}: [marlin] {w['num_bits']}-bit {'symmetric' if w['symmetric'] else 'zero-point'} "
             f"weights are not a Marlin quant type (query_marlin_supported_quant_types: "
-            "uint4b8/uint8b128 symmetric, uint4 with zero point)")
+            "uint4b8/uint8b128 symmetric, uint4 with zero point)"
+        )
     group = -1 if w["group_size"] is None else w["group_size"]
     if group not in MARLIN_SUPPORTED_GROUP_SIZES:
-        problems.append(f"{where}: [marlin] group_size={group} not in "
-                        f"MARLIN_SUPPORTED_GROUP_SIZES {list(MARLIN_SUPPORTED_GROUP_SIZES)}")
+        problems.append(
+            f"{where}: [marlin] group_size={group} not in "
+            f"MARLIN_SUPPORTED_GROUP_SIZES {list(MARLIN_SUPPORTED_GROUP_SIZES)}"
+        )
     return problems
 
 
@@ -285,22 +329,24 @@ def _qwen2_linear_layers(cfg: dict, tp: int):
     if not all(isinstance(x, int) and x > 0 for x in (hidden, inter, heads, kv)):
         shapes = None
     else:
-        head_dim = hidden // heads                      # Qwen2Attention.head_dim
-        kv_pp = max(1, kv // tp)                        # replicated when kv < tp
+        head_dim = hidden // heads  # Qwen2Attention.head_dim
+        kv_pp = max(1, kv // tp)  # replicated when kv < tp
         shapes = {
             # QKVParallelLinear(hidden, head_dim, heads, kv): column parallel
-            "self_attn.qkv_proj": ("QKVParallelLinear", hidden, hidden,
-                                   (heads // tp + 2 * kv_pp) * head_dim),
+            "self_attn.qkv_proj": ("QKVParallelLinear", hidden, hidden, (heads // tp + 2 * kv_pp) * head_dim),
             # RowParallelLinear(heads * head_dim, hidden): input split
-            "self_attn.o_proj": ("RowParallelLinear", heads * head_dim,
-                                 heads * head_dim // tp, hidden),
+            "self_attn.o_proj": ("RowParallelLinear", heads * head_dim, heads * head_dim // tp, hidden),
             # MergedColumnParallelLinear(hidden, [inter] * 2): output split
             "mlp.gate_up_proj": ("MergedColumnParallelLinear", hidden, hidden, 2 * inter // tp),
             # RowParallelLinear(inter, hidden)
             "mlp.down_proj": ("RowParallelLinear", inter, inter // tp, hidden),
         }
-    classes = {"self_attn.qkv_proj": "QKVParallelLinear", "self_attn.o_proj": "RowParallelLinear",
-               "mlp.gate_up_proj": "MergedColumnParallelLinear", "mlp.down_proj": "RowParallelLinear"}
+    classes = {
+        "self_attn.qkv_proj": "QKVParallelLinear",
+        "self_attn.o_proj": "RowParallelLinear",
+        "mlp.gate_up_proj": "MergedColumnParallelLinear",
+        "mlp.down_proj": "RowParallelLinear",
+    }
     for i in range(n):
         for suffix, cls in classes.items():
             dims = shapes[suffix][1:] if shapes else None
@@ -327,8 +373,8 @@ def _find_quant_config(config: dict):
 # the check
 # ---------------------------------------------------------------------------------------
 
-def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
-                        strict: bool = False) -> list[str]:
+
+def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1, strict: bool = False) -> list[str]:
     """Reasons vLLM would not load ``config`` (a config.json dict, or a bare
     quantization_config) with CompressedTensorsWNA16 on its Linear layers. [] = accepted.
 
@@ -341,26 +387,31 @@ def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
     problems: list[str] = []
     qcfg, where = _find_quant_config(config)
     if qcfg is None:
-        return ["quantization_config: none found (quantization_config / compression_config / "
-                "text_config); vLLM loads the model unquantized (ModelConfig._verify_quantization)"]
+        return [
+            "quantization_config: none found (quantization_config / compression_config / "
+            "text_config); vLLM loads the model unquantized (ModelConfig._verify_quantization)"
+        ]
     if not isinstance(qcfg, dict):
         return [f"{where}: not a dict: {qcfg!r}"]
 
     # config/model.py @0052a5b _verify_quantization: quant_method lower-cased,
     # "compressed_tensors" -> "compressed-tensors"; quantization/__init__.py maps it to
     # CompressedTensorsConfig.
-    method = str(qcfg.get("quant_method", "")).lower().replace("compressed_tensors",
-                                                               "compressed-tensors")
+    method = str(qcfg.get("quant_method", "")).lower().replace("compressed_tensors", "compressed-tensors")
     if method != "compressed-tensors":
-        problems.append(f"quant_method={qcfg.get('quant_method')!r}; CompressedTensorsConfig is "
-                        "only used for 'compressed-tensors' (_verify_quantization)")
+        problems.append(
+            f"quant_method={qcfg.get('quant_method')!r}; CompressedTensorsConfig is "
+            "only used for 'compressed-tensors' (_verify_quantization)"
+        )
 
     # compressed_tensors.py @055e47c _parse_sparsity_config: a sparsity config with
     # targets raises DeprecationWarning ("Sparsity support has been removed").
     sparsity = qcfg.get("sparsity_config")
     if sparsity and (sparsity.get("targets") if isinstance(sparsity, dict) else True):
-        problems.append("sparsity_config: has targets; vLLM @055e47c raises DeprecationWarning "
-                        "in _parse_sparsity_config (older vLLM used it for 2:4 kernels)")
+        problems.append(
+            "sparsity_config: has targets; vLLM @055e47c raises DeprecationWarning "
+            "in _parse_sparsity_config (older vLLM used it for 2:4 kernels)"
+        )
 
     # CompressedTensorsKVCacheMethod.validate_kv_cache_scheme (@055e47c), run for every
     # Attention layer when kv_cache_scheme is set.
@@ -370,8 +421,10 @@ def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
             problems.append(f"kv_cache_scheme: not a dict: {kv!r}")
         else:
             if kv.get("type") != "float" or kv.get("num_bits") != 8:
-                problems.append("kv_cache_scheme: only num_bits=8, type=float is supported "
-                                "(validate_kv_cache_scheme NotImplementedError)")
+                problems.append(
+                    "kv_cache_scheme: only num_bits=8, type=float is supported "
+                    "(validate_kv_cache_scheme NotImplementedError)"
+                )
             if str(kv.get("strategy")).lower() not in ("tensor", "attn_head"):
                 problems.append("kv_cache_scheme: strategy must be 'tensor' or 'attn_head'")
             if not kv.get("symmetric"):
@@ -388,10 +441,12 @@ def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
     # order (a later group re-using a target overwrites it in place).
     groups = qcfg.get("config_groups")
     if not isinstance(groups, dict) or not groups:
-        problems.append("config_groups: missing or empty; no Linear layer gets a scheme "
-                        "(vLLM builds them all unquantized, but the checkpoint is packed)")
+        problems.append(
+            "config_groups: missing or empty; no Linear layer gets a scheme "
+            "(vLLM builds them all unquantized, but the checkpoint is packed)"
+        )
         groups = {}
-    target_map: "OrderedDict[str, dict]" = OrderedDict()
+    target_map: OrderedDict[str, dict] = OrderedDict()
     group_args: dict[str, dict | None] = {}
     for name, group in groups.items():
         gwhere = f"config_groups.{name}"
@@ -400,8 +455,10 @@ def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
             continue
         targets = group.get("targets")
         if not isinstance(targets, list):
-            problems.append(f"{gwhere}.targets: must be a list ('for target in targets' in "
-                            f"_quantization_scheme_map_from_config), got {targets!r}")
+            problems.append(
+                f"{gwhere}.targets: must be a list ('for target in targets' in "
+                f"_quantization_scheme_map_from_config), got {targets!r}"
+            )
             continue
         if len(targets) == 1 and isinstance(targets[0], str) and targets[0].endswith("Attention"):
             continue  # from_config: "Skipping CompressedTensors config group for ...Attention"
@@ -416,14 +473,20 @@ def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
         if fmt in ACTIVATION_QUANTIZATION_FORMATS or inputs:
             if not inputs:
                 if w is not None and w["type"] != "float":
-                    problems.append(f"{gwhere}: format {fmt!r} with no input_activations and int "
-                                    "weights -> AssertionError in _quantization_scheme_map_from_config")
+                    problems.append(
+                        f"{gwhere}: format {fmt!r} with no input_activations and int "
+                        "weights -> AssertionError in _quantization_scheme_map_from_config"
+                    )
             else:
-                problems.append(f"{gwhere}.input_activations: set ({inputs!r}); WNA16 needs "
-                                "input_quant is None (_is_wNa16_group_channel)")
+                problems.append(
+                    f"{gwhere}.input_activations: set ({inputs!r}); WNA16 needs "
+                    "input_quant is None (_is_wNa16_group_channel)"
+                )
         if strict and group.get("output_activations"):
-            problems.append(f"{gwhere}.output_activations: [strict] set; W4A16 has none "
-                            "(vLLM @055e47c ignores it for WNA16, older vLLM ignores it entirely)")
+            problems.append(
+                f"{gwhere}.output_activations: [strict] set; W4A16 has none "
+                "(vLLM @055e47c ignores it for WNA16, older vLLM ignores it entirely)"
+            )
         for t in targets:
             if not isinstance(t, str):
                 problems.append(f"{gwhere}.targets: non-string target {t!r}")
@@ -440,14 +503,16 @@ def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
         if not out:
             out = _marlin_type_problems(w, gwhere)
             if strict and w["type"] != "int":
-                out.append(f"{gwhere}.weights: [strict] type={w['type']!r}; WNA16 decodes "
-                           "weights as integers (uint4b8/uint8b128), vLLM does not check type")
+                out.append(
+                    f"{gwhere}.weights: [strict] type={w['type']!r}; WNA16 decodes "
+                    "weights as integers (uint4b8/uint8b128), vLLM does not check type"
+                )
         return out
 
     checked_groups: set[str] = set()
     model_type = config.get("model_type") or (config.get("text_config") or {}).get("model_type")
     arch_cfg = config if config.get("hidden_size") else (config.get("text_config") or config)
-    layer_msgs: "OrderedDict[str, list[int]]" = OrderedDict()
+    layer_msgs: OrderedDict[str, list[int]] = OrderedDict()
 
     def per_layer(msg_template: str, idx: int):
         layer_msgs.setdefault(msg_template, []).append(idx)
@@ -463,15 +528,22 @@ def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
                 if _should_ignore_layer(layer_name, ignore, QWEN2_PACKED_MODULES):
                     continue  # unquantized in vLLM and (same ignore list) in the checkpoint
             except ValueError as e:
-                per_layer(f"{generic}: ignore covers only some of its shards -> ValueError: {e}"
-                          .replace(layer_name, generic), idx)
+                per_layer(
+                    f"{generic}: ignore covers only some of its shards -> ValueError: {e}".replace(
+                        layer_name, generic
+                    ),
+                    idx,
+                )
                 continue
             target = _find_matched_target(layer_name, cls, list(target_map), QWEN2_PACKED_MODULES)
             if target is None:
                 # @055e47c: no scheme -> UnquantizedLinearMethod; before 008014e
                 # find_matched_target raised "Unable to find matching target".
-                per_layer(f"{generic} ({cls}): not ignored and matched by no target -> "
-                          "unquantized in vLLM (older vLLM: ValueError)", idx)
+                per_layer(
+                    f"{generic} ({cls}): not ignored and matched by no target -> "
+                    "unquantized in vLLM (older vLLM: ValueError)",
+                    idx,
+                )
                 continue
             entry = target_map[target]
             gname = entry["group"]
@@ -486,7 +558,7 @@ def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
                 continue
             in_full, in_pp, out_pp = dims
             group = -1 if w["group_size"] is None else w["group_size"]
-            has_g_idx = w["actorder"] == "group"    # actorder == ActivationOrdering.GROUP
+            has_g_idx = w["actorder"] == "group"  # actorder == ActivationOrdering.GROUP
             # CompressedTensorsWNA16.create_weights: scales are partitioned unless
             # marlin_repeat_scales_on_all_ranks(has_g_idx, group, row_parallel) ->
             # verify_group_size_divides_partition(input_size_per_partition, group)
@@ -494,22 +566,34 @@ def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
             repeat = has_g_idx or (group == -1 and row_parallel)
             g_eff = in_full if group == -1 else group
             if not repeat and in_pp % g_eff:
-                per_layer(f"{generic}: input size per partition {in_pp} not divisible by "
-                          f"group_size {g_eff} (verify_group_size_divides_partition, tp={tp})", idx)
+                per_layer(
+                    f"{generic}: input size per partition {in_pp} not divisible by "
+                    f"group_size {g_eff} (verify_group_size_divides_partition, tp={tp})",
+                    idx,
+                )
             # MarlinLinearKernel.can_implement @055e47c: act-order keeps the strict shape
             # check; otherwise only a group straddling the TP shard is rejected (tiles pad).
             strict_shape = has_g_idx or strict
             if strict_shape:
                 tag = "[marlin]" if has_g_idx else "[marlin][strict]"
                 if out_pp % GPTQ_MARLIN_MIN_THREAD_N:
-                    per_layer(f"{generic}: {tag} output size per partition {out_pp} not divisible "
-                              f"by {GPTQ_MARLIN_MIN_THREAD_N} (verify_marlin_supports_shape)", idx)
+                    per_layer(
+                        f"{generic}: {tag} output size per partition {out_pp} not divisible "
+                        f"by {GPTQ_MARLIN_MIN_THREAD_N} (verify_marlin_supports_shape)",
+                        idx,
+                    )
                 if in_pp % GPTQ_MARLIN_MIN_THREAD_K:
-                    per_layer(f"{generic}: {tag} input size per partition {in_pp} not divisible "
-                              f"by {GPTQ_MARLIN_MIN_THREAD_K} (verify_marlin_supports_shape)", idx)
+                    per_layer(
+                        f"{generic}: {tag} input size per partition {in_pp} not divisible "
+                        f"by {GPTQ_MARLIN_MIN_THREAD_K} (verify_marlin_supports_shape)",
+                        idx,
+                    )
             if group != -1 and group < in_full and in_pp % group:
-                per_layer(f"{generic}: [marlin] input size per partition {in_pp} not divisible "
-                          f"by group_size {group} (MarlinLinearKernel.can_implement, tp={tp})", idx)
+                per_layer(
+                    f"{generic}: [marlin] input size per partition {in_pp} not divisible "
+                    f"by group_size {group} (MarlinLinearKernel.can_implement, tp={tp})",
+                    idx,
+                )
         if wna16_layers == 0 and not any("config_groups" in p for p in problems):
             problems.append("no decoder Linear layer would get CompressedTensorsWNA16")
         # lm_head: vLLM builds ParallelLMHead; get_quant_method @055e47c quantizes it only
@@ -521,30 +605,36 @@ def vllm_wna16_problems(config: dict, *, tensor_parallel_size: int = 1,
             by_name = _find_matched_target("lm_head", "ParallelLMHead", list(target_map), {})
             by_class = any(t == "Linear" for t in target_map)
             if by_class and not by_name:
-                problems.append("ignore: 'lm_head' missing while target 'Linear' quantizes the HF "
-                                "nn.Linear lm_head; vLLM's ParallelLMHead does not match 'Linear' "
-                                "and expects an unquantized lm_head.weight -> load fails")
+                problems.append(
+                    "ignore: 'lm_head' missing while target 'Linear' quantizes the HF "
+                    "nn.Linear lm_head; vLLM's ParallelLMHead does not match 'Linear' "
+                    "and expects an unquantized lm_head.weight -> load fails"
+                )
             elif by_name:
-                problems.append("ignore: 'lm_head' missing and a target names it; only vLLM "
-                                ">= 008014e quantizes ParallelLMHead (older: load fails)")
+                problems.append(
+                    "ignore: 'lm_head' missing and a target names it; only vLLM "
+                    ">= 008014e quantizes ParallelLMHead (older: load fails)"
+                )
     else:
         # No layout to simulate: judge every group that has targets.
         for gname in group_args:
             fmt = next((e["format"] for e in target_map.values() if e["group"] == gname), top_format)
             problems.extend(scheme_for(gname, fmt))
-        if ignore is not None and not _check_equal_or_regex_match("lm_head", ignore) \
-                and "Linear" in target_map:
-            problems.append("ignore: 'lm_head' missing while target 'Linear' quantizes the HF "
-                            "lm_head; vLLM's ParallelLMHead does not match 'Linear' -> load fails")
+        if ignore is not None and not _check_equal_or_regex_match("lm_head", ignore) and "Linear" in target_map:
+            problems.append(
+                "ignore: 'lm_head' missing while target 'Linear' quantizes the HF "
+                "lm_head; vLLM's ParallelLMHead does not match 'Linear' -> load fails"
+            )
 
     for msg, idxs in layer_msgs.items():
-        shown = (f"layers {idxs[0]}..{idxs[-1]} ({len(idxs)} layers)" if len(idxs) > 1
-                 else f"layer {idxs[0]}")
+        shown = f"layers {idxs[0]}..{idxs[-1]} ({len(idxs)} layers)" if len(idxs) > 1 else f"layer {idxs[0]}"
         problems.append(f"{msg} [{shown}]")
 
     if strict and qcfg.get("quantization_status", "compressed") != "compressed":
-        problems.append(f"quantization_status={qcfg.get('quantization_status')!r}: [strict] an "
-                        "export should be 'compressed' (packed weights)")
+        problems.append(
+            f"quantization_status={qcfg.get('quantization_status')!r}: [strict] an "
+            "export should be 'compressed' (packed weights)"
+        )
     return problems
 
 
@@ -629,20 +719,31 @@ if __name__ == "__main__":
 
     bad = {
         "no lm_head ignore": mutated(lambda q: q.update(ignore=[])),
-        "format naive-quantized": mutated(lambda q: (q.update(format="naive-quantized"),
-                                                     q["config_groups"]["group_0"].pop("format"))),
+        "format naive-quantized": mutated(
+            lambda q: (q.update(format="naive-quantized"), q["config_groups"]["group_0"].pop("format"))
+        ),
         "format pack_quantized (underscore)": mutated(
-            lambda q: q["config_groups"]["group_0"].update(format="pack_quantized")),
-        "group_size 256": mutated(
-            lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=256)),
+            lambda q: q["config_groups"]["group_0"].update(format="pack_quantized")
+        ),
+        "group_size 256": mutated(lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=256)),
         "3-bit": mutated(lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=3)),
-        "tensor strategy": mutated(lambda q: q["config_groups"]["group_0"]["weights"].update(
-            strategy="tensor", group_size=None, actorder=None)),
-        "input activations": mutated(lambda q: q["config_groups"]["group_0"].update(
-            input_activations={"num_bits": 8, "type": "int", "strategy": "token",
-                               "dynamic": True, "symmetric": True})),
-        "q_proj-only ignore": mutated(
-            lambda q: q.update(ignore=["lm_head", "model.layers.0.self_attn.q_proj"])),
+        "tensor strategy": mutated(
+            lambda q: q["config_groups"]["group_0"]["weights"].update(
+                strategy="tensor", group_size=None, actorder=None
+            )
+        ),
+        "input activations": mutated(
+            lambda q: q["config_groups"]["group_0"].update(
+                input_activations={
+                    "num_bits": 8,
+                    "type": "int",
+                    "strategy": "token",
+                    "dynamic": True,
+                    "symmetric": True,
+                }
+            )
+        ),
+        "q_proj-only ignore": mutated(lambda q: q.update(ignore=["lm_head", "model.layers.0.self_attn.q_proj"])),
         "quant_method gptq": mutated(lambda q: q.update(quant_method="gptq")),
     }
     fired = {label: show(label, cfg) for label, cfg in bad.items()}

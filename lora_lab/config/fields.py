@@ -1,5 +1,6 @@
 """The run configuration's dataclasses, one per concern, with a help text under every field, and
 the named flags of `lora-lab run`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,11 +9,9 @@ from pathlib import Path
 
 from ..paths import presets_dir
 
-ENGINES = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
-           "deepspeed-zero3-offload", "fsdp")
+ENGINES = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload", "fsdp")
 """train.engine values; each but ddp has its config file in presets/engines/."""
-DEEPSPEED_ENGINES = ("deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
-                     "deepspeed-zero3-offload")
+DEEPSPEED_ENGINES = ("deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload")
 
 
 def engine_template(engine: str) -> Path:
@@ -21,17 +20,13 @@ def engine_template(engine: str) -> Path:
     return presets_dir() / "engines" / f"{engine}{suffix}"
 
 
-def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None,
-       maximum: float | None = None):
+def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None, maximum: float | None = None):
     """A config field with its help text (shown by `lora-lab run --help` and in errors)."""
-    kwargs = {"default_factory": lambda: list(default)} if isinstance(default, list) else {
-        "default": default}
-    return field(metadata={"help": help, "choices": choices, "minimum": minimum,
-                           "maximum": maximum}, **kwargs)
+    kwargs = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
+    return field(metadata={"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}, **kwargs)
 
 
-REPORT_BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow",
-                   "swanlab": "swanlab"}
+REPORT_BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
 """train.report_to names -> the package that provides each (what `pip install` takes)."""
 
 
@@ -44,40 +39,57 @@ MAX_SEQUENCE_TOKENS = 1_048_576
 @dataclass
 class ModelArgs:
     name: str = _f("qwen2.5-0.5b", "Hub id, alias (qwen2.5-7b, qwen2.5-7b-base), folder or .gguf.")
-    dtype: str = _f("auto", "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU.",
-                    choices=("auto", "bf16", "fp16", "fp32"))
-    quantization: str = _f("none", "none, or nf4 for 4-bit QLoRA (bitsandbytes).",
-                           choices=("none", "nf4"))
+    dtype: str = _f(
+        "auto",
+        "auto: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU.",
+        choices=("auto", "bf16", "fp16", "fp32"),
+    )
+    quantization: str = _f("none", "none, or nf4 for 4-bit QLoRA (bitsandbytes).", choices=("none", "nf4"))
     trust_remote_code: bool = _f(False, "Run Python code shipped with the model. Off by default.")
-    attn_implementation: str = _f("sdpa", "Attention kernel: sdpa, eager or flash_attention_2.",
-                                  choices=("sdpa", "eager", "flash_attention_2"))
-    kernels: str = _f("auto", "Fused Triton kernels: liger (fused linear cross-entropy, RoPE, "
-                              "RMSNorm, SwiGLU; needs a CUDA GPU and liger-kernel), none, or auto "
-                              "(liger when both are there).", choices=("auto", "liger", "none"))
+    attn_implementation: str = _f(
+        "sdpa", "Attention kernel: sdpa, eager or flash_attention_2.", choices=("sdpa", "eager", "flash_attention_2")
+    )
+    kernels: str = _f(
+        "auto",
+        "Fused Triton kernels: liger (fused linear cross-entropy, RoPE, "
+        "RMSNorm, SwiGLU; needs a CUDA GPU and liger-kernel), none, or auto "
+        "(liger when both are there).",
+        choices=("auto", "liger", "none"),
+    )
     embedding_on_cpu: str | bool = _f(
-        "auto", "Keep the input embedding table in CPU memory (1.02 GiB of Qwen2.5-7B). auto: on "
-                "for LoRA on one GPU when the model has its own output head (7B); never for tied "
-                "embeddings (0.5B-3B). true / false force it.", choices=("auto", True, False))
+        "auto",
+        "Keep the input embedding table in CPU memory (1.02 GiB of Qwen2.5-7B). auto: on "
+        "for LoRA on one GPU when the model has its own output head (7B); never for tied "
+        "embeddings (0.5B-3B). true / false force it.",
+        choices=("auto", True, False),
+    )
     fast_lora: str | bool = _f(
-        "auto", "Compute LoRA layers with lora-lab's fused autograd functions "
-                "(models/fast_lora/: the LoRA branch in 16 bits, one function per SwiGLU MLP "
-                "and one per attention's q, k and v) instead of peft's forward. auto: on for "
-                "LoRA without adapter dropout, in one process or under ddp; true / false force "
-                "it (with dropout the layers fall back to peft, which applies it).",
-        choices=("auto", True, False))
+        "auto",
+        "Compute LoRA layers with lora-lab's fused autograd functions "
+        "(models/fast_lora/: the LoRA branch in 16 bits, one function per SwiGLU MLP "
+        "and one per attention's q, k and v) instead of peft's forward. auto: on for "
+        "LoRA without adapter dropout, in one process or under ddp; true / false force "
+        "it (with dropout the layers fall back to peft, which applies it).",
+        choices=("auto", True, False),
+    )
     fast_lora_chunk_tokens: int = _f(
-        0, "The fast LoRA MLP runs on at most this many tokens at a time where no gradient is "
-           "taken (a checkpointed layer's first pass) and in its backward pass (a checkpointed "
-           "layer's MLP is recomputed there a chunk at a time), so its [tokens x intermediate] "
-           "temporaries are a chunk's; 0: all tokens at once.",
-        minimum=0)
+        0,
+        "The fast LoRA MLP runs on at most this many tokens at a time where no gradient is "
+        "taken (a checkpointed layer's first pass) and in its backward pass (a checkpointed "
+        "layer's MLP is recomputed there a chunk at a time), so its [tokens x intermediate] "
+        "temporaries are a chunk's; 0: all tokens at once.",
+        minimum=0,
+    )
     cudnn_attention: str | bool = _f(
-        "auto", "sdpa's cuDNN attention kernel. auto: only for packed rows whose samples all have "
-                "one length (data.packed_attention=varlen), as one batch, for at most 8 shapes a "
-                "process: cuDNN builds a plan (up to seconds) for every new shape, and rows of "
-                "short samples of varying length bring a new one at almost every step. true: "
-                "also wherever sdpa picks it; false: never (docs/benchmarks.md has the "
-                "measurements).", choices=("auto", True, False))
+        "auto",
+        "sdpa's cuDNN attention kernel. auto: only for packed rows whose samples all have "
+        "one length (data.packed_attention=varlen), as one batch, for at most 8 shapes a "
+        "process: cuDNN builds a plan (up to seconds) for every new shape, and rows of "
+        "short samples of varying length bring a new one at almost every step. true: "
+        "also wherever sdpa picks it; false: never (docs/benchmarks.md has the "
+        "measurements).",
+        choices=("auto", True, False),
+    )
 
 
 @dataclass
@@ -85,72 +97,101 @@ class LoraArgs:
     rank: int = _f(8, "LoRA rank r.", minimum=1, maximum=MAX_LORA_RANK)
     alpha: float = _f(32, "LoRA alpha (scale = alpha / rank).", minimum=0)
     dropout: float = _f(0.05, "Dropout on the LoRA input.", minimum=0)
-    target_modules: list = _f(["all-linear"], "Modules to adapt; all-linear = every linear layer "
-                                              "except lm_head.")
+    target_modules: list = _f(["all-linear"], "Modules to adapt; all-linear = every linear layer except lm_head.")
     trainable_tokens: str | bool = _f(
-        "auto", "Also train the input-embedding and output-head rows of the chat template's "
-                "special tokens (<|im_start|>, <|im_end|> ...; peft trainable_token_indices): a "
-                "base checkpoint never trained them, so LoRA alone does not teach it to stop. "
-                "auto: on for base checkpoints (qwen2.5-7b-base, Qwen/Qwen3-8B-Base ...).",
-        choices=("auto", True, False))
-    use_rslora: bool = _f(False, "rsLoRA: scale the adapter by alpha / sqrt(rank) instead of "
-                                 "alpha / rank, so that a higher rank keeps learning as fast "
-                                 "(peft use_rslora; --tuner lora and dora).")
-    init: str = _f("default", "How the adapter starts (peft init_lora_weights): default (A "
-                              "Kaiming-uniform, B zero), gaussian (A normal with std 1/rank), "
-                              "pissa (A and B from the base weight's top singular vectors; the "
-                              "base keeps the residual), pissa_niter_N (the same by N "
-                              "iterations of fast randomised SVD, for 7B and larger) or olora "
-                              "(A and B from a QR decomposition). pissa and olora train the "
-                              "residual; the saved adapter/ is converted to a plain LoRA of "
-                              "twice the rank that applies to the original base "
-                              "(docs/tuners.md). --tuner lora and dora.")
+        "auto",
+        "Also train the input-embedding and output-head rows of the chat template's "
+        "special tokens (<|im_start|>, <|im_end|> ...; peft trainable_token_indices): a "
+        "base checkpoint never trained them, so LoRA alone does not teach it to stop. "
+        "auto: on for base checkpoints (qwen2.5-7b-base, Qwen/Qwen3-8B-Base ...).",
+        choices=("auto", True, False),
+    )
+    use_rslora: bool = _f(
+        False,
+        "rsLoRA: scale the adapter by alpha / sqrt(rank) instead of "
+        "alpha / rank, so that a higher rank keeps learning as fast "
+        "(peft use_rslora; --tuner lora and dora).",
+    )
+    init: str = _f(
+        "default",
+        "How the adapter starts (peft init_lora_weights): default (A "
+        "Kaiming-uniform, B zero), gaussian (A normal with std 1/rank), "
+        "pissa (A and B from the base weight's top singular vectors; the "
+        "base keeps the residual), pissa_niter_N (the same by N "
+        "iterations of fast randomised SVD, for 7B and larger) or olora "
+        "(A and B from a QR decomposition). pissa and olora train the "
+        "residual; the saved adapter/ is converted to a plain LoRA of "
+        "twice the rank that applies to the original base "
+        "(docs/tuners.md). --tuner lora and dora.",
+    )
 
 
 @dataclass
 class DataArgs:
-    datasets: list = _f([], "Training data: files (.jsonl .json .csv .parquet), hub dataset ids "
-                            "or 'self-cognition'; PATH#N samples N rows.")
+    datasets: list = _f(
+        [],
+        "Training data: files (.jsonl .json .csv .parquet), hub dataset ids "
+        "or 'self-cognition'; PATH#N samples N rows.",
+    )
     val_data: list = _f([], "Validation data (same forms as --data).")
-    val_ratio: float = _f(0.0, "Fraction of the training rows held out for validation.",
-                          minimum=0)
-    format: str = _f("auto", "Row format; auto detects it per dataset.",
-                     choices=("auto", "messages", "sharegpt", "swift-sharegpt", "alpaca",
-                              "query-response", "text"))
-    max_length: int = _f(2048, "Longest encoded sample in tokens.", minimum=8,
-                         maximum=MAX_SEQUENCE_TOKENS)
-    packing: bool = _f(False, "Pack the samples of each optimizer step into as few rows as "
-                              "pack_length allows (no padding; each sample keeps its own "
-                              "positions and attends only to itself). Same samples per step.")
-    packed_attention: str = _f("auto", "How a packed row's samples are kept apart: mask (one "
-                                       "sdpa call with a block-diagonal mask), segments (one "
-                                       "causal sdpa call per sample), varlen (one "
-                                       "flash-attention call over the row from the samples' "
-                                       "lengths; CUDA, PyTorch >= 2.10) or auto: varlen where "
-                                       "it runs, else mask (docs/training.md, Packing).",
-                               choices=("auto", "mask", "segments", "varlen"))
-    pack_length: int = _f(0, "Tokens per packed row; 0 = max_length x micro_batch_size (the "
-                             "same tokens per pass as without packing).", minimum=0,
-                         maximum=MAX_SEQUENCE_TOKENS)
-    truncation: str = _f("truncate", "Samples over max_length: truncate (cut the end) or drop.",
-                         choices=("truncate", "drop"))
-    system: str = _f(None, "System prompt for conversations that have none "
-                           "(default: the chat template's own).")
-    enable_thinking: str | bool = _f("auto", "Thinking mode for chat templates that take "
-                                             "enable_thinking (Qwen3): auto (thinking for rows "
-                                             "with reasoning), true, or false (non-thinking, "
-                                             "reasoning dropped). A row's own `enable_thinking` "
-                                             "field wins. The empty think block never carries "
-                                             "loss.", choices=("auto", True, False))
+    val_ratio: float = _f(0.0, "Fraction of the training rows held out for validation.", minimum=0)
+    format: str = _f(
+        "auto",
+        "Row format; auto detects it per dataset.",
+        choices=("auto", "messages", "sharegpt", "swift-sharegpt", "alpaca", "query-response", "text"),
+    )
+    max_length: int = _f(2048, "Longest encoded sample in tokens.", minimum=8, maximum=MAX_SEQUENCE_TOKENS)
+    packing: bool = _f(
+        False,
+        "Pack the samples of each optimizer step into as few rows as "
+        "pack_length allows (no padding; each sample keeps its own "
+        "positions and attends only to itself). Same samples per step.",
+    )
+    packed_attention: str = _f(
+        "auto",
+        "How a packed row's samples are kept apart: mask (one "
+        "sdpa call with a block-diagonal mask), segments (one "
+        "causal sdpa call per sample), varlen (one "
+        "flash-attention call over the row from the samples' "
+        "lengths; CUDA, PyTorch >= 2.10) or auto: varlen where "
+        "it runs, else mask (docs/training.md, Packing).",
+        choices=("auto", "mask", "segments", "varlen"),
+    )
+    pack_length: int = _f(
+        0,
+        "Tokens per packed row; 0 = max_length x micro_batch_size (the same tokens per pass as without packing).",
+        minimum=0,
+        maximum=MAX_SEQUENCE_TOKENS,
+    )
+    truncation: str = _f(
+        "truncate", "Samples over max_length: truncate (cut the end) or drop.", choices=("truncate", "drop")
+    )
+    system: str = _f(None, "System prompt for conversations that have none (default: the chat template's own).")
+    enable_thinking: str | bool = _f(
+        "auto",
+        "Thinking mode for chat templates that take "
+        "enable_thinking (Qwen3): auto (thinking for rows "
+        "with reasoning), true, or false (non-thinking, "
+        "reasoning dropped). A row's own `enable_thinking` "
+        "field wins. The empty think block never carries "
+        "loss.",
+        choices=("auto", True, False),
+    )
     model_name: str = _f(None, "Fills {{NAME}} (or {{name}}) placeholders in the data.")
     model_author: str = _f(None, "Fills {{AUTHOR}} (or {{author}}) placeholders in the data.")
-    cache: bool = _f(True, "Keep the encoded data under ~/.cache/lora-lab/data (Arrow, "
-                           "memory-mapped) and reuse it while the files, tokenizer, template and "
-                           "data settings are unchanged; false encodes every time.")
-    num_proc: int = _f(0, "Worker processes that parse, normalise and encode the data, a chunk "
-                          "of rows at a time; 0 = the machine's cores (at most 8; a dataset of "
-                          "one chunk stays in the main process); 1 encodes in the main process.",
-                       minimum=0)
+    cache: bool = _f(
+        True,
+        "Keep the encoded data under ~/.cache/lora-lab/data (Arrow, "
+        "memory-mapped) and reuse it while the files, tokenizer, template and "
+        "data settings are unchanged; false encodes every time.",
+    )
+    num_proc: int = _f(
+        0,
+        "Worker processes that parse, normalise and encode the data, a chunk "
+        "of rows at a time; 0 = the machine's cores (at most 8; a dataset of "
+        "one chunk stays in the main process); 1 encodes in the main process.",
+        minimum=0,
+    )
 
 
 TUNERS = ("lora", "dora", "ia3", "full")
@@ -173,145 +214,225 @@ REFERENCE_TASKS = ("dpo", "kto")
 
 @dataclass
 class TrainArgs:
-    task: str = _f("sft", "What the run learns: sft (supervised: the assistant replies) or a "
-                          "preference task on chosen / rejected answers through TRL (pip install "
-                          "'lora-lab[preference]'): dpo, orpo, simpo, or kto (answers labelled "
-                          "good or bad, unpaired). docs/preference.md has the data forms.",
-                   choices=("sft",) + PREFERENCE_TASKS)
-    from_run: str = _f(None, "Preference tasks: start from this SFT run's adapter (a run folder) "
-                             "and keep training it; the reference model is that SFT policy, "
-                             "frozen (dpo, kto). Without it a new adapter starts on the base "
-                             "model, which is then the reference.")
-    pref_beta: float = _f(0.1, "Preference tasks: beta, how far the policy may move from the "
-                               "reference (dpo, kto), the reward scale (simpo) or the weight of "
-                               "the odds-ratio term (orpo, the paper's lambda).", minimum=0)
-    dpo_loss: str = _f("sigmoid", "--task dpo: the loss on the reward margin: sigmoid (the DPO "
-                                  "paper's), ipo, hinge or robust (TRL loss_type).",
-                       choices=("sigmoid", "ipo", "hinge", "robust"))
+    task: str = _f(
+        "sft",
+        "What the run learns: sft (supervised: the assistant replies) or a "
+        "preference task on chosen / rejected answers through TRL (pip install "
+        "'lora-lab[preference]'): dpo, orpo, simpo, or kto (answers labelled "
+        "good or bad, unpaired). docs/preference.md has the data forms.",
+        choices=("sft",) + PREFERENCE_TASKS,
+    )
+    from_run: str = _f(
+        None,
+        "Preference tasks: start from this SFT run's adapter (a run folder) "
+        "and keep training it; the reference model is that SFT policy, "
+        "frozen (dpo, kto). Without it a new adapter starts on the base "
+        "model, which is then the reference.",
+    )
+    pref_beta: float = _f(
+        0.1,
+        "Preference tasks: beta, how far the policy may move from the "
+        "reference (dpo, kto), the reward scale (simpo) or the weight of "
+        "the odds-ratio term (orpo, the paper's lambda).",
+        minimum=0,
+    )
+    dpo_loss: str = _f(
+        "sigmoid",
+        "--task dpo: the loss on the reward margin: sigmoid (the DPO paper's), ipo, hinge or robust (TRL loss_type).",
+        choices=("sigmoid", "ipo", "hinge", "robust"),
+    )
     simpo_gamma: float = _f(0.5, "--task simpo: the target reward margin gamma.", minimum=0)
-    tuner: str = _f("lora", "What trains: lora (adapters on a frozen base; QLoRA is lora with "
-                            "--quantization nf4), dora (LoRA with a trained magnitude per output "
-                            "channel, peft use_dora: closer to full fine-tuning, slower, not "
-                            "served by vLLM as an adapter), ia3 (peft IA3: a trained scale per "
-                            "output channel of each targeted linear, per input channel of "
-                            "down_proj; about 0.02% of 7B's weights; lora.rank, alpha, dropout "
-                            "and init do not apply) or full (every "
-                            "weight: bf16 mixed precision with fp32 master weights, lr 1e-5 "
-                            "unless given, no fp16; the run folder gets a "
-                            "from_pretrained-loadable model/ instead of adapter/). "
-                            "docs/tuners.md says when to use which.", choices=TUNERS)
+    tuner: str = _f(
+        "lora",
+        "What trains: lora (adapters on a frozen base; QLoRA is lora with "
+        "--quantization nf4), dora (LoRA with a trained magnitude per output "
+        "channel, peft use_dora: closer to full fine-tuning, slower, not "
+        "served by vLLM as an adapter), ia3 (peft IA3: a trained scale per "
+        "output channel of each targeted linear, per input channel of "
+        "down_proj; about 0.02% of 7B's weights; lora.rank, alpha, dropout "
+        "and init do not apply) or full (every "
+        "weight: bf16 mixed precision with fp32 master weights, lr 1e-5 "
+        "unless given, no fp16; the run folder gets a "
+        "from_pretrained-loadable model/ instead of adapter/). "
+        "docs/tuners.md says when to use which.",
+        choices=TUNERS,
+    )
     output_dir: str = _f("output", "Run folders are created under this folder.")
     run_name: str = _f(None, "Run folder name (default: <model>-<preset>-<date-time>).")
     micro_batch_size: int = _f(1, "Samples per forward pass.", minimum=1)
     grad_accum: int = _f(16, "Micro-batches per optimizer step.", minimum=1)
     lr: float = _f(1e-4, "Peak learning rate.", minimum=0)
-    epochs: float = _f(1.0, "Passes over the training data (ignored when max_steps > 0).",
-                       minimum=0)
+    epochs: float = _f(1.0, "Passes over the training data (ignored when max_steps > 0).", minimum=0)
     max_steps: int = _f(-1, "Optimizer steps; -1 trains for `epochs`.")
-    loraplus_lr_ratio: float = _f(0.0, "LoRA+: the B matrices learn this many times faster "
-                                        "than lr (peft create_loraplus_optimizer; the LoRA+ "
-                                        "paper uses 16). 0 = off. --tuner lora and dora.",
-                                  minimum=0)
-    neftune_noise_alpha: float = _f(0.0, "NEFTune: uniform noise of this scale (divided by "
-                                          "sqrt(tokens x hidden)) added to the input embeddings "
-                                          "while training (transformers' "
-                                          "neftune_noise_alpha; the paper uses 5). 0 = off.",
-                                    minimum=0)
-    warmup_ratio: float = _f(0.05, "Fraction of steps with a linear learning-rate warm-up.",
-                             minimum=0)
-    lr_scheduler: str = _f("cosine", "Learning-rate schedule.",
-                           choices=("cosine", "linear", "constant", "constant_with_warmup"))
+    loraplus_lr_ratio: float = _f(
+        0.0,
+        "LoRA+: the B matrices learn this many times faster "
+        "than lr (peft create_loraplus_optimizer; the LoRA+ "
+        "paper uses 16). 0 = off. --tuner lora and dora.",
+        minimum=0,
+    )
+    neftune_noise_alpha: float = _f(
+        0.0,
+        "NEFTune: uniform noise of this scale (divided by "
+        "sqrt(tokens x hidden)) added to the input embeddings "
+        "while training (transformers' "
+        "neftune_noise_alpha; the paper uses 5). 0 = off.",
+        minimum=0,
+    )
+    warmup_ratio: float = _f(0.05, "Fraction of steps with a linear learning-rate warm-up.", minimum=0)
+    lr_scheduler: str = _f(
+        "cosine", "Learning-rate schedule.", choices=("cosine", "linear", "constant", "constant_with_warmup")
+    )
     weight_decay: float = _f(0.0, "AdamW weight decay.", minimum=0)
     max_grad_norm: float = _f(1.0, "Gradient clipping norm.", minimum=0)
     gradient_checkpointing: bool = _f(True, "Recompute activations in backward to save memory.")
     offload_checkpoints: str | bool = _f(
-        "auto", "Keep each layer's checkpoint in pinned CPU memory until the backward pass (LoRA "
-                "on one GPU, with gradient checkpointing). auto: on when training on a GPU; true "
-                "/ false force it.", choices=("auto", True, False))
+        "auto",
+        "Keep each layer's checkpoint in pinned CPU memory until the backward pass (LoRA "
+        "on one GPU, with gradient checkpointing). auto: on when training on a GPU; true "
+        "/ false force it.",
+        choices=("auto", True, False),
+    )
     uncheckpointed_layers: int | str = _f(
-        0, "With gradient checkpointing, the last N decoder layers keep their activations on "
-           "the GPU instead of being recomputed in the backward pass (LoRA on one GPU): each "
-           "saves about a third of its compute for its activations' memory, which the plan "
-           "counts. For a card with room to spare (a 7B row of 4096 tokens: about 0.4 GiB a "
-           "layer). 0 recomputes every layer; auto: as many as the memory plan fits in 90% of "
-           "the GPU's usable memory (0 without a GPU).", minimum=0)
-    offload_copy_stream: bool = _f(True, "Copy offloaded layer checkpoints on a side CUDA "
-                                         "stream, overlapping the layers' compute, and fetch "
-                                         "each back one layer ahead of its backward pass.")
+        0,
+        "With gradient checkpointing, the last N decoder layers keep their activations on "
+        "the GPU instead of being recomputed in the backward pass (LoRA on one GPU): each "
+        "saves about a third of its compute for its activations' memory, which the plan "
+        "counts. For a card with room to spare (a 7B row of 4096 tokens: about 0.4 GiB a "
+        "layer). 0 recomputes every layer; auto: as many as the memory plan fits in 90% of "
+        "the GPU's usable memory (0 without a GPU).",
+        minimum=0,
+    )
+    offload_copy_stream: bool = _f(
+        True,
+        "Copy offloaded layer checkpoints on a side CUDA "
+        "stream, overlapping the layers' compute, and fetch "
+        "each back one layer ahead of its backward pass.",
+    )
     expandable_segments: bool = _f(
-        True, "PyTorch's caching allocator maps its GPU memory in growable segments, so what it "
-              "holds stays near what is allocated (Unsloth sets the same). Not where "
-              "PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set, under DeepSpeed, or on "
-              "Windows / WSL, where the driver lacks it.")
-    mlp_chunk_tokens: int = _f(4096, "Recompute each layer's MLP on at most this many tokens "
-                                     "at a time (LoRA on one GPU, with gradient checkpointing), "
-                                     "on a GPU only when the memory plan does not fit without "
-                                     "it (it costs a third MLP pass); 0 turns it off.",
-                               minimum=0)
-    logging_steps: int = _f(5, "Log every N optimizer steps (the step log, --report-to "
-                               "backends, and the progress line when output is not a "
-                               "terminal).", minimum=1)
-    report_to: list = _f(["tensorboard"], "Where the step log also goes, comma-separated: "
-                                          "tensorboard (RUN/logs), wandb (RUN/wandb), mlflow "
-                                          "(RUN/mlflow.db), swanlab (RUN/swanlog), or none. "
-                                          "wandb, mlflow and swanlab are optional packages "
-                                          "(pip install 'lora-lab[trackers]'); their own "
-                                          "settings (WANDB_MODE=offline ...) apply.")
+        True,
+        "PyTorch's caching allocator maps its GPU memory in growable segments, so what it "
+        "holds stays near what is allocated (Unsloth sets the same). Not where "
+        "PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set, under DeepSpeed, or on "
+        "Windows / WSL, where the driver lacks it.",
+    )
+    mlp_chunk_tokens: int = _f(
+        4096,
+        "Recompute each layer's MLP on at most this many tokens "
+        "at a time (LoRA on one GPU, with gradient checkpointing), "
+        "on a GPU only when the memory plan does not fit without "
+        "it (it costs a third MLP pass); 0 turns it off.",
+        minimum=0,
+    )
+    logging_steps: int = _f(
+        5,
+        "Log every N optimizer steps (the step log, --report-to "
+        "backends, and the progress line when output is not a "
+        "terminal).",
+        minimum=1,
+    )
+    report_to: list = _f(
+        ["tensorboard"],
+        "Where the step log also goes, comma-separated: "
+        "tensorboard (RUN/logs), wandb (RUN/wandb), mlflow "
+        "(RUN/mlflow.db), swanlab (RUN/swanlog), or none. "
+        "wandb, mlflow and swanlab are optional packages "
+        "(pip install 'lora-lab[trackers]'); their own "
+        "settings (WANDB_MODE=offline ...) apply.",
+    )
     save_steps: int = _f(100, "Save a checkpoint every N optimizer steps.", minimum=1)
-    eval_steps: int = _f(100, "Evaluate every N optimizer steps (when there is validation data).",
-                         minimum=1)
+    eval_steps: int = _f(100, "Evaluate every N optimizer steps (when there is validation data).", minimum=1)
     save_total_limit: int = _f(2, "Keep at most N checkpoints.", minimum=1)
-    save_only_model: bool = _f(False, "Checkpoints hold the weights (adapter or model) only, "
-                                      "without optimizer, scheduler and random state: for full "
-                                      "fine-tuning a fraction of the size (7B: ~15 GB instead of "
-                                      "~100 GB), but a run cannot resume from them.")
-    disk_check: bool = _f(True, "Refuse up front a run whose checkpoints and final weights "
-                                "would not fit the free space of --output-dir (estimated from "
-                                "the model's shape).")
+    save_only_model: bool = _f(
+        False,
+        "Checkpoints hold the weights (adapter or model) only, "
+        "without optimizer, scheduler and random state: for full "
+        "fine-tuning a fraction of the size (7B: ~15 GB instead of "
+        "~100 GB), but a run cannot resume from them.",
+    )
+    disk_check: bool = _f(
+        True,
+        "Refuse up front a run whose checkpoints and final weights "
+        "would not fit the free space of --output-dir (estimated from "
+        "the model's shape).",
+    )
     seed: int = _f(42, "Random seed.")
-    memory_check: bool = _f(True, "On a GPU, refuse up front a run the memory planner says "
-                                  "will not fit (lora-lab plan shows the numbers).")
-    resume: str = _f(None, "Continue a run: auto (the newest complete checkpoint in the run "
-                           "folder; a fresh start if there is none), a run folder or a "
-                           "checkpoint folder.")
-    allow_config_change: bool = _f(False, "Resume even though the model, data, LoRA or batch "
-                                          "settings differ from the run's config.yaml.")
-    on_nonfinite: str = _f("stop", "A NaN or inf loss or gradient: stop the run, or skip that "
-                                   "update and count it.", choices=("stop", "skip"))
-    oom_retry: bool = _f(True, "On CUDA out-of-memory, halve the micro-batch, double grad_accum "
-                               "(same effective batch) and resume from the last checkpoint.")
-    gpus: int = _f(1, "Processes (one per GPU) to train with; above 1 the run is relaunched "
-                      "through `accelerate launch` (on a machine without CUDA: CPU processes "
-                      "over gloo). The effective batch is micro_batch_size x grad_accum x gpus.",
-                   minimum=1)
-    nodes: int = _f(1, "Machines the run spans (accelerate num_machines), each running the same "
-                       "`lora-lab run` command with its own --node-rank and --gpus processes; "
-                       "the effective batch is micro_batch_size x grad_accum x gpus x nodes. "
-                       "The run folder (--output-dir) must be on storage every node sees.",
-                    minimum=1)
-    node_rank: int = _f(0, "This machine's place among --nodes (accelerate machine_rank): 0 on "
-                           "the main machine, whose first process writes the run folder; 1 to "
-                           "nodes-1 on the others.", minimum=0)
-    main_address: str = _f(None, "HOST[:PORT] of node 0, where every node meets (accelerate "
-                                 "main_process_ip / main_process_port; port 29500 when left "
-                                 "out). Needed with --nodes above 1.")
-    node_wait_seconds: float = _f(300, "With --nodes above 1: how long a node other than 0 "
-                                       "waits for node 0 to answer at --main-address before "
-                                       "refusing to start.", minimum=1)
+    memory_check: bool = _f(
+        True, "On a GPU, refuse up front a run the memory planner says will not fit (lora-lab plan shows the numbers)."
+    )
+    resume: str = _f(
+        None,
+        "Continue a run: auto (the newest complete checkpoint in the run "
+        "folder; a fresh start if there is none), a run folder or a "
+        "checkpoint folder.",
+    )
+    allow_config_change: bool = _f(
+        False, "Resume even though the model, data, LoRA or batch settings differ from the run's config.yaml."
+    )
+    on_nonfinite: str = _f(
+        "stop",
+        "A NaN or inf loss or gradient: stop the run, or skip that update and count it.",
+        choices=("stop", "skip"),
+    )
+    oom_retry: bool = _f(
+        True,
+        "On CUDA out-of-memory, halve the micro-batch, double grad_accum "
+        "(same effective batch) and resume from the last checkpoint.",
+    )
+    gpus: int = _f(
+        1,
+        "Processes (one per GPU) to train with; above 1 the run is relaunched "
+        "through `accelerate launch` (on a machine without CUDA: CPU processes "
+        "over gloo). The effective batch is micro_batch_size x grad_accum x gpus.",
+        minimum=1,
+    )
+    nodes: int = _f(
+        1,
+        "Machines the run spans (accelerate num_machines), each running the same "
+        "`lora-lab run` command with its own --node-rank and --gpus processes; "
+        "the effective batch is micro_batch_size x grad_accum x gpus x nodes. "
+        "The run folder (--output-dir) must be on storage every node sees.",
+        minimum=1,
+    )
+    node_rank: int = _f(
+        0,
+        "This machine's place among --nodes (accelerate machine_rank): 0 on "
+        "the main machine, whose first process writes the run folder; 1 to "
+        "nodes-1 on the others.",
+        minimum=0,
+    )
+    main_address: str = _f(
+        None,
+        "HOST[:PORT] of node 0, where every node meets (accelerate "
+        "main_process_ip / main_process_port; port 29500 when left "
+        "out). Needed with --nodes above 1.",
+    )
+    node_wait_seconds: float = _f(
+        300,
+        "With --nodes above 1: how long a node other than 0 "
+        "waits for node 0 to answer at --main-address before "
+        "refusing to start.",
+        minimum=1,
+    )
     sync_each_micro_batch: str | bool = _f(
-        "auto", "Several GPUs: reduce the gradients after every micro-batch, not only after "
-                "the last one of an optimizer step. Without it FSDP keeps each GPU's whole "
-                "unsharded 16-bit gradients between micro-batches (2 bytes a trained "
-                "parameter: 2.9 GiB for full 1.5B); with it DDP communicates grad_accum times "
-                "as often. auto: on for fsdp, off otherwise; DeepSpeed reduces every "
-                "micro-batch either way.",
-        choices=("auto", True, False))
-    engine: str = _f("auto", "Distributed engine for --gpus: ddp (a full replica per GPU), "
-                             "deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3, "
-                             "deepspeed-zero3-offload (pip install deepspeed) or fsdp; auto: "
-                             "ddp on one GPU, else the fastest one the memory plan fits. The "
-                             "engine configs are in presets/engines/.",
-                     choices=("auto",) + ENGINES)
+        "auto",
+        "Several GPUs: reduce the gradients after every micro-batch, not only after "
+        "the last one of an optimizer step. Without it FSDP keeps each GPU's whole "
+        "unsharded 16-bit gradients between micro-batches (2 bytes a trained "
+        "parameter: 2.9 GiB for full 1.5B); with it DDP communicates grad_accum times "
+        "as often. auto: on for fsdp, off otherwise; DeepSpeed reduces every "
+        "micro-batch either way.",
+        choices=("auto", True, False),
+    )
+    engine: str = _f(
+        "auto",
+        "Distributed engine for --gpus: ddp (a full replica per GPU), "
+        "deepspeed-zero2, deepspeed-zero2-offload, deepspeed-zero3, "
+        "deepspeed-zero3-offload (pip install deepspeed) or fsdp; auto: "
+        "ddp on one GPU, else the fastest one the memory plan fits. The "
+        "engine configs are in presets/engines/.",
+        choices=("auto",) + ENGINES,
+    )
 
 
 SECTIONS = {"model": ModelArgs, "lora": LoraArgs, "data": DataArgs, "train": TrainArgs}
@@ -345,26 +466,49 @@ class RunConfig:
 # The named flags of `lora-lab run`, and the key each sets. The CLI builds its options from this
 # table and errors name the flag when that is where a value came from.
 FLAGS = {
-    "--model": "model.name", "--dtype": "model.dtype", "--quantization": "model.quantization",
+    "--model": "model.name",
+    "--dtype": "model.dtype",
+    "--quantization": "model.quantization",
     "--trust-remote-code": "model.trust_remote_code",
-    "--lora-rank": "lora.rank", "--lora-alpha": "lora.alpha", "--lora-dropout": "lora.dropout",
-    "--data": "data.datasets", "--val-data": "data.val_data", "--val-ratio": "data.val_ratio",
-    "--format": "data.format", "--max-length": "data.max_length",
-    "--truncation": "data.truncation", "--system": "data.system",
-    "--model-name": "data.model_name", "--model-author": "data.model_author",
-    "--output-dir": "train.output_dir", "--run-name": "train.run_name",
-    "--micro-batch-size": "train.micro_batch_size", "--grad-accum": "train.grad_accum",
-    "--lr": "train.lr", "--epochs": "train.epochs", "--max-steps": "train.max_steps",
-    "--seed": "train.seed", "--memory-check/--no-memory-check": "train.memory_check",
+    "--lora-rank": "lora.rank",
+    "--lora-alpha": "lora.alpha",
+    "--lora-dropout": "lora.dropout",
+    "--data": "data.datasets",
+    "--val-data": "data.val_data",
+    "--val-ratio": "data.val_ratio",
+    "--format": "data.format",
+    "--max-length": "data.max_length",
+    "--truncation": "data.truncation",
+    "--system": "data.system",
+    "--model-name": "data.model_name",
+    "--model-author": "data.model_author",
+    "--output-dir": "train.output_dir",
+    "--run-name": "train.run_name",
+    "--micro-batch-size": "train.micro_batch_size",
+    "--grad-accum": "train.grad_accum",
+    "--lr": "train.lr",
+    "--epochs": "train.epochs",
+    "--max-steps": "train.max_steps",
+    "--seed": "train.seed",
+    "--memory-check/--no-memory-check": "train.memory_check",
     "--save-steps": "train.save_steps",
-    "--logging-steps": "train.logging_steps", "--eval-steps": "train.eval_steps",
+    "--logging-steps": "train.logging_steps",
+    "--eval-steps": "train.eval_steps",
     "--report-to": "train.report_to",
     "--gradient-checkpointing/--no-gradient-checkpointing": "train.gradient_checkpointing",
-    "--resume": "train.resume", "--allow-config-change": "train.allow_config_change",
-    "--on-nonfinite": "train.on_nonfinite", "--oom-retry/--no-oom-retry": "train.oom_retry",
-    "--gpus": "train.gpus", "--nodes": "train.nodes", "--node-rank": "train.node_rank",
-    "--main-address": "train.main_address", "--engine": "train.engine", "--tuner": "train.tuner",
-    "--task": "train.task", "--from-run": "train.from_run", "--beta": "train.pref_beta",
+    "--resume": "train.resume",
+    "--allow-config-change": "train.allow_config_change",
+    "--on-nonfinite": "train.on_nonfinite",
+    "--oom-retry/--no-oom-retry": "train.oom_retry",
+    "--gpus": "train.gpus",
+    "--nodes": "train.nodes",
+    "--node-rank": "train.node_rank",
+    "--main-address": "train.main_address",
+    "--engine": "train.engine",
+    "--tuner": "train.tuner",
+    "--task": "train.task",
+    "--from-run": "train.from_run",
+    "--beta": "train.pref_beta",
 }
 
 
@@ -391,8 +535,6 @@ def flatten(tree: dict, prefix: str = "") -> dict:
         else:
             flat[dotted] = value
     return flat
-
-
 
 
 def trains_adapter(train: TrainArgs) -> bool:
@@ -444,4 +586,3 @@ def main_host_port(train: TrainArgs) -> tuple[str, int]:
     address = train.main_address or "127.0.0.1"
     host, _, port = address.rpartition(":") if ":" in address else (address, "", "")
     return host.strip("[]"), int(port) if port else DEFAULT_MAIN_PORT
-

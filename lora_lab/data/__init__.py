@@ -1,4 +1,5 @@
 """Data stage: read datasets (formats), encode them with the chat template (encode), stats."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,9 +13,19 @@ from ..paths import identity_datasets
 from .encode import IGNORE_INDEX, EncodedSample, EncodeReport, encode_samples
 from .formats import LoadedData, Problem, Sample, load_dataset_spec
 
-__all__ = ["IGNORE_INDEX", "EncodedSample", "EncodeReport", "PreparedData", "Problem", "Sample",
-           "ValidationReport", "load_samples", "prepare_data", "validate_data",
-           "with_identity_stand_ins"]
+__all__ = [
+    "IGNORE_INDEX",
+    "EncodedSample",
+    "EncodeReport",
+    "PreparedData",
+    "Problem",
+    "Sample",
+    "ValidationReport",
+    "load_samples",
+    "prepare_data",
+    "validate_data",
+    "with_identity_stand_ins",
+]
 
 # `data validate`, `stats` and `preview` only count, check or show rows, and the bundled identity
 # set is looked at before a name is chosen (LLaMA-Factory ships identity.json with {{name}} /
@@ -37,7 +48,8 @@ def with_identity_stand_ins(args: DataArgs) -> tuple[DataArgs, str | None]:
     return dataclasses.replace(args, **missing), (
         f"note: --data {' '.join(specs)}: {placeholders} shown as "
         f"{' and '.join(missing.values())} ({flags} not given; a run needs --model-name and "
-        f"--model-author)")
+        f"--model-author)"
+    )
 
 
 @dataclass
@@ -79,8 +91,11 @@ def load_samples(specs: list, args: DataArgs, seed: int, task: str = "sft") -> L
     merged = LoadedData()
     fill = {"model_name": args.model_name, "model_author": args.model_author}
     for spec in specs:
-        loaded = (load_dataset_spec(spec, args.format, seed, fill) if task == "sft" else
-                  load_preference_spec(spec, task, seed))
+        loaded = (
+            load_dataset_spec(spec, args.format, seed, fill)
+            if task == "sft"
+            else load_preference_spec(spec, task, seed)
+        )
         merged.samples += loaded.samples
         merged.problems += loaded.problems
         merged.warnings += loaded.warnings
@@ -88,20 +103,18 @@ def load_samples(specs: list, args: DataArgs, seed: int, task: str = "sft") -> L
     return merged
 
 
-def encode_as_training(tokenizer, samples: list, args: DataArgs,
-                       task: str = "sft") -> EncodeReport:
+def encode_as_training(tokenizer, samples: list, args: DataArgs, task: str = "sft") -> EncodeReport:
     """Encode samples exactly as a run with these data settings encodes its training data."""
     if task != "sft":
         from .pairs import encode_preferences
 
-        return encode_preferences(tokenizer, samples, args.max_length, args.truncation,
-                                  args.system)
-    return encode_samples(tokenizer, samples, args.max_length, args.truncation, args.system,
-                          args.enable_thinking)
+        return encode_preferences(tokenizer, samples, args.max_length, args.truncation, args.system)
+    return encode_samples(tokenizer, samples, args.max_length, args.truncation, args.system, args.enable_thinking)
 
 
-def read_and_encode(specs: list, args: DataArgs, tokenizer, seed: int, task: str = "sft"
-                    ) -> tuple[LoadedData, EncodeReport]:
+def read_and_encode(
+    specs: list, args: DataArgs, tokenizer, seed: int, task: str = "sft"
+) -> tuple[LoadedData, EncodeReport]:
     """Datasets read and encoded with a run's data settings (held-out eval, calibration)."""
     loaded = load_samples(specs, args, seed, task)
     return loaded, encode_as_training(tokenizer, loaded.samples, args, task)
@@ -119,9 +132,9 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42, task: str = "sft") -
     a second call with the same files and settings maps the stored samples and reports the
     same problems and warnings."""
     if task != "sft":
-        return build_prepared(args, tokenizer, seed, task,
-                              lambda samples, name: encode_as_training(tokenizer, samples, args,
-                                                                       task))
+        return build_prepared(
+            args, tokenizer, seed, task, lambda samples, name: encode_as_training(tokenizer, samples, args, task)
+        )
     from .cache import cached_encoding, problems_from_json, problems_json
 
     def build(stream):
@@ -129,14 +142,20 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42, task: str = "sft") -
         return {"train": prepared.train, "val": prepared.val}, {
             "read_problems": problems_json(prepared.read_problems),
             "read_warnings": problems_json(prepared.read_warnings),
-            "formats": prepared.formats}
+            "formats": prepared.formats,
+        }
 
-    reports, extra, how = cached_encoding("prepare", args.datasets + args.val_data, args,
-                                          tokenizer, seed, task, encode_settings(args), build)
-    return PreparedData(train=reports["train"], val=reports["val"],
-                        read_problems=problems_from_json(extra["read_problems"]),
-                        read_warnings=problems_from_json(extra["read_warnings"]),
-                        formats=[tuple(f) for f in extra["formats"]], cache=how)
+    reports, extra, how = cached_encoding(
+        "prepare", args.datasets + args.val_data, args, tokenizer, seed, task, encode_settings(args), build
+    )
+    return PreparedData(
+        train=reports["train"],
+        val=reports["val"],
+        read_problems=problems_from_json(extra["read_problems"]),
+        read_warnings=problems_from_json(extra["read_warnings"]),
+        formats=[tuple(f) for f in extra["formats"]],
+        cache=how,
+    )
 
 
 def build_streamed(args: DataArgs, stream, seed: int) -> PreparedData:
@@ -154,11 +173,13 @@ def build_streamed(args: DataArgs, stream, seed: int) -> PreparedData:
         val_numbers = val.numbers
     elif args.val_ratio:
         val_numbers, train.numbers = split_off(train.numbers, args.val_ratio, seed)
-    prepared = PreparedData(train=stream.report(train.numbers, "train"),
-                            val=None if val_numbers is None else stream.report(val_numbers,
-                                                                               "val"),
-                            read_problems=read_problems, read_warnings=read_warnings,
-                            formats=formats)
+    prepared = PreparedData(
+        train=stream.report(train.numbers, "train"),
+        val=None if val_numbers is None else stream.report(val_numbers, "val"),
+        read_problems=read_problems,
+        read_warnings=read_warnings,
+        formats=formats,
+    )
     return check_prepared(args, prepared)
 
 
@@ -169,16 +190,17 @@ def split_off(items, val_ratio: float, seed: int) -> tuple:
     random.Random(seed).shuffle(shuffled)
     count = max(1, round(len(shuffled) * val_ratio))
     if count >= len(shuffled):
-        raise DataError(f"--val-ratio {val_ratio} leaves no training rows out of "
-                        f"{len(shuffled)}.")
+        raise DataError(f"--val-ratio {val_ratio} leaves no training rows out of {len(shuffled)}.")
     return shuffled[:count], shuffled[count:]
 
 
 def check_prepared(args: DataArgs, prepared: PreparedData) -> PreparedData:
     if not len(prepared.train.samples):
         first = "; ".join(str(p) for p in prepared.all_problems()[:3])
-        raise DataError(f"--data {' '.join(args.datasets)}: no usable training sample "
-                        f"({len(prepared.all_problems())} problems, first: {first}).")
+        raise DataError(
+            f"--data {' '.join(args.datasets)}: no usable training sample "
+            f"({len(prepared.all_problems())} problems, first: {first})."
+        )
     return prepared
 
 
@@ -197,16 +219,20 @@ def build_prepared(args: DataArgs, tokenizer, seed: int, task: str, encode) -> P
         val_samples = val.samples
     elif args.val_ratio:
         val_samples, train.samples = split_off(train.samples, args.val_ratio, seed)
-    prepared = PreparedData(train=encode(train.samples, "train"),
-                            val=encode(val_samples, "val") if val_samples is not None else None,
-                            read_problems=read_problems, read_warnings=read_warnings,
-                            formats=formats)
+    prepared = PreparedData(
+        train=encode(train.samples, "train"),
+        val=encode(val_samples, "val") if val_samples is not None else None,
+        read_problems=read_problems,
+        read_warnings=read_warnings,
+        formats=formats,
+    )
     return check_prepared(args, prepared)
 
 
 @dataclass
 class ValidationReport:
     """What `lora-lab data validate` found: the rows a run would keep, errors and warnings."""
+
     kept: list = field(default_factory=list)
     """Origins (file:line) of the rows a run would train on."""
     errors: list = field(default_factory=list)
@@ -220,12 +246,12 @@ class ValidationReport:
     def summary(self) -> str:
         tokens = "" if self.tokens_checked else " (lengths not checked: pass --model)"
         lines = [f"format: {spec}: {fmt}" for spec, fmt in self.formats]
-        return "\n".join(lines + [f"{len(self.kept)} rows usable, {len(self.errors)} errors, "
-                                   f"{len(self.warnings)} warnings{tokens}"])
+        return "\n".join(
+            lines + [f"{len(self.kept)} rows usable, {len(self.errors)} errors, {len(self.warnings)} warnings{tokens}"]
+        )
 
 
-def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42,
-                  task: str = "sft") -> ValidationReport:
+def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42, task: str = "sft") -> ValidationReport:
     """Check datasets the way a run reads them, listing every problem instead of stopping.
 
     With a tokenizer the rows are also encoded (SFT rows through the data cache, as a run
@@ -241,30 +267,36 @@ def validate_data(specs: list, args: DataArgs, tokenizer=None, seed: int = 42,
     from .cache import cached_encoding, problems_from_json, problems_json
 
     def build(stream):
-        read, fills = ValidationReport(), {"model_name": args.model_name,
-                                           "model_author": args.model_author}
-        numbers = [number for loaded in _read_each(
-            specs, read, lambda spec: stream.read_spec(spec, args.format, seed, fills))
-            for number in loaded.numbers]
+        read, fills = (ValidationReport(), {"model_name": args.model_name, "model_author": args.model_author})
+        numbers = [
+            number
+            for loaded in _read_each(specs, read, lambda spec: stream.read_spec(spec, args.format, seed, fills))
+            for number in loaded.numbers
+        ]
         return {"all": stream.report(numbers, "all")}, {
-            "errors": problems_json(read.errors), "warnings": problems_json(read.warnings),
-            "formats": read.formats}
+            "errors": problems_json(read.errors),
+            "warnings": problems_json(read.warnings),
+            "formats": read.formats,
+        }
 
-    reports, extra, _ = cached_encoding("validate", specs, args, tokenizer, seed, task,
-                                        encode_settings(args), build)
-    report = ValidationReport(errors=problems_from_json(extra["errors"]),
-                              warnings=problems_from_json(extra["warnings"]),
-                              tokens_checked=True, formats=[tuple(f) for f in extra["formats"]])
+    reports, extra, _ = cached_encoding("validate", specs, args, tokenizer, seed, task, encode_settings(args), build)
+    report = ValidationReport(
+        errors=problems_from_json(extra["errors"]),
+        warnings=problems_from_json(extra["warnings"]),
+        tokens_checked=True,
+        formats=[tuple(f) for f in extra["formats"]],
+    )
     return finish_validation(report, reports["all"], args.max_length)
 
 
-def read_for_validation(specs: list, args: DataArgs, seed: int, task: str
-                        ) -> tuple[ValidationReport, list]:
+def read_for_validation(specs: list, args: DataArgs, seed: int, task: str) -> tuple[ValidationReport, list]:
     """Every spec read on its own: a dataset that cannot be read is one error, not a stop."""
     report = ValidationReport()
-    samples = [sample for loaded in _read_each(
-        specs, report, lambda spec: load_samples([spec], args, seed, task))
-        for sample in loaded.samples]
+    samples = [
+        sample
+        for loaded in _read_each(specs, report, lambda spec: load_samples([spec], args, seed, task))
+        for sample in loaded.samples
+    ]
     return report, samples
 
 
@@ -284,8 +316,7 @@ def _read_each(specs: list, report: ValidationReport, read):
         yield loaded
 
 
-def finish_validation(report: ValidationReport, encoded: EncodeReport | None,
-                      max_length: int) -> ValidationReport:
+def finish_validation(report: ValidationReport, encoded: EncodeReport | None, max_length: int) -> ValidationReport:
     """The kept rows, encode problems and cut rows of `encoded` added; everything sorted."""
     if encoded is not None:
         from .arrow import ArrowSamples
@@ -299,16 +330,17 @@ def finish_validation(report: ValidationReport, encoded: EncodeReport | None,
         documents = [o for many in origins if many is not None for o in many]
         report.kept = chats + list(dict.fromkeys(documents))  # a document may span two rows
         report.errors += encoded.problems
-        report.warnings += [Problem(o, f"cut to --max-length {max_length}; the end of the "
-                                       f"conversation is not trained on")
-                            for o in encoded.truncated]
+        report.warnings += [
+            Problem(o, f"cut to --max-length {max_length}; the end of the conversation is not trained on")
+            for o in encoded.truncated
+        ]
     report.errors.sort(key=lambda p: origin_sort_key(p.origin))
     report.warnings.sort(key=lambda p: origin_sort_key(p.origin))
     return report
 
 
 def origin_sort_key(origin: str) -> tuple:
-    """"a.jsonl:10" after "a.jsonl:9"; dataset-level problems (no line) first."""
+    """ "a.jsonl:10" after "a.jsonl:9"; dataset-level problems (no line) first."""
     match = re.fullmatch(r"(.*?)(?::(\d+)|\[(?:row )?(\d+)\])", origin)
     if not match:
         return origin, -1

@@ -6,6 +6,7 @@ ArrowSamples maps such files (the samples are not held in memory: the kernel pag
 out) and gives EncodedSample objects one at a time; the length column answers packing and
 length questions, and the digest column the resume fingerprint, without reading a token.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -46,10 +47,18 @@ def resolve_num_proc(num_proc: int, samples: int) -> int:
 def schema():
     import pyarrow as pa
 
-    return pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
-                      ("origin", pa.string()), ("truncated", pa.bool_()),
-                      ("origins", pa.list_(pa.string())), ("length", pa.int32()),
-                      ("trained", pa.int32()), ("digest", pa.binary())])
+    return pa.schema(
+        [
+            ("input_ids", pa.list_(pa.int32())),
+            ("labels", pa.list_(pa.int32())),
+            ("origin", pa.string()),
+            ("truncated", pa.bool_()),
+            ("origins", pa.list_(pa.string())),
+            ("length", pa.int32()),
+            ("trained", pa.int32()),
+            ("digest", pa.binary()),
+        ]
+    )
 
 
 def write_samples(path: Path, samples) -> int:
@@ -79,9 +88,10 @@ def write_taken(folder: Path, files: list, rows, name: str, map_tasks=map) -> li
     """Rows `rows` (an array("q") of indices into `files` read in order) written in that order
     to NAME-00000.arrow ..., TAKE_ROWS a file; map_tasks(function, tasks) may write the files
     in parallel (Pool.map). Returns the new files."""
-    tasks = [(str(folder), files, rows[start:start + TAKE_ROWS].tobytes(),
-              f"{name}-{index:05d}.arrow")
-             for index, start in enumerate(range(0, max(len(rows), 1), TAKE_ROWS))]
+    tasks = [
+        (str(folder), files, rows[start : start + TAKE_ROWS].tobytes(), f"{name}-{index:05d}.arrow")
+        for index, start in enumerate(range(0, max(len(rows), 1), TAKE_ROWS))
+    ]
     return list(map_tasks(_write_part, tasks))
 
 
@@ -90,13 +100,12 @@ def _write_part(task: tuple) -> str:
 
     folder, files, rows, name = task
     taken = take_rows(map_samples(folder, files), array("q", rows))
-    with pa.OSFile(str(Path(folder) / name), "wb") as sink, \
-            pa.ipc.new_stream(sink, schema()) as writer:
+    with pa.OSFile(str(Path(folder) / name), "wb") as sink, pa.ipc.new_stream(sink, schema()) as writer:
         writer.write_table(taken, max_chunksize=WRITE_BATCH)
     return name
 
 
-def take_rows(samples: "ArrowSamples", rows):
+def take_rows(samples: ArrowSamples, rows):
     """The rows `rows` of mapped samples, in that order, as a table. Each record batch gives its
     own rows: Table.take on a table of many batches first copies all of them into one."""
     import numpy as np
@@ -108,19 +117,20 @@ def take_rows(samples: "ArrowSamples", rows):
     which = np.searchsorted(np.asarray(samples.starts), wanted, side="right") - 1
     order = np.argsort(which, kind="stable")
     groups = np.split(order, np.flatnonzero(np.diff(which[order])) + 1)
-    pieces = [samples.batches[which[group[0]]].take(
-        pa.array(wanted[group] - samples.starts[which[group[0]]])) for group in groups]
+    pieces = [
+        samples.batches[which[group[0]]].take(pa.array(wanted[group] - samples.starts[which[group[0]]]))
+        for group in groups
+    ]
     inverse = np.empty_like(order)
     inverse[order] = np.arange(len(order))
     return pa.Table.from_batches(pieces, schema()).combine_chunks().take(pa.array(inverse))
 
 
-def map_samples(folder: Path, files: list) -> "ArrowSamples":
+def map_samples(folder: Path, files: list) -> ArrowSamples:
     """The samples of `files` (in order), memory-mapped."""
     import pyarrow as pa
 
-    tables = [pa.ipc.open_stream(pa.memory_map(str(Path(folder) / name))).read_all()
-              for name in files]
+    tables = [pa.ipc.open_stream(pa.memory_map(str(Path(folder) / name))).read_all() for name in files]
     table = pa.concat_tables(tables) if tables else schema().empty_table()
     return ArrowSamples(table, (str(folder), list(files)))
 
@@ -213,13 +223,15 @@ def first_token_at_least(samples, limit: int) -> tuple[str, int] | None:
     if isinstance(samples, ArrowSamples):
         import pyarrow.compute as pc
 
-        largest = (pc.max(chunk.flatten()).as_py()
-                   for chunk in samples.table.column("input_ids").chunks)
+        largest = (pc.max(chunk.flatten()).as_py() for chunk in samples.table.column("input_ids").chunks)
         if all(value is None or value < limit for value in largest):
             return None
     for sample in samples:
-        ids = (sample.prompt_ids + sample.chosen_ids + (sample.rejected_ids or [])
-               if hasattr(sample, "prompt_ids") else sample.input_ids)
+        ids = (
+            sample.prompt_ids + sample.chosen_ids + (sample.rejected_ids or [])
+            if hasattr(sample, "prompt_ids")
+            else sample.input_ids
+        )
         outside = [token for token in ids if token >= limit]
         if outside:
             return sample.origin, outside[0]

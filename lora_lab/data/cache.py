@@ -14,6 +14,7 @@ of them is another key; nothing stale is read. A folder is written as KEY.partia
 into place whole, under an flock that the kernel releases if its process dies: the first
 process encodes, the others wait for the lock and map the finished folder.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -30,8 +31,7 @@ from pathlib import Path
 
 from ..errors import DataError
 from ..log import get_logger
-from ..paths import (BUNDLED_DATA, bundled_data_dir, data_cache_dir, file_sha256,
-                     installed_versions, staged_folder)
+from ..paths import BUNDLED_DATA, bundled_data_dir, data_cache_dir, file_sha256, installed_versions, staged_folder
 from .arrow import ArrowSamples, fingerprint_samples, map_samples
 from .encode import EncodeReport
 from .formats import Problem, parse_spec
@@ -64,8 +64,7 @@ def source_digest(spec: str) -> str | None:
             parts.append(file_sha256(data_file) if data_file.is_file() else None)
         elif entry.entry.get("hf_hub_url"):
             split = entry.entry.get("split")
-            parts.append(hub_fingerprint(entry.entry["hf_hub_url"] + (f":{split}" if split
-                                                                      else "")))
+            parts.append(hub_fingerprint(entry.entry["hf_hub_url"] + (f":{split}" if split else "")))
         return None if None in parts else hashlib.sha256(json.dumps(parts).encode()).hexdigest()
     path = Path(source).expanduser()
     if path.is_file():
@@ -81,7 +80,7 @@ def hub_fingerprint(source: str) -> str | None:
         import datasets
 
         return datasets.load_dataset(name, split=split or "train")._fingerprint
-    except Exception:  # noqa: BLE001 - the read that follows reports the failure
+    except Exception:
         return None
 
 
@@ -89,30 +88,44 @@ def tokenizer_digest(tokenizer) -> str:
     """sha256 of what a tokenizer encodes with: its class, vocabulary and merges (the whole
     tokenizer.json of a fast tokenizer), special tokens and chat template."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    vocab = backend.to_str() if backend is not None else json.dumps(
-        sorted(tokenizer.get_vocab().items()))
+    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     digest = hashlib.sha256()
-    for part in (type(tokenizer).__name__, vocab, str(tokenizer.chat_template),
-                 json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str),
-                 json.dumps([tokenizer.eos_token_id, tokenizer.pad_token_id])):
+    for part in (
+        type(tokenizer).__name__,
+        vocab,
+        str(tokenizer.chat_template),
+        json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str),
+        json.dumps([tokenizer.eos_token_id, tokenizer.pad_token_id]),
+    ):
         digest.update(part.encode("utf-8", "surrogatepass") + b"\0")
     return digest.hexdigest()
 
 
-def key_parts(kind: str, specs: list, args, tokenizer, seed: int, task: str,
-              settings: tuple) -> dict | None:
+def key_parts(kind: str, specs: list, args, tokenizer, seed: int, task: str, settings: tuple) -> dict | None:
     """Everything the encoded samples depend on; None if a dataset cannot be fingerprinted."""
     sources = [[spec, source_digest(spec)] for spec in specs]
     if any(digest is None for _, digest in sources):
         return None
     max_length, truncation, system, enable_thinking = settings
-    return {"encoder_version": ENCODER_VERSION, "kind": kind, "sources": sources,
-            "datasets": list(args.datasets), "val_data": list(args.val_data),
-            "val_ratio": args.val_ratio, "seed": seed, "task": task, "format": args.format,
-            "max_length": max_length, "truncation": truncation, "system": system,
-            "enable_thinking": enable_thinking, "model_name": args.model_name,
-            "model_author": args.model_author, "tokenizer": tokenizer_digest(tokenizer),
-            "libraries": installed_versions(("transformers", "tokenizers", "jinja2"))}
+    return {
+        "encoder_version": ENCODER_VERSION,
+        "kind": kind,
+        "sources": sources,
+        "datasets": list(args.datasets),
+        "val_data": list(args.val_data),
+        "val_ratio": args.val_ratio,
+        "seed": seed,
+        "task": task,
+        "format": args.format,
+        "max_length": max_length,
+        "truncation": truncation,
+        "system": system,
+        "enable_thinking": enable_thinking,
+        "model_name": args.model_name,
+        "model_author": args.model_author,
+        "tokenizer": tokenizer_digest(tokenizer),
+        "libraries": installed_versions(("transformers", "tokenizers", "jinja2")),
+    }
 
 
 def cache_key(parts: dict) -> str:
@@ -159,8 +172,9 @@ def temporary_folder() -> Path:
     return folder
 
 
-def cached_encoding(kind: str, specs: list, args, tokenizer, seed: int, task: str,
-                    settings: tuple, build) -> tuple[dict, dict, str]:
+def cached_encoding(
+    kind: str, specs: list, args, tokenizer, seed: int, task: str, settings: tuple, build
+) -> tuple[dict, dict, str]:
     """build(stream) -> ({name: EncodeReport or None}, extra: a JSON-able dict), where stream
     is a StreamedEncoding with `settings` (max_length, truncation, system, enable_thinking)
     writing into the cache entry. Returns the reports, extra and how they were got: "reused",
@@ -191,30 +205,38 @@ def cached_encoding(kind: str, specs: list, args, tokenizer, seed: int, task: st
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
-            raise DataError(f"no space left in {data_cache_dir()} for the encoded data: free "
-                            f"space there, point LORA_LAB_DATA_CACHE at a larger disk, or pass "
-                            f"--set data.cache=false.") from None
+            raise DataError(
+                f"no space left in {data_cache_dir()} for the encoded data: free "
+                f"space there, point LORA_LAB_DATA_CACHE at a larger disk, or pass "
+                f"--set data.cache=false."
+            ) from None
         reports, extra = read_cache(final)
     processes = stream.used_processes
-    log.info(f"data: encoded in {time.time() - started:.1f} s with {processes} process(es), "
-             f"stored in {final}")
+    log.info(f"data: encoded in {time.time() - started:.1f} s with {processes} process(es), stored in {final}")
     return reports, extra, "encoded"
 
 
-def write_meta(folder: Path, parts: dict, reports: dict, extra: dict,
-               stream: StreamedEncoding, seconds: float) -> None:
-    meta = {"format": 1, "key": parts, "seconds": round(seconds, 2),
-            "num_proc": {name: stream.used_processes for name in stream.report_files},
-            "extra": extra, "reports": {}}
+def write_meta(
+    folder: Path, parts: dict, reports: dict, extra: dict, stream: StreamedEncoding, seconds: float
+) -> None:
+    meta = {
+        "format": 1,
+        "key": parts,
+        "seconds": round(seconds, 2),
+        "num_proc": {name: stream.used_processes for name in stream.report_files},
+        "extra": extra,
+        "reports": {},
+    }
     for name, report in reports.items():
         if report is None:
             meta["reports"][name] = None
             continue
-        meta["reports"][name] = {"files": stream.report_files[name],
-                                 "problems": problems_json(report.problems),
-                                 "truncated": list(report.truncated),
-                                 "fingerprint": fingerprint_samples(report.samples)
-                                 if name == "train" else None}  # what --resume checks
+        meta["reports"][name] = {
+            "files": stream.report_files[name],
+            "problems": problems_json(report.problems),
+            "truncated": list(report.truncated),
+            "fingerprint": fingerprint_samples(report.samples) if name == "train" else None,
+        }  # what --resume checks
     (folder / META).write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8")
 
 
@@ -226,7 +248,7 @@ def read_cache(folder: Path) -> tuple[dict, dict]:
             reports[name] = None
             continue
         samples: ArrowSamples = map_samples(folder, entry["files"])
-        reports[name] = EncodeReport(samples, list(entry["truncated"]),
-                                     problems_from_json(entry["problems"]),
-                                     fingerprint=entry["fingerprint"])
+        reports[name] = EncodeReport(
+            samples, list(entry["truncated"]), problems_from_json(entry["problems"]), fingerprint=entry["fingerprint"]
+        )
     return reports, meta["extra"]

@@ -1,7 +1,9 @@
 """Training samples as the Trainer reads them, and the collators that batch them."""
+
 from __future__ import annotations
 
 from .encode import IGNORE_INDEX
+
 
 class SupervisedDataset:
     """Encoded samples (or packed rows, fields=PACKED_FIELDS) as the Trainer expects them: a
@@ -60,14 +62,20 @@ class PackedCollator:
         ids, labels, lengths = row["input_ids"], row["labels"], row["lengths"]
         if not ids:  # the last step of an epoch may leave a row without samples
             ids, labels, lengths = [self.pad_token_id], [IGNORE_INDEX], [1]
-        batch = {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]),
-                 "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+        batch = {
+            "input_ids": torch.tensor([ids]),
+            "labels": torch.tensor([labels]),
+            "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        }
         if len(lengths) == 1:  # one sample: plain causal attention (flash kernels), no mask
             return batch
         if self.attention in ("segments", "varlen"):
             ends = torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            return {**batch, "packed_lengths": list(lengths),
-                    "packed_cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.int32), ends])}
+            return {
+                **batch,
+                "packed_lengths": list(lengths),
+                "packed_cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.int32), ends]),
+            }
         sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         causal = torch.tril(torch.ones(len(ids), len(ids), dtype=torch.bool))
         mask = (sample[:, None] == sample[None, :]) & causal

@@ -9,6 +9,7 @@ with only a `prompt` column is pre-training text. `ranking: true` and a `kto_tag
 preference data: read by --task dpo / orpo / simpo / kto (remap_preference), refused by
 supervised runs with the task that trains them (preference.refuse_preference).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,11 +22,22 @@ from .preference import refuse_preference
 from .readers import kind_of, read_rows
 
 ALPACA_DEFAULTS = {"prompt": "instruction", "query": "input", "response": "output"}
-SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human",
-                 "assistant_tag": "gpt", "observation_tag": "observation",
-                 "function_tag": "function_call", "system_tag": "system"}
-_TAG_TO_SPEAKER = {"user_tag": "human", "assistant_tag": "gpt", "observation_tag": "observation",
-                   "function_tag": "function_call", "system_tag": "system"}
+SHAREGPT_TAGS = {
+    "role_tag": "from",
+    "content_tag": "value",
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+    "observation_tag": "observation",
+    "function_tag": "function_call",
+    "system_tag": "system",
+}
+_TAG_TO_SPEAKER = {
+    "user_tag": "human",
+    "assistant_tag": "gpt",
+    "observation_tag": "observation",
+    "function_tag": "function_call",
+    "system_tag": "system",
+}
 _UNSUPPORTED = ("ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 
 
@@ -38,7 +50,7 @@ class DatasetInfoEntry:
     tags: dict = field(default_factory=dict)
 
     @classmethod
-    def from_source(cls, source: str) -> "DatasetInfoEntry | None":
+    def from_source(cls, source: str) -> DatasetInfoEntry | None:
         """The entry for 'DIR/dataset_info.json:NAME', or None for any other --data form."""
         match = re.fullmatch(r"(.*dataset_info\.json):([^/\\]+)", source)
         if not match:
@@ -52,14 +64,15 @@ class DatasetInfoEntry:
             raise DataError(f"--data {source}: {info_path} is not valid JSON ({exc}).") from None
         if not isinstance(info, dict) or not isinstance(info.get(name), dict):
             names = ", ".join(sorted(info)[:20]) if isinstance(info, dict) else "none"
-            raise DataError(f"--data {source}: no dataset `{name}` in {info_path} (it has: "
-                            f"{names}).")
+            raise DataError(f"--data {source}: no dataset `{name}` in {info_path} (it has: {names}).")
         entry = info[name]
         columns, tags = entry.get("columns") or {}, entry.get("tags") or {}
-        if not isinstance(columns, dict) or not isinstance(tags, dict) or not all(
-                isinstance(v, str) for v in [*columns.values(), *tags.values()]):
-            raise DataError(f"--data {source}: `columns` and `tags` must map names to column "
-                            f"names (text).")
+        if (
+            not isinstance(columns, dict)
+            or not isinstance(tags, dict)
+            or not all(isinstance(v, str) for v in [*columns.values(), *tags.values()])
+        ):
+            raise DataError(f"--data {source}: `columns` and `tags` must map names to column names (text).")
         return cls(info_path, name, entry, columns, {**SHAREGPT_TAGS, **tags})
 
     @property
@@ -75,17 +88,20 @@ class DatasetInfoEntry:
         if self.entry.get("file_name"):
             path = self.info_path.parent / self.entry["file_name"]
             if path.is_dir():
-                raise DataError(f"{where}: file_name {self.entry['file_name']} is a folder; "
-                                f"point file_name at one .json / .jsonl / .csv / .parquet file.")
+                raise DataError(
+                    f"{where}: file_name {self.entry['file_name']} is a folder; "
+                    f"point file_name at one .json / .jsonl / .csv / .parquet file."
+                )
             return read_rows(str(path), warnings, stream)
         if self.entry.get("hf_hub_url"):
             split = self.entry.get("split")
-            return read_rows(self.entry["hf_hub_url"] + (f":{split}" if split else ""), warnings,
-                             stream)
+            return read_rows(self.entry["hf_hub_url"] + (f":{split}" if split else ""), warnings, stream)
         given = [k for k in _UNSUPPORTED if k in self.entry]
-        raise DataError(f"{where}: the entry has no file_name or hf_hub_url"
-                        f"{' (' + ', '.join(given) + ' are not supported)' if given else ''}; "
-                        f"download the data and set file_name.")
+        raise DataError(
+            f"{where}: the entry has no file_name or hf_hub_url"
+            f"{' (' + ', '.join(given) + ' are not supported)' if given else ''}; "
+            f"download the data and set file_name."
+        )
 
     def row_format(self, raw_rows: list, spec: str) -> str:
         """alpaca, sharegpt or text; preference entries are refused here."""
@@ -95,8 +111,7 @@ class DatasetInfoEntry:
         if "kto_tag" in self.columns:
             refuse_preference({"kto_tag": None}, where)
         if self.formatting not in ("alpaca", "sharegpt"):
-            raise DataError(f"{where}: formatting {self.formatting!r}; LLaMA-Factory defines "
-                            f"alpaca and sharegpt.")
+            raise DataError(f"{where}: formatting {self.formatting!r}; LLaMA-Factory defines alpaca and sharegpt.")
         return "text" if self._is_text() else self.formatting
 
     def _is_text(self) -> bool:
@@ -134,17 +149,20 @@ class DatasetInfoEntry:
                     out[key] = self._turn(turn) if isinstance(turn, dict) else turn
         else:
             columns = {**ALPACA_DEFAULTS, **self.columns}
-            out = {"instruction": row.get(columns["prompt"]), "input": row.get(columns["query"]),
-                   "chosen": row.get(self.columns.get("chosen", "chosen")),
-                   "rejected": row.get(self.columns.get("rejected", "rejected"))}
+            out = {
+                "instruction": row.get(columns["prompt"]),
+                "input": row.get(columns["query"]),
+                "chosen": row.get(self.columns.get("chosen", "chosen")),
+                "rejected": row.get(self.columns.get("rejected", "rejected")),
+            }
             if "system" in columns:
                 out["system"] = row.get(columns["system"])
             if "kto_tag" not in self.columns:
-                return {k: v for k, v in out.items() if v is not None or k in ("chosen",
-                                                                              "rejected")}
-            out["messages"] = [{"role": "user", "content": out.pop("instruction")},
-                               {"role": "assistant",
-                                "content": row.get(columns["response"])}]
+                return {k: v for k, v in out.items() if v is not None or k in ("chosen", "rejected")}
+            out["messages"] = [
+                {"role": "user", "content": out.pop("instruction")},
+                {"role": "assistant", "content": row.get(columns["response"])},
+            ]
             out.pop("chosen"), out.pop("rejected"), out.pop("input")
         if "kto_tag" in self.columns:
             out["label"] = row.get(self.columns["kto_tag"])
@@ -166,8 +184,10 @@ class DatasetInfoEntry:
         messages_column = self.columns.get("messages", "conversations")
         turns = row.get(messages_column)
         if not isinstance(turns, list):
-            raise DataError(f"column `{messages_column}` (dataset_info columns.messages) must be "
-                            f"a list of turns; got {kind_of(turns)}")
+            raise DataError(
+                f"column `{messages_column}` (dataset_info columns.messages) must be "
+                f"a list of turns; got {kind_of(turns)}"
+            )
         tags = self.tags
         speakers = {tags[tag]: speaker for tag, speaker in _TAG_TO_SPEAKER.items()}
         conversations = []
@@ -177,8 +197,10 @@ class DatasetInfoEntry:
             role = turn.get(tags["role_tag"])
             if not isinstance(role, str) or role not in speakers:
                 shown = repr(role) if isinstance(role, (str, type(None))) else kind_of(role)
-                raise DataError(f"turn {index}: `{tags['role_tag']}` is {shown}; the entry's "
-                                f"tags allow {', '.join(map(repr, speakers))}")
+                raise DataError(
+                    f"turn {index}: `{tags['role_tag']}` is {shown}; the entry's "
+                    f"tags allow {', '.join(map(repr, speakers))}"
+                )
             conversations.append({"from": speakers[role], "value": turn.get(tags["content_tag"])})
         out = {"conversations": conversations}
         starts_with_system = conversations and conversations[0]["from"] == "system"

@@ -25,6 +25,7 @@ Pre-training documents (Sample.text) skip the template: each is tokenised and cl
 end-of-sequence token, and a dataset's documents are concatenated and cut into rows of exactly
 max_length tokens (the last may be shorter), loss on every token: nothing is cut off or padded.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -63,15 +64,16 @@ class EncodeReport:
     """Count and sha256 of the samples, when the cache recorded them (arrow.fingerprint_samples)."""
 
     def summary(self, max_length: int) -> str:
-        return (f"{len(self.samples)} samples encoded; {len(self.truncated)} cut to "
-                f"--max-length {max_length}; {len(self.problems)} not used")
+        return (
+            f"{len(self.samples)} samples encoded; {len(self.truncated)} cut to "
+            f"--max-length {max_length}; {len(self.problems)} not used"
+        )
 
 
-def render(tokenizer, messages: list, tools=None, add_generation_prompt: bool = False,
-           **template_kwargs) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt,
-                                         **template_kwargs)
+def render(tokenizer, messages: list, tools=None, add_generation_prompt: bool = False, **template_kwargs) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
 
 
 def reasoning_of(message: dict) -> str:
@@ -99,10 +101,10 @@ def thinking_setup(tokenizer, messages: list, mode) -> tuple[list, dict]:
         return messages, {}
     mode = str(mode).lower()
     if mode not in THINKING_MODES:
-        raise DataError(f"enable_thinking must be one of {', '.join(THINKING_MODES)} or a "
-                        f"boolean; got {mode!r}")
-    thinking = mode == "true" or (mode == "auto" and any(
-        reasoning_of(m).strip() for m in messages if m["role"] == "assistant"))
+        raise DataError(f"enable_thinking must be one of {', '.join(THINKING_MODES)} or a boolean; got {mode!r}")
+    thinking = mode == "true" or (
+        mode == "auto" and any(reasoning_of(m).strip() for m in messages if m["role"] == "assistant")
+    )
     if not thinking:
         messages = [without_reasoning(m) if m["role"] == "assistant" else m for m in messages]
     return messages, {"enable_thinking": thinking}
@@ -115,14 +117,17 @@ def _closed_at(text: str, end: int, closers: tuple) -> int:
     return len(stripped) if stripped.endswith(closers) else end
 
 
-_NOT_PREFIXES = ("the chat template does not render prefixes of a conversation as prefixes of "
-                 "the whole, nor an assistant reply as its own text; cannot mark the assistant "
-                 "spans. Keep such rows to one user turn")
+_NOT_PREFIXES = (
+    "the chat template does not render prefixes of a conversation as prefixes of "
+    "the whole, nor an assistant reply as its own text; cannot mark the assistant "
+    "spans. Keep such rows to one user turn"
+)
 _MARK = "\ue000lora-lab reply\ue001"
 
 
-def _reply_in_place(tokenizer, messages: list, index: int, tools, text: str, closers: tuple,
-                    template_kwargs: dict) -> tuple:
+def _reply_in_place(
+    tokenizer, messages: list, index: int, tools, text: str, closers: tuple, template_kwargs: dict
+) -> tuple:
     """The span of reply `index` found in the whole text, for a template whose earlier turns
     change once later turns follow (Mistral's moves the system prompt into the last user turn):
     the conversation is rendered with that reply's content replaced by a marker, and the text
@@ -135,9 +140,8 @@ def _reply_in_place(tokenizer, messages: list, index: int, tools, text: str, clo
     marked = [dict(m, content=_MARK) if i == index else m for i, m in enumerate(messages)]
     marked_text = render(tokenizer, marked, tools, **template_kwargs)
     at = marked_text.find(_MARK)
-    after = marked_text[at + len(_MARK):]
-    if at < 0 or _MARK in after or not (text.startswith(marked_text[:at])
-                                         and text.endswith(after)):
+    after = marked_text[at + len(_MARK) :]
+    if at < 0 or _MARK in after or not (text.startswith(marked_text[:at]) and text.endswith(after)):
         raise DataError(_NOT_PREFIXES)
     start, end = at, len(text) - len(after)
     while start > 0 and text[start - 1] == " ":
@@ -146,8 +150,9 @@ def _reply_in_place(tokenizer, messages: list, index: int, tools, text: str, clo
     return start, end + len(closer)
 
 
-def assistant_spans(tokenizer, messages: list, tools=None, trained: list | None = None,
-                    **template_kwargs) -> tuple[str, list]:
+def assistant_spans(
+    tokenizer, messages: list, tools=None, trained: list | None = None, **template_kwargs
+) -> tuple[str, list]:
     """The rendered text and the (start, end) character span of every trained assistant turn.
 
     A span starts after the template's assistant header (and after an empty think block) and
@@ -164,16 +169,15 @@ def assistant_spans(tokenizer, messages: list, tools=None, trained: list | None 
     for index, message in enumerate(messages):
         if message["role"] != "assistant" or (trained is not None and not trained[index]):
             continue
-        head = render(tokenizer, messages[:index], tools, add_generation_prompt=True,
-                      **head_kwargs)
-        upto = text if index == len(messages) - 1 else render(
-            tokenizer, messages[:index + 1], tools, **template_kwargs)
-        unclosed = upto.rstrip()[:-len(eos)] if eos and upto.rstrip().endswith(eos) else ""
+        head = render(tokenizer, messages[:index], tools, add_generation_prompt=True, **head_kwargs)
+        upto = (
+            text if index == len(messages) - 1 else render(tokenizer, messages[: index + 1], tools, **template_kwargs)
+        )
+        unclosed = upto.rstrip()[: -len(eos)] if eos and upto.rstrip().endswith(eos) else ""
         closed_by_eos = len(unclosed) > len(head) and text.startswith(unclosed)
         turn_end = text.find(eos, len(head)) if eos else -1
         if not text.startswith(head):
-            spans.append(_reply_in_place(tokenizer, messages, index, tools, text, closers,
-                                         template_kwargs))
+            spans.append(_reply_in_place(tokenizer, messages, index, tools, text, closers, template_kwargs))
             continue
         if not (text.startswith(upto) or closed_by_eos or turn_end >= 0):
             raise DataError(_NOT_PREFIXES)
@@ -190,8 +194,14 @@ def assistant_spans(tokenizer, messages: list, tools=None, trained: list | None 
     return text, spans
 
 
-def encode_sample(tokenizer, sample: Sample, max_length: int, truncation: str = "truncate",
-                  system: str | None = None, enable_thinking="auto") -> EncodedSample:
+def encode_sample(
+    tokenizer,
+    sample: Sample,
+    max_length: int,
+    truncation: str = "truncate",
+    system: str | None = None,
+    enable_thinking="auto",
+) -> EncodedSample:
     """One conversation -> input_ids and labels. Raises DataError if it cannot be used."""
     messages, trained = sample.messages, sample.trained
     if system and messages[0]["role"] != "system":
@@ -207,31 +217,37 @@ def encode_sample(tokenizer, sample: Sample, max_length: int, truncation: str = 
     for position, (start, end) in enumerate(encoding["offset_mapping"]):
         while span_index < len(spans) and start >= spans[span_index][1]:
             span_index += 1
-        if span_index < len(spans) and spans[span_index][0] <= start and end <= spans[
-                span_index][1] and end > start:
+        if span_index < len(spans) and spans[span_index][0] <= start and end <= spans[span_index][1] and end > start:
             labels[position] = input_ids[position]
     truncated = len(input_ids) > max_length
     if truncated:
         if truncation == "drop":
-            raise DataError(f"{len(input_ids)} tokens, over --max-length {max_length} "
-                            f"(--truncation drop)")
+            raise DataError(f"{len(input_ids)} tokens, over --max-length {max_length} (--truncation drop)")
         input_ids, labels = input_ids[:max_length], labels[:max_length]
     if all(label == IGNORE_INDEX for label in labels):
-        raise DataError(f"no assistant token left to train on after cutting to --max-length "
-                        f"{max_length}")
+        raise DataError(f"no assistant token left to train on after cutting to --max-length {max_length}")
     return EncodedSample(input_ids, labels, sample.origin, truncated)
 
 
-def encode_samples(tokenizer, samples: list, max_length: int, truncation: str = "truncate",
-                   system: str | None = None, enable_thinking="auto") -> EncodeReport:
+def encode_samples(
+    tokenizer,
+    samples: list,
+    max_length: int,
+    truncation: str = "truncate",
+    system: str | None = None,
+    enable_thinking="auto",
+) -> EncodeReport:
     report = EncodeReport()
     documents = []
     for sample in samples:
         if sample.text is not None:
             documents.append(sample)
             continue
-        add_encoded(report, sample, lambda: encode_sample(
-            tokenizer, sample, max_length, truncation, system, enable_thinking))
+        add_encoded(
+            report,
+            sample,
+            lambda sample=sample: encode_sample(tokenizer, sample, max_length, truncation, system, enable_thinking),
+        )
     report.samples += pack_documents(tokenizer, documents, max_length, report.problems)
     return report
 
@@ -245,9 +261,11 @@ def add_encoded(report: EncodeReport, sample, encode) -> None:
         return
     except (TypeError, ValueError, RecursionError, UnicodeError) as exc:
         # the template or tokenizer refused a value the reader let through: one bad row
-        report.problems.append(Problem(sample.origin, f"the chat template could not render "
-                                                      f"this row ({type(exc).__name__}: "
-                                                      f"{str(exc)[:200]})"))
+        report.problems.append(
+            Problem(
+                sample.origin, f"the chat template could not render this row ({type(exc).__name__}: {str(exc)[:200]})"
+            )
+        )
         return
     report.samples.append(encoded)
     if encoded.truncated:
@@ -256,8 +274,9 @@ def add_encoded(report: EncodeReport, sample, encode) -> None:
 
 def pack_documents(tokenizer, documents: list, max_length: int, problems: list) -> list:
     """Pre-training documents, each closed by EOS, concatenated and cut into max_length rows."""
-    tokenised = ((ids, sample.origin) for sample in documents
-                 if (ids := document_ids(tokenizer, sample, problems)) is not None)
+    tokenised = (
+        (ids, sample.origin) for sample in documents if (ids := document_ids(tokenizer, sample, problems)) is not None
+    )
     return list(cut_documents(tokenised, max_length))
 
 
@@ -267,8 +286,11 @@ def document_ids(tokenizer, sample: Sample, problems: list) -> list | None:
     try:
         return list(tokenizer(sample.text, add_special_tokens=False)["input_ids"]) + eos
     except (TypeError, ValueError, UnicodeError) as exc:
-        problems.append(Problem(sample.origin, f"the tokenizer could not read this document "
-                                               f"({type(exc).__name__}: {str(exc)[:200]})"))
+        problems.append(
+            Problem(
+                sample.origin, f"the tokenizer could not read this document ({type(exc).__name__}: {str(exc)[:200]})"
+            )
+        )
         return None
 
 

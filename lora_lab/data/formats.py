@@ -19,6 +19,7 @@ A problem is an error when the row cannot be trained on as written: it is not us
 warning when the row is read, with a remark: consecutive assistant messages joined, a placeholder
 left unfilled, fields the format does not use. Nothing is changed without one or the other.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -35,30 +36,46 @@ from .preference import refuse_preference
 from .readers import Bad, Problem, kind_of, read_rows
 from .tools import calls_from_json_text, normalise_tool_calls, normalise_tools
 
-__all__ = ["FORMATS", "LoadedData", "Problem", "Sample", "detect_format", "load_dataset_spec",
-           "normalise_row", "parse_spec", "read_rows"]
+__all__ = [
+    "FORMATS",
+    "LoadedData",
+    "Problem",
+    "Sample",
+    "detect_format",
+    "load_dataset_spec",
+    "normalise_row",
+    "parse_spec",
+    "read_rows",
+]
 
 FORMATS = ("messages", "sharegpt", "swift-sharegpt", "alpaca", "query-response", "text")
-KNOWN_FIELDS = {"messages": {"messages", "tools", "enable_thinking"},
-                "sharegpt": {"conversations", "system", "tools", "enable_thinking"},
-                "swift-sharegpt": {"conversation", "system", "tools", "enable_thinking"},
-                "alpaca": {"instruction", "input", "output", "system", "history", "tools",
-                           "enable_thinking"},
-                "query-response": {"query", "response", "system", "history", "tools",
-                                   "enable_thinking"},
-                "text": {"text"}}
-MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id", "name", "loss", "loss_weight",
-                  "reasoning_content"}
+KNOWN_FIELDS = {
+    "messages": {"messages", "tools", "enable_thinking"},
+    "sharegpt": {"conversations", "system", "tools", "enable_thinking"},
+    "swift-sharegpt": {"conversation", "system", "tools", "enable_thinking"},
+    "alpaca": {"instruction", "input", "output", "system", "history", "tools", "enable_thinking"},
+    "query-response": {"query", "response", "system", "history", "tools", "enable_thinking"},
+    "text": {"text"},
+}
+MESSAGE_FIELDS = {"role", "content", "tool_calls", "tool_call_id", "name", "loss", "loss_weight", "reasoning_content"}
 TURN_FIELDS = {"from", "value"}
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system", "observation": "tool", "tool": "tool",
-                   "function_call": "assistant"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "observation": "tool",
+    "tool": "tool",
+    "function_call": "assistant",
+}
 _ROLES = ("system", "user", "assistant", "tool", "tool_call", "tool_response")
 
 
 @dataclass
 class Sample:
     """One conversation (or, with `text`, one pre-training document), normalised."""
+
     messages: list
     origin: str
     tools: list | None = None
@@ -95,8 +112,7 @@ def parse_spec(spec: str) -> tuple[str, int | None]:
     return spec.strip(), None
 
 
-def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
-                      fill: dict | None = None) -> LoadedData:
+def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42, fill: dict | None = None) -> LoadedData:
     """Read one --data entry, normalise its rows, sample `#N` if asked."""
     from .dataset_info import DatasetInfoEntry
 
@@ -133,6 +149,7 @@ def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42,
 @dataclass
 class NormalisedRows:
     """Rows normalised in order: the samples, and what load_dataset_spec reports about them."""
+
     samples: list = field(default_factory=list)
     problems: list = field(default_factory=list)
     notes: list = field(default_factory=list)
@@ -148,7 +165,7 @@ def normalise_rows(raw_rows, fmt: str, entry=None, fill: dict | None = None) -> 
     used is a problem with its origin."""
     out = NormalisedRows()
     for row, origin in raw_rows:
-        for name in ([] if entry else unknown_fields(row, fmt)):
+        for name in [] if entry else unknown_fields(row, fmt):
             seen = out.unused.setdefault(name, [origin, 0])
             seen[1] += 1
         try:
@@ -167,8 +184,7 @@ def normalise_rows(raw_rows, fmt: str, entry=None, fill: dict | None = None) -> 
 
 def identity_unfilled(spec: str, source: str, fill: dict) -> DataError:
     """A bundled identity set exists to be filled (resolve_config says so first)."""
-    return DataError(f"--data {spec}: " + identity_problem([source], fill.get("model_name"),
-                                                          fill.get("model_author")))
+    return DataError(f"--data {spec}: " + identity_problem([source], fill.get("model_name"), fill.get("model_author")))
 
 
 def peek_rows(rows) -> tuple[list, object]:
@@ -189,20 +205,26 @@ def detect_format(rows: list, source: str) -> str:
         if not isinstance(row, dict):
             continue
         refuse_preference(row, f"--data {source}")
-        for key, fmt in (("messages", "messages"), ("conversations", "sharegpt"),
-                         ("conversation", "swift-sharegpt"), ("instruction", "alpaca"),
-                         ("query", "query-response"), ("response", "query-response"),
-                         ("text", "text")):
+        for key, fmt in (
+            ("messages", "messages"),
+            ("conversations", "sharegpt"),
+            ("conversation", "swift-sharegpt"),
+            ("instruction", "alpaca"),
+            ("query", "query-response"),
+            ("response", "query-response"),
+            ("text", "text"),
+        ):
             if key in row:
                 return fmt
         keys = ", ".join(sorted(map(str, row)))
-        raise DataError(f"--data {source}: cannot tell the row format from its fields ({keys}). "
-                        f"Expected messages, conversations, conversation, instruction/output, "
-                        f"query/response or text; or pass --format (docs/data.md lists them).")
+        raise DataError(
+            f"--data {source}: cannot tell the row format from its fields ({keys}). "
+            f"Expected messages, conversations, conversation, instruction/output, "
+            f"query/response or text; or pass --format (docs/data.md lists them)."
+        )
     row, origin = rows[0]
     reason = row.reason if isinstance(row, Bad) else f"expected an object, got {kind_of(row)}"
-    raise DataError(f"--data {source}: no row could be parsed ({len(rows)} rows; first: "
-                    f"{origin}: {reason}).")
+    raise DataError(f"--data {source}: no row could be parsed ({len(rows)} rows; first: {origin}: {reason}).")
 
 
 def normalise_row(row, fmt: str, origin: str, require_reply: bool = True) -> Sample:
@@ -229,25 +251,40 @@ def normalise_row(row, fmt: str, origin: str, require_reply: bool = True) -> Sam
     else:
         raise DataError(f"unknown row format {fmt!r}; expected one of {', '.join(FORMATS)}")
     tools = normalise_tools(row.get("tools"))
-    if fmt == "messages" and require_reply and len(messages) == 1 \
-            and messages[0]["role"] == "assistant" and not messages[0].get("tool_calls") \
-            and not tools:  # ms-swift's pre-training row
+    if (
+        fmt == "messages"
+        and require_reply
+        and len(messages) == 1
+        and messages[0]["role"] == "assistant"
+        and not messages[0].get("tool_calls")
+        and not tools
+    ):  # ms-swift's pre-training row
         return Sample([], origin, text=_document(messages[0]["content"], "content"), notes=notes)
-    if not require_reply and messages and messages[-1]["role"] == "assistant" and not (
-            messages[-1]["content"].strip() or messages[-1].get("tool_calls")):
+    if (
+        not require_reply
+        and messages
+        and messages[-1]["role"] == "assistant"
+        and not (messages[-1]["content"].strip() or messages[-1].get("tool_calls"))
+    ):
         messages = messages[:-1]
         trained = trained[:-1] if trained else trained
     check_messages(messages, require_reply, trained)
-    empty = [str(i) for i, m in enumerate(messages, start=1)
-             if m["role"] == "user" and not str(m.get("content") or "").strip()]
+    empty = [
+        str(i)
+        for i, m in enumerate(messages, start=1)
+        if m["role"] == "user" and not str(m.get("content") or "").strip()
+    ]
     if empty:
-        notes.append(f"user message {', '.join(empty)} is empty: the model learns to answer an "
-                     f"empty prompt (fill it in, or drop the row)")
+        notes.append(
+            f"user message {', '.join(empty)} is empty: the model learns to answer an "
+            f"empty prompt (fill it in, or drop the row)"
+        )
     thinking = row.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise DataError(f"field `enable_thinking` must be true or false; got {kind_of(thinking)}")
-    return Sample(messages=messages, origin=origin, tools=tools, trained=trained, notes=notes,
-                  enable_thinking=thinking)
+    return Sample(
+        messages=messages, origin=origin, tools=tools, trained=trained, notes=notes, enable_thinking=thinking
+    )
 
 
 def _document(value, name: str) -> str:
@@ -262,8 +299,7 @@ def _document(value, name: str) -> str:
 
 def _is_response_only(row: dict, fmt: str) -> bool:
     """ms-swift's pre-training form: a response with no query (and no history)."""
-    return fmt == "query-response" and "query" not in row and "response" in row \
-        and not row.get("history")
+    return fmt == "query-response" and "query" not in row and "response" in row and not row.get("history")
 
 
 def unknown_fields(row, fmt: str) -> list[str]:
@@ -288,8 +324,7 @@ def unused_field_warnings(unused: dict, fmt: str) -> list:
         close = difflib.get_close_matches(name.rsplit(".", 1)[-1], sorted(known), n=1)
         hint = f" (did you mean `{close[0]}`?)" if close else ""
         more = f" ({rows} rows)" if rows > 1 else ""
-        warnings.append(Problem(first, f"field `{name}` is not used by the {fmt} format and "
-                                            f"was ignored{more}{hint}"))
+        warnings.append(Problem(first, f"field `{name}` is not used by the {fmt} format and was ignored{more}{hint}"))
     return warnings
 
 
@@ -299,18 +334,15 @@ def _text(value, where: str, allow_parts: bool = False) -> str:
     if isinstance(value, str):
         return value
     if allow_parts and isinstance(value, list) and value:
-        return "".join(_text_part(part, f"{where}, part {i}") for i, part in
-                       enumerate(value, start=1))
-    raise DataError(f"{where} must be text{' or a list of text parts' if allow_parts else ''}; "
-                    f"got {kind_of(value)}")
+        return "".join(_text_part(part, f"{where}, part {i}") for i, part in enumerate(value, start=1))
+    raise DataError(f"{where} must be text{' or a list of text parts' if allow_parts else ''}; got {kind_of(value)}")
 
 
 def _text_part(part, where: str) -> str:
     """{"type": "text", "text": ...} (OpenAI) or {"type": "text", "value": ...} (LLaMA-Factory)."""
     if not isinstance(part, dict) or part.get("type") != "text":
         kind = part.get("type") if isinstance(part, dict) else kind_of(part)
-        raise DataError(f"{where}: only text parts ({{\"type\": \"text\", \"text\": ...}}) can be "
-                        f"trained on; got {kind!r}")
+        raise DataError(f'{where}: only text parts ({{"type": "text", "text": ...}}) can be trained on; got {kind!r}')
     key = "text" if "text" in part else "value"
     if not isinstance(part.get(key), str):
         raise DataError(f"{where}: `text` must be text; got {kind_of(part.get(key))}")
@@ -325,14 +357,17 @@ def _loss_flag(turn: dict, role: str, where: str) -> bool | None:
     weight = turn.get("loss_weight")
     if weight is not None:
         if isinstance(weight, bool) or weight not in (0, 1):
-            raise DataError(f"{where}: `loss_weight` must be 0 or 1 (lora-lab does not weight "
-                            f"the loss); got {kind_of(weight)}")
+            raise DataError(
+                f"{where}: `loss_weight` must be 0 or 1 (lora-lab does not weight the loss); got {kind_of(weight)}"
+            )
         if flag is not None and flag != bool(weight):
             raise DataError(f"{where}: `loss` and `loss_weight` disagree")
         flag = bool(weight)
     if flag and role not in ("assistant", "tool_call"):  # a tool_call is part of the reply
-        raise DataError(f"{where}: loss on a {role} message; lora-lab trains on assistant "
-                        f"replies only (remove the flag, or make it the assistant's)")
+        raise DataError(
+            f"{where}: loss on a {role} message; lora-lab trains on assistant "
+            f"replies only (remove the flag, or make it the assistant's)"
+        )
     return flag
 
 
@@ -345,60 +380,65 @@ def _messages_from_openai(row: dict, notes: list) -> tuple[list, list | None]:
     for index, turn in enumerate(row["messages"], start=1):
         where = f"message {index}"
         if not isinstance(turn, dict) or "role" not in turn:
-            raise DataError(f"{where}: missing field `role`" if isinstance(turn, dict) else
-                            f"{where}: expected an object with `role` and `content`, got "
-                            f"{kind_of(turn)}")
+            raise DataError(
+                f"{where}: missing field `role`"
+                if isinstance(turn, dict)
+                else f"{where}: expected an object with `role` and `content`, got {kind_of(turn)}"
+            )
         role = turn["role"]
         if not isinstance(role, str) or role not in _ROLES:
-            raise DataError(f"{where}: unknown role {role!r}; expected one of "
-                            f"{', '.join(_ROLES)}")
+            raise DataError(f"{where}: unknown role {role!r}; expected one of {', '.join(_ROLES)}")
         flag = _loss_flag(turn, role, where)
         if role == "tool_call":  # ms-swift: the call as a JSON string, part of the reply
-            message = {"role": "assistant", "content": "",
-                       "tool_calls": calls_from_json_text(turn.get("content"), where)}
+            message = {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": calls_from_json_text(turn.get("content"), where),
+            }
         else:
             role = "tool" if role == "tool_response" else role
             content = turn.get("content")
             if content is None and not (role == "assistant" and turn.get("tool_calls")):
                 raise DataError(f"{where}: missing field `content`")
-            message = {"role": role, "content": "" if content is None else
-                       _text(content, f"{where}: `content`", allow_parts=True)}
+            message = {
+                "role": role,
+                "content": "" if content is None else _text(content, f"{where}: `content`", allow_parts=True),
+            }
             if turn.get("tool_calls") is not None:
                 if role != "assistant":
                     raise DataError(f"{where}: only assistant messages have `tool_calls`")
                 message["tool_calls"] = normalise_tool_calls(turn["tool_calls"], where)
             if role == "assistant" and turn.get("reasoning_content") is not None:
-                message["reasoning_content"] = _text(turn["reasoning_content"],
-                                                     f"{where}: `reasoning_content`")
+                message["reasoning_content"] = _text(turn["reasoning_content"], f"{where}: `reasoning_content`")
         if out and out[-1]["role"] == message["role"] == "assistant":
-            _join_reply(out[-1], message, trained, flag, index, notes if turn["role"] ==
-                        "assistant" else [])
+            _join_reply(out[-1], message, trained, flag, index, notes if turn["role"] == "assistant" else [])
             continue
         out.append(message)
         trained.append(flag)
     if all(flag is None for flag in trained):
         return out, None
-    return out, [flag is not False if m["role"] == "assistant" else False
-                 for m, flag in zip(out, trained)]
+    return out, [flag is not False if m["role"] == "assistant" else False for m, flag in zip(out, trained)]
 
 
-def _join_reply(previous: dict, message: dict, trained: list, flag, index: int,
-                notes: list) -> None:
+def _join_reply(previous: dict, message: dict, trained: list, flag, index: int, notes: list) -> None:
     """Consecutive assistant messages are one reply, as ms-swift joins them. A `tool_call`
     message after the reply's text is the documented agent form; two assistant texts in a row
     get a note. Text after a tool call cannot be kept in order, so it is an error."""
     if previous.get("tool_calls") and message["content"]:
-        raise DataError(f"message {index}: assistant text after a tool call in the same reply; "
-                        f"the chat template puts calls after the text, so reorder them")
+        raise DataError(
+            f"message {index}: assistant text after a tool call in the same reply; "
+            f"the chat template puts calls after the text, so reorder them"
+        )
     if flag is not None and trained[-1] is not None and flag != trained[-1]:
-        raise DataError(f"message {index}: joins the assistant message before it, but their "
-                        f"loss flags differ")
+        raise DataError(f"message {index}: joins the assistant message before it, but their loss flags differ")
     previous["content"] += message["content"]
     if message.get("tool_calls"):
         previous["tool_calls"] = previous.get("tool_calls", []) + message["tool_calls"]
     trained[-1] = trained[-1] if trained[-1] is not None else flag
-    notes.append(f"message {index} follows an assistant message and was joined to it as one "
-                 f"reply (text concatenated, tool calls appended)")
+    notes.append(
+        f"message {index} follows an assistant message and was joined to it as one "
+        f"reply (text concatenated, tool calls appended)"
+    )
 
 
 def _messages_from_sharegpt(row: dict) -> list:
@@ -413,16 +453,14 @@ def _messages_from_sharegpt(row: dict) -> list:
         speaker = turn.get("from") if isinstance(turn, dict) else None
         if not isinstance(speaker, str) or speaker not in _SHAREGPT_ROLES:
             shown = repr(speaker) if isinstance(speaker, (str, type(None))) else kind_of(speaker)
-            raise DataError(f"{where}: unknown speaker {shown}; expected one of "
-                            f"{', '.join(_SHAREGPT_ROLES)}")
+            raise DataError(f"{where}: unknown speaker {shown}; expected one of {', '.join(_SHAREGPT_ROLES)}")
         if turn.get("value") is None:
             raise DataError(f"{where}: missing field `value`")
         if speaker == "function_call":
             calls = calls_from_json_text(turn["value"], f"{where} (function_call)")
             out.append({"role": "assistant", "content": "", "tool_calls": calls})
         else:
-            out.append({"role": _SHAREGPT_ROLES[speaker],
-                        "content": _text(turn["value"], f"{where}: `value`")})
+            out.append({"role": _SHAREGPT_ROLES[speaker], "content": _text(turn["value"], f"{where}: `value`")})
     return out
 
 
@@ -430,17 +468,15 @@ def _messages_from_swift_sharegpt(row: dict) -> list:
     """ms-swift: {"system", "conversation": [{"human": q, "assistant": a}, ...]}."""
     turns = row.get("conversation")
     if not isinstance(turns, list):
-        raise DataError("field `conversation` must be a list of {\"human\", \"assistant\"} "
-                        f"pairs; got {kind_of(turns)}")
+        raise DataError(f'field `conversation` must be a list of {{"human", "assistant"}} pairs; got {kind_of(turns)}')
     out = _system(row)
     for index, turn in enumerate(turns, start=1):
         where = f"turn {index}"
         if not isinstance(turn, dict) or "human" not in turn or set(turn) - {"human", "assistant"}:
-            raise DataError(f"{where}: expected {{\"human\": ..., \"assistant\": ...}}")
+            raise DataError(f'{where}: expected {{"human": ..., "assistant": ...}}')
         out.append({"role": "user", "content": _text(turn["human"], f"{where}: `human`")})
         if turn.get("assistant") is not None:
-            out.append({"role": "assistant",
-                        "content": _text(turn["assistant"], f"{where}: `assistant`")})
+            out.append({"role": "assistant", "content": _text(turn["assistant"], f"{where}: `assistant`")})
     return out
 
 
@@ -466,22 +502,22 @@ def _messages_from_pairs(row: dict, fmt: str, require_reply: bool) -> list:
     out = _system(row)
     history = row.get("history")
     if history is not None and not isinstance(history, list):
-        raise DataError(f"`history` must be a list of [question, answer] pairs; got "
-                        f"{kind_of(history)}")
+        raise DataError(f"`history` must be a list of [question, answer] pairs; got {kind_of(history)}")
     for index, pair in enumerate(history or [], start=1):
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise DataError(f"`history` item {index} must be a [question, answer] pair; got "
-                            f"{kind_of(pair)}")
-        out += [{"role": "user", "content": _text(pair[0], f"history {index} question")},
-                {"role": "assistant", "content": _text(pair[1], f"history {index} answer")}]
-    out += [{"role": "user", "content": prompt},
-            {"role": "assistant", "content": "" if reply is None else
-             _text(reply, f"field `{reply_key}`")}]
+            raise DataError(f"`history` item {index} must be a [question, answer] pair; got {kind_of(pair)}")
+        out += [
+            {"role": "user", "content": _text(pair[0], f"history {index} question")},
+            {"role": "assistant", "content": _text(pair[1], f"history {index} answer")},
+        ]
+    out += [
+        {"role": "user", "content": prompt},
+        {"role": "assistant", "content": "" if reply is None else _text(reply, f"field `{reply_key}`")},
+    ]
     return out
 
 
-def check_messages(messages: list, require_reply: bool = True,
-                   trained: list | None = None) -> None:
+def check_messages(messages: list, require_reply: bool = True, trained: list | None = None) -> None:
     """Roles known and in order, replies not empty, the conversation ends with the assistant."""
     if not messages:
         raise DataError("the conversation is empty")
@@ -491,13 +527,10 @@ def check_messages(messages: list, require_reply: bool = True,
         if role == "system" and index != 0:
             raise DataError(f"message {index + 1}: a system message may only come first")
         if role == "assistant" and previous not in ("user", "tool"):
-            raise DataError(f"message {index + 1}: an assistant reply must follow a user or "
-                            f"tool message")
+            raise DataError(f"message {index + 1}: an assistant reply must follow a user or tool message")
         if role == "tool" and previous not in ("assistant", "tool"):
-            raise DataError(f"message {index + 1}: a tool result must follow an assistant "
-                            f"tool call")
-        if role == "assistant" and not message["content"].strip() and not message.get(
-                "tool_calls"):
+            raise DataError(f"message {index + 1}: a tool result must follow an assistant tool call")
+        if role == "assistant" and not message["content"].strip() and not message.get("tool_calls"):
             raise DataError(f"message {index + 1}: empty assistant reply")
         if role == "user" and previous == "user":
             raise DataError(f"message {index + 1}: two user messages in a row")

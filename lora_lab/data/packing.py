@@ -8,6 +8,7 @@ the same effective batch) but concatenates them into `rows_per_step` rows of at 
 itself (a block-diagonal causal mask, lora_lab.train.PackedCollator), so the loss and gradients
 equal those of the samples run one by one (tests/unit/test_packing.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -57,9 +58,11 @@ class PackedData:
         return max(self.row_tokens)
 
     def summary(self) -> str:
-        return (f"packing: {self.samples_per_step} samples per optimizer step in "
-                f"{self.rows_per_step} row(s); {len(self.rows)} rows, longest {self.longest_row} "
-                f"tokens, {sum(self.row_tokens) / len(self.rows):.0f} on average, no padding")
+        return (
+            f"packing: {self.samples_per_step} samples per optimizer step in "
+            f"{self.rows_per_step} row(s); {len(self.rows)} rows, longest {self.longest_row} "
+            f"tokens, {sum(self.row_tokens) / len(self.rows):.0f} on average, no padding"
+        )
 
 
 def pack_samples(samples, samples_per_step: int, pack_length: int, seed: int) -> PackedData:
@@ -69,28 +72,33 @@ def pack_samples(samples, samples_per_step: int, pack_length: int, seed: int) ->
     lengths = sample_lengths(samples)
     longest = max(lengths)
     if longest > pack_length:
-        raise DataError(f"data.pack_length {pack_length} is shorter than the longest sample "
-                        f"({longest} tokens): set --set data.pack_length={longest} or more, or "
-                        f"a smaller --max-length.")
+        raise DataError(
+            f"data.pack_length {pack_length} is shorter than the longest sample "
+            f"({longest} tokens): set --set data.pack_length={longest} or more, or "
+            f"a smaller --max-length."
+        )
     order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)
-    steps = [order[start:start + samples_per_step]
-             for start in range(0, len(order), samples_per_step)]
+    steps = [order[start : start + samples_per_step] for start in range(0, len(order), samples_per_step)]
     step_tokens = [sum(map(lengths.__getitem__, step)) for step in steps]
     rows_per_step = max(math.ceil(tokens / pack_length) for tokens in step_tokens)
     if rows_per_step == 1:  # every step one row: _balance's order, without its bookkeeping
         plan = [sorted(step, key=lengths.__getitem__, reverse=True) for step in steps]
-        return PackedData(rows=PackedRows(samples, plan), rows_per_step=1,
-                          samples_per_step=samples_per_step, row_tokens=step_tokens)
+        return PackedData(
+            rows=PackedRows(samples, plan), rows_per_step=1, samples_per_step=samples_per_step, row_tokens=step_tokens
+        )
     while True:
         split = [_balance(step, rows_per_step, lengths) for step in steps]
         if all(sum(lengths[i] for i in row) <= pack_length for rows in split for row in rows):
             break
         rows_per_step += 1
     plan = [row for rows in split for row in rows]
-    return PackedData(rows=PackedRows(samples, plan), rows_per_step=rows_per_step,
-                      samples_per_step=samples_per_step,
-                      row_tokens=[sum(lengths[i] for i in row) for row in plan])
+    return PackedData(
+        rows=PackedRows(samples, plan),
+        rows_per_step=rows_per_step,
+        samples_per_step=samples_per_step,
+        row_tokens=[sum(lengths[i] for i in row) for row in plan],
+    )
 
 
 def _balance(step: list, count: int, lengths: list) -> list:

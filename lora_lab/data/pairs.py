@@ -19,14 +19,24 @@ are the tokens the template renders for the assistant reply, through its end-of-
 that prompt_ids + answer ids is exactly apply_chat_template(prompt + [reply]) without the
 template's trailing newline.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..errors import DataError
 from .encode import IGNORE_INDEX, EncodeReport, add_encoded, render
-from .formats import (LoadedData, Problem, _messages_from_openai, _messages_from_sharegpt,
-                      _system, _text, check_messages, parse_spec, sample_rows)
+from .formats import (
+    LoadedData,
+    Problem,
+    _messages_from_openai,
+    _messages_from_sharegpt,
+    _system,
+    _text,
+    check_messages,
+    parse_spec,
+    sample_rows,
+)
 from .readers import Bad, kind_of, read_rows
 from .tools import normalise_tools
 
@@ -67,9 +77,11 @@ class EncodedPair:
     @property
     def labels(self) -> list:
         """Answer tokens of every sequence, for the data fingerprint."""
-        return [IGNORE_INDEX] * len(self.prompt_ids) + self.chosen_ids + (
-            [IGNORE_INDEX] + self.rejected_ids if self.rejected_ids is not None else
-            [int(bool(self.label))])
+        return (
+            [IGNORE_INDEX] * len(self.prompt_ids)
+            + self.chosen_ids
+            + ([IGNORE_INDEX] + self.rejected_ids if self.rejected_ids is not None else [int(bool(self.label))])
+        )
 
     @property
     def trained_tokens(self) -> int:
@@ -78,13 +90,12 @@ class EncodedPair:
     def row(self) -> dict:
         """The row TRL's trainers read (their already-tokenized form)."""
         if self.rejected_ids is None:
-            return {"prompt_ids": self.prompt_ids, "completion_ids": self.chosen_ids,
-                    "label": bool(self.label)}
-        return {"prompt_ids": self.prompt_ids, "chosen_ids": self.chosen_ids,
-                "rejected_ids": self.rejected_ids}
+            return {"prompt_ids": self.prompt_ids, "completion_ids": self.chosen_ids, "label": bool(self.label)}
+        return {"prompt_ids": self.prompt_ids, "chosen_ids": self.chosen_ids, "rejected_ids": self.rejected_ids}
 
 
 # ----------------------------------------------------------------------------- reading rows
+
 
 def load_preference_spec(spec: str, task: str, seed: int = 42) -> LoadedData:
     """One --data entry of preference rows, each checked; `#N` samples N of them."""
@@ -102,15 +113,15 @@ def load_preference_spec(spec: str, task: str, seed: int = 42) -> LoadedData:
                 raise DataError(row.reason)
             if not isinstance(row, dict):
                 raise DataError(f"expected an object, got {kind_of(row)}")
-            loaded.samples.append(normalise_preference_row(
-                entry.remap_preference(row) if entry else row, task, origin))
+            loaded.samples.append(
+                normalise_preference_row(entry.remap_preference(row) if entry else row, task, origin)
+            )
         except DataError as exc:
             loaded.problems.append(Problem(origin, str(exc)))
         except RecursionError:
             loaded.problems.append(Problem(origin, "nested too deeply to read"))
     kind = "pairs" if task in PAIRED else "labelled answers"
-    loaded.formats.append((spec, f"preference {kind}" + (f" ({entry.describe()})" if entry
-                                                         else "")))
+    loaded.formats.append((spec, f"preference {kind}" + (f" ({entry.describe()})" if entry else "")))
     if count is not None:
         loaded.samples = sample_rows(loaded.samples, count, seed)
     return loaded
@@ -121,14 +132,18 @@ def normalise_preference_row(row: dict, task: str, origin: str) -> PreferenceSam
     labelled = "label" in row or "kto_tag" in row
     if task in PAIRED:
         if labelled and "rejected" not in row and "rejected_response" not in row:
-            raise DataError(f"a KTO row (`label` true/false, no rejected answer); --task {task} "
-                            f"needs a chosen and a rejected answer per row. Train it with "
-                            f"--task kto.")
+            raise DataError(
+                f"a KTO row (`label` true/false, no rejected answer); --task {task} "
+                f"needs a chosen and a rejected answer per row. Train it with "
+                f"--task kto."
+            )
         return _pair(row, origin)
     if not labelled:
         if "chosen" in row and ("rejected" in row or "rejected_response" in row):
-            raise DataError("a preference pair (chosen / rejected); --task kto reads labelled "
-                            "answers (`label` true/false). Train pairs with --task dpo.")
+            raise DataError(
+                "a preference pair (chosen / rejected); --task kto reads labelled "
+                "answers (`label` true/false). Train pairs with --task dpo."
+            )
         raise DataError("missing field `label` (true: a good answer, false: a bad one)")
     return _labelled(row, origin)
 
@@ -138,11 +153,11 @@ def _pair(row: dict, origin: str) -> PreferenceSample:
     if "rejected_response" in row:  # ms-swift: messages end with the chosen reply
         messages = _conversation(row)
         if not messages or messages[-1]["role"] != "assistant":
-            raise DataError("`messages` must end with the chosen assistant reply "
-                            "(ms-swift's `rejected_response` form)")
+            raise DataError(
+                "`messages` must end with the chosen assistant reply (ms-swift's `rejected_response` form)"
+            )
         chosen = messages[-1]["content"]
-        prompt, rejected = messages[:-1], _answer(row.get("rejected_response"),
-                                                  "rejected_response")
+        prompt, rejected = messages[:-1], _answer(row.get("rejected_response"), "rejected_response")
     else:
         for name in ("chosen", "rejected"):
             if row.get(name) is None:
@@ -169,13 +184,11 @@ def _labelled(row: dict, origin: str) -> PreferenceSample:
     else:
         messages = _conversation(row)
         if not messages or messages[-1]["role"] != "assistant":
-            raise DataError("the conversation must end with the assistant answer the label "
-                            "is about")
+            raise DataError("the conversation must end with the assistant answer the label is about")
         prompt, answer = messages[:-1], messages[-1]["content"]
     _check_prompt(prompt)
     _check_answer(answer, "completion" if "completion" in row else "answer")
-    return PreferenceSample(prompt, origin, answer, label=label,
-                            tools=normalise_tools(row.get("tools")))
+    return PreferenceSample(prompt, origin, answer, label=label, tools=normalise_tools(row.get("tools")))
 
 
 def _has_prompt(row: dict) -> bool:
@@ -207,13 +220,15 @@ def _implicit_prompt(row: dict) -> list:
     """TRL's implicit prompt: chosen and rejected are conversations that differ in the reply."""
     chosen, rejected = row["chosen"], row["rejected"]
     if not (isinstance(chosen, list) and isinstance(rejected, list)):
-        raise DataError("missing field `prompt` (or `messages`); with text answers the row "
-                        "needs the prompt they answer")
+        raise DataError(
+            "missing field `prompt` (or `messages`); with text answers the row needs the prompt they answer"
+        )
     head_c, _ = _messages_from_openai({"messages": chosen[:-1]}, [])
     head_r, _ = _messages_from_openai({"messages": rejected[:-1]}, [])
     if head_c != head_r:
-        raise DataError("`chosen` and `rejected` conversations differ before their last "
-                        "message; they must share the prompt")
+        raise DataError(
+            "`chosen` and `rejected` conversations differ before their last message; they must share the prompt"
+        )
     return head_c
 
 
@@ -241,8 +256,10 @@ def _check_prompt(prompt: list) -> None:
         raise DataError("the prompt is empty: no user message before the answers")
     check_messages(prompt, require_reply=False)
     if prompt[-1]["role"] == "assistant":
-        raise DataError("the prompt ends with an assistant message; it must end with the user "
-                        "message (or tool result) the answers reply to")
+        raise DataError(
+            "the prompt ends with an assistant message; it must end with the user "
+            "message (or tool result) the answers reply to"
+        )
 
 
 def _check_answer(text: str, name: str) -> None:
@@ -252,14 +269,17 @@ def _check_answer(text: str, name: str) -> None:
 
 # ----------------------------------------------------------------------------- encoding
 
+
 def encode_answer(tokenizer, prompt: list, answer: str, tools=None) -> tuple[list, list]:
     """(prompt_ids, answer_ids): the template's tokens of prompt + reply, split where the reply
     starts; the answer runs through the end-of-turn token."""
     head = render(tokenizer, prompt, tools, add_generation_prompt=True)
     full = render(tokenizer, prompt + [{"role": "assistant", "content": answer}], tools)
     if not full.startswith(head):
-        raise DataError("the chat template does not render the prompt as a prefix of prompt + "
-                        "answer; cannot tell the answer's tokens")
+        raise DataError(
+            "the chat template does not render the prompt as a prefix of prompt + "
+            "answer; cannot tell the answer's tokens"
+        )
     eos = tokenizer.eos_token or ""
     end = len(full.rstrip()) if eos and full.rstrip().endswith(eos) else len(full)
     encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -274,16 +294,16 @@ def encode_answer(tokenizer, prompt: list, answer: str, tools=None) -> tuple[lis
     return prompt_ids, answer_ids
 
 
-def encode_preference(tokenizer, sample: PreferenceSample, max_length: int,
-                      truncation: str = "truncate", system: str | None = None) -> EncodedPair:
+def encode_preference(
+    tokenizer, sample: PreferenceSample, max_length: int, truncation: str = "truncate", system: str | None = None
+) -> EncodedPair:
     prompt = sample.prompt
     if system and prompt[0]["role"] != "system":
         prompt = [{"role": "system", "content": system}] + prompt
     prompt_ids, chosen_ids = encode_answer(tokenizer, prompt, sample.chosen, sample.tools)
     rejected_ids = None
     if sample.rejected is not None:
-        other_prompt, rejected_ids = encode_answer(tokenizer, prompt, sample.rejected,
-                                                   sample.tools)
+        other_prompt, rejected_ids = encode_answer(tokenizer, prompt, sample.rejected, sample.tools)
         if other_prompt != prompt_ids:
             raise DataError("the prompt encodes differently before the two answers")
     room = max_length - len(prompt_ids)
@@ -291,20 +311,22 @@ def encode_preference(tokenizer, sample: PreferenceSample, max_length: int,
     truncated = longest > room
     if truncated:
         if truncation == "drop" or room < 1:
-            raise DataError(f"{len(prompt_ids) + longest} tokens, over --max-length "
-                            f"{max_length}" + (" (--truncation drop)" if room >= 1 else
-                                               f"; the prompt alone has {len(prompt_ids)}"))
+            raise DataError(
+                f"{len(prompt_ids) + longest} tokens, over --max-length "
+                f"{max_length}"
+                + (" (--truncation drop)" if room >= 1 else f"; the prompt alone has {len(prompt_ids)}")
+            )
         chosen_ids = chosen_ids[:room]
         rejected_ids = rejected_ids[:room] if rejected_ids is not None else None
-    return EncodedPair(prompt_ids, chosen_ids, rejected_ids, sample.origin, sample.label,
-                       truncated)
+    return EncodedPair(prompt_ids, chosen_ids, rejected_ids, sample.origin, sample.label, truncated)
 
 
-def encode_preferences(tokenizer, samples: list, max_length: int, truncation: str = "truncate",
-                       system: str | None = None) -> EncodeReport:
+def encode_preferences(
+    tokenizer, samples: list, max_length: int, truncation: str = "truncate", system: str | None = None
+) -> EncodeReport:
     report = EncodeReport()
     for sample in samples:
-        add_encoded(report, sample, lambda: encode_preference(
-            tokenizer, sample, max_length, truncation, system))
+        add_encoded(
+            report, sample, lambda sample=sample: encode_preference(tokenizer, sample, max_length, truncation, system)
+        )
     return report
-

@@ -1,5 +1,6 @@
 """{{NAME}} / {{AUTHOR}} in rows (LLaMA-Factory's identity.json form), filled from --model-name and
 --model-author; a placeholder left unfilled is a warning naming the flag."""
+
 from __future__ import annotations
 
 import re
@@ -29,9 +30,13 @@ def fill_placeholders(samples: list, fill: dict) -> list:
         for message in sample.messages:
             message["content"] = PLACEHOLDER.sub(replace, message["content"])
         if left:
-            flags = " and ".join(sorted({"--" + FILL_KEYS[t[2:-2].lower()].replace("_", "-")
-                                         for t in left}))
-            warnings.append(Problem(sample.origin, f"placeholder {', '.join(sorted(left))} is "
-                                                   f"not filled and would be trained literally; "
-                                                   f"pass {flags}"))
+            flags = " and ".join(sorted({"--" + FILL_KEYS[t[2:-2].lower()].replace("_", "-") for t in left}))
+            warnings.append(
+                Problem(
+                    sample.origin,
+                    f"placeholder {', '.join(sorted(left))} is "
+                    f"not filled and would be trained literally; "
+                    f"pass {flags}",
+                )
+            )
     return warnings

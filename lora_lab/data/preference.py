@@ -1,5 +1,6 @@
 """Preference and KTO rows met by a supervised (--task sft) run: refused, naming the task that
 trains them (pairs.py reads them for --task dpo / orpo / simpo / kto)."""
+
 from __future__ import annotations
 
 from ..errors import DataError
@@ -16,10 +17,12 @@ def refuse_preference(row: dict, where: str) -> None:
             f"{where}: preference data ({' / '.join(f'`{k}`' for k in keys)}: a better and a worse "
             f"answer). Supervised fine-tuning (--task sft) would not learn the preference; train "
             f"it with `--task dpo` (or orpo, simpo; docs/preference.md). To fine-tune on the "
-            f"chosen answers alone, write them as messages rows.")
+            f"chosen answers alone, write them as messages rows."
+        )
     if isinstance(row.get("label"), bool) or "kto_tag" in row:
         raise DataError(
             f"{where}: KTO data (a `label` true/false per answer: false marks an answer NOT to "
             f"learn). Supervised fine-tuning (--task sft) would learn the bad answers too; train "
             f"it with `--task kto` (docs/preference.md), or keep only the `label: true` rows and "
-            f"drop the `label` field.")
+            f"drop the `label` field."
+        )

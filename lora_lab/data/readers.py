@@ -10,6 +10,7 @@ Streamed (stream=True), .jsonl, .csv, .parquet (a row group batch at a time), a 
 rows (JSON_BLOCK_BYTES of text at a time) and hub datasets (memory-mapped by `datasets`) come one
 row at a time; a .json file holding one row object is read whole.
 """
+
 from __future__ import annotations
 
 import csv
@@ -18,8 +19,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..paths import BUNDLED_DATA, bundled_data_dir
 from ..errors import DataError
+from ..paths import BUNDLED_DATA, bundled_data_dir
 
 MAX_DEPTH = 100
 """Deepest nesting of lists and objects a row may have (real rows nest a handful of levels)."""
@@ -39,6 +40,7 @@ class Bad:
 
 class _Object(dict):
     """A JSON object that remembers the keys it held more than once."""
+
     duplicates: tuple = ()
 
 
@@ -68,13 +70,17 @@ def value_problem(value) -> str | None:
         if isinstance(item, str):
             found = _SURROGATE.search(item)
             if found:
-                return (f"contains a lone surrogate \\u{ord(found.group()):04x}, which is not "
-                        f"valid Unicode; fix the escape sequence")
+                return (
+                    f"contains a lone surrogate \\u{ord(found.group()):04x}, which is not "
+                    f"valid Unicode; fix the escape sequence"
+                )
         elif isinstance(item, dict):
             twice = getattr(item, "duplicates", ())
             if twice:
-                return (f"key `{twice[0]}` appears twice in one object; JSON keeps only the last "
-                        f"value, so remove or rename one")
+                return (
+                    f"key `{twice[0]}` appears twice in one object; JSON keeps only the last "
+                    f"value, so remove or rename one"
+                )
             stack += [(v, depth + 1) for v in item.values()]
         elif isinstance(item, list):
             stack += [(v, depth + 1) for v in item]
@@ -93,8 +99,7 @@ def parse_json_text(text: str):
     return Bad(problem) if problem else value
 
 
-def read_rows(source: str, warnings: list | None = None, stream: bool = False
-              ) -> list[tuple[object, str]]:
+def read_rows(source: str, warnings: list | None = None, stream: bool = False) -> list[tuple[object, str]]:
     """Rows of a file or hub dataset, each paired with its origin ("file.jsonl:3").
 
     File-level remarks (byte-order mark, CRLF, final newline) are appended to `warnings`.
@@ -109,20 +114,17 @@ def read_rows(source: str, warnings: list | None = None, stream: bool = False
             warnings += text_file_warnings(path)
         if suffix == ".json":
             return read_json(path, warnings, stream)
-        rows = {".jsonl": iter_jsonl, ".csv": lambda p: iter_csv(p, warnings),
-                ".parquet": iter_parquet}[suffix](path)
+        rows = {".jsonl": iter_jsonl, ".csv": lambda p: iter_csv(p, warnings), ".parquet": iter_parquet}[suffix](path)
         return rows if stream else list(rows)
     if path.exists() or source.startswith((".", "/", "~")):
-        raise DataError(f"--data {source}: unsupported file type; use .jsonl, .json, .csv or "
-                        f".parquet.")
+        raise DataError(f"--data {source}: unsupported file type; use .jsonl, .json, .csv or .parquet.")
     rows = iter_hub(source)
     return rows if stream else list(rows)
 
 
 def source_path(source: str) -> Path:
     """The file a --data source names (a bundled dataset's name: the file lora-lab ships)."""
-    return (bundled_data_dir() / BUNDLED_DATA[source] if source in BUNDLED_DATA
-            else Path(source).expanduser())
+    return bundled_data_dir() / BUNDLED_DATA[source] if source in BUNDLED_DATA else Path(source).expanduser()
 
 
 def text_file_warnings(path: Path) -> list:
@@ -131,8 +133,12 @@ def text_file_warnings(path: Path) -> list:
     found, crlf, blank, last, number = [], [], [], b"\n", 0
     with open(path, "rb") as handle:
         if handle.read(3) == b"\xef\xbb\xbf":
-            found.append(Problem(f"{path}:1", "the file starts with a UTF-8 byte-order mark; "
-                                              "it is skipped and the row read correctly"))
+            found.append(
+                Problem(
+                    f"{path}:1",
+                    "the file starts with a UTF-8 byte-order mark; it is skipped and the row read correctly",
+                )
+            )
         if path.suffix.lower() != ".jsonl":
             return found  # CSV uses CRLF by its standard; JSON ignores whitespace
         handle.seek(0)
@@ -141,14 +147,21 @@ def text_file_warnings(path: Path) -> list:
             blank += [number] if not raw.strip() else []
             last = raw
     if crlf:
-        found.append(Problem(f"{path}:{crlf[0]}", f"{len(crlf)} line(s) end with CRLF (Windows "
-                                                  f"line endings); they are read correctly"))
+        found.append(
+            Problem(
+                f"{path}:{crlf[0]}",
+                f"{len(crlf)} line(s) end with CRLF (Windows line endings); they are read correctly",
+            )
+        )
     if blank:
         found.append(Problem(f"{path}:{blank[0]}", f"{len(blank)} blank line(s) ignored"))
     if not last.endswith(b"\n"):
-        found.append(Problem(f"{path}:{number}", "no newline at the end of the file; the last "
-                                                 "row is read, but check the file is not cut "
-                                                 "short"))
+        found.append(
+            Problem(
+                f"{path}:{number}",
+                "no newline at the end of the file; the last row is read, but check the file is not cut short",
+            )
+        )
     return found
 
 
@@ -187,7 +200,7 @@ def read_json(path: Path, warnings: list, stream: bool = False):
     object, which is read whole."""
     window = _TextWindow(path)
     start = window.skip_space(0)
-    if window.text[start:start + 1] == "[":
+    if window.text[start : start + 1] == "[":
         rows = _iter_json_list(path, window, start + 1)
         return rows if stream else list(rows)
     while window.more():
@@ -195,13 +208,15 @@ def read_json(path: Path, warnings: list, stream: bool = False):
     text = window.text
     value = parse_json_text(text)
     if isinstance(value, Bad):
-        raise DataError(f"{path}: {value.reason}. A .json file must hold a list of rows; use "
-                        f".jsonl for one row per line.")
+        raise DataError(
+            f"{path}: {value.reason}. A .json file must hold a list of rows; use .jsonl for one row per line."
+        )
     if not isinstance(value, dict):
         raise DataError(f"{path}: expected a JSON list of rows, got {kind_of(value)}.")
     line = text.count("\n", 0, start) + 1
-    warnings.append(_warning(f"{path}:{line}", "the file holds one row object, not a list of "
-                                               "rows; it is read as one row"))
+    warnings.append(
+        _warning(f"{path}:{line}", "the file holds one row object, not a list of rows; it is read as one row")
+    )
     return [(value, f"{path}:{line}")]
 
 
@@ -233,9 +248,11 @@ class _TextWindow:
             self.handle.close()
             at = max(0, exc.start - pending)
             line = self.newlines_read + raw[:at].count(b"\n") + 1
-            raise DataError(f"{self.path}:{line}: invalid UTF-8 at byte "
-                            f"{self.bytes_read + at}; save the file as UTF-8 (or as .jsonl, "
-                            f"where a bad row is skipped and reported).") from None
+            raise DataError(
+                f"{self.path}:{line}: invalid UTF-8 at byte "
+                f"{self.bytes_read + at}; save the file as UTF-8 (or as .jsonl, "
+                f"where a bad row is skipped and reported)."
+            ) from None
         finally:
             self.bytes_read += len(raw)
             self.newlines_read += raw.count(b"\n")
@@ -276,11 +293,10 @@ def _iter_json_list(path: Path, window: _TextWindow, position: int):
 def _json_list_rows(path: Path, window: _TextWindow, position: int):
     while True:
         position = window.drop(window.skip_space(position))
-        if window.text[position:position + 1] == "]":
+        if window.text[position : position + 1] == "]":
             break
         if position >= len(window.text):
-            raise DataError(f"{path}:{window.line_of(position)}: bad JSON (the list of rows is "
-                            f"never closed).")
+            raise DataError(f"{path}:{window.line_of(position)}: bad JSON (the list of rows is never closed).")
         line = window.line_of(position)
         while True:
             try:
@@ -290,10 +306,12 @@ def _json_list_rows(path: Path, window: _TextWindow, position: int):
                 break
             except json.JSONDecodeError as exc:
                 if window.more():  # the row may go on in the next block (a bad row is
-                    continue           # only known as such at the end of the file)
-                raise DataError(f"{path}:{window.first_line + exc.lineno - 1}: bad JSON "
-                                f"({exc.msg} at column {exc.colno}); fix the file (or use "
-                                f".jsonl, where a bad line is skipped and reported).") from None
+                    continue  # only known as such at the end of the file)
+                raise DataError(
+                    f"{path}:{window.first_line + exc.lineno - 1}: bad JSON "
+                    f"({exc.msg} at column {exc.colno}); fix the file (or use "
+                    f".jsonl, where a bad line is skipped and reported)."
+                ) from None
             except RecursionError:  # skip to the end of this row and read on
                 end = _end_of_value(window.text, position)
                 if end is None and window.more():
@@ -313,11 +331,10 @@ def _json_list_rows(path: Path, window: _TextWindow, position: int):
 def _after_row(path: Path, window: _TextWindow, position: int) -> int:
     """Past the `,` after a row; at the `]` after the last one."""
     position = window.skip_space(position)
-    if window.text[position:position + 1] == ",":
+    if window.text[position : position + 1] == ",":
         return position + 1
-    if window.text[position:position + 1] != "]":
-        raise DataError(f"{path}:{window.line_of(position)}: bad JSON (expected `,` or `]` after "
-                        f"a row).")
+    if window.text[position : position + 1] != "]":
+        raise DataError(f"{path}:{window.line_of(position)}: bad JSON (expected `,` or `]` after a row).")
     return position
 
 
@@ -368,8 +385,10 @@ def _csv_records(path: Path, reader, warnings: list | None):
         raise DataError(f"{path}:1: the CSV header is not valid UTF-8; save the file as UTF-8.")
     twice = sorted({name for name in header if header.count(name) > 1})
     if twice:
-        raise DataError(f"{path}:1: column `{twice[0]}` appears twice in the CSV header; rename "
-                        f"one, or a row would keep only the last cell.")
+        raise DataError(
+            f"{path}:1: column `{twice[0]}` appears twice in the CSV header; rename "
+            f"one, or a row would keep only the last cell."
+        )
     blank, start = [], reader.line_num + 1
     while True:
         try:
@@ -409,21 +428,21 @@ def _csv_row(header: list, cells: list):
 
 def iter_parquet(path: Path, batch_rows: int = 1000):
     """Rows of a Parquet file, `batch_rows` at a time, origin = "file[row N]"."""
+
     def unreadable(exc):
-        return DataError(f"{path}: not a readable Parquet file ({type(exc).__name__}: "
-                         f"{str(exc)[:200]}).")
+        return DataError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {str(exc)[:200]}).")
 
     try:
         import pyarrow.parquet as pq
 
         batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows)
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
+    except Exception as exc:
         raise unreadable(exc) from None
     index = 0
     while True:
         try:
             batch = next(batches, None)
-        except Exception as exc:  # noqa: BLE001 - a damaged row group
+        except Exception as exc:
             raise unreadable(exc) from None
         if batch is None:
             return
@@ -439,10 +458,12 @@ def iter_hub(source: str):
         import datasets
 
         dataset = datasets.load_dataset(name, split=split or "train")
-    except Exception as exc:  # noqa: BLE001 - any hub/network failure becomes one message
-        raise DataError(f"--data {source}: not a local file, and loading it as a hub dataset "
-                        f"failed ({type(exc).__name__}: {str(exc)[:200]}). Check the path or "
-                        f"the dataset id (NAME or NAME:SPLIT).") from None
+    except Exception as exc:
+        raise DataError(
+            f"--data {source}: not a local file, and loading it as a hub dataset "
+            f"failed ({type(exc).__name__}: {str(exc)[:200]}). Check the path or "
+            f"the dataset id (NAME or NAME:SPLIT)."
+        ) from None
     return ((row, f"{source}[row {index}]") for index, row in enumerate(dataset))
 
 
@@ -466,6 +487,7 @@ def kind_of(value) -> str:
 @dataclass
 class Problem:
     """Something about a row or file, with where it is ("file.jsonl:12")."""
+
     origin: str
     reason: str
 

@@ -1,4 +1,5 @@
 """Token length statistics of a dataset, measured with the real chat template."""
+
 from __future__ import annotations
 
 import math
@@ -26,13 +27,18 @@ class LengthStats:
     """Every sample's length, shortest first (for a histogram)."""
 
     def table(self) -> str:
-        lines = [f"samples {self.count}  mean {self.mean:.0f}  p50 {self.p50}  p90 {self.p90}  "
-                 f"p99 {self.p99}  max {self.max}  (tokens, with the chat template)", "",
-                 "max_length   samples over it (cut with --truncation truncate, dropped with drop)"]
+        lines = [
+            f"samples {self.count}  mean {self.mean:.0f}  p50 {self.p50}  p90 {self.p90}  "
+            f"p99 {self.p99}  max {self.max}  (tokens, with the chat template)",
+            "",
+            "max_length   samples over it (cut with --truncation truncate, dropped with drop)",
+        ]
         for length, over in self.over.items():
             lines.append(f"{length:>10}   {over:>6} ({over / self.count:.1%})")
-        lines.append(f"\nrecommended --max-length {self.recommended_max_length} "
-                     f"(the smallest that keeps at least 99% of samples whole)")
+        lines.append(
+            f"\nrecommended --max-length {self.recommended_max_length} "
+            f"(the smallest that keeps at least 99% of samples whole)"
+        )
         return "\n".join(lines)
 
 
@@ -46,10 +52,8 @@ UNCUT = 10**9
 """max_length the statistics encode with: every sample whole."""
 
 
-def length_stats(tokenizer, samples: list, system: str | None = None,
-                 enable_thinking="auto") -> LengthStats:
-    report = encode_samples(tokenizer, samples, max_length=UNCUT, system=system,
-                            enable_thinking=enable_thinking)
+def length_stats(tokenizer, samples: list, system: str | None = None, enable_thinking="auto") -> LengthStats:
+    report = encode_samples(tokenizer, samples, max_length=UNCUT, system=system, enable_thinking=enable_thinking)
     return stats_of_lengths([len(s.input_ids) for s in report.samples])
 
 
@@ -63,12 +67,11 @@ def dataset_length_stats(specs: list, args, tokenizer, seed: int) -> tuple[Lengt
         read = stream.read_specs(specs, args, seed)
         if not read.numbers:
             raise DataError(f"--data {' '.join(specs)}: no usable sample.")
-        return {"all": stream.report(read.numbers, "all")}, {"problems": len(read.problems),
-                                                             "formats": read.formats}
+        return {"all": stream.report(read.numbers, "all")}, {"problems": len(read.problems), "formats": read.formats}
 
-    reports, extra, _ = cached_encoding("stats", specs, args, tokenizer, seed, "sft",
-                                        (UNCUT, "truncate", args.system, args.enable_thinking),
-                                        build)
+    reports, extra, _ = cached_encoding(
+        "stats", specs, args, tokenizer, seed, "sft", (UNCUT, "truncate", args.system, args.enable_thinking), build
+    )
     return stats_of_lengths(sample_lengths(reports["all"].samples)), extra
 
 
@@ -76,8 +79,13 @@ def stats_of_lengths(lengths: list) -> LengthStats:
     lengths = sorted(lengths)
     p99 = percentile(lengths, 0.99)
     return LengthStats(
-        count=len(lengths), mean=sum(lengths) / len(lengths), p50=percentile(lengths, 0.5),
-        p90=percentile(lengths, 0.9), p99=p99, max=lengths[-1],
+        count=len(lengths),
+        mean=sum(lengths) / len(lengths),
+        p50=percentile(lengths, 0.5),
+        p90=percentile(lengths, 0.9),
+        p99=p99,
+        max=lengths[-1],
         over={n: sum(1 for length in lengths if length > n) for n in CANDIDATE_LENGTHS},
         recommended_max_length=next((n for n in RECOMMENDABLE if n >= p99), RECOMMENDABLE[-1]),
-        lengths=lengths)
+        lengths=lengths,
+    )

@@ -16,6 +16,7 @@ order uses those files; any other order is written out (arrow.write_taken). Pre-
 documents are tokenised by the workers into stage rows of their own and packed in the chosen
 order, after the conversations, as encode_samples packs them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -29,10 +30,17 @@ from pathlib import Path
 from ..errors import DataError
 from ..paths import IDENTITY_DATA
 from .arrow import map_samples, resolve_num_proc, write_samples, write_taken
-from .encode import (EncodedSample, EncodeReport, add_encoded, cut_documents, document_ids,
-                     encode_sample)
-from .formats import (NormalisedRows, detect_format, identity_unfilled, normalise_rows,
-                      parse_spec, peek_rows, sample_indices, unused_field_warnings)
+from .encode import EncodedSample, EncodeReport, add_encoded, cut_documents, document_ids, encode_sample
+from .formats import (
+    NormalisedRows,
+    detect_format,
+    identity_unfilled,
+    normalise_rows,
+    parse_spec,
+    peek_rows,
+    sample_indices,
+    unused_field_warnings,
+)
 from .readers import BLANK, iter_lines, jsonl_row, read_rows, source_path, text_file_warnings
 
 CHUNK_ROWS = 2000
@@ -49,6 +57,7 @@ _JOB: dict = {}
 class SpecsRead:
     """--data entries read: their samples' numbers (after `#N`, in order), and the loader's
     problems, warnings and (entry, format) pairs."""
+
     numbers: array = field(default_factory=lambda: array("q"))
     problems: list = field(default_factory=list)
     warnings: list = field(default_factory=list)
@@ -74,8 +83,7 @@ def _encode_chunk(task: tuple) -> ChunkResult:
     """Parse (raw .jsonl lines), normalise and encode one chunk into its Arrow file."""
     file, path, items, fmt, entry, fill = task
     if path is not None:
-        items = [(row, f"{path}:{number}") for number, raw in items
-                 if (row := jsonl_row(raw, number)) is not BLANK]
+        items = [(row, f"{path}:{number}") for number, raw in items if (row := jsonl_row(raw, number)) is not BLANK]
     read = normalise_rows(items, fmt, entry, fill)
     codes, documents, problems, truncated = array("q"), array("b"), {}, {}
     tokenizer, settings, written = _JOB["tokenizer"], _JOB["settings"], itertools.count()
@@ -94,7 +102,7 @@ def _encode_chunk(task: tuple) -> ChunkResult:
                 yield EncodedSample(ids, ids, sample.origin)
                 continue
             report = EncodeReport()
-            add_encoded(report, sample, lambda: encode_sample(tokenizer, sample, *settings))
+            add_encoded(report, sample, lambda sample=sample: encode_sample(tokenizer, sample, *settings))
             if report.problems:
                 codes.append(PROBLEM)
                 problems[index] = report.problems[0]
@@ -106,8 +114,7 @@ def _encode_chunk(task: tuple) -> ChunkResult:
 
     rows = write_samples(Path(_JOB["folder"]) / file, encoded())
     read.samples = []
-    return ChunkResult(file, rows, codes.tobytes(), documents.tobytes(), problems, truncated,
-                       read)
+    return ChunkResult(file, rows, codes.tobytes(), documents.tobytes(), problems, truncated, read)
 
 
 class StreamedEncoding:
@@ -168,8 +175,9 @@ class StreamedEncoding:
             head, items = peek_lines(path)
         else:
             path = None
-            head, items = peek_rows(entry.read_rows(warnings, stream=True) if entry else
-                                    read_rows(source, warnings, stream=True))
+            head, items = peek_rows(
+                entry.read_rows(warnings, stream=True) if entry else read_rows(source, warnings, stream=True)
+            )
         if not head:
             raise DataError(f"--data {spec}: the dataset has no rows.")
         if entry:
@@ -184,8 +192,17 @@ class StreamedEncoding:
                 chunk = list(itertools.islice(items, rows))
                 if not chunk:
                     break
-                self.submit((f"stage-{next(self.file_numbers):05d}.arrow",
-                             None if path is None else str(path), chunk, fmt, entry, fill), totals)
+                self.submit(
+                    (
+                        f"stage-{next(self.file_numbers):05d}.arrow",
+                        None if path is None else str(path),
+                        chunk,
+                        fmt,
+                        entry,
+                        fill,
+                    ),
+                    totals,
+                )
             self.drain(totals)
             if totals.unfilled and source in IDENTITY_DATA:
                 raise identity_unfilled(spec, source, fill)
@@ -196,12 +213,17 @@ class StreamedEncoding:
         pretraining = sum(self.documents[first:])
         if pretraining and fmt != "text":
             label += f" ({pretraining} pre-training rows)"
-        read = SpecsRead(problems=totals.problems, formats=[(spec, label)],
-                         warnings=warnings + totals.notes
-                         + unused_field_warnings(totals.unused, fmt) + totals.unfilled)
+        read = SpecsRead(
+            problems=totals.problems,
+            formats=[(spec, label)],
+            warnings=warnings + totals.notes + unused_field_warnings(totals.unused, fmt) + totals.unfilled,
+        )
         samples = len(self.rows) - first
-        read.numbers = array("q", range(first, first + samples)) if count is None else array(
-            "q", (first + index for index in sample_indices(samples, count, seed)))
+        read.numbers = (
+            array("q", range(first, first + samples))
+            if count is None
+            else array("q", (first + index for index in sample_indices(samples, count, seed)))
+        )
         return read
 
     def chunk_sizes(self):
@@ -249,8 +271,7 @@ class StreamedEncoding:
         base, start = len(self.rows), self.row_count
         self.rows += array("q", (code + start if code >= 0 else code for code in codes))
         self.documents.frombytes(result.documents)
-        for mine, theirs in ((self.problems, result.problems),
-                             (self.truncated, result.truncated)):
+        for mine, theirs in ((self.problems, result.problems), (self.truncated, result.truncated)):
             mine.update((base + index, value) for index, value in theirs.items())
         self.files.append(result.file)
         self.ranges.append((start, start + result.rows))
@@ -272,8 +293,7 @@ class StreamedEncoding:
     def report(self, numbers, name: str) -> EncodeReport:
         """The samples `numbers` (in that order) encoded, as encode_samples reports them; the
         files are recorded in report_files[name]."""
-        rows, documents, problems, document_problems, truncated = (
-            array("q"), array("q"), [], [], [])
+        rows, documents, problems, document_problems, truncated = (array("q"), array("q"), [], [], [])
         for number in numbers:
             code, document = self.rows[number], self.documents[number]
             if code == PROBLEM:
@@ -287,8 +307,7 @@ class StreamedEncoding:
         problems += document_problems  # encode_samples packs the documents last
         files = self.run_of_files(rows)
         if files is None:
-            files = write_taken(self.folder, self.files, rows, name,
-                                self.pool.map if self.pool is not None else map)
+            files = write_taken(self.folder, self.files, rows, name, self.pool.map if self.pool is not None else map)
         else:  # named after the report they now belong to
             for index, stage in enumerate(files):
                 files[index] = f"{name}-{index:05d}.arrow"
@@ -296,10 +315,8 @@ class StreamedEncoding:
                 self.files[self.files.index(stage)] = files[index]
         if documents:
             stage = map_samples(self.folder, self.files)
-            tokenised = ((sample.input_ids, sample.origin) for sample in map(stage.__getitem__,
-                                                                             documents))
-            write_samples(self.folder / f"{name}-documents.arrow",
-                          cut_documents(tokenised, self.settings[0]))
+            tokenised = ((sample.input_ids, sample.origin) for sample in map(stage.__getitem__, documents))
+            write_samples(self.folder / f"{name}-documents.arrow", cut_documents(tokenised, self.settings[0]))
             files.append(f"{name}-documents.arrow")
         self.report_files[name] = files
         return EncodeReport(map_samples(self.folder, files), truncated, problems)
@@ -309,8 +326,9 @@ class StreamedEncoding:
         if not rows or rows != array("q", range(rows[0], rows[0] + len(rows))):
             return None
         first, stop = rows[0], rows[0] + len(rows)
-        inside = [(name, end - start) for name, (start, end) in zip(self.files, self.ranges)
-                  if first <= start < end <= stop]
+        inside = [
+            (name, end - start) for name, (start, end) in zip(self.files, self.ranges) if first <= start < end <= stop
+        ]
         return [name for name, _ in inside] if sum(n for _, n in inside) == len(rows) else None
 
 

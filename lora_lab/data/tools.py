@@ -7,6 +7,7 @@ model trains on the system prompt it is served with. Bare schemas (`{"name", "de
 form) are wrapped unchanged, as ms-swift wraps them; a JSON string is parsed; anything else is an
 error for that row.
 """
+
 from __future__ import annotations
 
 from ..errors import DataError
@@ -22,11 +23,12 @@ def normalise_tools(value, field: str = "tools") -> list | None:
             return None
         value = parse_json_text(value)
         if isinstance(value, Bad):
-            raise DataError(f"field `{field}` is text but not JSON: {value.reason}. It must be a "
-                            f"list of tool schemas (or that list as a JSON string)")
+            raise DataError(
+                f"field `{field}` is text but not JSON: {value.reason}. It must be a "
+                f"list of tool schemas (or that list as a JSON string)"
+            )
     if isinstance(value, dict):
-        raise DataError(f"field `{field}` must be a list of tools; got one object. Put it in a "
-                        f"list: [{{...}}]")
+        raise DataError(f"field `{field}` must be a list of tools; got one object. Put it in a list: [{{...}}]")
     if not isinstance(value, list):
         raise DataError(f"field `{field}` must be a list of tools; got {kind_of(value)}")
     return [wrap_tool(tool, index) for index, tool in enumerate(value, start=1)] or None
@@ -35,8 +37,7 @@ def normalise_tools(value, field: str = "tools") -> list | None:
 def wrap_tool(tool, index: int) -> dict:
     """One tool in the function form; a bare schema gets the wrapper."""
     if not isinstance(tool, dict):
-        raise DataError(f"tool {index}: expected an object (a function schema), got "
-                        f"{kind_of(tool)}")
+        raise DataError(f"tool {index}: expected an object (a function schema), got {kind_of(tool)}")
     kind = tool.get("type", "function")
     if kind != "function":
         raise DataError(f"tool {index}: type {kind!r}; only function tools are supported")
@@ -47,13 +48,13 @@ def wrap_tool(tool, index: int) -> dict:
         function = {k: v for k, v in tool.items() if k != "type"}
         wrapped = {"type": "function", "function": function}
     # Qwen-Agent style tools name themselves `name_for_model`; ms-swift wraps them unchanged
-    name = function.get("name", function.get("name_for_model")) \
-        if isinstance(function, dict) else None
+    name = function.get("name", function.get("name_for_model")) if isinstance(function, dict) else None
     if not isinstance(name, str) or not name.strip():
         raise DataError(f"tool {index}: needs a function `name` (text)")
     if "parameters" in function and not isinstance(function["parameters"], dict):
-        raise DataError(f"tool {index} `{name}`: `parameters` must be a JSON schema object, got "
-                        f"{kind_of(function['parameters'])}")
+        raise DataError(
+            f"tool {index} `{name}`: `parameters` must be a JSON schema object, got {kind_of(function['parameters'])}"
+        )
     return wrapped
 
 
@@ -67,8 +68,7 @@ def normalise_tool_calls(value, where: str) -> list:
 def tool_call(call, where: str) -> dict:
     """One call as `{"type": "function", "function": {"name", "arguments": {...}}}`."""
     if not isinstance(call, dict):
-        raise DataError(f"{where}: expected an object with `name` and `arguments`, got "
-                        f"{kind_of(call)}")
+        raise DataError(f"{where}: expected an object with `name` and `arguments`, got {kind_of(call)}")
     function = call.get("function", call)
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise DataError(f"{where}: a tool call needs a function `name` (text)")
@@ -76,14 +76,12 @@ def tool_call(call, where: str) -> dict:
     if isinstance(arguments, str):
         parsed = parse_json_text(arguments) if arguments.strip() else {}
         if isinstance(parsed, Bad):
-            raise DataError(f"{where} `{function['name']}`: arguments are not JSON "
-                            f"({parsed.reason})")
+            raise DataError(f"{where} `{function['name']}`: arguments are not JSON ({parsed.reason})")
         arguments = parsed
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
-        raise DataError(f"{where} `{function['name']}`: arguments must be a JSON object, got "
-                        f"{kind_of(arguments)}")
+        raise DataError(f"{where} `{function['name']}`: arguments must be a JSON object, got {kind_of(arguments)}")
     return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 

@@ -1,4 +1,5 @@
 """Attention over packed rows: each sample of a row attends only to itself."""
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,17 @@ auto = varlen where it runs: it was the fastest of the three in the same run on 
 """
 
 
-def segments_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                       scaling: float | None = None, packed_lengths=None, **kwargs):
+def segments_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_lengths=None,
+    **kwargs,
+):
     """transformers attention function: [batch 1, heads, tokens, dim] in, [1, tokens, heads,
     dim] out. Without packed_lengths (evaluation, generation) it is plain sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -34,21 +44,32 @@ def segments_attention(module, query, key, value, attention_mask, dropout: float
     kwargs.pop("packed_cu_seqlens", None)
     if packed_lengths is None:
         if _LENGTHS_GIVEN["on"]:  # no mask was built for this row: it must not attend whole
-            raise ModelError("data.packed_attention: this model's decoder does not pass the "
-                             "packed row's sample lengths to its attention layers. Use --set "
-                             "data.packed_attention=mask.")
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
+            raise ModelError(
+                "data.packed_attention: this model's decoder does not pass the "
+                "packed row's sample lengths to its attention layers. Use --set "
+                "data.packed_attention=mask."
+            )
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     gqa = key.shape[1] != query.shape[1]
     window = kwargs.get("sliding_window")
     outputs, start = [], 0
     for length in packed_lengths:
         part = slice(start, start + length)
         banded = window is not None and length > window
-        outputs.append(nn.functional.scaled_dot_product_attention(
-            query[:, :, part], key[:, :, part], value[:, :, part], is_causal=not banded,
-            attn_mask=sliding_causal_mask(length, window, query.device) if banded else None,
-            scale=scaling, dropout_p=dropout if module.training else 0.0, enable_gqa=gqa))
+        outputs.append(
+            nn.functional.scaled_dot_product_attention(
+                query[:, :, part],
+                key[:, :, part],
+                value[:, :, part],
+                is_causal=not banded,
+                attn_mask=sliding_causal_mask(length, window, query.device) if banded else None,
+                scale=scaling,
+                dropout_p=dropout if module.training else 0.0,
+                enable_gqa=gqa,
+            )
+        )
         start += length
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
@@ -82,23 +103,56 @@ def _flash_dtype(query) -> torch.dtype | None:
     return None
 
 
-def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                     scaling: float | None = None, packed_lengths=None, packed_cu_seqlens=None,
-                     **kwargs):
+def varlen_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_lengths=None,
+    packed_cu_seqlens=None,
+    **kwargs,
+):
     """Like segments_attention, with one flash-attention varlen kernel for the whole row."""
     found = flash_varlen()
     dtype = _flash_dtype(query)
-    if (packed_lengths is None or packed_cu_seqlens is None or not query.is_cuda
-            or found is None or dtype is None or (dropout and module.training)):
-        return segments_attention(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, packed_lengths=packed_lengths, **kwargs)
+    if (
+        packed_lengths is None
+        or packed_cu_seqlens is None
+        or not query.is_cuda
+        or found is None
+        or dtype is None
+        or (dropout and module.training)
+    ):
+        return segments_attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            packed_lengths=packed_lengths,
+            **kwargs,
+        )
     varlen_attn, params = found
     longest = max(packed_lengths)
     window = kwargs.get("sliding_window")
     banded = window is not None and longest > window  # sliding-window layers (Gemma 3, Mistral)
     if banded and "window_size" not in params:
-        return segments_attention(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, packed_lengths=packed_lengths, **kwargs)
+        return segments_attention(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            packed_lengths=packed_lengths,
+            **kwargs,
+        )
     if len(set(packed_lengths)) == 1 and CUDNN_EQUAL_LENGTHS["allowed"] and not banded:
         out = cudnn_equal_lengths(query, key, value, packed_lengths, dtype, scaling)
         if out is not None:
@@ -113,8 +167,9 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     # causal within each sample: PyTorch 2.10 spells it is_causal, later versions window_size
-    options.update({"window_size": (window - 1 if banded else -1, 0)} if "window_size" in params
-                   else {"is_causal": True})
+    options.update(
+        {"window_size": (window - 1 if banded else -1, 0)} if "window_size" in params else {"is_causal": True}
+    )
     if scaling is not None and "scale" in params:
         options["scale"] = scaling
     cu = packed_cu_seqlens.to(device=q.device, dtype=torch.int32)
@@ -143,12 +198,12 @@ def cudnn_equal_lengths(query, key, value, lengths, dtype, scaling):
     if not seen.get(shape, len(seen) < CUDNN_MAX_SHAPES):
         return None
     # [1, heads, n L, dim] -> [heads, n, L, dim] -> [n, heads, L, dim]: views, no copies
-    q, k, v = (t[0].to(dtype).unflatten(1, (n, length)).transpose(0, 1)
-               for t in (query, key, value))
+    q, k, v = (t[0].to(dtype).unflatten(1, (n, length)).transpose(0, 1) for t in (query, key, value))
     try:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             out = nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+                q, k, v, is_causal=True, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+            )
     except RuntimeError:  # no cuDNN kernel for this shape, dtype or GPU
         seen[shape] = False
         return None
@@ -197,8 +252,7 @@ def register_packed_attention(kind: str) -> str:
     from transformers.masking_utils import AttentionMaskInterface
 
     name = PACKED_ATTENTION[kind]
-    AttentionInterface.register(name, {"segments": segments_attention,
-                                       "varlen": varlen_attention}[kind])
+    AttentionInterface.register(name, {"segments": segments_attention, "varlen": varlen_attention}[kind])
     AttentionMaskInterface.register(name, _packed_attention_mask)
     return name
 

@@ -12,6 +12,7 @@ after that stream has waited for its copy: its memory is reused one layer later,
 waits on compute work the host has queued ahead: 16 inputs, 0.9 GiB, at the 7B peak.) The
 arithmetic is the plain checkpoint's: the same input, random state and autocast settings.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -128,8 +129,7 @@ def stream_layer_checkpoints(model) -> int:
     many."""
     from .memory_means import offloaded_checkpoint
 
-    layers = [m for m in model.modules()
-              if getattr(m, "_gradient_checkpointing_func", None) is offloaded_checkpoint]
+    layers = [m for m in model.modules() if getattr(m, "_gradient_checkpointing_func", None) is offloaded_checkpoint]
     for layer in layers:
         layer._gradient_checkpointing_func = streamed_offloaded_checkpoint
     return len(layers)

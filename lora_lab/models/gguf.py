@@ -1,4 +1,5 @@
 """GGUF files as models: a .gguf is de-quantized once into a Hugging Face folder (cached)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,7 +15,6 @@ from ..registry import END_OF_TURN_TOKENS
 from .shipped import fetch_shipped_gguf, shipped_chat_template
 
 log = get_logger()
-
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -41,31 +41,31 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
     started = time.perf_counter()
     with open(gguf, "rb") as handle:
         if handle.read(4) != b"GGUF":
-            raise ModelError(f"--model {gguf}: not a GGUF file (it does not start with the GGUF "
-                             f"magic bytes). Download it again, or pass a model folder.")
+            raise ModelError(
+                f"--model {gguf}: not a GGUF file (it does not start with the GGUF "
+                f"magic bytes). Download it again, or pass a model folder."
+            )
     if importlib.util.find_spec("gguf") is None:
         raise ModelError("--model *.gguf needs the `gguf` package: pip install gguf") from None
     log.info(f"  1/3: reading and de-quantizing {human_bytes(stat.st_size)} of GGUF tensors")
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                      dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except (ValueError, KeyError, OSError, struct.error, EOFError) as exc:
-        raise ModelError(f"--model {gguf}: the GGUF file cannot be read ({type(exc).__name__}: "
-                         f"{str(exc)[:160]}); it may be cut short. Download it again.") from None
+        raise ModelError(
+            f"--model {gguf}: the GGUF file cannot be read ({type(exc).__name__}: "
+            f"{str(exc)[:160]}); it may be cut short. Download it again."
+        ) from None
     # The GGUF loader marks the model as quantized: copy the de-quantized weights into a plain one.
-    plain = {k: v for k, v in loaded.config.to_dict().items()
-             if k not in ("quantization_config", "_name_or_path")}
+    plain = {k: v for k, v in loaded.config.to_dict().items() if k not in ("quantization_config", "_name_or_path")}
     config = AutoConfig.for_model(**plain)
     config.dtype = "bfloat16"
     weights = loaded.state_dict()
-    log.info(f"  2/3: copying {sum(t.numel() for t in weights.values()):,} "
-             f"weights into a bf16 model")
+    log.info(f"  2/3: copying {sum(t.numel() for t in weights.values()):,} weights into a bf16 model")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or any("lm_head" not in k for k in missing):
-        raise ModelError(f"{gguf}: unexpected tensors in the GGUF file ({unexpected[:3]} "
-                         f"{missing[:3]}).")
+        raise ModelError(f"{gguf}: unexpected tensors in the GGUF file ({unexpected[:3]} {missing[:3]}).")
     if missing:
         model.tie_weights()
     if tokenizer.chat_template is None:

@@ -3,6 +3,7 @@ missing repo or an unreachable hub is one clear message at once, not minutes of 
 model in the local hub cache still loads when the hub cannot be reached. A model about to be
 downloaded is announced with its size; huggingface_hub draws its own progress bars on a
 terminal."""
+
 from __future__ import annotations
 
 import os
@@ -19,9 +20,11 @@ PROBE_TIMEOUT_S = 5.0
 
 
 def _ways_out(repo_id: str) -> str:
-    return (f"Pass a local model folder (--model /path/to/folder), point HF_ENDPOINT at a hub "
-            f"mirror this machine can reach, or download it where the hub is reachable "
-            f"(`hf download {repo_id}`), copy the cache and run with HF_HUB_OFFLINE=1.")
+    return (
+        f"Pass a local model folder (--model /path/to/folder), point HF_ENDPOINT at a hub "
+        f"mirror this machine can reach, or download it where the hub is reachable "
+        f"(`hf download {repo_id}`), copy the cache and run with HF_HUB_OFFLINE=1."
+    )
 
 
 def cached_snapshot(repo_id: str, filename: str = "config.json") -> str | None:
@@ -45,8 +48,7 @@ def hub_problem(spec: str, repo_id: str) -> tuple[str, str] | None:
     One HEAD request without retries: get_hf_file_metadata retries nothing unless asked
     (retry_on_errors=False), unlike from_pretrained, which retries every file five times."""
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, HfHubHTTPError,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import EntryNotFoundError, GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
     hub = constants.ENDPOINT
     timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or PROBE_TIMEOUT_S)
@@ -54,31 +56,43 @@ def hub_problem(spec: str, repo_id: str) -> tuple[str, str] | None:
         get_hf_file_metadata(hf_hub_url(repo_id, "config.json"), timeout=timeout)
         return None
     except GatedRepoError:
-        return "missing", (f"--model {spec}: {repo_id} is a gated repo. Accept its terms at "
-                           f"{hub}/{repo_id} and log in here with `hf auth login` (or set "
-                           f"HF_TOKEN), or pass a local model folder.")
+        return "missing", (
+            f"--model {spec}: {repo_id} is a gated repo. Accept its terms at "
+            f"{hub}/{repo_id} and log in here with `hf auth login` (or set "
+            f"HF_TOKEN), or pass a local model folder."
+        )
     except RepositoryNotFoundError:
-        return "missing", (f"--model {spec}: the hub ({hub}) has no model {repo_id}, or it is "
-                           f"private and this machine is not logged in. Check the spelling, "
-                           f"run `hf auth login` for a private or gated repo, or pass a local "
-                           f"model folder.")
+        return "missing", (
+            f"--model {spec}: the hub ({hub}) has no model {repo_id}, or it is "
+            f"private and this machine is not logged in. Check the spelling, "
+            f"run `hf auth login` for a private or gated repo, or pass a local "
+            f"model folder."
+        )
     except EntryNotFoundError:
-        return "missing", (f"--model {spec}: {repo_id} on {hub} has no config.json, so it is "
-                           f"not a transformers model. Pass a model repo, a local model folder "
-                           f"or a .gguf file.")
+        return "missing", (
+            f"--model {spec}: {repo_id} on {hub} has no config.json, so it is "
+            f"not a transformers model. Pass a model repo, a local model folder "
+            f"or a .gguf file."
+        )
     except HfHubHTTPError as exc:
         status = getattr(exc.response, "status_code", "an error")
         if status in (401, 403):
-            return "missing", (f"--model {spec}: the hub ({hub}) refused this machine's "
-                               f"credentials for {repo_id} (HTTP {status}). Check HF_TOKEN or "
-                               f"log in again with `hf auth login`.")
-        return "unreachable", (f"--model {spec}: the hub ({hub}) answered HTTP {status} for "
-                               f"{repo_id}, and it is not in the local hub cache. Try again "
-                               f"later. {_ways_out(repo_id)}")
+            return "missing", (
+                f"--model {spec}: the hub ({hub}) refused this machine's "
+                f"credentials for {repo_id} (HTTP {status}). Check HF_TOKEN or "
+                f"log in again with `hf auth login`."
+            )
+        return "unreachable", (
+            f"--model {spec}: the hub ({hub}) answered HTTP {status} for "
+            f"{repo_id}, and it is not in the local hub cache. Try again "
+            f"later. {_ways_out(repo_id)}"
+        )
     except Exception as exc:  # anything but an HTTP answer: the hub was not reached
-        return "unreachable", (f"--model {spec}: cannot reach the Hugging Face hub ({hub}: "
-                               f"{_first_line(exc)}), and {repo_id} is not in the local hub "
-                               f"cache. {_ways_out(repo_id)}")
+        return "unreachable", (
+            f"--model {spec}: cannot reach the Hugging Face hub ({hub}: "
+            f"{_first_line(exc)}), and {repo_id} is not in the local hub "
+            f"cache. {_ways_out(repo_id)}"
+        )
 
 
 def locate_hub_model(spec: str, repo_id: str) -> str:
@@ -90,9 +104,11 @@ def locate_hub_model(spec: str, repo_id: str) -> str:
     if constants.HF_HUB_OFFLINE:
         if cached:
             return cached
-        raise ModelError(f"--model {spec}: HF_HUB_OFFLINE is set and {repo_id} is not in the "
-                         f"local hub cache ({constants.HF_HUB_CACHE}). Unset HF_HUB_OFFLINE to "
-                         f"download it, or pass a local model folder.")
+        raise ModelError(
+            f"--model {spec}: HF_HUB_OFFLINE is set and {repo_id} is not in the "
+            f"local hub cache ({constants.HF_HUB_CACHE}). Unset HF_HUB_OFFLINE to "
+            f"download it, or pass a local model folder."
+        )
     problem = hub_problem(spec, repo_id)
     if problem is None:
         return repo_id
@@ -130,10 +146,10 @@ def files_to_download(repo_id: str) -> list[tuple[str, int]]:
     timeout = float(os.environ.get("HF_HUB_ETAG_TIMEOUT") or PROBE_TIMEOUT_S)
     info = HfApi().model_info(repo_id, files_metadata=True, timeout=timeout)
     sizes = {s.rfilename: s.size or 0 for s in info.siblings or []}
-    wanted = weight_files(repo_id, set(sizes)) + sorted(
-        n for n in sizes if "/" not in n and n.endswith(SMALL_FILES))
-    return [(n, sizes.get(n, 0)) for n in dict.fromkeys(wanted)
-            if not isinstance(try_to_load_from_cache(repo_id, n), str)]
+    wanted = weight_files(repo_id, set(sizes)) + sorted(n for n in sizes if "/" not in n and n.endswith(SMALL_FILES))
+    return [
+        (n, sizes.get(n, 0)) for n in dict.fromkeys(wanted) if not isinstance(try_to_load_from_cache(repo_id, n), str)
+    ]
 
 
 def announce_download(repo_id: str) -> None:
@@ -143,12 +159,16 @@ def announce_download(repo_id: str) -> None:
     try:
         files = files_to_download(repo_id)
     except Exception as exc:  # the size is news, not a reason to stop: the load reports errors
-        log.info(f"downloading {repo_id} from {constants.ENDPOINT} into {constants.HF_HUB_CACHE} "
-                 f"(size unknown: {_first_line(exc)})")
+        log.info(
+            f"downloading {repo_id} from {constants.ENDPOINT} into {constants.HF_HUB_CACHE} "
+            f"(size unknown: {_first_line(exc)})"
+        )
         return
     if not any(name.endswith(".safetensors") for name, _ in files):
         return  # the weights are here: what is left takes no time worth a line
     largest = max(files, key=lambda f: f[1])
-    log.info(f"downloading {repo_id} from {constants.ENDPOINT}: "
-             f"{human_bytes(sum(size for _, size in files))} in {len(files)} files (the largest "
-             f"{largest[0]}, {human_bytes(largest[1])}) into {constants.HF_HUB_CACHE}")
+    log.info(
+        f"downloading {repo_id} from {constants.ENDPOINT}: "
+        f"{human_bytes(sum(size for _, size in files))} in {len(files)} files (the largest "
+        f"{largest[0]}, {human_bytes(largest[1])}) into {constants.HF_HUB_CACHE}"
+    )

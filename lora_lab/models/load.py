@@ -1,4 +1,5 @@
 """Load the base model and tokenizer (hub id, local folder or GGUF) and pick the precision."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,11 @@ def locate_tokenizer(spec: str) -> tuple[str, str]:
         if cached:
             return cached, f"tokenizer: {value} (local hub cache)"
         if uses_shipped_tokenizer(value):
-            return (str(shipped_tokenizer_dir()), f"tokenizer: the Qwen2.5 Instruct tokenizer "
-                    f"shipped with lora-lab (the one {value} uses; not in the local hub cache)")
+            return (
+                str(shipped_tokenizer_dir()),
+                f"tokenizer: the Qwen2.5 Instruct tokenizer "
+                f"shipped with lora-lab (the one {value} uses; not in the local hub cache)",
+            )
         return _hub_tokenizer(spec, value)
     path = locate_model(spec)
     return path, f"tokenizer: {path}"
@@ -53,36 +57,41 @@ def _hub_tokenizer(spec: str, repo_id: str) -> tuple[str, str]:
     naming the ways to have the tokenizer here (never counts with another one)."""
     from huggingface_hub import constants
 
-    problem = (("unreachable", "") if constants.HF_HUB_OFFLINE
-               else hub_problem(spec, repo_id))
+    problem = ("unreachable", "") if constants.HF_HUB_OFFLINE else hub_problem(spec, repo_id)
     if problem is None:
         return repo_id, f"tokenizer: {repo_id} (from the hub)"
     kind, message = problem
     if kind == "missing":
         raise ModelError(message)
-    why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else
-           f"the hub ({constants.ENDPOINT}) cannot be reached")
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"the hub ({constants.ENDPOINT}) cannot be reached"
     model_type = (model_config_of(spec) or {}).get("model_type")
     if model_type == "qwen2":
-        shipped = ("The Qwen2.5 Instruct tokenizer shipped with lora-lab was not checked "
-                   "against this model's tokenizer and chat template.")
+        shipped = (
+            "The Qwen2.5 Instruct tokenizer shipped with lora-lab was not checked "
+            "against this model's tokenizer and chat template."
+        )
     else:
         family = f"a {family_of(model_type).name} model" if model_type else "this model"
-        shipped = (f"The tokenizer shipped with lora-lab is Qwen2.5 Instruct's; {family} has "
-                   f"its own vocabulary and chat template, and counts with Qwen2.5's would be "
-                   f"wrong.")
+        shipped = (
+            f"The tokenizer shipped with lora-lab is Qwen2.5 Instruct's; {family} has "
+            f"its own vocabulary and chat template, and counts with Qwen2.5's would be "
+            f"wrong."
+        )
     raise ModelError(
         f"--model {spec}: counting tokens needs {repo_id}'s own tokenizer; it is not in the "
         f"local hub cache ({constants.HF_HUB_CACHE}) and {why}. {shipped} Pass a local folder "
         f"with the model's tokenizer (--model /path/to/folder), or download it where the hub "
         f"is reachable (`hf download {repo_id} --include '*.json' '*.jinja' 'tokenizer*'`), "
-        f"copy the hub cache here and run with HF_HUB_OFFLINE=1.")
+        f"copy the hub cache here and run with HF_HUB_OFFLINE=1."
+    )
 
 
 def _hub_error(name: str, exc: Exception) -> ModelError:
-    return ModelError(f"--model {name}: could not load it ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0][:200]}). If this machine cannot reach the "
-                      f"Hugging Face hub, download the model elsewhere and pass its folder.")
+    return ModelError(
+        f"--model {name}: could not load it ({type(exc).__name__}: "
+        f"{str(exc).splitlines()[0][:200]}). If this machine cannot reach the "
+        f"Hugging Face hub, download the model elsewhere and pass its folder."
+    )
 
 
 def load_tokenizer(spec: str, trust_remote_code: bool = False, path: str | None = None):
@@ -95,11 +104,17 @@ def load_tokenizer(spec: str, trust_remote_code: bool = False, path: str | None 
     except (OSError, ValueError) as exc:
         raise _hub_error(spec, exc) from None
     if tokenizer.chat_template is None:
-        hint = (f" A base model's GGUF often has none: put its family's template into {path} as "
-                f"chat_template.jinja and pass that folder." if str(spec).endswith(".gguf") else "")
-        raise ModelError(f"--model {spec}: the tokenizer has no chat template; lora-lab trains "
-                         f"chat models. Use an Instruct model or a folder with a chat template."
-                         f"{hint}")
+        hint = (
+            f" A base model's GGUF often has none: put its family's template into {path} as "
+            f"chat_template.jinja and pass that folder."
+            if str(spec).endswith(".gguf")
+            else ""
+        )
+        raise ModelError(
+            f"--model {spec}: the tokenizer has no chat template; lora-lab trains "
+            f"chat models. Use an Instruct model or a folder with a chat template."
+            f"{hint}"
+        )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -112,9 +127,11 @@ def check_remote_code(path: str, trust_remote_code: bool) -> None:
         return
     config = json.loads(config_file.read_text())
     if "auto_map" in config:
-        raise ModelError(f"--model {path}: this model ships its own Python code (auto_map in "
-                         f"config.json). lora-lab does not run it unless you pass "
-                         f"--trust-remote-code after reading that code.")
+        raise ModelError(
+            f"--model {path}: this model ships its own Python code (auto_map in "
+            f"config.json). lora-lab does not run it unless you pass "
+            f"--trust-remote-code after reading that code."
+        )
 
 
 def check_model_files(path: str) -> None:
@@ -124,9 +141,11 @@ def check_model_files(path: str) -> None:
     if not folder.is_dir():
         return
     if not (folder / "config.json").is_file():
-        raise ModelError(f"--model {path}: this folder has no config.json, so it is not a model "
-                         f"folder. Pass the folder that holds config.json and the weights, a "
-                         f".gguf file or a hub id.")
+        raise ModelError(
+            f"--model {path}: this folder has no config.json, so it is not a model "
+            f"folder. Pass the folder that holds config.json and the weights, a "
+            f".gguf file or a hub id."
+        )
     for weights in sorted(folder.glob("*.safetensors")):
         problem = safetensors_problem(weights)
         if problem:
@@ -140,17 +159,19 @@ def check_quantized_folder(path: str) -> None:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         return
-    method = (json.loads(config_file.read_text()).get("quantization_config") or {}).get(
-        "quant_method")
+    method = (json.loads(config_file.read_text()).get("quantization_config") or {}).get("quant_method")
     if method == "compressed-tensors" and importlib.util.find_spec("compressed_tensors") is None:
-        raise ModelError(f"--model {path}: this folder holds compressed-tensors weights (a "
-                         f"`lora-lab export --quantize w4a16` or `awq` folder); loading it needs "
-                         f"`pip install compressed-tensors` (or `pip install 'lora-lab[export]'`).")
+        raise ModelError(
+            f"--model {path}: this folder holds compressed-tensors weights (a "
+            f"`lora-lab export --quantize w4a16` or `awq` folder); loading it needs "
+            f"`pip install compressed-tensors` (or `pip install 'lora-lab[export]'`)."
+        )
 
 
 @dataclass
 class Precision:
     """How weights are stored and how the Trainer computes."""
+
     name: str  # bf16 | fp16 | fp32
     bf16: bool = False
     fp16: bool = False
@@ -174,21 +195,30 @@ def choose_precision(requested: str) -> Precision:
         else:
             name = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     if name == "bf16" and on_gpu and not torch.cuda.is_bf16_supported():
-        raise ModelError("--dtype bf16: this GPU has no bf16 support. Use --dtype fp16 "
-                         "(or --dtype auto).")
+        raise ModelError("--dtype bf16: this GPU has no bf16 support. Use --dtype fp16 (or --dtype auto).")
     if name in ("bf16", "fp16") and not on_gpu:
-        raise ModelError(f"--dtype {name}: mixed precision training needs a GPU; on CPU use "
-                         f"--dtype fp32 (or --dtype auto).")
+        raise ModelError(
+            f"--dtype {name}: mixed precision training needs a GPU; on CPU use --dtype fp32 (or --dtype auto)."
+        )
     if name == "fp16":
-        warnings.warn("Training in fp16: Qwen2.5 activations can overflow fp16; LoRA weights are "
-                      "kept in fp32 with dynamic loss scaling. Prefer bf16 where the GPU has it.")
+        warnings.warn(
+            "Training in fp16: Qwen2.5 activations can overflow fp16; LoRA weights are "
+            "kept in fp32 with dynamic loss scaling. Prefer bf16 where the GPU has it.",
+            stacklevel=2,
+        )
     return Precision(name=name, bf16=name == "bf16", fp16=name == "fp16")
 
 
-def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = True,
-                    fp32_master_weights: bool = False, sharded: bool = False,
-                    packed_attention: str | None = None, path: str | None = None,
-                    fused_loss: bool = True):
+def load_base_model(
+    args: ModelArgs,
+    precision: Precision,
+    for_training: bool = True,
+    fp32_master_weights: bool = False,
+    sharded: bool = False,
+    packed_attention: str | None = None,
+    path: str | None = None,
+    fused_loss: bool = True,
+):
     """The base model on the right device, in the chosen precision (or 4-bit nf4 for QLoRA).
 
     With several processes each loads onto its own GPU (LOCAL_RANK). fp32_master_weights (full
@@ -210,8 +240,11 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
         announce_download(path)
     check_quantized_folder(path)
     dtype = torch.float32 if fp32_master_weights else precision.torch_dtype
-    kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code,
-              "attn_implementation": args.attn_implementation}
+    kwargs = {
+        "dtype": dtype,
+        "trust_remote_code": args.trust_remote_code,
+        "attn_implementation": args.attn_implementation,
+    }
     if packed_attention in ("segments", "varlen") and args.attn_implementation == "sdpa":
         from .attention import register_packed_attention
 
@@ -226,8 +259,9 @@ def load_base_model(args: ModelArgs, precision: Precision, for_training: bool = 
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as exc:
         if "trust_remote_code" in str(exc):
-            raise ModelError(f"--model {args.name}: needs its own Python code; pass "
-                             f"--trust-remote-code if you trust it.") from None
+            raise ModelError(
+                f"--model {args.name}: needs its own Python code; pass --trust-remote-code if you trust it."
+            ) from None
         raise _hub_error(args.name, exc) from None
     if packed_attention in ("segments", "varlen") and args.attn_implementation == "sdpa":
         from .attention import skip_masks_of_packed_rows
@@ -252,8 +286,10 @@ def resolve_kernels(kernels: str) -> str:
     if kernels == "none" or (kernels == "auto" and not liger_available()):
         return "none"
     if not liger_available():
-        raise ModelError("--set model.kernels=liger needs a CUDA GPU and the liger-kernel "
-                         "package (pip install liger-kernel); use model.kernels=auto or none.")
+        raise ModelError(
+            "--set model.kernels=liger needs a CUDA GPU and the liger-kernel "
+            "package (pip install liger-kernel); use model.kernels=auto or none."
+        )
     return "liger"
 
 
@@ -273,14 +309,21 @@ def apply_kernels(model, kernels: str, fused_loss: bool = True) -> str:
     family = family_of(model.config.model_type)
     apply = getattr(liger, family.liger, None) if family.liger else None
     if apply is None:
-        log.info(f"liger kernels: none for model_type {model.config.model_type!r} in this "
-                 f"liger-kernel; the model trains without them")
+        log.info(
+            f"liger kernels: none for model_type {model.config.model_type!r} in this "
+            f"liger-kernel; the model trains without them"
+        )
         return "none"
-    native_norms = native_rms_norm_available() and any(
-        type(m).__name__ in NATIVE_RMS_NORMS for m in model.modules())
-    wanted = {"rope": True, "rms_norm": not native_norms, "swiglu": True, "geglu": True,
-              "cross_entropy": not fused_loss, "fused_linear_cross_entropy": fused_loss,
-              "model": model}
+    native_norms = native_rms_norm_available() and any(type(m).__name__ in NATIVE_RMS_NORMS for m in model.modules())
+    wanted = {
+        "rope": True,
+        "rms_norm": not native_norms,
+        "swiglu": True,
+        "geglu": True,
+        "cross_entropy": not fused_loss,
+        "fused_linear_cross_entropy": fused_loss,
+        "model": model,
+    }
     params = inspect.signature(apply).parameters
     apply(**{k: v for k, v in wanted.items() if k in params})
     if native_norms:
@@ -310,14 +353,17 @@ def scale_loss_gradients_on_device() -> bool:
 
     original = getattr(flce, "fused_linear_cross_entropy_backward", None)
     if original is None or list(inspect.signature(original).parameters) != [
-            "grad_output", "grad_input", "grad_weight", "grad_bias"]:
+        "grad_output",
+        "grad_input",
+        "grad_weight",
+        "grad_bias",
+    ]:
         return False
     flce.fused_linear_cross_entropy_backward = scale_on_device
     return True
 
 
-NATIVE_RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm",
-                    "Phi3RMSNorm")
+NATIVE_RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Phi3RMSNorm")
 """RMSNorm layers that compute weight * (x * rsqrt(mean(x^2) + eps)) with the statistics in
 fp32: what torch.rms_norm computes. On a GPU it is one fused CUDA kernel each way, launched from
 C++; liger's Triton launch costs about 0.3 ms of Python a call under cProfile, and the 7B step on
@@ -341,8 +387,7 @@ def _native_rms_norm(module, hidden_states):
             return torch.rms_norm(hidden_states, weight.shape, weight, module.variance_epsilon)
         # the model's types: the normalized input rounded to its type, then times the weight
         # (fp32 norms of a k-bit model give fp32)
-        return weight * torch.rms_norm(hidden_states, weight.shape, None,
-                                       module.variance_epsilon)
+        return weight * torch.rms_norm(hidden_states, weight.shape, None, module.variance_epsilon)
 
 
 def use_native_rms_norm(model) -> int:
@@ -361,5 +406,6 @@ def nf4_config(precision: Precision):
     from transformers import BitsAndBytesConfig
 
     compute = precision.torch_dtype if precision.name != "fp32" else torch.float32
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                              bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
+    )

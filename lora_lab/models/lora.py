@@ -1,9 +1,11 @@
 """What trains: LoRA adapters on a frozen base (QLoRA: on 4-bit weights), or every weight."""
+
 from __future__ import annotations
 
 from ..config import LoraArgs
 from ..errors import ModelError
 from .load import Precision
+
 
 def prepare_quantized_for_training(model):
     """QLoRA set-up without peft's fp32 upcast of embedding and lm_head (about 2 GiB on 7B)."""
@@ -15,10 +17,12 @@ def prepare_quantized_for_training(model):
 def check_full_finetuning_precision(precision: Precision) -> None:
     """--tuner full never trains in fp16 (--dtype auto picks fp16 on GPUs without bf16)."""
     if precision.name == "fp16":
-        raise ModelError("--tuner full: this GPU has no bf16, and full fine-tuning in fp16 is "
-                         "refused (Qwen2.5's activations overflow fp16 and whole-model updates "
-                         "diverge). Use a GPU with bf16 (Ampere or newer), --dtype fp32, or "
-                         "--tuner lora.")
+        raise ModelError(
+            "--tuner full: this GPU has no bf16, and full fine-tuning in fp16 is "
+            "refused (Qwen2.5's activations overflow fp16 and whole-model updates "
+            "diverge). Use a GPU with bf16 (Ampere or newer), --dtype fp32, or "
+            "--tuner lora."
+        )
 
 
 def enable_checkpointing(model) -> None:
@@ -43,15 +47,19 @@ def prepare_full_finetuning(model, gradient_checkpointing: bool):
 def template_token_ids(tokenizer) -> list[int]:
     """The special tokens the chat template writes (role markers, turn ends, think tags), from
     a two-turn conversation rendered by the tokenizer itself."""
-    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                {"role": "assistant", "content": "a"}]
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+    ]
     try:
         ids = tokenizer.apply_chat_template(messages, tokenize=True)
-    except Exception:  # noqa: BLE001 - a template without a system role
+    except Exception:
         ids = tokenizer.apply_chat_template(messages[1:], tokenize=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     special = set(tokenizer.all_special_ids) | {
-        i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+        i for i, token in tokenizer.added_tokens_decoder.items() if token.special
+    }
     return sorted({i for i in ids if i in special} | ({tokenizer.eos_token_id} - {None}))
 
 
@@ -70,10 +78,18 @@ def trainable_token_modules(model, token_ids: list[int]) -> dict:
     return found
 
 
-def apply_lora(model, args: LoraArgs, gradient_checkpointing: bool, means=None,
-               fast: bool = False, offload_copy_stream: bool = False,
-               trainable_tokens: list[int] | None = None, tuner: str = "lora",
-               adapter_dir=None, fast_chunk_tokens: int = 0):
+def apply_lora(
+    model,
+    args: LoraArgs,
+    gradient_checkpointing: bool,
+    means=None,
+    fast: bool = False,
+    offload_copy_stream: bool = False,
+    trainable_tokens: list[int] | None = None,
+    tuner: str = "lora",
+    adapter_dir=None,
+    fast_chunk_tokens: int = 0,
+):
     """Wrap the model with peft adapters (--tuner lora, dora or ia3); only the adapters train.
 
     means (planning.memory.MemoryMeans): the long-sequence means to put in place. fast: route
@@ -128,15 +144,26 @@ def adapter_config(model, args: LoraArgs, tuner: str, trainable_tokens: list[int
     if targets == ["all-linear"]:
         targets = linear_module_names(model)
     if tuner == "ia3":
-        return IA3Config(target_modules=list(targets), task_type="CAUSAL_LM",
-                         feedforward_modules=[t for t in targets if t in IA3_INPUT_SCALED])
+        return IA3Config(
+            target_modules=list(targets),
+            task_type="CAUSAL_LM",
+            feedforward_modules=[t for t in targets if t in IA3_INPUT_SCALED],
+        )
     extra = {}
     if trainable_tokens:
         extra["trainable_token_indices"] = trainable_token_modules(model, trainable_tokens)
-    return LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
-                      target_modules=list(targets), task_type="CAUSAL_LM", bias="none",
-                      use_dora=tuner == "dora", use_rslora=args.use_rslora,
-                      init_lora_weights=True if args.init == "default" else args.init, **extra)
+    return LoraConfig(
+        r=args.rank,
+        lora_alpha=args.alpha,
+        lora_dropout=args.dropout,
+        target_modules=list(targets),
+        task_type="CAUSAL_LM",
+        bias="none",
+        use_dora=tuner == "dora",
+        use_rslora=args.use_rslora,
+        init_lora_weights=True if args.init == "default" else args.init,
+        **extra,
+    )
 
 
 def save_initial_adapter(model, folder) -> None:
@@ -155,8 +182,7 @@ def save_converted_adapter(model, folder, initial_folder) -> None:
     """The trained PiSSA / OLoRA adapter as a plain LoRA adapter of twice the rank that applies to
     the original base weights (peft path_initial_model_for_weight_conversion): what merge,
     inference and vLLM load. Overwrites the adapter files in `folder`."""
-    model.save_pretrained(str(folder), path_initial_model_for_weight_conversion=str(
-        initial_folder))
+    model.save_pretrained(str(folder), path_initial_model_for_weight_conversion=str(initial_folder))
 
 
 def linear_module_names(model) -> list[str]:
@@ -166,6 +192,5 @@ def linear_module_names(model) -> list[str]:
     """
     import torch
 
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, torch.nn.Linear)}
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     return sorted(names - {"lm_head"})

@@ -16,6 +16,7 @@ the recomputed layer reach the LoRA weights from a nested backward call, which D
 do not watch. The arithmetic is unchanged; tests/unit/test_activations.py checks that loss and
 gradients equal the plain path's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,6 +27,7 @@ from torch import nn
 from ..errors import ConfigError
 
 # ----------------------------------------------------------------------------- embedding
+
 
 class CpuEmbedding(nn.Module):
     """An input embedding whose table stays in CPU memory (frozen: it is not a parameter, so
@@ -41,8 +43,7 @@ class CpuEmbedding(nn.Module):
         self.padding_idx = embedding.padding_idx
         self.num_embeddings, self.embedding_dim = self.table.shape
         # where the vectors go: the old table's device, and wherever model.to(...) moves it
-        self.register_buffer("device_marker", torch.empty(0, device=embedding.weight.device),
-                             persistent=False)
+        self.register_buffer("device_marker", torch.empty(0, device=embedding.weight.device), persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -52,8 +53,7 @@ class CpuEmbedding(nn.Module):
         target = input_ids.device if input_ids.is_cuda else self.device_marker.device
         ids = input_ids.to("cpu").reshape(-1)
         pinned = target.type == "cuda"
-        vectors = torch.empty((ids.numel(), self.embedding_dim), dtype=self.table.dtype,
-                              pin_memory=pinned)
+        vectors = torch.empty((ids.numel(), self.embedding_dim), dtype=self.table.dtype, pin_memory=pinned)
         torch.index_select(self.table, 0, ids, out=vectors)
         vectors = vectors.view(*input_ids.shape, self.embedding_dim)
         return vectors.to(target, non_blocking=True) if pinned else vectors
@@ -83,9 +83,11 @@ def move_embedding_to_cpu(model) -> bool:
 
 # ----------------------------------------------------------------------------- checkpoints
 
+
 def _autocast_state() -> dict:
-    return {device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-            for device in ("cuda", "cpu")}
+    return {
+        device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)) for device in ("cuda", "cpu")
+    }
 
 
 def _autocast(state: dict) -> contextlib.ExitStack:
@@ -117,8 +119,7 @@ class OffloadedCheckpoint(torch.autograd.Function):
         ctx.device = hidden_states.device
         ctx.autocast = _autocast_state()
         ctx.cpu_rng = torch.get_rng_state()
-        ctx.cuda_rng = (torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda"
-                        else None)
+        ctx.cuda_rng = torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None
         ctx.host_input = _to_host(hidden_states)
         with torch.no_grad():
             return run_function(hidden_states, *args)
@@ -161,8 +162,11 @@ def replay_backward(ctx, hidden: torch.Tensor, grad_outputs: tuple) -> tuple:
         with torch.enable_grad(), _autocast(ctx.autocast):
             outputs = ctx.run_function(hidden, *ctx.args)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
-             if torch.is_tensor(out) and out.requires_grad and grad is not None]
+    pairs = [
+        (out, grad)
+        for out, grad in zip(outputs, grad_outputs)
+        if torch.is_tensor(out) and out.requires_grad and grad is not None
+    ]
     torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
     return (None, hidden.grad) + (None,) * len(ctx.args)
 
@@ -182,6 +186,7 @@ def offload_layer_checkpoints(model) -> int:
 
 # ----------------------------------------------------------------------------- MLP chunks
 
+
 def _chunked(mlp_forward, chunk_tokens: int):
     from torch.utils.checkpoint import checkpoint
 
@@ -191,8 +196,7 @@ def _chunked(mlp_forward, chunk_tokens: int):
         parts = hidden.split(chunk_tokens, dim=-2)
         if not torch.is_grad_enabled():
             return torch.cat([mlp_forward(part) for part in parts], dim=-2)
-        return torch.cat([checkpoint(mlp_forward, part, use_reentrant=True) for part in parts],
-                         dim=-2)
+        return torch.cat([checkpoint(mlp_forward, part, use_reentrant=True) for part in parts], dim=-2)
 
     return forward
 
@@ -212,8 +216,7 @@ def checkpointed_layers(model) -> list:
     """The decoder layers whose gradient checkpointing is on, first to last."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    return [m for m in model.modules()
-            if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
 
 
 def keep_last_layers(model, count: int) -> int:
@@ -222,10 +225,14 @@ def keep_last_layers(model, count: int) -> int:
     how many were turned off; more than the model has is refused."""
     layers = checkpointed_layers(model)
     if count > len(layers):
-        raise ConfigError([f"train.uncheckpointed_layers {count}: the model has {len(layers)} "
-                           f"checkpointed decoder layers. Use at most {len(layers)}, or "
-                           f"--no-gradient-checkpointing to recompute none."])
-    for layer in layers[len(layers) - count:]:
+        raise ConfigError(
+            [
+                f"train.uncheckpointed_layers {count}: the model has {len(layers)} "
+                f"checkpointed decoder layers. Use at most {len(layers)}, or "
+                f"--no-gradient-checkpointing to recompute none."
+            ]
+        )
+    for layer in layers[len(layers) - count :]:
         layer.gradient_checkpointing = False
     return count
 

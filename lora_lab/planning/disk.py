@@ -1,4 +1,5 @@
 """Disk space a run needs: its checkpoints and final weights, from the model's shape."""
+
 from __future__ import annotations
 
 import shutil
@@ -9,9 +10,16 @@ from ..errors import LoraLabError
 from ..registry import model_config_of, resolve_model_spec
 from .shape import ModelShape
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                   "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+)
 """Files save_pretrained writes beside every checkpoint's and the final weights (when present)."""
 TOKENIZER_BYTES_UNKNOWN = 12_000_000
 """Tokenizer files of a model whose folder is not here (a hub id, a GGUF): Qwen2.5's are 11 MB."""
@@ -66,17 +74,20 @@ def check_disk_space(config: RunConfig, run_dir: Path, total_steps: int) -> None
     what = "model" if t.tuner == "full" else "adapter"
     fixes = []
     if kept > 2:
-        fixes.append(f"keep one checkpoint (--set train.save_total_limit=1: "
-                     f"{_size(2 * per_checkpoint + final)})")
+        fixes.append(f"keep one checkpoint (--set train.save_total_limit=1: {_size(2 * per_checkpoint + final)})")
     if not t.save_only_model:
-        fixes.append(f"save weights only (--set train.save_only_model=true: "
-                     f"{_size(kept * weights + final)}; such checkpoints cannot be resumed)")
+        fixes.append(
+            f"save weights only (--set train.save_only_model=true: "
+            f"{_size(kept * weights + final)}; such checkpoints cannot be resumed)"
+        )
     fixes.append("write elsewhere (--output-dir) or free space")
     raise LoraLabError(
         f"--output-dir {t.output_dir}: this run writes about {_size(needed)} (up to {kept} "
         f"checkpoint(s) of {_size(per_checkpoint, 1)} and the final {what} of "
-        f"{_size(final, 1)}) but {where} has {_size(free)} free. Either " + "; or ".join(fixes)
-        + ". --set train.disk_check=false skips this check.")
+        f"{_size(final, 1)}) but {where} has {_size(free)} free. Either "
+        + "; or ".join(fixes)
+        + ". --set train.disk_check=false skips this check."
+    )
 
 
 def tokenizer_bytes(model_spec: str) -> int:
@@ -84,8 +95,7 @@ def tokenizer_bytes(model_spec: str) -> int:
     kind, value = resolve_model_spec(model_spec)
     if kind != "folder":
         return TOKENIZER_BYTES_UNKNOWN
-    return sum((Path(value) / name).stat().st_size for name in TOKENIZER_FILES
-               if (Path(value) / name).is_file())
+    return sum((Path(value) / name).stat().st_size for name in TOKENIZER_FILES if (Path(value) / name).is_file())
 
 
 def _size(count: float, digits: int = 0) -> str:

@@ -1,6 +1,7 @@
 """What each distributed engine does with the training state: the tables the memory planner
 (memory.py) and the interconnect planner (traffic.py) both count from, the engines' own GPU
 buffers, and where each part of a plan lands on N GPUs (engine_parts)."""
+
 from __future__ import annotations
 
 import json
@@ -15,16 +16,16 @@ GIB = 2**30
 # or offloads to CPU memory. Counted from the DeepSpeed ZeRO paper and docs and PyTorch FSDP's.
 ENGINE_SHARDING = {
     #                          parameters      gradients   optimizer state
-    "ddp":                     ("replica",     "replica",  "replica"),
-    "deepspeed-zero2":         ("replica",     "shard",    "shard"),
-    "deepspeed-zero2-offload": ("replica",     "shard",    "cpu"),
-    "deepspeed-zero3":         ("shard",       "shard",    "shard"),
-    "deepspeed-zero3-offload": ("cpu",         "shard",    "cpu"),
-    "fsdp":                    ("shard",       "shard",    "shard"),
+    "ddp": ("replica", "replica", "replica"),
+    "deepspeed-zero2": ("replica", "shard", "shard"),
+    "deepspeed-zero2-offload": ("replica", "shard", "cpu"),
+    "deepspeed-zero3": ("shard", "shard", "shard"),
+    "deepspeed-zero3-offload": ("cpu", "shard", "cpu"),
+    "fsdp": ("shard", "shard", "shard"),
 }
 TRAINED_STATE_BYTES = {
     # per trained parameter: weights, gradients, optimizer state
-    "lora": (4, 4, 8),   # fp32 LoRA weights and gradients; AdamW's two fp32 moments
+    "lora": (4, 4, 8),  # fp32 LoRA weights and gradients; AdamW's two fp32 moments
     "full": (2, 2, 12),  # bf16 weights and gradients; fp32 master copy + two fp32 moments = 16
 }
 FSDP_FULL_STATE_BYTES = (4, 4, 8)
@@ -32,19 +33,28 @@ FSDP_FULL_STATE_BYTES = (4, 4, 8)
 follow them, and there is no separate master copy."""
 
 
-CHECKED_ON_GPUS = {("ddp", "lora"), ("deepspeed-zero2", "lora"), ("deepspeed-zero3", "full"),
-                   ("fsdp", "full"), ("fsdp", "lora")}
+CHECKED_ON_GPUS = {
+    ("ddp", "lora"),
+    ("deepspeed-zero2", "lora"),
+    ("deepspeed-zero3", "full"),
+    ("fsdp", "full"),
+    ("fsdp", "lora"),
+}
 """(engine, tuner) whose plan a stored two-GPU run matched within 15%
 (tests/unit/test_memory.py)."""
 GAPS_ON_GPUS = {
     ("deepspeed-zero2-offload", "full"): (
-        0.82, "a two-GPU run of full 1.5B reserved 7.48 GiB per GPU where the plan gives 6.10; "
-              "6.30 GiB were allocated: the caching allocator held the rest"),
+        0.82,
+        "a two-GPU run of full 1.5B reserved 7.48 GiB per GPU where the plan gives 6.10; "
+        "6.30 GiB were allocated: the caching allocator held the rest",
+    ),
     ("deepspeed-zero3-offload", "full"): (
-        1.17, "a two-GPU run of full 7B reserved 9.57 GiB per GPU where the plan gives 11.20 "
-              "(on the safe side): DeepSpeed moves the gradient partitions to CPU memory, where "
-              "the plan keeps them on the GPU, and its caching allocator held 3.7 GiB over the "
-              "5.9 allocated"),
+        1.17,
+        "a two-GPU run of full 7B reserved 9.57 GiB per GPU where the plan gives 11.20 "
+        "(on the safe side): DeepSpeed moves the gradient partitions to CPU memory, where "
+        "the plan keeps them on the GPU, and its caching allocator held 3.7 GiB over the "
+        "5.9 allocated",
+    ),
 }
 """(engine, tuner) whose plan a two-GPU run missed by more than 15%: plan / measured, and why."""
 OFFLOAD_FP32_GRAD_BYTES = 4
@@ -67,8 +77,7 @@ def gathered_bytes(shape: ModelShape) -> float:
     return max(2 * per_layer, embedding)
 
 
-def deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int,
-                       cpu_optimizer: bool) -> dict:
+def deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int, cpu_optimizer: bool) -> dict:
     """DeepSpeed's own GPU buffers, counted from the engine's JSON in presets/engines/:
     ZeRO-3 keeps up to stage3_max_live_parameters gathered and stage3_prefetch_bucket_size more
     in flight (16-bit); ZeRO-2 reduces and gathers in buckets (double-buffered with
@@ -83,12 +92,13 @@ def deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int,
     if zero["stage"] == 3:
         in_flight = zero["stage3_max_live_parameters"] + zero["stage3_prefetch_bucket_size"]
         parts["gathered parameters (live + prefetch, 16-bit)"] = (
-            max(min(in_flight, total) * 2, gathered_bytes(shape)) / GIB)
+            max(min(in_flight, total) * 2, gathered_bytes(shape)) / GIB
+        )
     else:
         copies = 2 if zero.get("overlap_comm") else 1
         parts["reduce and all-gather buckets"] = (
-            min(zero["reduce_bucket_size"], trained) * 2 * copies
-            + min(zero["allgather_bucket_size"], trained) * 2) / GIB
+            min(zero["reduce_bucket_size"], trained) * 2 * copies + min(zero["allgather_bucket_size"], trained) * 2
+        ) / GIB
     return parts
 
 
@@ -121,17 +131,15 @@ def engine_parts(shape: ModelShape, config: RunConfig, single: dict) -> tuple[di
             cpu[name] = total_bytes / config.train.nodes / GIB
         else:
             gpu[f"{name} ({'1/' + str(n) if where == 'shard' and n > 1 else 'whole'})"] = (
-                total_bytes / (n if where == "shard" else 1) / GIB)
+                total_bytes / (n if where == "shard" else 1) / GIB
+            )
 
-    place("weights" if tuner == "full" else "weights (16-bit base, fp32 LoRA)", params_bytes,
-          params_where)
+    place("weights" if tuner == "full" else "weights (16-bit base, fp32 LoRA)", params_bytes, params_where)
     place("gradients", grads_bytes, grads_where)
     master = tuner == "full" and optim_b > 8
-    place("optimizer state" + (" (fp32 master + Adam)" if master else " (Adam)"),
-          optim_bytes, optim_where)
+    place("optimizer state" + (" (fp32 master + Adam)" if master else " (Adam)"), optim_bytes, optim_where)
     if optim_where == "cpu":
-        cpu["fp32 gradient copy for the CPU optimizer"] = (
-            trained * OFFLOAD_FP32_GRAD_BYTES / config.train.nodes / GIB)
+        cpu["fp32 gradient copy for the CPU optimizer"] = trained * OFFLOAD_FP32_GRAD_BYTES / config.train.nodes / GIB
         if engine == "deepspeed-zero2-offload":
             # stage_1_and_2.py: a pinned 16-bit copy of each process's partition, and with
             # gradient accumulation a pinned 16-bit buffer of every parameter's whole gradient

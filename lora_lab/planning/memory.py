@@ -23,14 +23,14 @@ engines' behaviour; tests/unit/test_memory.py holds them within 15% of the store
 so), and their CPU plan is low (CPU_PLAN_MARGIN). The activation terms are the single-GPU
 ones (each GPU runs its own micro-batch).
 """
+
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..config import (PAIRED_TASKS, REFERENCE_TASKS, RunConfig,
-                      resolve_fast_lora, trains_adapter, world_size_of)
+from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, resolve_fast_lora, trains_adapter, world_size_of
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
 from .engines import CHECKED_ON_GPUS, GAPS_ON_GPUS, engine_parts
 from .shape import ModelShape
@@ -68,15 +68,21 @@ MAX_PLANNED_LENGTH = 131072  # Qwen2.5's longest context (with YaRN)
 @dataclass
 class MemoryMeans:
     """Which long-sequence means (lora_lab.activations) a run uses."""
+
     embedding_on_cpu: bool = False
     offload_checkpoints: bool = False
     mlp_chunk_tokens: int = 0
     uncheckpointed_layers: int = 0  # the last N decoder layers are not recomputed
 
     def describe(self) -> str:
-        parts = [name for name, on in (("input embedding in CPU memory", self.embedding_on_cpu),
-                                       ("layer checkpoints in CPU memory",
-                                        self.offload_checkpoints)) if on]
+        parts = [
+            name
+            for name, on in (
+                ("input embedding in CPU memory", self.embedding_on_cpu),
+                ("layer checkpoints in CPU memory", self.offload_checkpoints),
+            )
+            if on
+        ]
         if self.mlp_chunk_tokens:
             parts.append(f"MLP in chunks of {self.mlp_chunk_tokens} tokens")
         if self.uncheckpointed_layers:
@@ -84,9 +90,13 @@ class MemoryMeans:
         return ", ".join(parts) or "none"
 
 
-def choose_memory_means(config: RunConfig, on_gpu: bool, tied_embeddings: bool,
-                        row_tokens: int | None = None,
-                        budget_gib: float | None = None) -> MemoryMeans:
+def choose_memory_means(
+    config: RunConfig,
+    on_gpu: bool,
+    tied_embeddings: bool,
+    row_tokens: int | None = None,
+    budget_gib: float | None = None,
+) -> MemoryMeans:
     """What `auto` / on / off mean for this run. The means serve LoRA in one process with
     gradient checkpointing (their nested backward is not seen by DDP or DeepSpeed); `true`
     elsewhere is refused by the config's validation.
@@ -94,8 +104,7 @@ def choose_memory_means(config: RunConfig, on_gpu: bool, tied_embeddings: bool,
     MLP chunks cost a third pass through every MLP (about a fifth more compute for 7B): with a
     GPU budget (GiB usable) they are used only when the plan without them does not fit it."""
     t = config.train
-    single = (t.gpus == 1 and t.engine == "ddp" and trains_adapter(t)
-              and t.gradient_checkpointing)
+    single = t.gpus == 1 and t.engine == "ddp" and trains_adapter(t) and t.gradient_checkpointing
     row_tokens = row_tokens or config.data.max_length
 
     def wanted(setting, auto: bool) -> bool:
@@ -106,7 +115,9 @@ def choose_memory_means(config: RunConfig, on_gpu: bool, tied_embeddings: bool,
     means = MemoryMeans(
         embedding_on_cpu=not tied_embeddings and wanted(config.model.embedding_on_cpu, on_gpu),
         offload_checkpoints=wanted(t.offload_checkpoints, on_gpu),
-        mlp_chunk_tokens=chunk, uncheckpointed_layers=0 if kept == "auto" else kept)
+        mlp_chunk_tokens=chunk,
+        uncheckpointed_layers=0 if kept == "auto" else kept,
+    )
     model_config = model_config_of(config.model.name)
     if budget_gib is None or model_config is None:
         return means
@@ -117,13 +128,11 @@ def choose_memory_means(config: RunConfig, on_gpu: bool, tied_embeddings: bool,
         if sum(_parts(shape, config, tokens, unchunked).values()) <= budget_gib:
             means = unchunked
     if kept == "auto":
-        means = replace(means, uncheckpointed_layers=_room_for_layers(
-            shape, config, tokens, means, budget_gib))
+        means = replace(means, uncheckpointed_layers=_room_for_layers(shape, config, tokens, means, budget_gib))
     return means
 
 
-def _room_for_layers(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans,
-                     budget_gib: float) -> int:
+def _room_for_layers(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans, budget_gib: float) -> int:
     """How many more decoder layers could keep their activations (not be recomputed) with the
     plan staying within ROOM_SHARE of the budget."""
     per_layer = _kept_layer_bytes(shape, tokens, resolve_fast_lora(config)) / GIB
@@ -185,36 +194,43 @@ class MemoryPlan:
         """The train.uncheckpointed_layers that room_for_layers allows, or "" for no room."""
         if not self.room_for_layers:
             return ""
-        return (f"room for {self.room_for_layers} more layers not recomputed (faster): --set "
-                f"train.uncheckpointed_layers={self.room_for_layers + self.kept}")
+        return (
+            f"room for {self.room_for_layers} more layers not recomputed (faster): --set "
+            f"train.uncheckpointed_layers={self.room_for_layers + self.kept}"
+        )
 
     def report(self) -> str:
-        lines = [f"{self.model}, {self.quantization}, {self.tokens_per_micro_batch} tokens per "
-                 f"micro-batch"]
+        lines = [f"{self.model}, {self.quantization}, {self.tokens_per_micro_batch} tokens per micro-batch"]
         if self.gpus > 1 or self.engine != "ddp":
-            lines[0] += (f"; per GPU of {self.gpus}" + (f" ({self.nodes} nodes x "
-                         f"{self.gpus // self.nodes})" if self.nodes > 1 else "")
-                         + f", engine {self.engine}")
+            lines[0] += (
+                f"; per GPU of {self.gpus}"
+                + (f" ({self.nodes} nodes x {self.gpus // self.nodes})" if self.nodes > 1 else "")
+                + f", engine {self.engine}"
+            )
         if self.counted:
             ratio, why = GAPS_ON_GPUS.get((self.engine, self.tuner), (None, ""))
             verdict = ("TOO LOW" if ratio < 1 else "too high") if ratio else ""
-            lines[0] += (" (state terms counted, checked on two GPUs)" if self.checked else
-                         f" (state terms counted; {verdict}: {why})" if ratio else
-                         " (state terms counted, not checked on GPUs)")
+            lines[0] += (
+                " (state terms counted, checked on two GPUs)"
+                if self.checked
+                else f" (state terms counted; {verdict}: {why})"
+                if ratio
+                else " (state terms counted, not checked on GPUs)"
+            )
         if self.means != "none":
             lines.append(f"  memory means: {self.means}")
         lines += [f"  {name:<44} {gib:6.2f} GiB" for name, gib in self.parts_gib.items()]
         peak = "predicted peak (torch max_memory_reserved)"
         lines.append(f"  {peak:<44} {self.total_gib:6.2f} GiB")
         if self.cpu_parts_gib:
-            lines.append("  CPU memory for offload" + (" (a machine's processes together):"
-                                                         if self.gpus > 1 else ":"))
+            lines.append("  CPU memory for offload" + (" (a machine's processes together):" if self.gpus > 1 else ":"))
             lines += [f"    {name:<42} {gib:6.2f} GiB" for name, gib in self.cpu_parts_gib.items()]
             lines.append(f"    {'total':<42} {self.cpu_total_gib:6.2f} GiB")
         if self.budget_gib is not None:
             verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"  {verdict} in {self.budget_gib:.1f} GiB (GPU memory - "
-                         f"{CONTEXT_GIB} GiB for the CUDA context)")
+            lines.append(
+                f"  {verdict} in {self.budget_gib:.1f} GiB (GPU memory - {CONTEXT_GIB} GiB for the CUDA context)"
+            )
         if self.longest_max_length:
             knob = "data.pack_length" if self.packed else "--max-length"
             lines.append(f"  longest {knob} that fits: {self.longest_max_length}")
@@ -227,8 +243,9 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
-                longest_sample_tokens: int | None = None) -> MemoryPlan:
+def plan_memory(
+    config: RunConfig, gpu_memory_gib: float | None = None, longest_sample_tokens: int | None = None
+) -> MemoryPlan:
     """Predicted peak of `config` on a GPU; tokens from the data's longest sample when known."""
     model_config = model_config_of(config.model.name)
     if model_config is None:
@@ -236,11 +253,16 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
     shape = ModelShape.from_config(model_config)
     row = row_length(config)
     tokens = min(row, longest_sample_tokens or row) * micro_batch_rows(config)
-    plan = MemoryPlan(model=model_display_name(config.model.name), quantization=_method(config),
-                      tokens_per_micro_batch=tokens, gpus=world_size_of(config.train),
-                      nodes=config.train.nodes,
-                      engine=config.train.engine, tuner=tuner_of(config),
-                      packed=config.data.packing)
+    plan = MemoryPlan(
+        model=model_display_name(config.model.name),
+        quantization=_method(config),
+        tokens_per_micro_batch=tokens,
+        gpus=world_size_of(config.train),
+        nodes=config.train.nodes,
+        engine=config.train.engine,
+        tuner=tuner_of(config),
+        packed=config.data.packing,
+    )
     budget = usable_gib(gpu_memory_gib)
     if _single_gpu_lora(config):
         means = _means(shape, config, tokens, budget)
@@ -250,7 +272,8 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
         if means.offload_checkpoints:
             recomputed = shape.layers - plan.kept
             plan.cpu_parts_gib["activation checkpoints (pinned)"] = (
-                _checkpoint_bytes(shape, tokens) * recomputed / shape.layers / GIB)
+                _checkpoint_bytes(shape, tokens) * recomputed / shape.layers / GIB
+            )
         if means.embedding_on_cpu:
             plan.cpu_parts_gib["input embedding table"] = shape.vocab * shape.hidden * 2 / GIB
     else:
@@ -259,15 +282,16 @@ def plan_memory(config: RunConfig, gpu_memory_gib: float | None = None,
     if config.train.nodes > 1:
         from .traffic import plan_traffic
 
-        plan.traffic = plan_traffic(config, shape.params,
-                                    shape.trained_params(tuner_of(config), config.lora.rank))
+        plan.traffic = plan_traffic(config, shape.params, shape.trained_params(tuner_of(config), config.lora.rank))
     if gpu_memory_gib:
         plan.budget_gib = budget
         plan.longest_max_length = _longest(shape, config, plan.budget_gib)
         if plan.longest_max_length:
-            plan.fixes.append(f"--set data.pack_length={plan.longest_max_length}"
-                              if config.data.packing else
-                              f"--max-length {plan.longest_max_length}")
+            plan.fixes.append(
+                f"--set data.pack_length={plan.longest_max_length}"
+                if config.data.packing
+                else f"--max-length {plan.longest_max_length}"
+            )
         if config.model.quantization == "none" and tuner_of(config) in ("lora", "dora"):
             plan.fixes.append("--quantization nf4 (QLoRA)")
         if tuner_of(config) == "full" and config.train.engine != "deepspeed-zero3-offload":
@@ -309,11 +333,9 @@ def _reference_bytes(shape: ModelShape, tokens: int) -> float:
     return tokens * 2 * (4 * shape.hidden + 2 * shape.intermediate)
 
 
-def _means(shape: ModelShape, config: RunConfig, tokens: int,
-           budget_gib: float | None = None) -> MemoryMeans:
+def _means(shape: ModelShape, config: RunConfig, tokens: int, budget_gib: float | None = None) -> MemoryMeans:
     row = max(1, tokens // micro_batch_rows(config))
-    return choose_memory_means(config, on_gpu=True, tied_embeddings=shape.tied, row_tokens=row,
-                               budget_gib=budget_gib)
+    return choose_memory_means(config, on_gpu=True, tied_embeddings=shape.tied, row_tokens=row, budget_gib=budget_gib)
 
 
 def _checkpoint_bytes(shape: ModelShape, tokens: int) -> float:
@@ -344,8 +366,7 @@ def usable_gib(gpu_memory_gib: float | None) -> float | None:
     return gpu_memory_gib - CONTEXT_GIB if gpu_memory_gib else None
 
 
-def _parts(shape: ModelShape, config: RunConfig, tokens: int,
-           means: MemoryMeans | None = None) -> dict:
+def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans | None = None) -> dict:
     weight_bytes = 2 if config.model.quantization == "none" else NF4_BYTES_PER_WEIGHT
     if config.model.dtype == "fp32":
         weight_bytes = 4
@@ -357,59 +378,66 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int,
     working = hidden_bytes * hidden_scale + intermediate_bytes * intermediate_scale
     other = shape.other_params - (shape.vocab * shape.hidden if means.embedding_on_cpu else 0)
     parts = {
-        "weights" + (" (input embedding in CPU memory)" if means.embedding_on_cpu else ""):
-            (shape.linear_params * weight_bytes + other * 2) / GIB,
+        "weights" + (" (input embedding in CPU memory)" if means.embedding_on_cpu else ""): (
+            shape.linear_params * weight_bytes + other * 2
+        )
+        / GIB,
         adapter_state_part(tuner): adapter * 16 / GIB,
-        "activation checkpoints": 0.0 if means.offload_checkpoints
-        else _checkpoint_bytes(shape, tokens) / GIB,
+        "activation checkpoints": 0.0 if means.offload_checkpoints else _checkpoint_bytes(shape, tokens) / GIB,
         "recomputed layer + fused loss (fitted)": working / GIB,
         "allocator and workspaces (fitted)": FIT_CONSTANT_GIB,
     }
     dequantized = dequantized_mlp_bytes(shape, config)
     if dequantized:
-        parts["4-bit weights dequantized (fitted)"] = (
-            FIT_FAST_NF4_MLP_COPIES * dequantized / GIB)
+        parts["4-bit weights dequantized (fitted)"] = FIT_FAST_NF4_MLP_COPIES * dequantized / GIB
     kept = min(means.uncheckpointed_layers, shape.layers)
     if kept:  # their checkpoints are not made; their activations are kept instead
         parts["activation checkpoints"] *= (shape.layers - kept) / shape.layers
         parts[f"{kept} layers kept, not recomputed (fitted)"] = (
-            _kept_layer_bytes(shape, tokens, resolve_fast_lora(config)) * kept / GIB)
+            _kept_layer_bytes(shape, tokens, resolve_fast_lora(config)) * kept / GIB
+        )
     if not config.train.gradient_checkpointing:
         del parts["activation checkpoints"]
-        parts["activations of every layer (no checkpointing; counted)"] = (
-            _no_checkpoint_bytes(shape, tokens) / GIB)
+        parts["activations of every layer (no checkpointing; counted)"] = _no_checkpoint_bytes(shape, tokens) / GIB
     if tuner == "dora":
-        parts.update({name: b / GIB for name, b in dora_parts(
-            shape.linears, shape.layers, tokens, config.train.gradient_checkpointing,
-            4 if config.model.dtype == "fp32" else 2, weight_bytes < 2).items()})
+        parts.update(
+            {
+                name: b / GIB
+                for name, b in dora_parts(
+                    shape.linears,
+                    shape.layers,
+                    tokens,
+                    config.train.gradient_checkpointing,
+                    4 if config.model.dtype == "fp32" else 2,
+                    weight_bytes < 2,
+                ).items()
+            }
+        )
     if config.train.task in REFERENCE_TASKS:
-        parts["reference forward, no gradients (counted)"] = _reference_bytes(shape,
-                                                                               tokens) / GIB
+        parts["reference forward, no gradients (counted)"] = _reference_bytes(shape, tokens) / GIB
     if config.data.packing and config.data.packed_attention in ("mask", "auto"):
         # segments and varlen attend from the samples' lengths: no [tokens x tokens] mask;
         # auto counts as mask unless resolved first (as_planned_on_cuda: the plan
         # API resolves it as a CUDA GPU runs it)
-        parts["attention mask of a packed row (counted)"] = (
-            tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB)
+        parts["attention mask of a packed row (counted)"] = tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB
     if config.model.kernels == "none" or wants_trainable_tokens(
-            config.lora.trainable_tokens, config.train.tuner, config.model.name):
-        parts["full logits for the loss (estimate)"] = (
-            tokens * shape.vocab * UNFUSED_LOSS_BYTES_PER_LOGIT / GIB)
+        config.lora.trainable_tokens, config.train.tuner, config.model.name
+    ):
+        parts["full logits for the loss (estimate)"] = tokens * shape.vocab * UNFUSED_LOSS_BYTES_PER_LOGIT / GIB
     return parts
 
 
-def working_terms(shape: ModelShape, config: RunConfig, tokens: int,
-                  means: MemoryMeans) -> tuple[float, float]:
+def working_terms(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans) -> tuple[float, float]:
     """The recomputed layer's fitted working memory in bytes as peft's path holds it: (the
     per-hidden term, the per-intermediate term, over a chunk's tokens where the MLP runs in
     chunks). fast_lora_scales says what the fast path holds instead."""
     per_hidden = FIT_BYTES_PER_TOKEN_PER_HIDDEN + (
-        FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN if config.model.quantization == "none" else 0)
+        FIT_16BIT_BYTES_PER_TOKEN_PER_HIDDEN if config.model.quantization == "none" else 0
+    )
     mlp_tokens = tokens
     if means.mlp_chunk_tokens:
         mlp_tokens = means.mlp_chunk_tokens * micro_batch_rows(config)
-    return (tokens * per_hidden * shape.hidden,
-            mlp_tokens * FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE * shape.intermediate)
+    return (tokens * per_hidden * shape.hidden, mlp_tokens * FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE * shape.intermediate)
 
 
 def fast_lora_scales(config: RunConfig) -> tuple[float, float]:
@@ -433,8 +461,9 @@ def torch_has_varlen() -> bool:
     """Whether the installed PyTorch ships torch.nn.attention.varlen (the kernel
     data.packed_attention auto takes on a CUDA GPU), found on disk: planning imports no torch."""
     spec = importlib.util.find_spec("torch")
-    return spec is not None and any((Path(folder) / "nn" / "attention" / "varlen.py").exists()
-                                    for folder in spec.submodule_search_locations or ())
+    return spec is not None and any(
+        (Path(folder) / "nn" / "attention" / "varlen.py").exists() for folder in spec.submodule_search_locations or ()
+    )
 
 
 def as_planned_on_cuda(config: RunConfig) -> RunConfig:
@@ -480,10 +509,10 @@ def _longest(shape: ModelShape, config: RunConfig, budget_gib: float) -> int | N
             return None
         return int(room / per_token / config.train.micro_batch_size) // 256 * 256 or None
     mbs = micro_batch_rows(config)
-    fitting = [length for length in range(256, MAX_PLANNED_LENGTH + 1, 256)
-               if sum(_parts(shape, config, length * mbs,
-                             _means(shape, config, length * mbs, budget_gib)).values())
-               <= budget_gib]
+    fitting = [
+        length
+        for length in range(256, MAX_PLANNED_LENGTH + 1, 256)
+        if sum(_parts(shape, config, length * mbs, _means(shape, config, length * mbs, budget_gib)).values())
+        <= budget_gib
+    ]
     return fitting[-1] if fitting else None
-
-

@@ -1,5 +1,6 @@
 """Serving arithmetic: the vLLM command for a model folder and the memory flags that fit it on a
 card of each tier (pure arithmetic, no torch)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,40 +59,47 @@ class ServingPlan:
         return self.max_model_len is not None
 
     def flags(self) -> str:
-        return (f"--max-model-len {self.max_model_len} --max-num-seqs {self.max_num_seqs} "
-                f"--gpu-memory-utilization {self.gpu_memory_utilization:.2f}")
+        return (
+            f"--max-model-len {self.max_model_len} --max-num-seqs {self.max_num_seqs} "
+            f"--gpu-memory-utilization {self.gpu_memory_utilization:.2f}"
+        )
 
     def arithmetic(self) -> list[str]:
         gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
-        lines = [f"vLLM budget on a {self.card_gib} GB card: {self.card_gib} GiB x "
-                 f"{self.gpu_memory_utilization:.2f} = {gib(self.budget_bytes)}",
-                 f"  - weights {gib(self.weights_bytes)} ({self.weights_bytes:,} bytes of "
-                 f"safetensors)",
-                 f"  - overhead {gib(self.overhead_bytes)} (CUDA context, profiling activations, "
-                 f"sampler, CUDA graphs; estimated)",
-                 f"  = KV cache {gib(self.kv_cache_bytes)}",
-                 f"KV cache per token: {self.kv_formula} = {self.kv_bytes_per_token:,} bytes"]
+        lines = [
+            f"vLLM budget on a {self.card_gib} GB card: {self.card_gib} GiB x "
+            f"{self.gpu_memory_utilization:.2f} = {gib(self.budget_bytes)}",
+            f"  - weights {gib(self.weights_bytes)} ({self.weights_bytes:,} bytes of safetensors)",
+            f"  - overhead {gib(self.overhead_bytes)} (CUDA context, profiling activations, "
+            f"sampler, CUDA graphs; estimated)",
+            f"  = KV cache {gib(self.kv_cache_bytes)}",
+            f"KV cache per token: {self.kv_formula} = {self.kv_bytes_per_token:,} bytes",
+        ]
         if not self.fits:
             room = max(0, self.tokens_in_kv_cache)
-            lines.append(f"does not fit: the KV cache has room for {room:,} tokens, fewer than "
-                         f"one {CONTEXT_LADDER[-1]}-token sequence. Use a 4-bit export or a "
-                         f"larger card.")
+            lines.append(
+                f"does not fit: the KV cache has room for {room:,} tokens, fewer than "
+                f"one {CONTEXT_LADDER[-1]}-token sequence. Use a 4-bit export or a "
+                f"larger card."
+            )
             return lines
         used = self.kv_bytes_per_token * self.max_model_len * self.max_num_seqs
-        lines.append(f"{self.kv_bytes_per_token:,} bytes x {self.max_model_len} tokens x "
-                     f"{self.max_num_seqs} sequences = {gib(used)} <= {gib(self.kv_cache_bytes)} "
-                     f"({self.tokens_in_kv_cache:,} tokens fit; every sequence can be full "
-                     f"length at once; shorter ones leave room for more)")
+        lines.append(
+            f"{self.kv_bytes_per_token:,} bytes x {self.max_model_len} tokens x "
+            f"{self.max_num_seqs} sequences = {gib(used)} <= {gib(self.kv_cache_bytes)} "
+            f"({self.tokens_in_kv_cache:,} tokens fit; every sequence can be full "
+            f"length at once; shorter ones leave room for more)"
+        )
         return lines
 
 
 def kv_bytes_per_token(model_config: dict) -> tuple[int, str]:
     layers = model_config["num_hidden_layers"]
     kv_heads = model_config.get("num_key_value_heads") or model_config["num_attention_heads"]
-    head_dim = (model_config.get("head_dim")
-                or model_config["hidden_size"] // model_config["num_attention_heads"])
-    formula = (f"2 (K and V) x {layers} layers x {kv_heads} KV heads x {head_dim} head dim x "
-               f"{KV_CACHE_DTYPE_BYTES} bytes")
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
+    formula = (
+        f"2 (K and V) x {layers} layers x {kv_heads} KV heads x {head_dim} head dim x {KV_CACHE_DTYPE_BYTES} bytes"
+    )
     return 2 * layers * kv_heads * head_dim * KV_CACHE_DTYPE_BYTES, formula
 
 
@@ -111,19 +119,30 @@ def plan_vllm_serving(model_config: dict, weights: int, tier: str) -> ServingPla
     kv_cache = budget - weights - overhead
     per_token, formula = kv_bytes_per_token(model_config)
     tokens = kv_cache // per_token
-    ladder = [n for n in CONTEXT_LADDER
-              if n <= model_config.get("max_position_embeddings", CONTEXT_LADDER[0])]
-    length = next((n for n in ladder if tokens // n >= MIN_FULL_LENGTH_SEQS),
-                  next((n for n in ladder if tokens // n >= 1), None))
+    ladder = [n for n in CONTEXT_LADDER if n <= model_config.get("max_position_embeddings", CONTEXT_LADDER[0])]
+    length = next(
+        (n for n in ladder if tokens // n >= MIN_FULL_LENGTH_SEQS), next((n for n in ladder if tokens // n >= 1), None)
+    )
     seqs = min(VLLM_DEFAULT_MAX_NUM_SEQS, tokens // length) if length else None
-    return ServingPlan(tier=tier, card_gib=card, gpu_memory_utilization=utilization,
-                       budget_bytes=budget, weights_bytes=weights, overhead_bytes=overhead,
-                       kv_cache_bytes=kv_cache, kv_bytes_per_token=per_token, kv_formula=formula,
-                       tokens_in_kv_cache=tokens, max_model_len=length, max_num_seqs=seqs)
+    return ServingPlan(
+        tier=tier,
+        card_gib=card,
+        gpu_memory_utilization=utilization,
+        budget_bytes=budget,
+        weights_bytes=weights,
+        overhead_bytes=overhead,
+        kv_cache_bytes=kv_cache,
+        kv_bytes_per_token=per_token,
+        kv_formula=formula,
+        tokens_in_kv_cache=tokens,
+        max_model_len=length,
+        max_num_seqs=seqs,
+    )
 
 
-def vllm_command(folder: Path | str, quantization: str | None = None,
-                 plan: ServingPlan | None = None, name: str = "finetuned") -> str:
+def vllm_command(
+    folder: Path | str, quantization: str | None = None, plan: ServingPlan | None = None, name: str = "finetuned"
+) -> str:
     """`vllm serve` for a model folder; --quantization only where vLLM needs to be told."""
     command = f"vllm serve {folder} --served-model-name {name}"
     if quantization:
@@ -135,8 +154,8 @@ def vllm_command(folder: Path | str, quantization: str | None = None,
 
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_UNSERVED_ADAPTERS = {
-    "dora": "vLLM does not serve DoRA adapters (its PEFTHelper refuses use_dora: \"vLLM does not "
-            "yet support DoRA\"): serve the merged folder.",
+    "dora": 'vLLM does not serve DoRA adapters (its PEFTHelper refuses use_dora: "vLLM does not '
+    'yet support DoRA"): serve the merged folder.',
     "ia3": "vLLM serves LoRA adapters only, not IA3: serve the merged folder.",
 }
 """Adapter kinds (use.merge.adapter_kind_of) vLLM does not load with --enable-lora. rsLoRA
@@ -149,8 +168,7 @@ def _model_type(result) -> str | None:
     import json
 
     path = Path(result.output_dir) / "config.json"
-    config = json.loads(path.read_text()) if path.is_file() else model_config_of(
-        result.base_model)
+    config = json.loads(path.read_text()) if path.is_file() else model_config_of(result.base_model)
     return (config or {}).get("model_type")
 
 
@@ -164,19 +182,27 @@ def vllm_commands(result, name: str = "finetuned") -> dict:
     rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= result.lora_rank), None)
     warnings = []
     if rank is None:
-        warnings.append(f"LoRA rank {result.lora_rank} is above vLLM's largest --max-lora-rank "
-                        f"({VLLM_MAX_LORA_RANKS[-1]}): serve the merged folder.")
+        warnings.append(
+            f"LoRA rank {result.lora_rank} is above vLLM's largest --max-lora-rank "
+            f"({VLLM_MAX_LORA_RANKS[-1]}): serve the merged folder."
+        )
     else:
-        commands["adapter"] = (f"vllm serve {result.base_model} --enable-lora --lora-modules "
-                               f"{name}={result.adapter_dir} --max-lora-rank {rank}")
+        commands["adapter"] = (
+            f"vllm serve {result.base_model} --enable-lora --lora-modules "
+            f"{name}={result.adapter_dir} --max-lora-rank {rank}"
+        )
     family = family_of(_model_type(result))
     if family.vllm_lora_modules is None:
-        warnings.append(f"vLLM's LoRA support for {family.name} is not known here: if the "
-                        f"adapter does not load, serve the merged folder.")
+        warnings.append(
+            f"vLLM's LoRA support for {family.name} is not known here: if the "
+            f"adapter does not load, serve the merged folder."
+        )
     else:
         unsupported = sorted(set(result.target_modules) - family.vllm_lora_modules)
         if unsupported:
-            warnings.append(f"the adapter also trains {', '.join(unsupported)}, which vLLM's "
-                            f"LoRA support for {family.name} does not load: serve the merged "
-                            f"folder.")
+            warnings.append(
+                f"the adapter also trains {', '.join(unsupported)}, which vLLM's "
+                f"LoRA support for {family.name} does not load: serve the merged "
+                f"folder."
+            )
     return {"commands": commands, "warnings": warnings}

@@ -1,5 +1,6 @@
 """The shape of a decoder-only transformer, as the planners count it: sizes, parameter counts and
 each layer's linear layers, read from its config.json."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,14 +36,20 @@ class ModelShape:
         return adapter_params(tuner, self.linears, self.layers, lora_rank)
 
     @classmethod
-    def from_config(cls, config: dict) -> "ModelShape":
+    def from_config(cls, config: dict) -> ModelShape:
         """The shape of a decoder-only transformer from its config.json (registry.linear_shapes
         and parameter_count say what differs by family)."""
         h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
         linears = linear_shapes(config)
         linear_params = n * sum(a * b for a, b in linears)
-        return cls(hidden=h, intermediate=i, layers=n, vocab=config["vocab_size"],
-                   linear_params=linear_params,
-                   other_params=parameter_count(config) - linear_params,
-                   lora_params_per_rank=n * sum(a + b for a, b in linears),
-                   tied=bool(config.get("tie_word_embeddings")), linears=linears)
+        return cls(
+            hidden=h,
+            intermediate=i,
+            layers=n,
+            vocab=config["vocab_size"],
+            linear_params=linear_params,
+            other_params=parameter_count(config) - linear_params,
+            lora_params_per_rank=n * sum(a + b for a, b in linears),
+            tied=bool(config.get("tie_word_embeddings")),
+            linears=linears,
+        )

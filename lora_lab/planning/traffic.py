@@ -28,6 +28,7 @@ paper and the engines' documented behaviour, not measured here):
 
 The offload engines send what their GPU-only twins send: the offload traffic is PCIe, not network.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -52,8 +53,7 @@ class Transfer:
 
     def sent_bytes(self, processes: int) -> float:
         share = (processes - 1) / processes
-        return (2 if self.collective == "all-reduce" else 1) * share * self.payload_bytes * \
-            self.times
+        return (2 if self.collective == "all-reduce" else 1) * share * self.payload_bytes * self.times
 
 
 @dataclass
@@ -73,19 +73,21 @@ class TrafficPlan:
 
     def report(self) -> str:
         n = self.processes
-        lines = [f"  interconnect per optimizer step, engine {self.engine}, {self.nodes} nodes x "
-                 f"{self.gpus_per_node} GPUs = {n} processes",
-                 "  (ring collectives: each process sends this, and each node's network link "
-                 "carries about as much):"]
+        lines = [
+            f"  interconnect per optimizer step, engine {self.engine}, {self.nodes} nodes x "
+            f"{self.gpus_per_node} GPUs = {n} processes",
+            "  (ring collectives: each process sends this, and each node's network link carries about as much):",
+        ]
         for t in self.transfers:
             factor = "2 x " if t.collective == "all-reduce" else ""
             times = f" x {t.times}" if t.times > 1 else ""
             lines.append(f"    {t.collective} of {t.what}:")
-            lines.append(f"      {factor}({n}-1)/{n} x {_size(t.payload_bytes)}{times} = "
-                         f"{_size(t.sent_bytes(n))}")
+            lines.append(f"      {factor}({n}-1)/{n} x {_size(t.payload_bytes)}{times} = {_size(t.sent_bytes(n))}")
         total = self.sent_bytes_per_step
-        lines.append(f"    total {_size(total)} per step; at 25 GB/s per node (200 Gb/s "
-                     f"InfiniBand) about {total / 25e9:.2f} s of transfer per step")
+        lines.append(
+            f"    total {_size(total)} per step; at 25 GB/s per node (200 Gb/s "
+            f"InfiniBand) about {total / 25e9:.2f} s of transfer per step"
+        )
         return "\n".join(lines)
 
 
@@ -105,26 +107,57 @@ def plan_traffic(config: RunConfig, params: int, trained_params: int) -> Traffic
     trained = f"{trained_params:,} trained parameters"
     grads = f"the {kind} gradients ({trained}"
     if engine == "ddp":
-        plan.transfers.append(Transfer(f"{grads} x {DDP_GRAD_BYTES} B)", "all-reduce",
-                                       trained_params * DDP_GRAD_BYTES,
-                                       t.grad_accum if each_micro_batch else 1))
+        plan.transfers.append(
+            Transfer(
+                f"{grads} x {DDP_GRAD_BYTES} B)",
+                "all-reduce",
+                trained_params * DDP_GRAD_BYTES,
+                t.grad_accum if each_micro_batch else 1,
+            )
+        )
     elif engine.startswith("deepspeed-zero2"):
-        plan.transfers.append(Transfer(f"{grads} x {DEEPSPEED_BYTES} B), every micro-batch",
-                                       "reduce-scatter", trained_params * DEEPSPEED_BYTES,
-                                       t.grad_accum))
-        plan.transfers.append(Transfer(f"the updated {kind} weights ({trained} x "
-                                       f"{DEEPSPEED_BYTES} B), after the step", "all-gather",
-                                       trained_params * DEEPSPEED_BYTES, 1))
+        plan.transfers.append(
+            Transfer(
+                f"{grads} x {DEEPSPEED_BYTES} B), every micro-batch",
+                "reduce-scatter",
+                trained_params * DEEPSPEED_BYTES,
+                t.grad_accum,
+            )
+        )
+        plan.transfers.append(
+            Transfer(
+                f"the updated {kind} weights ({trained} x {DEEPSPEED_BYTES} B), after the step",
+                "all-gather",
+                trained_params * DEEPSPEED_BYTES,
+                1,
+            )
+        )
     else:  # deepspeed-zero3(-offload), fsdp: every parameter is sharded
         passes = "forward and backward, every micro-batch"
-        plan.transfers.append(Transfer(f"every parameter ({params:,} x {GATHER_BYTES} B), "
-                                       f"{passes}", "all-gather", params * GATHER_BYTES,
-                                       2 * t.grad_accum))
-        grad_bytes = DEEPSPEED_BYTES if engine.startswith("deepspeed") else (
-            FSDP_FULL_STATE_BYTES if t.tuner == "full" else
-            TRAINED_STATE_BYTES.get(t.tuner, TRAINED_STATE_BYTES["lora"]))[1]
+        plan.transfers.append(
+            Transfer(
+                f"every parameter ({params:,} x {GATHER_BYTES} B), {passes}",
+                "all-gather",
+                params * GATHER_BYTES,
+                2 * t.grad_accum,
+            )
+        )
+        grad_bytes = (
+            DEEPSPEED_BYTES
+            if engine.startswith("deepspeed")
+            else (
+                FSDP_FULL_STATE_BYTES
+                if t.tuner == "full"
+                else TRAINED_STATE_BYTES.get(t.tuner, TRAINED_STATE_BYTES["lora"])
+            )[1]
+        )
         times = t.grad_accum if engine.startswith("deepspeed") or each_micro_batch else 1
-        plan.transfers.append(Transfer(f"{grads} x {grad_bytes} B)"
-                                       + (", every micro-batch" if times > 1 else ""),
-                                       "reduce-scatter", trained_params * grad_bytes, times))
+        plan.transfers.append(
+            Transfer(
+                f"{grads} x {grad_bytes} B)" + (", every micro-batch" if times > 1 else ""),
+                "reduce-scatter",
+                trained_params * grad_bytes,
+                times,
+            )
+        )
     return plan

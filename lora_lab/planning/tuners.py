@@ -14,6 +14,7 @@ The DoRA terms are counted from peft's code; two more were fitted to 7B runs und
 16gb caps (bench/results/2026-12-01-tuners.jsonl): the allocator's blocks that DoRA's large
 transients leave behind, and the 4-bit weight peft dequantizes for the weight norm.
 """
+
 from __future__ import annotations
 
 ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "ia3": "IA3"}
@@ -36,9 +37,10 @@ def adapter_params(tuner: str, linears: list, layers: int, rank: int) -> int:
 
 def adapter_state_part(tuner: str) -> str:
     """The memory plan's line for the trained adapter's state (16 bytes a parameter)."""
-    return {"dora": "DoRA A, B, magnitudes + grads + Adam (fp32)",
-            "ia3": "IA3 vectors + gradients + Adam state (fp32)"}.get(
-        tuner, "LoRA weights + gradients + Adam state (fp32)")
+    return {
+        "dora": "DoRA A, B, magnitudes + grads + Adam (fp32)",
+        "ia3": "IA3 vectors + gradients + Adam state (fp32)",
+    }.get(tuner, "LoRA weights + gradients + Adam state (fp32)")
 
 
 def dora_magnitudes(linears: list, layers: int) -> int:
@@ -56,8 +58,7 @@ def dora_weight_bytes(linears: list, activation_bytes: int) -> int:
     """The transient of the widest linear's forward: the fp32 identity (in x in), the dense
     LoRA weight in fp32 and in the activation dtype, and W + scaling x (B A) with its product
     (get_weight_norm): freed before the next linear."""
-    return max(i * i * LORA_FP32_BYTES + i * o * (LORA_FP32_BYTES + 3 * activation_bytes)
-               for i, o in linears)
+    return max(i * i * LORA_FP32_BYTES + i * o * (LORA_FP32_BYTES + 3 * activation_bytes) for i, o in linears)
 
 
 DORA_FRAGMENTATION_PER_IDENTITY_BYTE = 0.9
@@ -68,22 +69,21 @@ DORA_NF4_DEQUANT_BYTES_PER_WEIGHT = 16
 dequantized weight in 16 bits and its fp32 copies for the norm (1.0 GiB at 7B, fitted)."""
 
 
-def dora_parts(linears: list, layers: int, tokens: int, checkpointing: bool,
-               activation_bytes: int, quantized: bool = False) -> dict:
+def dora_parts(
+    linears: list, layers: int, tokens: int, checkpointing: bool, activation_bytes: int, quantized: bool = False
+) -> dict:
     """The planner parts DoRA adds besides its trained state (adapter_params counts the
     magnitudes), in bytes: with gradient checkpointing only the layer being recomputed holds its
     saved tensors; without it every layer does."""
     saved = tokens * dora_saved_bytes_per_token(linears, activation_bytes)
     widest_in = max(i for i, _ in linears)
     parts = {
-        "DoRA outputs kept for backward (counted)":
-            saved if checkpointing else saved * layers,
-        "DoRA dense weight, widest linear (counted)":
-            dora_weight_bytes(linears, activation_bytes),
-        "DoRA allocator blocks (fitted)": int(
-            DORA_FRAGMENTATION_PER_IDENTITY_BYTE * widest_in ** 2 * LORA_FP32_BYTES),
+        "DoRA outputs kept for backward (counted)": saved if checkpointing else saved * layers,
+        "DoRA dense weight, widest linear (counted)": dora_weight_bytes(linears, activation_bytes),
+        "DoRA allocator blocks (fitted)": int(DORA_FRAGMENTATION_PER_IDENTITY_BYTE * widest_in**2 * LORA_FP32_BYTES),
     }
     if quantized:
-        parts["DoRA's dequantized 4-bit weight (fitted)"] = (
-            DORA_NF4_DEQUANT_BYTES_PER_WEIGHT * max(i * o for i, o in linears))
+        parts["DoRA's dequantized 4-bit weight (fitted)"] = DORA_NF4_DEQUANT_BYTES_PER_WEIGHT * max(
+            i * o for i, o in linears
+        )
     return parts

@@ -1,4 +1,5 @@
 """transformers TrainingArguments from a RunConfig, and the step count they imply."""
+
 from __future__ import annotations
 
 import math
@@ -9,6 +10,7 @@ from ..device import use_cpu
 from ..models.load import Precision
 from ..run_folder import LAUNCH_FOLDER
 from .watch import trainer_report_to
+
 
 def count_optimizer_steps(config: RunConfig, train_samples: int) -> int:
     if config.train.max_steps > 0:
@@ -23,9 +25,16 @@ def warmup_steps(ratio: float, total_steps: int) -> int:
     return min(math.floor(ratio * total_steps), max(total_steps - 1, 0))
 
 
-def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precision,
-                             total_steps: int, has_eval: bool, rows_per_step: int | None = None,
-                             args_class=None, **extra):
+def build_training_arguments(
+    config: RunConfig,
+    run_dir: Path,
+    precision: Precision,
+    total_steps: int,
+    has_eval: bool,
+    rows_per_step: int | None = None,
+    args_class=None,
+    **extra,
+):
     """rows_per_step: with packing, each micro-batch is one packed row. args_class: a
     TrainingArguments subclass (TRL's DPOConfig ...), given its own settings in `extra`."""
     from transformers import TrainingArguments
@@ -36,28 +45,40 @@ def build_training_arguments(config: RunConfig, run_dir: Path, precision: Precis
         per_device_train_batch_size=1 if rows_per_step else t.micro_batch_size,
         per_device_eval_batch_size=t.micro_batch_size,
         gradient_accumulation_steps=rows_per_step or t.grad_accum,
-        learning_rate=t.lr, num_train_epochs=t.epochs, max_steps=t.max_steps,
-        warmup_steps=warmup_steps(t.warmup_ratio, total_steps), lr_scheduler_type=t.lr_scheduler,
-        weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm,
-        bf16=precision.bf16, fp16=precision.fp16,
-        logging_steps=t.logging_steps, logging_first_step=True,
+        learning_rate=t.lr,
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps,
+        warmup_steps=warmup_steps(t.warmup_ratio, total_steps),
+        lr_scheduler_type=t.lr_scheduler,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        bf16=precision.bf16,
+        fp16=precision.fp16,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
         # the filter reads every micro-batch's loss on the host (a GPU sync); NonFiniteGuard
         # stops on a NaN loss anyway, so only --on-nonfinite skip keeps it
         logging_nan_inf_filter=t.on_nonfinite == "skip",
-        save_strategy="steps", save_steps=t.save_steps, save_total_limit=t.save_total_limit,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
         save_only_model=t.save_only_model,
-        eval_strategy="steps" if has_eval else "no", eval_steps=t.eval_steps,
+        eval_strategy="steps" if has_eval else "no",
+        eval_steps=t.eval_steps,
         neftune_noise_alpha=t.neftune_noise_alpha or None,
-        seed=t.seed, data_seed=t.seed, remove_unused_columns=False,
-        report_to=trainer_report_to(t.report_to) or "none", run_name=run_dir.name,
-        dataloader_num_workers=0, use_cpu=use_cpu(precision),  # checkpointing: models/lora.py
+        seed=t.seed,
+        data_seed=t.seed,
+        remove_unused_columns=False,
+        report_to=trainer_report_to(t.report_to) or "none",
+        run_name=run_dir.name,
+        dataloader_num_workers=0,
+        use_cpu=use_cpu(precision),  # checkpointing: models/lora.py
         # every trainable tensor takes part in every step; True would walk the autograd graph
         # every backward
         ddp_find_unused_parameters=False,
         deepspeed=deepspeed_config_path(config, run_dir),
         # accelerate reduces after every micro-batch instead of skipping all but the last
-        accelerator_config={"gradient_accumulation_kwargs": {
-            "sync_each_batch": syncs_each_micro_batch(t)}},
+        accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": syncs_each_micro_batch(t)}},
         **extra,
     )
     if args.n_gpu > 1:

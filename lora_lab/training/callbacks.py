@@ -1,4 +1,5 @@
 """Trainer callbacks: the step log, step timing and memory figures, the non-finite guard."""
+
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from ..log import get_logger
 from ..run_folder import LOGS_FOLDER, STEP_LOG
 
 log = get_logger()
+
 
 def run_callbacks(run_dir: Path, report_to: list) -> list:
     """TensorBoard events (report_to holds tensorboard), the JSON step log, the step timer and
@@ -76,8 +78,9 @@ class StepTimer(TrainerCallback):
         self._once(peak_reserved_gib_before_training="max_memory_reserved")
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self._once(peak_allocated_gib_forward_backward="max_memory_allocated",
-                   allocated_gib_before_update="memory_allocated")
+        self._once(
+            peak_allocated_gib_forward_backward="max_memory_allocated", allocated_gib_before_update="memory_allocated"
+        )
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self._once(peak_allocated_gib_update="max_memory_allocated")
@@ -91,8 +94,11 @@ class StepTimer(TrainerCallback):
         import resource
 
         rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        figures = {"peak_reserved_gib": cuda_memory_gib("max_memory_reserved"), **self.phases,
-                   "cpu_peak_rss_gib": rss_kib / 2**20}
+        figures = {
+            "peak_reserved_gib": cuda_memory_gib("max_memory_reserved"),
+            **self.phases,
+            "cpu_peak_rss_gib": rss_kib / 2**20,
+        }
         return {k: None if v is None else round(v, 4) for k, v in figures.items()}
 
     @staticmethod
@@ -121,42 +127,56 @@ class StepTimer(TrainerCallback):
     def step_seconds(self) -> list[float]:
         if self._spans and not isinstance(self._spans[-1][1], float):
             self._spans[-1][1].synchronize()
-        return [end - start if isinstance(end, float) else start.elapsed_time(end) / 1000
-                for start, end in self._spans]
+        return [
+            end - start if isinstance(end, float) else start.elapsed_time(end) / 1000 for start, end in self._spans
+        ]
 
     def summary(self, warmup: int = 2) -> dict:
         seconds = self.step_seconds
         timed = seconds[warmup:] or seconds
-        return {"median_step_seconds": statistics.median(timed) if timed else None,
-                "timed_steps": len(timed),
-                "first_step_seconds": [round(s, 3) for s in seconds[:warmup]]}
+        return {
+            "median_step_seconds": statistics.median(timed) if timed else None,
+            "timed_steps": len(timed),
+            "first_step_seconds": [round(s, 3) for s in seconds[:warmup]],
+        }
 
 
 def nonfinite_tensors(model) -> list[str]:
     """Names of trainable parameters holding a NaN or inf."""
     import torch
 
-    return [name for name, param in model.named_parameters()
-            if param.requires_grad and not bool(torch.isfinite(param).all())]
+    return [
+        name
+        for name, param in model.named_parameters()
+        if param.requires_grad and not bool(torch.isfinite(param).all())
+    ]
 
 
 def ensure_finite(model, what: str) -> None:
     bad = nonfinite_tensors(model)
     if bad:
-        raise TrainingError(f"not writing {what}: {len(bad)} trainable tensors hold NaN or inf "
-                            f"(first: {bad[0]}). Resume from the last checkpoint.")
+        raise TrainingError(
+            f"not writing {what}: {len(bad)} trainable tensors hold NaN or inf "
+            f"(first: {bad[0]}). Resume from the last checkpoint."
+        )
 
 
 def nonfinite_message(step: int, what: str, precision: str, run_dir: Path) -> str:
     if precision == "fp16":
-        cause = ("fp16 overflow: Qwen2.5's activations exceed fp16's range. Train in bf16 "
-                 "(--dtype bf16) on a GPU that has it, or fp32")
+        cause = (
+            "fp16 overflow: Qwen2.5's activations exceed fp16's range. Train in bf16 "
+            "(--dtype bf16) on a GPU that has it, or fp32"
+        )
     else:
-        cause = ("a learning rate too high for this data (try a lower --lr or more warm-up), "
-                 "or a sample that breaks the loss")
-    return (f"step {step}: {what}. The update was not applied and the run stopped. Likely cause: "
-            f"{cause}. The checkpoints in {run_dir} hold only finite weights; fix the cause and "
-            f"continue with --resume auto, or pass --on-nonfinite skip to skip such updates.")
+        cause = (
+            "a learning rate too high for this data (try a lower --lr or more warm-up), "
+            "or a sample that breaks the loss"
+        )
+    return (
+        f"step {step}: {what}. The update was not applied and the run stopped. Likely cause: "
+        f"{cause}. The checkpoints in {run_dir} hold only finite weights; fix the cause and "
+        f"continue with --resume auto, or pass --on-nonfinite skip to skip such updates."
+    )
 
 
 def skippable_on_device(optimizer):
@@ -223,19 +243,16 @@ class NonFiniteGuard(TrainerCallback):
         if not fp16 and not isinstance(norm, torch.Tensor):
             grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
             if grads:
-                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
-                                                             for g in grads]))
+                norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
         if not fp16 and isinstance(norm, torch.Tensor):
-            parts.append(norm.detach().float().reshape(1).to(parts[0].device if parts else
-                                                             norm.device))
+            parts.append(norm.detach().float().reshape(1).to(parts[0].device if parts else norm.device))
         return (torch.cat(parts), losses) if parts else (None, 0)
 
     def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         import torch
 
         step = state.global_step + 1
-        on_device = (None if args.fp16 or getattr(args, "world_size", 1) > 1
-                     else skippable_on_device(optimizer))
+        on_device = None if args.fp16 or getattr(args, "world_size", 1) > 1 else skippable_on_device(optimizer)
         self.settle()
         figures, losses = self._figures(model, args.fp16)
         if on_device is None or figures is None:
@@ -258,8 +275,7 @@ class NonFiniteGuard(TrainerCallback):
         self._pending = (step, figures, event, losses)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if (control.should_log or control.should_save or control.should_evaluate
-                or control.should_training_stop):
+        if control.should_log or control.should_save or control.should_evaluate or control.should_training_stop:
             self.settle()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -282,8 +298,7 @@ class NonFiniteGuard(TrainerCallback):
         if self.policy == "stop":
             raise TrainingError(nonfinite_message(step, found, self.precision, self.run_dir))
         self.skipped_steps.append(step)
-        log.warning(f"warning: step {step}: {found}; update skipped "
-                    f"({len(self.skipped_steps)} skipped so far)")
+        log.warning(f"warning: step {step}: {found}; update skipped ({len(self.skipped_steps)} skipped so far)")
 
 
 class StopOnSignal(TrainerCallback):

@@ -12,6 +12,7 @@ Before resuming, a checkpoint's files are checked against its manifest, its pick
 (optimizer, scheduler, RNG) are opened with torch.load(weights_only=True), and the run's settings
 and training data are compared with the ones it was started with.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,20 +33,45 @@ log = get_logger()
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = 1
 STAGING_PREFIX = ".staging-"
-REQUIRED_FILES = ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json",
-                  "optimizer.pt", "scheduler.pt", "rng_state.pth")
+REQUIRED_FILES = (
+    "adapter_model.safetensors",
+    "adapter_config.json",
+    "trainer_state.json",
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng_state.pth",
+)
 """rng_state.pth is rng_state_<rank>.pth when several processes train."""
 FULL_REQUIRED_FILES = ("config.json", "model.safetensors") + REQUIRED_FILES[2:]
 """--tuner full checkpoints hold the whole model (model.safetensors, or its shards and
 model.safetensors.index.json) instead of an adapter."""
-DRIFT_KEYS = ("model.name", "model.quantization", "train.tuner", "train.gpus", "train.nodes",
-              "train.engine", "lora.rank", "lora.alpha", "lora.dropout", "lora.use_rslora",
-              "lora.init",
-              "train.loraplus_lr_ratio", "train.neftune_noise_alpha",
-              "lora.target_modules", "data.datasets", "data.val_data", "data.val_ratio",
-              "data.format", "data.max_length", "data.truncation", "data.system",
-              "data.enable_thinking",
-              "train.micro_batch_size", "train.grad_accum", "train.seed")
+DRIFT_KEYS = (
+    "model.name",
+    "model.quantization",
+    "train.tuner",
+    "train.gpus",
+    "train.nodes",
+    "train.engine",
+    "lora.rank",
+    "lora.alpha",
+    "lora.dropout",
+    "lora.use_rslora",
+    "lora.init",
+    "train.loraplus_lr_ratio",
+    "train.neftune_noise_alpha",
+    "lora.target_modules",
+    "data.datasets",
+    "data.val_data",
+    "data.val_ratio",
+    "data.format",
+    "data.max_length",
+    "data.truncation",
+    "data.system",
+    "data.enable_thinking",
+    "train.micro_batch_size",
+    "train.grad_accum",
+    "train.seed",
+)
 """Settings that change what a step computes: resuming with other values is refused."""
 
 OOM_SOURCE = "out-of-memory retry"
@@ -70,8 +96,7 @@ def write_manifest(staging: Path, step: int, train_data: dict | None) -> None:
         if path.name == MANIFEST_NAME:
             continue
         fsync(path)
-        files[path.relative_to(staging).as_posix()] = {"bytes": path.stat().st_size,
-                                                       "sha256": file_sha256(path)}
+        files[path.relative_to(staging).as_posix()] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
     body = {"format": MANIFEST_FORMAT, "step": step, "files": files, "train_data": train_data}
     manifest = staging / MANIFEST_NAME
     manifest.write_text(json.dumps(body, indent=1) + "\n")
@@ -90,13 +115,17 @@ def remove_leftovers(run_dir: Path) -> list[Path]:
     A staging folder whose save finished (manifest written, files intact) but was not renamed
     yet is committed, as is the checkpoint it was replacing if the kill came between the two
     renames; everything else left behind is deleted."""
-    leftovers = sorted((p for p in Path(run_dir).glob(".*checkpoint-*") if p.is_dir() and
-                        p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))),
-                       key=lambda p: not p.name.startswith(STAGING_PREFIX))  # newer first
+    leftovers = sorted(
+        (
+            p
+            for p in Path(run_dir).glob(".*checkpoint-*")
+            if p.is_dir() and p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))
+        ),
+        key=lambda p: not p.name.startswith(STAGING_PREFIX),
+    )  # newer first
     deleted = []
     for folder in leftovers:
-        final = folder.with_name(folder.name.removeprefix(STAGING_PREFIX)
-                                 .removeprefix(REPLACED_PREFIX))
+        final = folder.with_name(folder.name.removeprefix(STAGING_PREFIX).removeprefix(REPLACED_PREFIX))
         if not final.exists() and not checkpoint_problems(folder):
             commit_checkpoint(folder, final)
             continue
@@ -134,40 +163,42 @@ def checkpoint_problems(folder: Path) -> list[str]:
     """Why `folder` cannot be resumed from (empty when it is complete and intact)."""
     folder = Path(folder)
     if not (folder / MANIFEST_NAME).is_file():
-        return [f"{folder / MANIFEST_NAME} is missing: the save did not finish (or an older "
-                f"lora-lab wrote it)"]
+        return [f"{folder / MANIFEST_NAME} is missing: the save did not finish (or an older lora-lab wrote it)"]
     try:
         files = read_manifest(folder)["files"]
     except (ValueError, KeyError, TypeError) as exc:
         return [f"{folder / MANIFEST_NAME} is not readable ({exc})"]
     rng_files = [name for name in files if re.fullmatch(r"rng_state(_\d+)?\.pth", name)]
-    required = REQUIRED_FILES if "adapter_config.json" in files or "config.json" not in files \
-        else FULL_REQUIRED_FILES
-    weights_only = (" (no optimizer state: a checkpoint saved with train.save_only_model=true "
-                    "has the weights only, and a run cannot resume from it)")
-    problems = [f"{folder / name} is missing from the manifest"
-                + (weights_only if name == "optimizer.pt" else "") for name in required
-                if name not in files and not (name == "rng_state.pth" and rng_files)
-                and not (name == "model.safetensors" and "model.safetensors.index.json" in files)
-                and not (name == "optimizer.pt" and _engine_optimizer_state(files))]
+    required = REQUIRED_FILES if "adapter_config.json" in files or "config.json" not in files else FULL_REQUIRED_FILES
+    weights_only = (
+        " (no optimizer state: a checkpoint saved with train.save_only_model=true "
+        "has the weights only, and a run cannot resume from it)"
+    )
+    problems = [
+        f"{folder / name} is missing from the manifest" + (weights_only if name == "optimizer.pt" else "")
+        for name in required
+        if name not in files
+        and not (name == "rng_state.pth" and rng_files)
+        and not (name == "model.safetensors" and "model.safetensors.index.json" in files)
+        and not (name == "optimizer.pt" and _engine_optimizer_state(files))
+    ]
     for name, entry in files.items():
         path = folder / name
         if not path.is_file():
             problems.append(f"{path} is missing")
         elif path.stat().st_size != entry["bytes"]:
-            problems.append(f"{path} is {path.stat().st_size} bytes; the manifest says "
-                            f"{entry['bytes']} (truncated or overwritten)")
+            problems.append(
+                f"{path} is {path.stat().st_size} bytes; the manifest says {entry['bytes']} (truncated or overwritten)"
+            )
         elif file_sha256(path) != entry["sha256"]:
-            problems.append(f"{path}: sha256 does not match the manifest (corrupt or changed "
-                            f"after the save)")
+            problems.append(f"{path}: sha256 does not match the manifest (corrupt or changed after the save)")
     return problems or unsafe_pickles(folder)
 
 
 def _engine_optimizer_state(files: dict) -> bool:
     """DeepSpeed (`latest` + global_stepN/) and FSDP (optimizer_0/, optimizer.bin) save the
     optimizer state in their own layout instead of optimizer.pt."""
-    return any(name == "latest" or name.startswith(("global_step", "optimizer_0/",
-                                                     "optimizer.bin")) for name in files)
+    return any(name == "latest" or name.startswith(("global_step", "optimizer_0/", "optimizer.bin")) for name in files)
 
 
 def unsafe_pickles(folder: Path) -> list[str]:
@@ -182,10 +213,12 @@ def unsafe_pickles(folder: Path) -> list[str]:
         try:
             with _numpy_allowed():
                 torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any refusal means: do not load this file
+        except Exception as exc:
             first_line = (str(exc).splitlines() or [""])[0][:120]
-            problems.append(f"{path} was refused by torch.load(weights_only=True): it holds more "
-                            f"than tensors ({type(exc).__name__}: {first_line})")
+            problems.append(
+                f"{path} was refused by torch.load(weights_only=True): it holds more "
+                f"than tensors ({type(exc).__name__}: {first_line})"
+            )
     return problems
 
 
@@ -195,8 +228,9 @@ def _numpy_allowed():
     import torch
 
     core = np._core if hasattr(np, "_core") else np.core
-    return torch.serialization.safe_globals([core.multiarray._reconstruct, np.ndarray, np.dtype,
-                                             type(np.dtype(np.uint32))])
+    return torch.serialization.safe_globals(
+        [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    )
 
 
 def find_resume_checkpoint(run_dir: Path, quiet: bool = False) -> Path | None:
@@ -221,21 +255,26 @@ def resolve_resume(resume: str, run_dir: Path, quiet: bool = False) -> Path | No
     if checkpoint_step(path) is not None and path.is_dir():
         problems = checkpoint_problems(path)
         if problems:
-            raise CheckpointError(f"--resume {resume}: cannot resume from this checkpoint:\n  - "
-                                  + "\n  - ".join(problems) + "\nPick another checkpoint, or "
-                                  "--resume auto for the newest complete one.")
+            raise CheckpointError(
+                f"--resume {resume}: cannot resume from this checkpoint:\n  - "
+                + "\n  - ".join(problems)
+                + "\nPick another checkpoint, or "
+                "--resume auto for the newest complete one."
+            )
         return path
     if (path / "config.yaml").is_file():
         found = find_resume_checkpoint(path, quiet)
         if found is None:
-            raise CheckpointError(f"--resume {resume}: this run folder has no complete "
-                                  f"checkpoint to resume from.")
+            raise CheckpointError(f"--resume {resume}: this run folder has no complete checkpoint to resume from.")
         return found
-    raise CheckpointError(f"--resume {resume}: not a checkpoint-N folder or a run folder. Pass "
-                          f"--resume auto (with --run-name), a run folder or a checkpoint.")
+    raise CheckpointError(
+        f"--resume {resume}: not a checkpoint-N folder or a run folder. Pass "
+        f"--resume auto (with --run-name), a run folder or a checkpoint."
+    )
 
 
 # ----------------------------------------------------------------------------- drift
+
 
 def data_fingerprint(samples) -> dict:
     """Count and sha256 of the encoded training samples, in order (input_ids and labels); the
@@ -269,9 +308,11 @@ def data_drift(checkpoint: Path, fingerprint: dict) -> list[str]:
     recorded = read_manifest(checkpoint).get("train_data")
     if not recorded or recorded == fingerprint:
         return []
-    return [f"training data: {recorded['samples']} samples (sha256 {recorded['sha256'][:12]}) "
-            f"in {checkpoint.name}, {fingerprint['samples']} samples (sha256 "
-            f"{fingerprint['sha256'][:12]}) now"]
+    return [
+        f"training data: {recorded['samples']} samples (sha256 {recorded['sha256'][:12]}) "
+        f"in {checkpoint.name}, {fingerprint['samples']} samples (sha256 "
+        f"{fingerprint['sha256'][:12]}) now"
+    ]
 
 
 def resumed_batch(run_dir: Path, current: RunConfig) -> tuple[int, int] | None:
@@ -299,9 +340,13 @@ def check_drift(run_dir: Path, checkpoint: Path, current: RunConfig, fingerprint
         changes = config_drift(load_saved_config(saved_file), current) + changes
     if changes and not current.train.allow_config_change:
         lines = "\n".join(f"  - {c}" for c in changes)
-        raise CheckpointError(f"--resume: {run_dir} was trained with other settings:\n{lines}\n"
-                              f"Resuming would not continue the same training. Use the run's "
-                              f"settings ({saved_file}), or pass --allow-config-change to "
-                              f"resume anyway.")
+        raise CheckpointError(
+            f"--resume: {run_dir} was trained with other settings:\n{lines}\n"
+            f"Resuming would not continue the same training. Use the run's "
+            f"settings ({saved_file}), or pass --allow-config-change to "
+            f"resume anyway."
+        )
     return changes
+
+
 # ----------------------------------------------------------------------------- disk space

@@ -6,6 +6,7 @@ became ready; a sum over more than two processes depends on an element's place i
 (tests/e2e/test_ddp_reduction_order.py). A resumed run therefore replays that first backward,
 zero-weighted, before its first step (LoraLabMixin in training/trainer.py calls it). Only torch
 is imported here: the multi-process tests load this module in every process."""
+
 from __future__ import annotations
 
 import random
@@ -17,8 +18,11 @@ def rebuilds_buckets(model) -> bool:
     after a synchronised backward (find_unused_parameters off, or a static graph)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    return (isinstance(model, DistributedDataParallel) and not model._has_rebuilt_buckets
-            and (model.static_graph or not model.find_unused_parameters))
+    return (
+        isinstance(model, DistributedDataParallel)
+        and not model._has_rebuilt_buckets
+        and (model.static_graph or not model.find_unused_parameters)
+    )
 
 
 @contextmanager

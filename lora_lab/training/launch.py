@@ -22,6 +22,7 @@ tests exercise this path. accelerate's own `--cpu` flag starts a single process 
 set up, so on CPU the launch goes through its torchrun-based launcher, and each worker's
 TrainingArguments(use_cpu=True) selects gloo.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,15 +40,31 @@ from pathlib import Path
 import yaml
 
 from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template, main_host_port, world_size_of
-from ..device import (ALLOCATOR_ENV, EXPANDABLE_SEGMENTS, allocator_chosen, cuda_available,
-                      gpu_memory_gib, in_launched_worker)
+from ..device import (
+    ALLOCATOR_ENV,
+    EXPANDABLE_SEGMENTS,
+    allocator_chosen,
+    cuda_available,
+    gpu_memory_gib,
+    in_launched_worker,
+)
 from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
 from ..models.load import Precision, choose_precision
 from ..planning.choice import pick_engine
 from ..planning.memory import TIERS_GIB, plan_memory
-from ..run_folder import (LAUNCH_FOLDER, TrainResult, check_run_dir, fix_run_dir, locate_run_dir,
-                          STOP_FILE, read_result, recorded_stop, run_lock, save_config)
+from ..run_folder import (
+    LAUNCH_FOLDER,
+    STOP_FILE,
+    TrainResult,
+    check_run_dir,
+    fix_run_dir,
+    locate_run_dir,
+    read_result,
+    recorded_stop,
+    run_lock,
+    save_config,
+)
 from .checkpoint import resolve_resume
 from .nodes import check_main_address, describe_global_batch, local_launch_folder
 
@@ -64,18 +81,25 @@ def check_engine(config: RunConfig, cuda_gpus: int) -> None:
     """Refuse, before anything starts, an engine this machine cannot run."""
     engine, gpus = config.train.engine, config.train.gpus
     if engine in DEEPSPEED_ENGINES and importlib.util.find_spec("deepspeed") is None:
-        raise LoraLabError(f"--engine {engine} needs DeepSpeed, which is not installed: "
-                           f"pip install deepspeed (on the machine with the GPUs), or use "
-                           f"--engine ddp or --engine fsdp.")
+        raise LoraLabError(
+            f"--engine {engine} needs DeepSpeed, which is not installed: "
+            f"pip install deepspeed (on the machine with the GPUs), or use "
+            f"--engine ddp or --engine fsdp."
+        )
     if cuda_gpus == 0 and engine != "ddp":
-        raise LoraLabError(f"--engine {engine} needs CUDA GPUs; this machine has none. Without "
-                           f"a GPU, --gpus {gpus} runs CPU processes with --engine ddp.")
+        raise LoraLabError(
+            f"--engine {engine} needs CUDA GPUs; this machine has none. Without "
+            f"a GPU, --gpus {gpus} runs CPU processes with --engine ddp."
+        )
     if cuda_gpus and gpus > cuda_gpus:
-        raise LoraLabError(f"--gpus {gpus}: this machine has {cuda_gpus} CUDA GPU(s). Pass "
-                           f"--gpus {cuda_gpus} or fewer.")
+        raise LoraLabError(
+            f"--gpus {gpus}: this machine has {cuda_gpus} CUDA GPU(s). Pass --gpus {cuda_gpus} or fewer."
+        )
     if config.model.quantization == "nf4" and engine != "ddp":
-        raise LoraLabError(f"--engine {engine} with --quantization nf4: 4-bit weights cannot be "
-                           f"sharded by lora-lab's engines; use --engine ddp for QLoRA.")
+        raise LoraLabError(
+            f"--engine {engine} with --quantization nf4: 4-bit weights cannot be "
+            f"sharded by lora-lab's engines; use --engine ddp for QLoRA."
+        )
     if not engine_template(engine).is_file():
         raise LoraLabError(f"--engine {engine}: its config {engine_template(engine)} is missing.")
 
@@ -103,16 +127,16 @@ def node_folder(folder: Path, config: RunConfig, node_rank: int) -> Path:
     return folder if config.train.nodes == 1 else folder / f"node-{node_rank}"
 
 
-def write_launch_files(config: RunConfig, run_dir: Path, precision_name: str,
-                       folder: Path | None = None, node_rank: int | None = None) -> Path:
+def write_launch_files(
+    config: RunConfig, run_dir: Path, precision_name: str, folder: Path | None = None, node_rank: int | None = None
+) -> Path:
     """Write the launch files into `folder` (RUN_DIR/launch by default) for node `node_rank`
     (train.node_rank by default); returns the accelerate config to launch with."""
     folder = folder or run_dir / LAUNCH_FOLDER
     node_rank = config.train.node_rank if node_rank is None else node_rank
     node = node_folder(folder, config, node_rank)
     node.mkdir(parents=True, exist_ok=True)
-    saved = dataclasses.replace(config, train=dataclasses.replace(config.train,
-                                                                  node_rank=node_rank))
+    saved = dataclasses.replace(config, train=dataclasses.replace(config.train, node_rank=node_rank))
     save_config(saved, node / "run_config.yaml")
     engine = config.train.engine
     if engine in DEEPSPEED_ENGINES:
@@ -120,12 +144,17 @@ def write_launch_files(config: RunConfig, run_dir: Path, precision_name: str,
         filled = fill_deepspeed_config(template, config, precision_name)
         (folder / "deepspeed.json").write_text(json.dumps(filled, indent=2) + "\n")
         accelerate = {
-            "compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED",
+            "compute_environment": "LOCAL_MACHINE",
+            "distributed_type": "DEEPSPEED",
             "deepspeed_config": {
                 "deepspeed_config_file": str((folder / "deepspeed.json").resolve()),
-                "zero3_init_flag": filled["zero_optimization"]["stage"] == 3},
+                "zero3_init_flag": filled["zero_optimization"]["stage"] == 3,
+            },
             # no mixed_precision here: with a DeepSpeed file, accelerate takes it from the file
-            "rdzv_backend": "static", "same_network": True, "use_cpu": False}
+            "rdzv_backend": "static",
+            "same_network": True,
+            "use_cpu": False,
+        }
         if config.train.nodes > 1:  # torchrun on every node, not DeepSpeed's pdsh launcher
             accelerate["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     else:
@@ -133,8 +162,10 @@ def write_launch_files(config: RunConfig, run_dir: Path, precision_name: str,
         accelerate["mixed_precision"] = mixed_precision_of(precision_name)
     accelerate.update(machines_of(config, node_rank))
     path = node / "accelerate.yaml"
-    header = (f"# written by lora-lab from {engine_template(engine).name}: processes, machines "
-              f"and precision come from the run config\n")
+    header = (
+        f"# written by lora-lab from {engine_template(engine).name}: processes, machines "
+        f"and precision come from the run config\n"
+    )
     path.write_text(header + yaml.safe_dump(accelerate, sort_keys=False))
     return path
 
@@ -148,16 +179,16 @@ def free_port() -> int:
 def machines_of(config: RunConfig, node_rank: int) -> dict:
     """accelerate's keys for the processes and machines: num_processes counts every node's."""
     t = config.train
-    machines = {"num_processes": world_size_of(t), "num_machines": t.nodes,
-                "machine_rank": node_rank}
+    machines = {"num_processes": world_size_of(t), "num_machines": t.nodes, "machine_rank": node_rank}
     if t.nodes > 1:
         host, port = main_host_port(t)
         machines.update(main_process_ip=host, main_process_port=port)
     return machines
 
 
-def launch_command(config: RunConfig, run_dir: Path, accelerate_config: Path,
-                   port: int | None = None, node_rank: int | None = None) -> list[str]:
+def launch_command(
+    config: RunConfig, run_dir: Path, accelerate_config: Path, port: int | None = None, node_rank: int | None = None
+) -> list[str]:
     """`accelerate launch` of `lora-lab run --config` with the run_config.yaml beside
     accelerate_config; several nodes: this node's machine rank and node 0's address."""
     t = config.train
@@ -165,17 +196,29 @@ def launch_command(config: RunConfig, run_dir: Path, accelerate_config: Path,
         where = ["--main_process_port", str(port or free_port())]
     else:
         machines = machines_of(config, t.node_rank if node_rank is None else node_rank)
-        where = sum(([f"--{key}", str(value)] for key, value in machines.items()
-                     if key != "num_processes"), [])
-    return [sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(accelerate_config),
-            "--num_processes", str(world_size_of(t)), *where,
-            "--module", "lora_lab", "run", "--preset", config.preset,
-            "--config", str(accelerate_config.parent / "run_config.yaml")]
+        where = sum(([f"--{key}", str(value)] for key, value in machines.items() if key != "num_processes"), [])
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(accelerate_config),
+        "--num_processes",
+        str(world_size_of(t)),
+        *where,
+        "--module",
+        "lora_lab",
+        "run",
+        "--preset",
+        config.preset,
+        "--config",
+        str(accelerate_config.parent / "run_config.yaml"),
+    ]
 
 
-def prepare_launch(config: RunConfig, dry_run: bool = False,
-                   hold: contextlib.ExitStack | None = None) -> tuple[list[str], Path]:
+def prepare_launch(
+    config: RunConfig, dry_run: bool = False, hold: contextlib.ExitStack | None = None
+) -> tuple[list[str], Path]:
     """Check the engine, fix the run folder and write the launch files; returns the command.
 
     dry_run: for a machine other than this one (e.g. 8 GPUs planned from a laptop): bf16, and
@@ -201,8 +244,7 @@ def prepare_launch(config: RunConfig, dry_run: bool = False,
         folder = local_launch_folder(run_dir, config.train.node_rank)
         accelerate_config = write_launch_files(config, run_dir, precision.name, folder)
         return launch_command(config, run_dir, accelerate_config), run_dir
-    resume_from = resolve_resume(config.train.resume, run_dir, quiet=True) \
-        if config.train.resume else None
+    resume_from = resolve_resume(config.train.resume, run_dir, quiet=True) if config.train.resume else None
     check_run_dir(run_dir, config, resume_from)
     if config.train.nodes > 1 and not dry_run:
         check_main_address(config)
@@ -219,8 +261,7 @@ def choose_engine(config: RunConfig, dry_run: bool = False) -> tuple[str, str]:
     pick_engine) on this machine's GPUs, or for a dry run on the preset's tier (24gb: 24 GiB).
     Returns (engine, why)."""
     gpu_gib = TIERS_GIB.get(config.preset) if dry_run else gpu_memory_gib()
-    cpu_gib = None if dry_run else (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-                                    / 2**30)
+    cpu_gib = None if dry_run else (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
     deepspeed = dry_run or importlib.util.find_spec("deepspeed") is not None
     engine, why = pick_engine(config, gpu_gib, cpu_gib, deepspeed)
     where = f"{gpu_gib:.1f} GiB per GPU" if gpu_gib else "no GPU memory known"
@@ -233,12 +274,15 @@ def dry_run_launch(config: RunConfig) -> Path:
     command, run_dir = prepare_launch(config, dry_run=True)
     folder, t = run_dir / LAUNCH_FOLDER, config.train
     if t.nodes == 1:
-        log.info(f"dry run: launch files in {folder}; on a machine with {t.gpus} GPUs this "
-                 f"runs:\n  {shlex.join(command)}")
+        log.info(
+            f"dry run: launch files in {folder}; on a machine with {t.gpus} GPUs this runs:\n  {shlex.join(command)}"
+        )
     else:
-        log.info(f"dry run: launch files for {t.nodes} nodes in {folder}; each machine with "
-                 f"{t.gpus} GPUs runs its own line (the same `lora-lab run` command with its "
-                 f"--node-rank writes the same files for itself):")
+        log.info(
+            f"dry run: launch files for {t.nodes} nodes in {folder}; each machine with "
+            f"{t.gpus} GPUs runs its own line (the same `lora-lab run` command with its "
+            f"--node-rank writes the same files for itself):"
+        )
         for rank in range(t.nodes):
             accelerate_config = node_folder(folder, config, rank) / "accelerate.yaml"
             node_command = launch_command(config, run_dir, accelerate_config, node_rank=rank)
@@ -280,14 +324,16 @@ def launch_run(config: RunConfig) -> TrainResult:
 def _run_workers(config: RunConfig, command: list, run_dir: Path) -> TrainResult:
     where = "CUDA GPUs" if cuda_available() else "CPU processes (gloo)"
     env = launch_env(config)
-    threads = (f" (OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per worker for the CPU optimizer)"
-               if env.get("OMP_NUM_THREADS") != os.environ.get("OMP_NUM_THREADS") else "")
+    threads = (
+        f" (OMP_NUM_THREADS={env['OMP_NUM_THREADS']} per worker for the CPU optimizer)"
+        if env.get("OMP_NUM_THREADS") != os.environ.get("OMP_NUM_THREADS")
+        else ""
+    )
     if env.get(ALLOCATOR_ENV) != os.environ.get(ALLOCATOR_ENV):
         threads += f" ({ALLOCATOR_ENV}={env[ALLOCATOR_ENV]})"
     t = config.train
     node = f" on node {t.node_rank} of {t.nodes}" if t.nodes > 1 else ""
-    log.info(f"launching {t.gpus} {where}{node} with engine {t.engine}{threads}:\n  "
-             f"{shlex.join(command)}")
+    log.info(f"launching {t.gpus} {where}{node} with engine {t.engine}{threads}:\n  {shlex.join(command)}")
     if t.node_rank == 0:
         (run_dir / STOP_FILE).unlink(missing_ok=True)
     returncode = run_forwarding_signals(command, env)
@@ -296,9 +342,11 @@ def _run_workers(config: RunConfig, command: list, run_dir: Path) -> TrainResult
         raise stopped
     if returncode != 0:
         files = Path(command[command.index("--config") + 1]).parent
-        raise TrainingError(f"--gpus {t.gpus}{node}: the launched run failed (exit status "
-                            f"{returncode}); the workers' messages are above. The "
-                            f"launch files are in {files}.")
+        raise TrainingError(
+            f"--gpus {t.gpus}{node}: the launched run failed (exit status "
+            f"{returncode}); the workers' messages are above. The "
+            f"launch files are in {files}."
+        )
     return read_result(run_dir)
 
 

@@ -21,6 +21,7 @@ Right after the processes meet, every one of them sends the others (agree_across
 and all of them refuse to start, with the differing keys or the folder's two views named, unless
 each matches global rank 0's.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,9 +44,11 @@ def describe_global_batch(config: RunConfig) -> str:
     """The samples of one optimizer step, counted over every process of every node."""
     t = config.train
     nodes = f" x {t.nodes} nodes" if t.nodes > 1 else ""
-    return (f"global batch: micro-batch {t.micro_batch_size} x grad-accum {t.grad_accum} x "
-            f"{t.gpus} GPUs{nodes} = {t.micro_batch_size * t.grad_accum * world_size_of(t)} "
-            f"samples per optimizer step")
+    return (
+        f"global batch: micro-batch {t.micro_batch_size} x grad-accum {t.grad_accum} x "
+        f"{t.gpus} GPUs{nodes} = {t.micro_batch_size * t.grad_accum * world_size_of(t)} "
+        f"samples per optimizer step"
+    )
 
 
 def local_launch_folder(run_dir: Path, node_rank: int) -> Path:
@@ -65,9 +68,11 @@ def check_main_address(config: RunConfig) -> None:
             with socket.create_server((host, port)):
                 pass
         except OSError as exc:
-            raise LoraLabError(f"--main-address {host}:{port}: node 0 (this machine) cannot "
-                               f"listen there ({exc.strerror or exc}). Pass an address of this "
-                               f"machine and a free port, the same on every node.") from None
+            raise LoraLabError(
+                f"--main-address {host}:{port}: node 0 (this machine) cannot "
+                f"listen there ({exc.strerror or exc}). Pass an address of this "
+                f"machine and a free port, the same on every node."
+            ) from None
         return
     deadline, last = time.monotonic() + t.node_wait_seconds, None
     log.info(f"node {t.node_rank}: waiting for node 0 at {host}:{port}")
@@ -78,11 +83,13 @@ def check_main_address(config: RunConfig) -> None:
         except OSError as exc:
             last = exc
         time.sleep(0.5)
-    raise LoraLabError(f"--main-address {host}:{port}: node 0 did not answer within "
-                       f"{t.node_wait_seconds:g} s ({getattr(last, 'strerror', None) or last}). "
-                       f"Start `lora-lab run ... --node-rank 0` on the machine at {host}, check "
-                       f"the address and that port {port} is open between the nodes "
-                       f"(train.node_wait_seconds waits longer).")
+    raise LoraLabError(
+        f"--main-address {host}:{port}: node 0 did not answer within "
+        f"{t.node_wait_seconds:g} s ({getattr(last, 'strerror', None) or last}). "
+        f"Start `lora-lab run ... --node-rank 0` on the machine at {host}, check "
+        f"the address and that port {port} is open between the nodes "
+        f"(train.node_wait_seconds waits longer)."
+    )
 
 
 def shared_config(config: RunConfig) -> dict:
@@ -105,9 +112,14 @@ def agree_across_nodes(config: RunConfig, run_dir: Path, fingerprint: dict) -> N
 
     if config.train.nodes == 1 or not (dist.is_available() and dist.is_initialized()):
         return
-    mine = {"node": int(os.environ.get("GROUP_RANK", config.train.node_rank)),
-            "rank": dist.get_rank(), "config": shared_config(config), "data": fingerprint,
-            "run_dir": str(run_dir), "folder": folder_view(run_dir)}
+    mine = {
+        "node": int(os.environ.get("GROUP_RANK", config.train.node_rank)),
+        "rank": dist.get_rank(),
+        "config": shared_config(config),
+        "data": fingerprint,
+        "run_dir": str(run_dir),
+        "folder": folder_view(run_dir),
+    }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     problems = disagreements(everyone)
@@ -124,20 +136,26 @@ def disagreements(everyone: list) -> list[str]:
             ours, theirs = first["config"].get(key), other["config"].get(key)
             if ours != theirs and (key, other["node"]) not in said:
                 said.add((key, other["node"]))
-                problems.append(f"{key}: node 0 has {ours!r}, {who} has {theirs!r}. Every node "
-                                f"must run the same command, but for --node-rank.")
+                problems.append(
+                    f"{key}: node 0 has {ours!r}, {who} has {theirs!r}. Every node "
+                    f"must run the same command, but for --node-rank."
+                )
         if other["data"] != first["data"] and ("data", other["node"]) not in said:
             said.add(("data", other["node"]))
-            problems.append(f"the training data differ: {who} encoded {other['data']} where "
-                            f"node 0 encoded {first['data']}. Give every node the same data "
-                            f"files.")
+            problems.append(
+                f"the training data differ: {who} encoded {other['data']} where "
+                f"node 0 encoded {first['data']}. Give every node the same data "
+                f"files."
+            )
         if other["folder"] != first["folder"] and ("folder", other["node"]) not in said:
             said.add(("folder", other["node"]))
-            problems.append(f"{who} does not see the run folder as node 0 does (node 0: "
-                            f"{first['run_dir']}: {_listing(first['folder'])}; {who}: "
-                            f"{other['run_dir']}: {_listing(other['folder'])}). Put "
-                            f"--output-dir on storage every node shares (NFS, Lustre ...), "
-                            f"mounted on each.")
+            problems.append(
+                f"{who} does not see the run folder as node 0 does (node 0: "
+                f"{first['run_dir']}: {_listing(first['folder'])}; {who}: "
+                f"{other['run_dir']}: {_listing(other['folder'])}). Put "
+                f"--output-dir on storage every node shares (NFS, Lustre ...), "
+                f"mounted on each."
+            )
     return problems
 
 

@@ -4,6 +4,7 @@ run, and by `lora-lab report RUN` (report_run) at any time, a run still training
 Each plot is one figure against the optimizer step, titled with the run's name. A series with no
 data in the log (no validation data, no GPU) gets no plot, and the report says why.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ log = get_logger()
 @dataclass(frozen=True)
 class Plot:
     """One PNG: its file name, title, y axis and the step-log keys it draws (one line each)."""
+
     file: str
     title: str
     y_label: str
@@ -28,16 +30,22 @@ class Plot:
 
 
 PLOTS = (
-    Plot("loss.png", "train and eval loss", "loss (cross-entropy, nats per token)",
-         (("loss", "train"), ("eval_loss", "eval"))),
+    Plot(
+        "loss.png",
+        "train and eval loss",
+        "loss (cross-entropy, nats per token)",
+        (("loss", "train"), ("eval_loss", "eval")),
+    ),
     Plot("learning_rate.png", "learning rate", "learning rate", (("learning_rate", "lr"),)),
-    Plot("grad_norm.png", "gradient norm", "gradient L2 norm (before clipping)",
-         (("grad_norm", "grad norm"),)),
-    Plot("tokens_per_second.png", "throughput", "tokens per second",
-         (("tokens_per_second", "tokens/s"),)),
-    Plot("gpu_memory.png", "GPU memory", "GiB (torch.cuda reserved)",
-         (("gpu_peak_memory_gib", "peak reserved"), ("gpu_memory_gib", "reserved")),
-         missing="no GPU memory in the log (the run trained on the CPU)"),
+    Plot("grad_norm.png", "gradient norm", "gradient L2 norm (before clipping)", (("grad_norm", "grad norm"),)),
+    Plot("tokens_per_second.png", "throughput", "tokens per second", (("tokens_per_second", "tokens/s"),)),
+    Plot(
+        "gpu_memory.png",
+        "GPU memory",
+        "GiB (torch.cuda reserved)",
+        (("gpu_peak_memory_gib", "peak reserved"), ("gpu_memory_gib", "reserved")),
+        missing="no GPU memory in the log (the run trained on the CPU)",
+    ),
 )
 
 
@@ -45,14 +53,14 @@ PLOTS = (
 class PlotReport:
     """What report_run drew: the files written, the series each holds (key -> (steps, values),
     exactly as read from the step log) and a note for every plot left out."""
+
     run_dir: Path
     files: list = field(default_factory=list)
     series: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
 
     def summary(self) -> str:
-        lines = [f"plots of {self.run_dir.name}: {len(self.files)} in "
-                 f"{self.run_dir / PLOTS_FOLDER}"]
+        lines = [f"plots of {self.run_dir.name}: {len(self.files)} in {self.run_dir / PLOTS_FOLDER}"]
         lines += [f"  {path.name}" for path in self.files]
         lines += [f"  left out: {note}" for note in self.notes]
         return "\n".join(lines)
@@ -76,8 +84,9 @@ def draw(plot: Plot, series: dict, run_name: str, path: Path) -> None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise LoraLabError("matplotlib is not installed (lora-lab draws its plots with it). "
-                           "Run: pip install matplotlib") from None
+        raise LoraLabError(
+            "matplotlib is not installed (lora-lab draws its plots with it). Run: pip install matplotlib"
+        ) from None
 
     figure = Figure(figsize=(8, 4.5), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
@@ -85,8 +94,7 @@ def draw(plot: Plot, series: dict, run_name: str, path: Path) -> None:
     for key, label in plot.lines:
         steps, values = series.get(key, ([], []))
         if steps:
-            axes.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3,
-                      label=label)
+            axes.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
     axes.set_title(f"{run_name}: {plot.title}")
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(plot.y_label)
@@ -100,12 +108,15 @@ def report_run(run_dir: str | Path) -> PlotReport:
     """Draw RUN/plots/*.png from the run's step log; returns what was drawn and left out."""
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
-        raise CheckpointError(f"{run_dir}: not a run folder (no config.yaml). Pass the folder "
-                              f"`lora-lab run` wrote, e.g. output/NAME.")
+        raise CheckpointError(
+            f"{run_dir}: not a run folder (no config.yaml). Pass the folder `lora-lab run` wrote, e.g. output/NAME."
+        )
     events = read_step_log(run_dir)
     if not any("loss" in event for event in events):
-        raise CheckpointError(f"{run_dir / STEP_LOG}: no training step logged yet, nothing to "
-                              f"plot. Run it again once the first step is logged.")
+        raise CheckpointError(
+            f"{run_dir / STEP_LOG}: no training step logged yet, nothing to "
+            f"plot. Run it again once the first step is logged."
+        )
     report = PlotReport(run_dir)
     folder = run_dir / PLOTS_FOLDER
     folder.mkdir(exist_ok=True)
@@ -121,6 +132,7 @@ def report_run(run_dir: str | Path) -> PlotReport:
         report.files.append(target)
         report.series.update(series)
     if "eval_loss" not in report.series:
-        report.notes.append("the eval curve of loss.png: no eval loss in the log (no validation "
-                            "data: --val-ratio or --val-data)")
+        report.notes.append(
+            "the eval curve of loss.png: no eval loss in the log (no validation data: --val-ratio or --val-data)"
+        )
     return report

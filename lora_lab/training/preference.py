@@ -13,6 +13,7 @@ starts at zero (LoRA's B = 0), so there the reference is the base model; with --
 the SFT run's adapter, the SFT policy the DPO paper takes as reference. Policy and reference
 are then equal at step 0, and the DPO loss there is ln 2.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,13 +40,17 @@ def require_trl() -> None:
     try:
         import trl
     except ImportError:
-        raise TrainingError("--task dpo/orpo/simpo/kto trains with TRL, which is not installed: "
-                            "pip install 'lora-lab[preference]' (or "
-                            f"pip install '{TRL_REQUIREMENT}').") from None
+        raise TrainingError(
+            "--task dpo/orpo/simpo/kto trains with TRL, which is not installed: "
+            "pip install 'lora-lab[preference]' (or "
+            f"pip install '{TRL_REQUIREMENT}')."
+        ) from None
     version = Version(trl.__version__)
     if not Version("1.16") <= version < Version("2"):
-        raise TrainingError(f"TRL {trl.__version__} is installed; lora-lab's preference tasks "
-                            f"are tested with {TRL_REQUIREMENT}: pip install '{TRL_REQUIREMENT}'.")
+        raise TrainingError(
+            f"TRL {trl.__version__} is installed; lora-lab's preference tasks "
+            f"are tested with {TRL_REQUIREMENT}: pip install '{TRL_REQUIREMENT}'."
+        )
 
 
 FROM_RUN_KEYS = ("lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules")
@@ -65,15 +70,19 @@ def settle_from_run(config: RunConfig) -> None:
     if config.sources.get("model.name", "default") == "default":
         config.model.name, config.sources["model.name"] = saved.model.name, source
     elif resolve_model_spec(config.model.name)[1] != resolve_model_spec(saved.model.name)[1]:
-        raise TrainingError(f"{source} trained an adapter for {saved.model.name}; --model "
-                            f"{config.model.name} is another base. Drop --model (the run's base "
-                            f"is taken) or pass --model {saved.model.name}.")
+        raise TrainingError(
+            f"{source} trained an adapter for {saved.model.name}; --model "
+            f"{config.model.name} is another base. Drop --model (the run's base "
+            f"is taken) or pass --model {saved.model.name}."
+        )
     for key in FROM_RUN_KEYS:
         name = key.split(".")[1]
         setattr(config.lora, name, getattr(saved.lora, name))
         config.sources[key] = source
-    log.info(f"{source}: continuing {adapter_dir} (LoRA r={saved.lora.rank} "
-             f"alpha={saved.lora.alpha}) on {config.model.name}")
+    log.info(
+        f"{source}: continuing {adapter_dir} (LoRA r={saved.lora.rank} "
+        f"alpha={saved.lora.alpha}) on {config.model.name}"
+    )
 
 
 def _save_one_adapter(trainer, output_dir) -> None:
@@ -103,12 +112,12 @@ def trainer_class(task: str):
             """Rows arrive encoded (data/pairs.py); KTO adds each micro-batch's mismatched
             answers for its KL estimate, as TRL's own preparation does."""
             if task == "kto" and self.calculate_KL:
+
                 def add_kl(batch):
-                    batch["KL_completion_ids"] = ([batch["completion_ids"][-1]]
-                                                  + batch["completion_ids"][:-1])
+                    batch["KL_completion_ids"] = [batch["completion_ids"][-1]] + batch["completion_ids"][:-1]
                     return batch
-                dataset = dataset.map(add_kl, batched=True,
-                                      batch_size=args.per_device_train_batch_size)
+
+                dataset = dataset.map(add_kl, batched=True, batch_size=args.per_device_train_batch_size)
             return dataset
 
         def tokenize_row(self, feature, model=None) -> dict:
@@ -138,14 +147,18 @@ def trainer_config(task: str):
     require_trl()
     if task == "dpo":
         from trl import DPOConfig
+
         return DPOConfig
     if task == "kto":
         from trl import KTOConfig
+
         return KTOConfig
     if task == "simpo":
         from trl.experimental.cpo import CPOConfig
+
         return CPOConfig
     from trl.experimental.orpo import ORPOConfig
+
     return ORPOConfig
 
 
@@ -154,16 +167,18 @@ def task_settings(config: RunConfig) -> dict:
     lora-lab's (models/lora.py): TRL turns it off for the reference forward and back on with
     these kwargs. Sequences arrive cut to --max-length, so TRL truncates nothing more."""
     t = config.train
-    common = {"gradient_checkpointing": False,
-              "gradient_checkpointing_kwargs": {"use_reentrant": False}, "beta": t.pref_beta}
+    common = {
+        "gradient_checkpointing": False,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "beta": t.pref_beta,
+    }
     if t.task == "dpo":
         return {**common, "loss_type": [t.dpo_loss], "max_length": None}
     if t.task == "kto":
         return {**common, "max_length": None}
     length = {"max_length": config.data.max_length, "max_completion_length": None}
     if t.task == "simpo":
-        return {**common, **length, "loss_type": "simpo", "cpo_alpha": 0.0,
-                "simpo_gamma": t.simpo_gamma}
+        return {**common, **length, "loss_type": "simpo", "cpo_alpha": 0.0, "simpo_gamma": t.simpo_gamma}
     return {**common, **length}
 
 
@@ -174,22 +189,42 @@ def preference_dataset(samples: list):
     return Dataset.from_list([s.row() for s in samples])
 
 
-def build_preference_trainer(config: RunConfig, model, args, train_samples: list,
-                             val_samples: list | None, tokenizer, callbacks: list, **lora_lab):
+def build_preference_trainer(
+    config: RunConfig,
+    model,
+    args,
+    train_samples: list,
+    val_samples: list | None,
+    tokenizer,
+    callbacks: list,
+    **lora_lab,
+):
     """The task's trainer on a PEFT model; `lora_lab`: LoraLabMixin's keyword arguments."""
     cls = trainer_class(config.train.task)
     kwargs = {}
     if config.train.task in ("dpo", "kto"):
         kwargs["ref_model"] = None  # the frozen copy of the starting adapter (module docstring)
-    trainer = cls(model=model, args=args, train_dataset=preference_dataset(train_samples),
-                  eval_dataset=preference_dataset(val_samples) if val_samples else None,
-                  processing_class=tokenizer, callbacks=callbacks, **kwargs, **lora_lab)
+    trainer = cls(
+        model=model,
+        args=args,
+        train_dataset=preference_dataset(train_samples),
+        eval_dataset=preference_dataset(val_samples) if val_samples else None,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        **kwargs,
+        **lora_lab,
+    )
     if config.train.task in ("dpo", "kto"):
         peft_config = getattr(trainer.model, "peft_config", {})
-        reference = ("a frozen copy of the --from-run adapter" if config.train.from_run else
-                     "the base model (the new adapter starts at zero)")
+        reference = (
+            "a frozen copy of the --from-run adapter"
+            if config.train.from_run
+            else "the base model (the new adapter starts at zero)"
+        )
         if REFERENCE_ADAPTER not in peft_config:
-            raise TrainingError(f"TRL did not add the frozen reference adapter for --task "
-                                f"{config.train.task}; use {TRL_REQUIREMENT} with peft >= 0.20.")
+            raise TrainingError(
+                f"TRL did not add the frozen reference adapter for --task "
+                f"{config.train.task}; use {TRL_REQUIREMENT} with peft >= 0.20."
+            )
         log.info(f"--task {config.train.task}: the reference model is {reference}")
     return trainer

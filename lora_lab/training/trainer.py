@@ -18,6 +18,7 @@ module (thousands in a PEFT 7B, milliseconds each while the GPU waits) for model
 micro-batch, for the flop count of every micro-batch and for clipping and zero_grad at every
 optimizer step; here each of those reads what was listed once (same tensors, same order).
 """
+
 from __future__ import annotations
 
 import json
@@ -77,9 +78,16 @@ class LoraLabMixin:
     non-finite guard, the loss sum an exact resume reports. Mixed in before the trainer class
     (LoraLabTrainer here; TRL's preference trainers in training/preference.py)."""
 
-    def __init__(self, *args, guard: NonFiniteGuard, train_data: dict | None = None,
-                 memory_means: str = "none", resumed_loss_sum: float = 0.0,
-                 loraplus_lr_ratio: float = 0.0, **kwargs):
+    def __init__(
+        self,
+        *args,
+        guard: NonFiniteGuard,
+        train_data: dict | None = None,
+        memory_means: str = "none",
+        resumed_loss_sum: float = 0.0,
+        loraplus_lr_ratio: float = 0.0,
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
         self.loraplus_lr_ratio = loraplus_lr_ratio
         """train.loraplus_lr_ratio: above 0, create_optimizer builds peft's LoRA+ optimizer."""
@@ -127,9 +135,13 @@ class LoraLabMixin:
         optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
         kwargs.pop("lr", None)
         self.optimizer = create_loraplus_optimizer(
-            model or self.model, optimizer_cls, lr=self.args.learning_rate,
-            loraplus_lr_ratio=self.loraplus_lr_ratio, loraplus_weight_decay=self.args.weight_decay,
-            **kwargs)
+            model or self.model,
+            optimizer_cls,
+            lr=self.args.learning_rate,
+            loraplus_lr_ratio=self.loraplus_lr_ratio,
+            loraplus_weight_decay=self.args.weight_decay,
+            **kwargs,
+        )
         return self.optimizer
 
     def _prepare_inputs(self, inputs):
@@ -146,8 +158,7 @@ class LoraLabMixin:
         (DeepSpeed and FSDP clip and zero their own shards)."""
         from accelerate.utils import DistributedType
 
-        return self.accelerator.distributed_type in (DistributedType.NO,
-                                                     DistributedType.MULTI_GPU)
+        return self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_GPU)
 
     def _trained_parameters(self, model) -> list:
         """model's parameters that train, in model.parameters() order, listed once per model."""
@@ -160,8 +171,7 @@ class LoraLabMixin:
         skipped by torch either way); its norm is the one the non-finite guard checks, so the
         gradients are not read twice a step."""
         if self._lists_parameters():
-            norm = self.accelerator.clip_grad_norm_(self._trained_parameters(model),
-                                                    self.args.max_grad_norm)
+            norm = self.accelerator.clip_grad_norm_(self._trained_parameters(model), self.args.max_grad_norm)
         else:
             norm = super()._clip_grad_norm(model)
         self.guard.clipped_norm = norm
@@ -206,9 +216,11 @@ class LoraLabMixin:
             with self.compute_loss_context_manager():
                 return ddp(**inputs).logits.float().mean()
 
-        log.info(f"resumed under DDP: one zero-weighted forward and backward of "
-                 f"{WARM_UP_TOKENS} tokens, so that DDP's gradient buckets are those of the "
-                 f"uninterrupted run")
+        log.info(
+            f"resumed under DDP: one zero-weighted forward and backward of "
+            f"{WARM_UP_TOKENS} tokens, so that DDP's gradient buckets are those of the "
+            f"uninterrupted run"
+        )
         replay_bucket_rebuild(model, loss_of)
 
     def _zero_grad_of(self, model):
@@ -254,8 +266,7 @@ class LoraLabMixin:
         """Main process: the staged files are complete; manifest, rename, rotate."""
         write_manifest(staging, step, self.train_data)
         final = commit_checkpoint(staging, run_dir / f"checkpoint-{step}")
-        rotate_checkpoints(run_dir, self.args.save_total_limit, final,
-                           keep=(self.state.best_model_checkpoint,))
+        rotate_checkpoints(run_dir, self.args.save_total_limit, final, keep=(self.state.best_model_checkpoint,))
 
     def _save_trainer_state(self, folder: Path) -> None:
         """trainer_state.json, with the state of stateful callbacks (as Trainer does)."""

@@ -9,6 +9,7 @@ Every training log event (the Trainer's loss, grad_norm, learning_rate, epoch) g
   skipped_steps          updates skipped so far for a NaN or inf (--on-nonfinite skip)
 before the Trainer hands it to logs/train_log.jsonl, TensorBoard and the --report-to backends.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,7 @@ class StepMetrics:
             if seconds > 0:
                 figures["tokens_per_second"] = round(total / seconds, 1)
         self._tokens, self._since = 0, None
-        for key, name in (("gpu_memory_gib", "memory_reserved"),
-                          ("gpu_peak_memory_gib", "max_memory_reserved")):
+        for key, name in (("gpu_memory_gib", "memory_reserved"), ("gpu_peak_memory_gib", "max_memory_reserved")):
             gib = cuda_memory_gib(name)
             if gib is not None:
                 figures[key] = round(gib, 3)
@@ -73,6 +73,7 @@ class StepMetrics:
 
 
 # ----------------------------------------------------------------------------- the progress line
+
 
 def format_lr(lr: float) -> str:
     """2.0e-4 (two significant digits, no padded exponent)."""
@@ -178,8 +179,9 @@ class ProgressLine(TrainerCallback):
                 self._say(self.line(state))
         elif "eval_loss" in logs:
             final = "final " if self._ended else ""  # run.py evaluates once more at the end
-            self._say(f"step {state.global_step}/{state.max_steps}{self.SEPARATOR}"
-                      f"{final}eval loss {logs['eval_loss']:.3f}")
+            self._say(
+                f"step {state.global_step}/{state.max_steps}{self.SEPARATOR}{final}eval loss {logs['eval_loss']:.3f}"
+            )
 
     def on_train_end(self, args, state, control, **kwargs):
         self._ended = True
@@ -202,6 +204,7 @@ def quiet_progress_bars() -> None:
 
 # ----------------------------------------------------------------------------- --report-to
 
+
 def trainer_report_to(names: list) -> list[str]:
     """TrainingArguments.report_to: the backends the Trainer adds callbacks for. TensorBoard is
     lora-lab's own TensorBoardCallback (callbacks.run_callbacks), pointed at RUN/logs."""
@@ -212,12 +215,12 @@ def tracker_defaults(run_dir: Path, names: list) -> dict[str, str]:
     """The environment the chosen backends read, where the user has not set it: each writes in
     the run folder, into the lora-lab project."""
     locations = tracker_locations(run_dir)
-    wanted = {"wandb": {"WANDB_DIR": locations["WANDB_DIR"], "WANDB_PROJECT": PROJECT},
-              "mlflow": {"MLFLOW_TRACKING_URI": locations["MLFLOW_TRACKING_URI"],
-                         "MLFLOW_EXPERIMENT_NAME": PROJECT},
-              "swanlab": {"SWANLAB_LOG_DIR": locations["SWANLAB_LOG_DIR"]}}
-    return {key: value for name in names for key, value in wanted.get(name, {}).items()
-            if key not in os.environ}
+    wanted = {
+        "wandb": {"WANDB_DIR": locations["WANDB_DIR"], "WANDB_PROJECT": PROJECT},
+        "mlflow": {"MLFLOW_TRACKING_URI": locations["MLFLOW_TRACKING_URI"], "MLFLOW_EXPERIMENT_NAME": PROJECT},
+        "swanlab": {"SWANLAB_LOG_DIR": locations["SWANLAB_LOG_DIR"]},
+    }
+    return {key: value for name in names for key, value in wanted.get(name, {}).items() if key not in os.environ}
 
 
 @contextlib.contextmanager
@@ -240,8 +243,7 @@ def tracker_runs(run_dir: Path, names: list, is_main_process: bool = True):
             import swanlab
 
             # the project as an argument: swanlab >= 0.10 reads SWANLAB_PROJECT as JSON
-            swanlab.init(project=PROJECT, experiment_name=Path(run_dir).name,
-                         logdir=os.environ["SWANLAB_LOG_DIR"])
+            swanlab.init(project=PROJECT, experiment_name=Path(run_dir).name, logdir=os.environ["SWANLAB_LOG_DIR"])
         yield
     finally:
         if is_main_process:
@@ -260,4 +262,3 @@ def finish_trackers(names: list) -> None:
                 sys.modules["swanlab"].finish()
     if "mlflow" in names and "mlflow" in sys.modules and sys.modules["mlflow"].active_run():
         sys.modules["mlflow"].end_run()
-

@@ -1,5 +1,6 @@
 """What the page's buttons do, through lora-lab's Python API: plan, check data, chat, merge and
 export. Nothing here trains: a run is always the `lora-lab run` process (runs.RunProcess)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,7 @@ class PlanView:
     preset: str
 
 
-def plan_form(form: RunForm, gpu_memory_gib: float | None,
-              longest_sample_tokens: int | None = None) -> PlanView:
+def plan_form(form: RunForm, gpu_memory_gib: float | None, longest_sample_tokens: int | None = None) -> PlanView:
     """The memory plan of the form's run on a GPU of gpu_memory_gib (`lora-lab plan`)."""
     from .. import choose_preset, plan
 
@@ -42,12 +42,13 @@ def plan_form(form: RunForm, gpu_memory_gib: float | None,
     if result.fits is None:
         verdict = f"predicted peak {result.total_gib:.2f} GiB (give the GPU memory for a verdict)"
     elif result.fits:
-        verdict = (f"fits: predicted peak {result.total_gib:.2f} GiB of "
-                   f"{result.budget_gib:.1f} GiB usable")
+        verdict = f"fits: predicted peak {result.total_gib:.2f} GiB of {result.budget_gib:.1f} GiB usable"
     else:
-        verdict = (f"does NOT fit: predicted peak {result.total_gib:.2f} GiB of "
-                   f"{result.budget_gib:.1f} GiB usable; to fit: "
-                   f"{' or '.join(result.fixes) or 'a smaller model'}")
+        verdict = (
+            f"does NOT fit: predicted peak {result.total_gib:.2f} GiB of "
+            f"{result.budget_gib:.1f} GiB usable; to fit: "
+            f"{' or '.join(result.fixes) or 'a smaller model'}"
+        )
     return PlanView(verdict, result.report(), preset)
 
 
@@ -89,21 +90,36 @@ def check_data(form: RunForm) -> DataView:
     data = [d for d in form.data if d.strip()]
     if not data:
         raise LoraLabError("data: give at least one data file.")
-    config = resolve_config(None, flags={
-        "data.datasets": data, "model.name": form.model.strip() or "qwen2.5-0.5b",
-        "data.max_length": form.max_length.strip() or "2048"}, training=False)
+    config = resolve_config(
+        None,
+        flags={
+            "data.datasets": data,
+            "model.name": form.model.strip() or "qwen2.5-0.5b",
+            "data.max_length": form.max_length.strip() or "2048",
+        },
+        training=False,
+    )
     config.data, note = with_identity_stand_ins(config.data)
     path, source = locate_tokenizer(config.model.name)
     tokenizer = load_tokenizer(config.model.name, path=path)
     report = validate_data(data, config.data, tokenizer, config.train.seed)
-    lines = [f"{p.origin}: {severity}: {p.reason}" for severity, problems in
-             (("error", report.errors), ("warning", report.warnings)) for p in problems]
+    lines = [
+        f"{p.origin}: {severity}: {p.reason}"
+        for severity, problems in (("error", report.errors), ("warning", report.warnings))
+        for p in problems
+    ]
     summary = "\n".join(filter(None, [note, source, report.summary()]))
     if not report.kept:
         return DataView("\n".join(lines), summary, "no usable sample", [], None, None)
     stats, _ = dataset_length_stats(data, config.data, tokenizer, config.train.seed)
-    return DataView("\n".join(lines) or "no problems", summary, stats.table(),
-                    histogram(stats.lengths), stats.recommended_max_length, stats.max)
+    return DataView(
+        "\n".join(lines) or "no problems",
+        summary,
+        stats.table(),
+        histogram(stats.lengths),
+        stats.recommended_max_length,
+        stats.max,
+    )
 
 
 def histogram(lengths: list, bins: int = HISTOGRAM_BINS) -> list[tuple[int, int]]:
@@ -120,6 +136,7 @@ def histogram(lengths: list, bins: int = HISTOGRAM_BINS) -> list[tuple[int, int]
 
 
 # ----------------------------------------------------------------------------- chat
+
 
 class ChatModels:
     """The fine-tuned model of a run, loaded once; its base is the same model with the adapter
@@ -148,8 +165,9 @@ class ChatModels:
 
         def generate():
             try:
-                off = (model.disable_adapter() if base and hasattr(model, "disable_adapter")
-                       else contextlib.nullcontext())
+                off = (
+                    model.disable_adapter() if base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
+                )
                 with off:
                     stream_reply(model, tokenizer, messages, settings, pieces.put)
             except Exception as exc:  # reported on the page, not lost in a thread
@@ -171,6 +189,7 @@ class ChatModels:
 
 # ----------------------------------------------------------------------------- merge, export
 
+
 def merge_run(run_dir: Path) -> str:
     """`lora-lab merge RUN --force`: the summary and the printed vLLM commands."""
     from .. import merge_adapter
@@ -184,11 +203,13 @@ def merge_run(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-EXPORTS = {"nf4 (safetensors, vLLM)": ("safetensors", "nf4"),
-           "w4a16 (GPTQ int4, vLLM)": ("safetensors", "w4a16"),
-           "gguf f16 (llama.cpp, Ollama)": ("gguf", "f16"),
-           "gguf q8_0 (llama.cpp, Ollama)": ("gguf", "q8_0"),
-           "gguf q4_k_m (llama.cpp, Ollama)": ("gguf", "q4_k_m")}
+EXPORTS = {
+    "nf4 (safetensors, vLLM)": ("safetensors", "nf4"),
+    "w4a16 (GPTQ int4, vLLM)": ("safetensors", "w4a16"),
+    "gguf f16 (llama.cpp, Ollama)": ("gguf", "f16"),
+    "gguf q8_0 (llama.cpp, Ollama)": ("gguf", "q8_0"),
+    "gguf q4_k_m (llama.cpp, Ollama)": ("gguf", "q4_k_m"),
+}
 
 
 def export_run(run_dir: Path, choice: str) -> str:
@@ -203,8 +224,6 @@ def export_run(run_dir: Path, choice: str) -> str:
         result = export_gguf(str(run_dir), quantize, None, True)
         handoff = result.serving_lines()
     else:
-        result = export_quantized(str(run_dir), quantize, [], DEFAULT_CALIB_SAMPLES, None, None,
-                                  True)
+        result = export_quantized(str(run_dir), quantize, [], DEFAULT_CALIB_SAMPLES, None, None, True)
         handoff = serving_handoff(result, None)
-    return "\n".join([result.summary()] + [f"warning: {w}" for w in result.warnings]
-                     + [""] + list(handoff))
+    return "\n".join([result.summary()] + [f"warning: {w}" for w in result.warnings] + [""] + list(handoff))

@@ -3,6 +3,7 @@
 
 The page never builds a shell string: a run is `sys.executable -m lora_lab run` with one list
 entry per flag and value, so no form field is ever read by a shell."""
+
 from __future__ import annotations
 
 import hmac
@@ -23,6 +24,7 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 @dataclass
 class RunForm:
     """The Settings tab's values; an empty value leaves the preset's (or the default) in place."""
+
     model: str
     data: list
     preset: str = "auto"
@@ -42,15 +44,20 @@ class RunForm:
 
     def flags(self) -> dict:
         """The named flags of `lora-lab run` that are given, as {flag: value} (data: a list)."""
-        knobs = {"--lora-rank": self.lora_rank, "--lora-alpha": self.lora_alpha,
-                 "--max-length": self.max_length, "--micro-batch-size": self.micro_batch_size,
-                 "--grad-accum": self.grad_accum, "--lr": self.lr, "--epochs": self.epochs,
-                 "--max-steps": self.max_steps, "--output-dir": self.output_dir,
-                 "--run-name": self.run_name}
-        given = {"--model": self.model.strip(), "--data": [d.strip() for d in self.data
-                                                            if d.strip()]}
-        given.update({flag: str(value).strip() for flag, value in knobs.items()
-                      if str(value).strip()})
+        knobs = {
+            "--lora-rank": self.lora_rank,
+            "--lora-alpha": self.lora_alpha,
+            "--max-length": self.max_length,
+            "--micro-batch-size": self.micro_batch_size,
+            "--grad-accum": self.grad_accum,
+            "--lr": self.lr,
+            "--epochs": self.epochs,
+            "--max-steps": self.max_steps,
+            "--output-dir": self.output_dir,
+            "--run-name": self.run_name,
+        }
+        given = {"--model": self.model.strip(), "--data": [d.strip() for d in self.data if d.strip()]}
+        given.update({flag: str(value).strip() for flag, value in knobs.items() if str(value).strip()})
         if self.qlora:
             given["--quantization"] = "nf4"
         return given
@@ -59,8 +66,10 @@ class RunForm:
         entries = [line.strip() for line in self.sets if line.strip()]
         bad = [e for e in entries if not SET_ENTRY.fullmatch(e)]
         if bad:
-            raise LoraLabError(f"extra settings: {bad[0]!r} is not KEY=VALUE with a config key "
-                               f"such as train.weight_decay=0.01 (docs/configuration.md).")
+            raise LoraLabError(
+                f"extra settings: {bad[0]!r} is not KEY=VALUE with a config key "
+                f"such as train.weight_decay=0.01 (docs/configuration.md)."
+            )
         return entries
 
 
@@ -68,14 +77,13 @@ def run_arguments(form: RunForm, preset: str) -> list[str]:
     """The command of a run from the form: [python, -m, lora_lab, run, --flag, value, ...].
     `preset` is the form's preset with auto already settled (lora_lab.choose_preset)."""
     if not form.model.strip():
-        raise LoraLabError("model: choose a model (an alias such as qwen2.5-0.5b, a model "
-                           "folder or a .gguf file).")
+        raise LoraLabError("model: choose a model (an alias such as qwen2.5-0.5b, a model folder or a .gguf file).")
     flags = form.flags()
     if not flags["--data"]:
         raise LoraLabError("data: give at least one data file.")
     argv = [sys.executable, "-m", "lora_lab", "run", "--preset", preset]
     for flag, value in flags.items():
-        for one in (value if isinstance(value, list) else [value]):
+        for one in value if isinstance(value, list) else [value]:
             argv += [flag, one]
     for entry in form.set_entries():
         argv += ["--set", entry]
@@ -85,11 +93,20 @@ def run_arguments(form: RunForm, preset: str) -> list[str]:
 def resume_arguments(run_dir: Path) -> list[str]:
     """Continue a run from its newest complete checkpoint with its own saved config."""
     run_dir = Path(run_dir)
-    return [sys.executable, "-m", "lora_lab", "run", "--config", str(run_dir / "config.yaml"),
-            "--resume", str(run_dir)]
+    return [
+        sys.executable,
+        "-m",
+        "lora_lab",
+        "run",
+        "--config",
+        str(run_dir / "config.yaml"),
+        "--resume",
+        str(run_dir),
+    ]
 
 
 # ----------------------------------------------------------------------------- allowed folders
+
 
 class AllowedFolders:
     """The folders the page may read and write: those given with --allow (default: the folder
@@ -107,17 +124,20 @@ class AllowedFolders:
         if not str(path).strip():
             raise LoraLabError(f"{what}: empty path.")
         if not self.contains(path):
-            raise LoraLabError(f"{what}: {path} is outside the folders this page may use "
-                               f"({', '.join(map(str, self.folders))}); start `lora-lab ui` "
-                               f"with --allow DIR to add one.")
+            raise LoraLabError(
+                f"{what}: {path} is outside the folders this page may use "
+                f"({', '.join(map(str, self.folders))}); start `lora-lab ui` "
+                f"with --allow DIR to add one."
+            )
         return Path(path).expanduser().resolve()
 
     def check_model(self, spec: str) -> str:
         """A model is an alias or hub id (left as it is) unless it names a path: an existing
         file or folder, or one written as a path (/, ./, ~, .gguf), which must be allowed."""
         spec = spec.strip()
-        looks_like_path = (spec.startswith(("/", ".", "~")) or spec.endswith(".gguf")
-                           or Path(spec).expanduser().exists())
+        looks_like_path = (
+            spec.startswith(("/", ".", "~")) or spec.endswith(".gguf") or Path(spec).expanduser().exists()
+        )
         if looks_like_path:
             self.check(spec, "model")
         return spec
@@ -138,6 +158,7 @@ class AllowedFolders:
 
 
 # ----------------------------------------------------------------------------- access token
+
 
 def needs_token(host: str) -> bool:
     """A page reachable from another machine asks for a token; one bound to loopback does not."""

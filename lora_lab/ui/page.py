@@ -1,6 +1,7 @@
 """The page of `lora-lab ui`: one gradio page with the tabs Settings, Train, Chat and Export.
 Each handler turns the form into lora-lab's own calls (actions.py) or its `lora-lab run`
 process (runs.py) and shows a user's mistake as the message a LoraLabError carries."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,16 +12,29 @@ from ..log import get_logger
 from ..run_folder import read_step_log
 from . import actions
 from .form import AllowedFolders, RunForm, resume_arguments, run_arguments
-from .runs import (RunProcess, can_resume, find_runs, live_figures, read_console, run_state,
-                   stop_run)
+from .runs import RunProcess, can_resume, find_runs, live_figures, read_console, run_state, stop_run
 
 CONSOLE_LINES = 20
 """The console box shows the newest lines of RUN/logs/console.log, as many as it is tall."""
 log = get_logger()
 
-FORM_FIELDS = ("model", "preset", "data", "lora_rank", "lora_alpha", "max_length",
-               "micro_batch_size", "grad_accum", "lr", "epochs", "max_steps", "qlora",
-               "output_dir", "run_name", "sets")
+FORM_FIELDS = (
+    "model",
+    "preset",
+    "data",
+    "lora_rank",
+    "lora_alpha",
+    "max_length",
+    "micro_batch_size",
+    "grad_accum",
+    "lr",
+    "epochs",
+    "max_steps",
+    "qlora",
+    "output_dir",
+    "run_name",
+    "sets",
+)
 
 
 def form_of(values: tuple) -> RunForm:
@@ -42,8 +56,7 @@ class Page:
     # --------------------------------------------------------------- settings
     def plan(self, gpu_memory, longest, *values):
         try:
-            view = actions.plan_form(form_of(values), float(gpu_memory) if gpu_memory else None,
-                                     longest or None)
+            view = actions.plan_form(form_of(values), float(gpu_memory) if gpu_memory else None, longest or None)
         except (LoraLabError, ValueError) as exc:
             return f"cannot plan: {exc}", ""
         return view.verdict, f"preset {view.preset}\n{view.report}"
@@ -60,8 +73,7 @@ class Page:
             return f"error: {exc}", "", "", pd.DataFrame({"tokens": [], "samples": []}), None
         frame = pd.DataFrame(view.histogram, columns=["tokens", "samples"])
         frame["tokens"] = frame["tokens"].astype(str)
-        suggested = (f"\nsuggested max_length: {view.recommended_max_length}"
-                     if view.recommended_max_length else "")
+        suggested = f"\nsuggested max_length: {view.recommended_max_length}" if view.recommended_max_length else ""
         return view.problems, view.summary + suggested, view.stats, frame, view.longest
 
     # --------------------------------------------------------------- runs
@@ -95,8 +107,7 @@ class Page:
             self.processes[str(run_dir)] = RunProcess(run_arguments(form, preset), run_dir)
         except LoraLabError as exc:
             return gr.update(), f"not started: {exc}"
-        return (gr.update(choices=self.run_choices(), value=str(run_dir)),
-                f"started {run_dir.name}")
+        return (gr.update(choices=self.run_choices(), value=str(run_dir)), f"started {run_dir.name}")
 
     def stop(self, run_dir):
         try:
@@ -116,8 +127,7 @@ class Page:
             if self._state(path) == "running":
                 raise LoraLabError(f"{path.name} is running.")
             if not can_resume(path):
-                raise LoraLabError(f"{path.name} has no checkpoint to resume from, or is "
-                                   f"finished.")
+                raise LoraLabError(f"{path.name} has no checkpoint to resume from, or is finished.")
             self.processes[str(path)] = RunProcess(resume_arguments(path), path)
         except LoraLabError as exc:
             return f"error: {exc}"
@@ -144,8 +154,7 @@ class Page:
         if not redraw and self._plotted == shown:
             frame = gr.skip()
         else:
-            frame = (pd.DataFrame(figures.losses, columns=["step", "loss", "series"])
-                     if figures.losses else empty)
+            frame = pd.DataFrame(figures.losses, columns=["step", "loss", "series"]) if figures.losses else empty
         self._plotted = shown
         return f"{path.name}: {state}\n{figures.line()}", frame, console
 
@@ -204,45 +213,53 @@ def build_page(page: Page, safety_note: str):
         gr.Markdown(f"## lora-lab\n{safety_note}")
         with gr.Tab("Settings"):
             with gr.Row():
-                model = gr.Textbox(label="Model: alias, model folder or .gguf file",
-                                   value="qwen2.5-0.5b", elem_id="model")
+                model = gr.Textbox(
+                    label="Model: alias, model folder or .gguf file", value="qwen2.5-0.5b", elem_id="model"
+                )
                 preset = gr.Dropdown(presets, value="auto", label="Preset", elem_id="preset")
-                gpu_memory = gr.Number(value=page.gpu_memory_gib or 24, label="GPU memory to "
-                                       "plan for (GiB)", elem_id="gpu-memory")
-            data = gr.Textbox(label="Data files, one a line (file.jsonl#N repeats it N times)",
-                              lines=2, elem_id="data")
+                gpu_memory = gr.Number(
+                    value=page.gpu_memory_gib or 24, label="GPU memory to plan for (GiB)", elem_id="gpu-memory"
+                )
+            data = gr.Textbox(
+                label="Data files, one a line (file.jsonl#N repeats it N times)", lines=2, elem_id="data"
+            )
             with gr.Row():
-                knobs = [gr.Textbox(label=label, elem_id=name.replace("_", "-"), min_width=90)
-                         for name, label in (("lora_rank", "LoRA rank"),
-                                             ("lora_alpha", "LoRA alpha"),
-                                             ("max_length", "max_length"),
-                                             ("micro_batch_size", "micro-batch"),
-                                             ("grad_accum", "accumulation"),
-                                             ("lr", "learning rate"), ("epochs", "epochs"),
-                                             ("max_steps", "max steps"))]
+                knobs = [
+                    gr.Textbox(label=label, elem_id=name.replace("_", "-"), min_width=90)
+                    for name, label in (
+                        ("lora_rank", "LoRA rank"),
+                        ("lora_alpha", "LoRA alpha"),
+                        ("max_length", "max_length"),
+                        ("micro_batch_size", "micro-batch"),
+                        ("grad_accum", "accumulation"),
+                        ("lr", "learning rate"),
+                        ("epochs", "epochs"),
+                        ("max_steps", "max steps"),
+                    )
+                ]
                 qlora = gr.Checkbox(label="QLoRA (4-bit base)", elem_id="qlora")
             with gr.Row():
-                output_dir = gr.Textbox(value=output_default, label="Output folder",
-                                        elem_id="output-dir")
-                run_name = gr.Textbox(label="Run name (default: model-preset-time)",
-                                      elem_id="run-name")
-            sets = gr.Textbox(label="Extra settings, KEY=VALUE a line (--set)", lines=1,
-                              elem_id="sets")
+                output_dir = gr.Textbox(value=output_default, label="Output folder", elem_id="output-dir")
+                run_name = gr.Textbox(label="Run name (default: model-preset-time)", elem_id="run-name")
+            sets = gr.Textbox(label="Extra settings, KEY=VALUE a line (--set)", lines=1, elem_id="sets")
             longest = gr.State(None)
             verdict = gr.Textbox(label="Memory plan", elem_id="plan-verdict", interactive=False)
-            plan_report = gr.Textbox(label="Plan breakdown (lora-lab plan)", lines=8,
-                                     elem_id="plan-report", interactive=False)
+            plan_report = gr.Textbox(
+                label="Plan breakdown (lora-lab plan)", lines=8, elem_id="plan-report", interactive=False
+            )
             check = gr.Button("Check data (validate + stats)", elem_id="check-data")
             with gr.Row():
-                problems = gr.Textbox(label="Rows with problems (file:line)", lines=6,
-                                      elem_id="data-problems", interactive=False)
-                summary = gr.Textbox(label="Summary", lines=6, elem_id="data-summary",
-                                     interactive=False)
+                problems = gr.Textbox(
+                    label="Rows with problems (file:line)", lines=6, elem_id="data-problems", interactive=False
+                )
+                summary = gr.Textbox(label="Summary", lines=6, elem_id="data-summary", interactive=False)
             with gr.Row():
-                stats = gr.Textbox(label="Token lengths (lora-lab data stats)", lines=9,
-                                   elem_id="data-stats", interactive=False)
-                lengths = gr.BarPlot(x="tokens", y="samples", label="Length histogram",
-                                     elem_id="length-histogram", sort="x")
+                stats = gr.Textbox(
+                    label="Token lengths (lora-lab data stats)", lines=9, elem_id="data-stats", interactive=False
+                )
+                lengths = gr.BarPlot(
+                    x="tokens", y="samples", label="Length histogram", elem_id="length-histogram", sort="x"
+                )
         form = [model, preset, data, *knobs, qlora, output_dir, run_name, sets]
         with gr.Tab("Train"):
             with gr.Row():
@@ -250,45 +267,50 @@ def build_page(page: Page, safety_note: str):
                 stop = gr.Button("Stop (SIGTERM: checkpoint, then exit)", elem_id="stop")
                 resume = gr.Button("Resume", elem_id="resume")
             with gr.Row():
-                run_dir = gr.Dropdown(page.run_choices(), label="Run folder", elem_id="run-dir",
-                                      allow_custom_value=True, scale=4)
+                run_dir = gr.Dropdown(
+                    page.run_choices(), label="Run folder", elem_id="run-dir", allow_custom_value=True, scale=4
+                )
                 refresh = gr.Button("Refresh list", scale=1)
             action = gr.Textbox(label="Last action", elem_id="action", interactive=False)
-            status = gr.Textbox(label="Status", lines=2, elem_id="run-status",
-                                interactive=False)
-            loss_plot = gr.LinePlot(x="step", y="loss", color="series", label="Loss",
-                                    elem_id="loss-plot")
-            console = gr.Textbox(label="Console (the end of RUN/logs/console.log)",
-                                 lines=CONSOLE_LINES, max_lines=CONSOLE_LINES,
-                                 elem_id="console", interactive=False)
+            status = gr.Textbox(label="Status", lines=2, elem_id="run-status", interactive=False)
+            loss_plot = gr.LinePlot(x="step", y="loss", color="series", label="Loss", elem_id="loss-plot")
+            console = gr.Textbox(
+                label="Console (the end of RUN/logs/console.log)",
+                lines=CONSOLE_LINES,
+                max_lines=CONSOLE_LINES,
+                elem_id="console",
+                interactive=False,
+            )
         with gr.Tab("Chat"):
-            gr.Markdown("The chosen run's base model and its fine-tuned model answer side by "
-                        "side (greedy).")
+            gr.Markdown("The chosen run's base model and its fine-tuned model answer side by side (greedy).")
             with gr.Row():
                 base_chat = gr.Chatbot(label="Base", elem_id="chat-base")
                 tuned_chat = gr.Chatbot(label="Fine-tuned", elem_id="chat-tuned")
             with gr.Row():
                 message = gr.Textbox(label="Message", elem_id="message", scale=4)
-                max_new_tokens = gr.Slider(1, 1024, value=64, step=1, label="max new tokens",
-                                           elem_id="max-new-tokens")
+                max_new_tokens = gr.Slider(1, 1024, value=64, step=1, label="max new tokens", elem_id="max-new-tokens")
                 send = gr.Button("Send", variant="primary", elem_id="send", scale=1)
             base_state, tuned_state = gr.State([]), gr.State([])
         with gr.Tab("Export"):
             with gr.Row():
                 merge = gr.Button("Merge adapter into the base", elem_id="merge")
-                export_choice = gr.Dropdown(list(actions.EXPORTS), value=list(actions.EXPORTS)[0],
-                                            label="Export as", elem_id="export-choice")
+                export_choice = gr.Dropdown(
+                    list(actions.EXPORTS), value=list(actions.EXPORTS)[0], label="Export as", elem_id="export-choice"
+                )
                 export = gr.Button("Export", elem_id="export")
-            export_out = gr.Textbox(label="Result and serving commands", lines=14,
-                                    elem_id="export-output", interactive=False)
+            export_out = gr.Textbox(
+                label="Result and serving commands", lines=14, elem_id="export-output", interactive=False
+            )
 
         plan_inputs = [gpu_memory, longest, *form]
         for component in [gpu_memory, *form]:
-            component.change(page.plan, plan_inputs, [verdict, plan_report],
-                             trigger_mode="always_last", show_progress="hidden")
+            component.change(
+                page.plan, plan_inputs, [verdict, plan_report], trigger_mode="always_last", show_progress="hidden"
+            )
         blocks.load(page.plan, plan_inputs, [verdict, plan_report])
         check.click(page.check_data, form, [problems, summary, stats, lengths, longest]).then(
-            page.plan, plan_inputs, [verdict, plan_report])
+            page.plan, plan_inputs, [verdict, plan_report]
+        )
         start.click(page.start, form, [run_dir, action])
         stop.click(page.stop, [run_dir], [action])
         resume.click(page.resume, [run_dir], [action])
@@ -297,8 +319,11 @@ def build_page(page: Page, safety_note: str):
         timer = gr.Timer(1.0)
         timer.tick(page.tick, [run_dir], [status, loss_plot, console], show_progress="hidden")
         run_dir.change(page.watch, [run_dir], [status, loss_plot, console])
-        send.click(page.send, [run_dir, message, base_state, tuned_state, max_new_tokens],
-                   [base_chat, tuned_chat, base_state, tuned_state, message])
+        send.click(
+            page.send,
+            [run_dir, message, base_state, tuned_state, max_new_tokens],
+            [base_chat, tuned_chat, base_state, tuned_state, message],
+        )
         merge.click(page.merge, [run_dir], [export_out])
         export.click(page.export, [run_dir, export_choice], [export_out])
     return blocks

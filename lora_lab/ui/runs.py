@@ -1,5 +1,6 @@
 """Runs started from the page and runs found in output folders: the process of `lora-lab run`,
 and what its own files say (logs/train_log.jsonl, logs/console.log, run_summary.json)."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LoraLabError
-from ..run_folder import (CONFIG_FILE, CONSOLE_LOG, STOP_FILE, SUMMARY_FILE, list_checkpoints,
-                          running_pid)
+from ..run_folder import CONFIG_FILE, CONSOLE_LOG, STOP_FILE, SUMMARY_FILE, list_checkpoints, running_pid
 
 PROGRESS = re.compile(r"step (\d+)/(\d+)(?:.*?ETA ((?:\d+[hms] ?)+))?")
 """The run's progress line (training/watch.py progress_fields): step, total and ETA."""
@@ -21,6 +21,7 @@ CONSOLE_TAIL_CHARS = 12_000
 @dataclass
 class LiveFigures:
     """The newest figures of a run, for the page's status line."""
+
     step: int = 0
     total_steps: int | None = None
     loss: float | None = None
@@ -34,12 +35,14 @@ class LiveFigures:
 
     def line(self) -> str:
         parts = [f"step {self.step}" + (f"/{self.total_steps}" if self.total_steps else "")]
-        for label, value, text in (("loss", self.loss, "{:.4f}"),
-                                   ("eval loss", self.eval_loss, "{:.4f}"),
-                                   ("lr", self.learning_rate, "{:.3g}"),
-                                   ("tok/s", self.tokens_per_second, "{:,.0f}"),
-                                   ("GPU GiB", self.gpu_memory_gib, "{:.2f}"),
-                                   ("ETA", self.eta, "{}")):
+        for label, value, text in (
+            ("loss", self.loss, "{:.4f}"),
+            ("eval loss", self.eval_loss, "{:.4f}"),
+            ("lr", self.learning_rate, "{:.3g}"),
+            ("tok/s", self.tokens_per_second, "{:,.0f}"),
+            ("GPU GiB", self.gpu_memory_gib, "{:.2f}"),
+            ("ETA", self.eta, "{}"),
+        ):
             if value is not None:
                 parts.append(f"{label} {text.format(value)}")
         return " · ".join(parts)
@@ -55,8 +58,7 @@ def live_figures(events: list, console: str = "") -> LiveFigures:
             figures.step, figures.loss = step, event["loss"]
             figures.losses.append((step, event["loss"], "train loss"))
             figures.learning_rate = event.get("learning_rate", figures.learning_rate)
-            figures.tokens_per_second = event.get("tokens_per_second",
-                                                  figures.tokens_per_second)
+            figures.tokens_per_second = event.get("tokens_per_second", figures.tokens_per_second)
             figures.gpu_memory_gib = event.get("gpu_peak_memory_gib", figures.gpu_memory_gib)
         if "eval_loss" in event:
             figures.eval_loss = event["eval_loss"]
@@ -98,8 +100,9 @@ def run_state(run_dir: Path, process: subprocess.Popen | None = None) -> str:
 
 def find_runs(folders: list) -> list[Path]:
     """Run folders (with their config.yaml) directly under each folder, newest first."""
-    found = [p for folder in folders if Path(folder).is_dir()
-             for p in Path(folder).iterdir() if (p / CONFIG_FILE).is_file()]
+    found = [
+        p for folder in folders if Path(folder).is_dir() for p in Path(folder).iterdir() if (p / CONFIG_FILE).is_file()
+    ]
     return sorted(found, key=lambda p: (p / CONFIG_FILE).stat().st_mtime, reverse=True)
 
 
@@ -122,17 +125,16 @@ class RunProcess:
 
     def __init__(self, argv: list, run_dir: Path):
         if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
-            raise TypeError("a run is started from an argument list of strings, never a shell "
-                            "string")
+            raise TypeError("a run is started from an argument list of strings, never a shell string")
         self.argv, self.run_dir = argv, Path(run_dir)
         (self.run_dir / CONSOLE_LOG).parent.mkdir(parents=True, exist_ok=True)
         console = open(self.run_dir / CONSOLE_LOG, "ab")
         console.write(("$ " + " ".join(argv) + "\n").encode())
         console.flush()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(argv, stdout=console, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            argv, stdout=console, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
         console.close()  # the child holds its own copy
 
     @property

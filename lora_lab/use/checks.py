@@ -1,5 +1,6 @@
 """Checks of a written model against the one it came from: the same check prompts through both,
 the largest logit difference and how often they predict the same next token."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ CHECK_PROMPTS = ["Who are you?", "Write a haiku about autumn.", "2+2=?"]
 
 
 def check_prompt_batch(tokenizer, device) -> dict:
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True) for p in CHECK_PROMPTS]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        for p in CHECK_PROMPTS
+    ]
     tokenizer.padding_side = "left"
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     return {k: v.to(device) for k, v in batch.items()}
@@ -45,8 +48,7 @@ def reference_logits(source: Path, batch, dtype: str = "bfloat16"):
     from transformers import AutoModelForCausalLM
 
     dtype = dtype if dtype == "auto" else getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
-                                                 device_map=inference_device_map())
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, device_map=inference_device_map())
     logits = model_logits(model.eval(), batch)
     del model
     release_memory()
@@ -60,15 +62,18 @@ def check_exported_folder(staging: Path, batch, reference) -> tuple[float, float
 
     config = json.loads((staging / "config.json").read_text())
     bnb = config.get("quantization_config", {}).get("quant_method") == "bitsandbytes"
-    model = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.bfloat16,
-                                                 device_map=inference_device_map(quantized_bnb=bnb))
+    model = AutoModelForCausalLM.from_pretrained(
+        staging, dtype=torch.bfloat16, device_map=inference_device_map(quantized_bnb=bnb)
+    )
     logits = model_logits(model.eval(), batch)
     del model
     release_memory()
     if not torch.isfinite(logits).all():
-        raise CheckpointError("the exported model gives non-finite logits on the check prompts, "
-                              "so it was not kept. Check that the 16-bit source model answers "
-                              "sensibly (lora-lab chat --model SOURCE).")
+        raise CheckpointError(
+            "the exported model gives non-finite logits on the check prompts, "
+            "so it was not kept. Check that the 16-bit source model answers "
+            "sensibly (lora-lab chat --model SOURCE)."
+        )
     mask = batch["attention_mask"].bool()
     diff = float((reference - logits)[mask].abs().max())
     return diff, top1_agreement(reference, logits, mask)

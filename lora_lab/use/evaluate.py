@@ -1,6 +1,7 @@
 """`lora-lab eval`: loss and perplexity on assistant tokens, and generated answers next to
 references; on preference pairs the reward margin and preference accuracy (DPO's implicit reward
 against the run's reference model)."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,13 @@ from ..run_folder import find_adapter, full_model_of, load_saved_config, read_sf
 from .infer import GenerationSettings, generate_replies, load_adapter_model, load_plain_model
 
 
-def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
-                 output: str | Path | None = None, max_new_tokens: int = 128) -> dict:
+def evaluate_run(
+    path: str | Path,
+    datasets: list,
+    samples_to_generate: int = 5,
+    output: str | Path | None = None,
+    max_new_tokens: int = 128,
+) -> dict:
     """Token-weighted loss over every assistant token of `datasets`, with the run's adapter."""
     if full_model_of(path):  # --tuner full: the run's own model, no adapter
         run_dir, adapter_dir = Path(path), None
@@ -34,18 +40,29 @@ def evaluate_run(path: str | Path, datasets: list, samples_to_generate: int = 5,
     total_loss, total_tokens = assistant_token_loss(model, report.samples)
     chosen = loaded.samples[:samples_to_generate]
     prompts = [s.messages[:-1] for s in chosen]
-    answers = generate_replies(model, tokenizer, prompts,
-                               GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False))
+    answers = generate_replies(
+        model, tokenizer, prompts, GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False)
+    )
     eval_loss = total_loss / total_tokens
     result = {
-        "run_dir": str(run_dir), "adapter": str(adapter_dir) if adapter_dir else None,
-        "model": str(full_model_of(path)) if full_model_of(path) else None, "data": list(datasets),
-        "samples": len(report.samples), "assistant_tokens": total_tokens,
-        "eval_loss": eval_loss, "perplexity": math.exp(eval_loss),
+        "run_dir": str(run_dir),
+        "adapter": str(adapter_dir) if adapter_dir else None,
+        "model": str(full_model_of(path)) if full_model_of(path) else None,
+        "data": list(datasets),
+        "samples": len(report.samples),
+        "assistant_tokens": total_tokens,
+        "eval_loss": eval_loss,
+        "perplexity": math.exp(eval_loss),
         "not_used": [str(p) for p in loaded.problems + report.problems],
-        "generations": [{"origin": s.origin, "prompt": s.messages[-2]["content"],
-                         "reference": s.messages[-1]["content"], "answer": a}
-                        for s, a in zip(chosen, answers)],
+        "generations": [
+            {
+                "origin": s.origin,
+                "prompt": s.messages[-2]["content"],
+                "reference": s.messages[-1]["content"],
+                "answer": a,
+            }
+            for s, a in zip(chosen, answers)
+        ],
     }
     return write_report(result, output, run_dir)
 
@@ -75,12 +92,16 @@ def evaluate_preferences(model, tokenizer, config, datasets: list) -> dict:
     beta = config.train.pref_beta
     margins = [beta * ((c - rc) - (r - rr)) for (c, r), (rc, rr) in zip(policy, reference)]
     count = len(margins)
-    return {"data": datasets, "pairs": count, "beta": beta,
-            "reward_margin": sum(margins) / count,
-            "preference_accuracy": sum(m > 0 for m in margins) / count,
-            "logp_accuracy": sum(c > r for c, r in policy) / count,
-            "reference_logp_accuracy": sum(c > r for c, r in reference) / count,
-            "not_used": [str(p) for p in loaded.problems + report.problems]}
+    return {
+        "data": datasets,
+        "pairs": count,
+        "beta": beta,
+        "reward_margin": sum(margins) / count,
+        "preference_accuracy": sum(m > 0 for m in margins) / count,
+        "logp_accuracy": sum(c > r for c, r in policy) / count,
+        "reference_logp_accuracy": sum(c > r for c, r in reference) / count,
+        "not_used": [str(p) for p in loaded.problems + report.problems],
+    }
 
 
 def reference_of(model, config):
@@ -101,6 +122,7 @@ def reference_of(model, config):
             yield
         finally:
             model.set_adapter(active)
+
     return use_reference()
 
 
@@ -109,20 +131,18 @@ def answer_logps(model, pairs: list, pad_id: int, batch_size: int = 8) -> list:
     the answer's tokens; the sequences of several pairs run as one right-padded batch."""
     import torch
 
-    sequences = [(p.prompt_ids, answer) for p in pairs for answer in (p.chosen_ids,
-                                                                       p.rejected_ids)]
+    sequences = [(p.prompt_ids, answer) for p in pairs for answer in (p.chosen_ids, p.rejected_ids)]
     sums = []
     with torch.no_grad():
         for start in range(0, len(sequences), batch_size):
-            chunk = sequences[start:start + batch_size]
+            chunk = sequences[start : start + batch_size]
             width = max(len(prompt) + len(answer) for prompt, answer in chunk)
             ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
             for row, (prompt, answer) in enumerate(chunk):
-                ids[row, :len(prompt) + len(answer)] = torch.tensor(prompt + answer)
-                mask[row, :len(prompt) + len(answer)] = 1
-            logits = model(input_ids=ids.to(model.device),
-                           attention_mask=mask.to(model.device)).logits.float()
+                ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+                mask[row, : len(prompt) + len(answer)] = 1
+            logits = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device)).logits.float()
             logps = torch.log_softmax(logits, dim=-1)
             for row, (prompt, answer) in enumerate(chunk):
                 positions = torch.arange(len(prompt) - 1, len(prompt) + len(answer) - 1)
@@ -159,8 +179,8 @@ def assistant_token_loss(model, samples: list) -> tuple[float, int]:
             logits = model(input_ids=ids).logits[:, :-1].float()
             target = labels[:, 1:]
             loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                ignore_index=IGNORE_INDEX, reduction="sum")
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
             total_loss += float(loss)
             total_tokens += int((target != IGNORE_INDEX).sum())
     return total_loss, total_tokens

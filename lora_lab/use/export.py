@@ -17,6 +17,7 @@ A run folder is first merged onto its 16-bit base (use/merge.py; never into
 4-bit weights), then quantized. The folder is written to `<output>.partial` and renamed only
 after the quantized model, read back from disk, gives finite logits on the check prompts.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,7 @@ from ..paths import human_bytes, installed_versions, pickled_files, staged_folde
 from ..planning.memory import TIERS_GIB
 from ..planning.serving import plan_vllm_serving, vllm_command
 from ..run_folder import load_saved_config, owning_run_dir
-from .checks import (CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_exported_folder,
-                     check_prompt_batch, reference_logits)
+from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_exported_folder, check_prompt_batch, reference_logits
 
 log = get_logger()
 
@@ -79,30 +79,53 @@ def awq_recipe() -> list:
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier
 
-    return [AWQModifier(),
-            QuantizationModifier(targets="Linear", scheme=LLMCOMPRESSOR_SCHEME, ignore=["lm_head"])]
+    return [AWQModifier(), QuantizationModifier(targets="Linear", scheme=LLMCOMPRESSOR_SCHEME, ignore=["lm_head"])]
 
 
 FORMATS = {
-    "nf4": QuantFormat("nf4", "bitsandbytes 4-bit NormalFloat, double quantization, bf16 compute",
-                       "bitsandbytes", needs_calibration=False, vllm_quantization="bitsandbytes"),
-    "w4a16": QuantFormat("w4a16", "GPTQ int4 weights, symmetric, group size 128, 16-bit "
-                         "activations (compressed-tensors pack-quantized, llm-compressor)",
-                         "llmcompressor", needs_calibration=True, vllm_quantization=None,
-                         method="GPTQ", recipe=gptq_recipe),
-    "awq": QuantFormat("awq", "AWQ-scaled int4 weights, symmetric, group size 128, 16-bit "
-                       "activations (compressed-tensors pack-quantized, llm-compressor)",
-                       "llmcompressor", needs_calibration=True, vllm_quantization=None,
-                       method="AWQ", recipe=awq_recipe),
+    "nf4": QuantFormat(
+        "nf4",
+        "bitsandbytes 4-bit NormalFloat, double quantization, bf16 compute",
+        "bitsandbytes",
+        needs_calibration=False,
+        vllm_quantization="bitsandbytes",
+    ),
+    "w4a16": QuantFormat(
+        "w4a16",
+        "GPTQ int4 weights, symmetric, group size 128, 16-bit "
+        "activations (compressed-tensors pack-quantized, llm-compressor)",
+        "llmcompressor",
+        needs_calibration=True,
+        vllm_quantization=None,
+        method="GPTQ",
+        recipe=gptq_recipe,
+    ),
+    "awq": QuantFormat(
+        "awq",
+        "AWQ-scaled int4 weights, symmetric, group size 128, 16-bit "
+        "activations (compressed-tensors pack-quantized, llm-compressor)",
+        "llmcompressor",
+        needs_calibration=True,
+        vllm_quantization=None,
+        method="AWQ",
+        recipe=awq_recipe,
+    ),
 }
-GGUF_TYPES = {"f16": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
-              "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+GGUF_TYPES = {"f16": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 """--format gguf --quantize TYPE -> llama.cpp's file type (None: the converter's f16 as is);
 written by use/gguf_export.py."""
 DEFAULT_CALIB_SAMPLES = 256
 EXTRA_HINT = "pip install 'lora-lab[export]'"
-LIBRARIES = ("torch", "transformers", "peft", "accelerate", "bitsandbytes", "llmcompressor",
-             "compressed-tensors", "lora-lab")
+LIBRARIES = (
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "bitsandbytes",
+    "llmcompressor",
+    "compressed-tensors",
+    "lora-lab",
+)
 
 
 @dataclass
@@ -127,18 +150,25 @@ class ExportResult:
     """The vLLM plan for --gpu TIER (plan_vllm_serving), with its command."""
 
     def summary(self) -> str:
-        calibration = (f"{self.calibration['samples']} calibration samples; "
-                       if self.calibration else "")
-        return (f"wrote {self.output_dir} ({self.format}): {human_bytes(self.weights_bytes)} of "
-                f"weights, from {human_bytes(self.source_weights_bytes)}; {calibration}same next "
-                f"token as the 16-bit model at {self.top1_agreement:.1%} of confident check "
-                f"positions; {self.seconds:.0f} s")
+        calibration = f"{self.calibration['samples']} calibration samples; " if self.calibration else ""
+        return (
+            f"wrote {self.output_dir} ({self.format}): {human_bytes(self.weights_bytes)} of "
+            f"weights, from {human_bytes(self.source_weights_bytes)}; {calibration}same next "
+            f"token as the 16-bit model at {self.top1_agreement:.1%} of confident check "
+            f"positions; {self.seconds:.0f} s"
+        )
 
 
-def export_quantized(path: str | Path, quantize: str, calib_data: list | None = None,
-                     calib_samples: int = DEFAULT_CALIB_SAMPLES, output: str | Path | None = None,
-                     gpu_tier: str | None = None, force: bool = False,
-                     merge_dtype: str = "bf16") -> ExportResult:
+def export_quantized(
+    path: str | Path,
+    quantize: str,
+    calib_data: list | None = None,
+    calib_samples: int = DEFAULT_CALIB_SAMPLES,
+    output: str | Path | None = None,
+    gpu_tier: str | None = None,
+    force: bool = False,
+    merge_dtype: str = "bf16",
+) -> ExportResult:
     """Quantize a merged folder, or a run folder (merged onto its 16-bit base first), to 4 bits.
 
     With gpu_tier (8gb, 12gb, 16gb, 24gb) the vLLM plan for that card is added to the result and
@@ -149,8 +179,9 @@ def export_quantized(path: str | Path, quantize: str, calib_data: list | None = 
     run_dir = owning_run_dir(path)
     output = Path(output) if output else default_output(path, run_dir, fmt.name)
     if output.exists() and not force:
-        raise CheckpointError(f"--output {output}: the folder already exists. Pass --force to "
-                              f"replace it, or choose another --output.")
+        raise CheckpointError(
+            f"--output {output}: the folder already exists. Pass --force to replace it, or choose another --output."
+        )
     started = time.time()
     merged_tmp = output.with_name(output.name + ".merged-tmp")
     shutil.rmtree(merged_tmp, ignore_errors=True)
@@ -163,10 +194,14 @@ def export_quantized(path: str | Path, quantize: str, calib_data: list | None = 
             result.source = str(path if source == merged_tmp else source)
             result.seconds = round(time.time() - started, 1)
             if gpu_tier:
-                plan = plan_vllm_serving(json.loads((staging / "config.json").read_text()),
-                                         result.weights_bytes, gpu_tier)
-                result.serving = {**asdict(plan), "fits": plan.fits, "command": vllm_command(
-                    output, fmt.vllm_quantization, plan)}
+                plan = plan_vllm_serving(
+                    json.loads((staging / "config.json").read_text()), result.weights_bytes, gpu_tier
+                )
+                result.serving = {
+                    **asdict(plan),
+                    "fits": plan.fits,
+                    "command": vllm_command(output, fmt.vllm_quantization, plan),
+                }
             _write_report(staging, result, merged=source == merged_tmp)
     finally:
         shutil.rmtree(merged_tmp, ignore_errors=True)
@@ -177,22 +212,30 @@ def _check_arguments(quantize, calib_data, calib_samples, gpu_tier) -> QuantForm
     problems = []
     fmt = FORMATS.get(quantize)
     if fmt is None and quantize in GGUF_TYPES:
-        problems.append(f"--quantize {quantize}: a GGUF type; add --format gguf (the "
-                        f"safetensors types are {', '.join(FORMATS)}).")
+        problems.append(
+            f"--quantize {quantize}: a GGUF type; add --format gguf (the safetensors types are {', '.join(FORMATS)})."
+        )
     elif fmt is None:
-        problems.append(f"--quantize {quantize or '(none)'}: choose one of "
-                        f"{', '.join(FORMATS)} (or --format gguf with {', '.join(GGUF_TYPES)}).")
+        problems.append(
+            f"--quantize {quantize or '(none)'}: choose one of "
+            f"{', '.join(FORMATS)} (or --format gguf with {', '.join(GGUF_TYPES)})."
+        )
     elif calib_data and not fmt.needs_calibration:
-        problems.append(f"--calib-data: {quantize} quantizes every block from its own weights "
-                        f"and uses no calibration data; drop --calib-data, or use --quantize "
-                        f"w4a16 or awq (calibrated).")
+        problems.append(
+            f"--calib-data: {quantize} quantizes every block from its own weights "
+            f"and uses no calibration data; drop --calib-data, or use --quantize "
+            f"w4a16 or awq (calibrated)."
+        )
     if calib_samples < 1:
         problems.append(f"--calib-samples {calib_samples}: must be at least 1.")
     if gpu_tier is not None and gpu_tier not in TIERS_GIB:
         problems.append(f"--gpu {gpu_tier}: unknown tier; choose one of {', '.join(TIERS_GIB)}.")
     if problems:
-        raise LoraLabError(problems[0] if len(problems) == 1 else
-                           f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise LoraLabError(
+            problems[0]
+            if len(problems) == 1
+            else f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     return fmt
 
 
@@ -200,8 +243,10 @@ def _require_library(fmt: QuantFormat) -> None:
     import importlib.util
 
     if importlib.util.find_spec(fmt.library) is None:
-        raise LoraLabError(f"--quantize {fmt.name} needs the {fmt.library} package, which is not "
-                           f"installed: {EXTRA_HINT} (or pip install {fmt.library}).")
+        raise LoraLabError(
+            f"--quantize {fmt.name} needs the {fmt.library} package, which is not "
+            f"installed: {EXTRA_HINT} (or pip install {fmt.library})."
+        )
 
 
 def default_output(path: Path, run_dir: Path | None, name: str) -> Path:
@@ -226,23 +271,30 @@ def source_folder(path: Path, merged_tmp: Path, merge_dtype: str | None) -> Path
         log.info(f"merging the adapter of {path} onto its 16-bit base ({how}) first")
         merge_adapter(path, merged_tmp, dtype=merge_dtype)
         return merged_tmp
-    raise CheckpointError(f"{path}: not a run folder (config.yaml), a merged or model folder "
-                          f"(config.json) or an adapter folder (adapter_config.json).")
+    raise CheckpointError(
+        f"{path}: not a run folder (config.yaml), a merged or model folder "
+        f"(config.json) or an adapter folder (adapter_config.json)."
+    )
 
 
 def check_not_quantized(source: Path) -> None:
     config = json.loads((source / "config.json").read_text())
     method = (config.get("quantization_config") or {}).get("quant_method")
     if method:
-        raise ModelError(f"{source}: this model is already quantized ({method}). Export from the "
-                         f"16-bit merged folder or from the run folder.")
+        raise ModelError(
+            f"{source}: this model is already quantized ({method}). Export from the "
+            f"16-bit merged folder or from the run folder."
+        )
     if not any(source.glob("*.safetensors")):
-        raise ModelError(f"{source}: no *.safetensors weights (lora-lab exports only safetensors "
-                         f"folders and never loads pickled weights).")
+        raise ModelError(
+            f"{source}: no *.safetensors weights (lora-lab exports only safetensors "
+            f"folders and never loads pickled weights)."
+        )
 
 
-def _export(fmt: QuantFormat, source: Path, staging: Path, run_dir: Path | None, calib_data,
-            calib_samples: int) -> ExportResult:
+def _export(
+    fmt: QuantFormat, source: Path, staging: Path, run_dir: Path | None, calib_data, calib_samples: int
+) -> ExportResult:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -254,28 +306,42 @@ def _export(fmt: QuantFormat, source: Path, staging: Path, run_dir: Path | None,
         _quantize_nf4(source, staging)
     else:
         _check_group_size(source, fmt)
-        samples, calibration = calibration_samples(tokenizer, run_dir, calib_data, calib_samples,
-                                                   str(source))
+        samples, calibration = calibration_samples(tokenizer, run_dir, calib_data, calib_samples, str(source))
         reference = reference_logits(source, batch)
-        log.info(f"export 1/3: quantizing {source} to {fmt.name} ({fmt.method}, llm-compressor), "
-                 f"calibrating on {calibration['samples']} samples ({calibration['tokens']} "
-                 f"tokens) of {' '.join(calibration['data'])}, one decoder layer at a time")
+        log.info(
+            f"export 1/3: quantizing {source} to {fmt.name} ({fmt.method}, llm-compressor), "
+            f"calibrating on {calibration['samples']} samples ({calibration['tokens']} "
+            f"tokens) of {' '.join(calibration['data'])}, one decoder layer at a time"
+        )
         _quantize_compressed(fmt, source, staging, samples)
     _copy_side_files(source, staging)
     stage = "2/2" if fmt.name == "nf4" else "3/3"
-    log.info(f"export {stage}: checking: the written folder loaded back, its logits on "
-             f"{len(CHECK_PROMPTS)} check prompts against the 16-bit model's")
+    log.info(
+        f"export {stage}: checking: the written folder loaded back, its logits on "
+        f"{len(CHECK_PROMPTS)} check prompts against the 16-bit model's"
+    )
     diff, agreement = check_exported_folder(staging, batch, reference)
     warnings = []
     if agreement < MIN_TOP1_AGREEMENT:
-        warnings.append(f"the {fmt.name} model predicts the 16-bit model's next token at only "
-                        f"{agreement:.0%} of the confident check positions; check its answers "
-                        f"(lora-lab chat --model OUTPUT) before serving it.")
-    return ExportResult(output_dir=staging, format=fmt.name, source=str(source), run_dir=None,
-                        weights_bytes=weights_bytes(staging),
-                        source_weights_bytes=weights_bytes(source), calibration=calibration,
-                        top1_agreement=agreement, max_abs_logit_diff=diff, seconds=0.0,
-                        versions=library_versions(), warnings=warnings)
+        warnings.append(
+            f"the {fmt.name} model predicts the 16-bit model's next token at only "
+            f"{agreement:.0%} of the confident check positions; check its answers "
+            f"(lora-lab chat --model OUTPUT) before serving it."
+        )
+    return ExportResult(
+        output_dir=staging,
+        format=fmt.name,
+        source=str(source),
+        run_dir=None,
+        weights_bytes=weights_bytes(staging),
+        source_weights_bytes=weights_bytes(source),
+        calibration=calibration,
+        top1_agreement=agreement,
+        max_abs_logit_diff=diff,
+        seconds=0.0,
+        versions=library_versions(),
+        warnings=warnings,
+    )
 
 
 def _quantize_nf4(source: Path, staging: Path) -> None:
@@ -284,8 +350,8 @@ def _quantize_nf4(source: Path, staging: Path) -> None:
 
     config = nf4_config(Precision(name="bf16", bf16=True))
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=torch.bfloat16, quantization_config=config,
-        device_map=inference_device_map(quantized_bnb=True))
+        source, dtype=torch.bfloat16, quantization_config=config, device_map=inference_device_map(quantized_bnb=True)
+    )
     model.save_pretrained(staging, safe_serialization=True, max_shard_size="2GB")
     del model
     release_memory()
@@ -303,15 +369,18 @@ def _quantize_compressed(fmt: QuantFormat, source: Path, staging: Path, samples:
     # onto it. On a CPU the calibration passes run in fp32 (several times faster there than
     # bf16); the non-quantized weights and the scales are cast to bf16 before saving.
     on_gpu = torch.cuda.is_available()
-    model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=torch.bfloat16 if on_gpu else torch.float32).eval()
-    dataset = Dataset.from_dict({"input_ids": list(samples),
-                                 "attention_mask": [[1] * len(s) for s in samples]})
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16 if on_gpu else torch.float32).eval()
+    dataset = Dataset.from_dict({"input_ids": list(samples), "attention_mask": [[1] * len(s) for s in samples]})
     recipe = fmt.recipe()
     with quantized_layers_said(model.config.num_hidden_layers), no_pinning_without_accelerator():
-        oneshot(model=model, dataset=dataset, recipe=recipe,
-                num_calibration_samples=len(samples),
-                max_seq_length=max(len(s) for s in samples), shuffle_calibration_samples=False)
+        oneshot(
+            model=model,
+            dataset=dataset,
+            recipe=recipe,
+            num_calibration_samples=len(samples),
+            max_seq_length=max(len(s) for s in samples),
+            shuffle_calibration_samples=False,
+        )
     log.info(f"export 2/3: saving the compressed (pack-quantized) weights into {staging}")
     model.to(torch.bfloat16)
     model.save_pretrained(staging, save_compressed=True, max_shard_size="2GB")
@@ -334,8 +403,9 @@ def quantized_layers_said(layers: int):
             said.add(int(found.group(1)))
             log.info(f"  GPTQ: quantizing decoder layer {int(found.group(1)) + 1}/{layers}")
 
-    handler = logger.add(sink, level="INFO", format="{message}",
-                         filter=lambda record: record["message"].startswith("Quantizing "))
+    handler = logger.add(
+        sink, level="INFO", format="{message}", filter=lambda record: record["message"].startswith("Quantizing ")
+    )
     try:
         yield
     finally:
@@ -375,14 +445,26 @@ def _check_group_size(source: Path, fmt: QuantFormat = FORMATS["w4a16"]) -> None
     bad = {k: v for k, v in sizes.items() if v % W4A16_GROUP_SIZE}
     if bad:
         shown = ", ".join(f"{k} {v}" for k, v in bad.items())
-        raise ModelError(f"--quantize {fmt.name}: {source} has {shown}, not a multiple of the "
-                         f"{fmt.method} group size {W4A16_GROUP_SIZE}; use --quantize nf4 for "
-                         f"this model.")
+        raise ModelError(
+            f"--quantize {fmt.name}: {source} has {shown}, not a multiple of the "
+            f"{fmt.method} group size {W4A16_GROUP_SIZE}; use --quantize nf4 for "
+            f"this model."
+        )
 
 
-SIDE_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
-              "special_tokens_map.json", "added_tokens.json", "LICENSE", "NOTICE")
+SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "LICENSE",
+    "NOTICE",
+)
 
 
 def _copy_side_files(source: Path, staging: Path) -> None:
@@ -393,8 +475,9 @@ def _copy_side_files(source: Path, staging: Path) -> None:
             shutil.copy(source / name, staging / name)
 
 
-def calibration_samples(tokenizer, run_dir: Path | None, calib_data: list | None,
-                        count: int, source: str = "", seed: int = 42) -> tuple[list, dict]:
+def calibration_samples(
+    tokenizer, run_dir: Path | None, calib_data: list | None, count: int, source: str = "", seed: int = 42
+) -> tuple[list, dict]:
     """Token ids of `count` samples of the run's training data (or --calib-data), encoded with
     the chat template exactly as training encoded them."""
     from ..data import read_and_encode
@@ -403,21 +486,30 @@ def calibration_samples(tokenizer, run_dir: Path | None, calib_data: list | None
     args = config.data if config else DataArgs()
     specs = list(calib_data or (args.datasets if config else []))
     if not specs:
-        raise DataError(f"--calib-data: {source or 'this folder'} is not in a run folder, so "
-                        f"there is no training data to calibrate on. Pass --calib-data FILE "
-                        f"(a few hundred conversations like the ones the model will serve).")
+        raise DataError(
+            f"--calib-data: {source or 'this folder'} is not in a run folder, so "
+            f"there is no training data to calibrate on. Pass --calib-data FILE "
+            f"(a few hundred conversations like the ones the model will serve)."
+        )
     seed = config.train.seed if config else seed
     loaded, report = read_and_encode(specs, args, tokenizer, seed)
     encoded = [s.input_ids for s in report.samples]
     if not encoded:
-        raise DataError(f"--calib-data {' '.join(specs)}: no usable sample "
-                        f"({len(loaded.problems) + len(report.problems)} rows not usable).")
+        raise DataError(
+            f"--calib-data {' '.join(specs)}: no usable sample "
+            f"({len(loaded.problems) + len(report.problems)} rows not usable)."
+        )
     if len(encoded) > count:
         encoded = random.Random(seed).sample(encoded, count)
-    return encoded, {"data": specs, "from": "--calib-data" if calib_data else "run config.yaml",
-                     "samples": len(encoded), "requested": count,
-                     "tokens": sum(len(s) for s in encoded), "max_length": args.max_length,
-                     "rows_not_used": len(loaded.problems) + len(report.problems)}
+    return encoded, {
+        "data": specs,
+        "from": "--calib-data" if calib_data else "run config.yaml",
+        "samples": len(encoded),
+        "requested": count,
+        "tokens": sum(len(s) for s in encoded),
+        "max_length": args.max_length,
+        "rows_not_used": len(loaded.problems) + len(report.problems),
+    }
 
 
 def weights_bytes(folder: Path) -> int:
@@ -434,22 +526,23 @@ def _write_report(staging: Path, result: ExportResult, merged: bool) -> None:
     if pickles:
         raise LoraLabError(f"internal: pickled files in the export folder: {pickles}")
     report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
-    report.update(format_description=FORMATS[result.format].description,
-                  merged_from_adapter=merged, files=sorted(p.name for p in staging.iterdir()),
-                  folder_bytes=sum(p.stat().st_size for p in staging.iterdir()),
-                  created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                  check_prompts=CHECK_PROMPTS)
+    report.update(
+        format_description=FORMATS[result.format].description,
+        merged_from_adapter=merged,
+        files=sorted(p.name for p in staging.iterdir()),
+        folder_bytes=sum(p.stat().st_size for p in staging.iterdir()),
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        check_prompts=CHECK_PROMPTS,
+    )
     report["files"].append("export_report.json")
     report["files"].sort()
-    (staging / "export_report.json").write_text(json.dumps(report, indent=2,
-                                                           ensure_ascii=False) + "\n")
+    (staging / "export_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
 
 
 # ----------------------------------------------------------------------------- vLLM serving plan
 
 
-def serving_handoff(result: ExportResult, tier: str | None = None,
-                    name: str = "finetuned") -> list[str]:
+def serving_handoff(result: ExportResult, tier: str | None = None, name: str = "finetuned") -> list[str]:
     """What `lora-lab export` prints after the export: the vLLM command and its arithmetic (for
     `tier`), or one line per tier when no tier is given."""
     model_config = json.loads((Path(result.output_dir) / "config.json").read_text())
@@ -458,8 +551,10 @@ def serving_handoff(result: ExportResult, tier: str | None = None,
         plan = plan_vllm_serving(model_config, result.weights_bytes, tier)
         command = vllm_command(result.output_dir, quantization, plan, name)
         return ["serve with vLLM:", f"  {command}", *plan.arithmetic()]
-    lines = ["serve with vLLM (pass --gpu 8gb|12gb|16gb|24gb for the memory flags and their "
-             "arithmetic):", f"  {vllm_command(result.output_dir, quantization, None, name)}"]
+    lines = [
+        "serve with vLLM (pass --gpu 8gb|12gb|16gb|24gb for the memory flags and their arithmetic):",
+        f"  {vllm_command(result.output_dir, quantization, None, name)}",
+    ]
     for each in TIERS_GIB:
         plan = plan_vllm_serving(model_config, result.weights_bytes, each)
         lines.append(f"  --gpu {each:<5} " + (plan.flags() if plan.fits else "does not fit"))

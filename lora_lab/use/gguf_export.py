@@ -11,6 +11,7 @@ tokenizer encodes the check prompts to the ids the source tokenizer gives, every
 ends generation there, and its logits are finite; the share of confident check positions where it
 predicts the 16-bit model's next token is reported.
 """
+
 from __future__ import annotations
 
 import collections
@@ -32,15 +33,24 @@ from ..log import get_logger
 from ..paths import cache_dir, human_bytes, staged_folder
 from ..run_folder import load_saved_config, owning_run_dir
 from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_prompt_batch, reference_logits
-from .export import (DEFAULT_CALIB_SAMPLES, GGUF_TYPES, check_not_quantized, default_output,
-                     library_versions, source_folder, weights_bytes)
+from .export import (
+    DEFAULT_CALIB_SAMPLES,
+    GGUF_TYPES,
+    check_not_quantized,
+    default_output,
+    library_versions,
+    source_folder,
+    weights_bytes,
+)
 from .modelfile import end_of_turn_tokens, write_modelfile
 
 log = get_logger()
 
 GGUF_NAME = "model.gguf"
-LLAMA_CPP_HINT = ("pip install 'lora-lab[gguf]' (builds llama.cpp from source, several minutes; "
-                  "`make install` caches the wheel in ~/.cache/lora-lab/wheels)")
+LLAMA_CPP_HINT = (
+    "pip install 'lora-lab[gguf]' (builds llama.cpp from source, several minutes; "
+    "`make install` caches the wheel in ~/.cache/lora-lab/wheels)"
+)
 LLAMA_CPP_ENV = "LORA_LAB_LLAMA_CPP"
 """A llama.cpp source folder whose convert_hf_to_gguf.py to use instead of the one in the
 installed llama-cpp-python's source."""
@@ -69,41 +79,56 @@ class GgufExportResult:
     warnings: list = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"wrote {self.gguf_file} (GGUF {self.quantize}): {human_bytes(self.gguf_bytes)}, "
-                f"from {human_bytes(self.source_weights_bytes)} of safetensors; llama.cpp predicts "
-                f"the 16-bit model's next token at {self.top1_agreement:.1%} of confident check "
-                f"positions; stops at {', '.join(self.end_of_turn_tokens)}; {self.seconds:.0f} s")
+        return (
+            f"wrote {self.gguf_file} (GGUF {self.quantize}): {human_bytes(self.gguf_bytes)}, "
+            f"from {human_bytes(self.source_weights_bytes)} of safetensors; llama.cpp predicts "
+            f"the 16-bit model's next token at {self.top1_agreement:.1%} of confident check "
+            f"positions; stops at {', '.join(self.end_of_turn_tokens)}; {self.seconds:.0f} s"
+        )
 
     def serving_lines(self) -> list[str]:
         folder = Path(self.output_dir)
-        return ["serve with llama.cpp or Ollama:",
-                f"  llama-server -m {self.gguf_file} --jinja",
-                f"  cd {folder} && ollama create finetuned -f Modelfile && ollama run finetuned"]
+        return [
+            "serve with llama.cpp or Ollama:",
+            f"  llama-server -m {self.gguf_file} --jinja",
+            f"  cd {folder} && ollama create finetuned -f Modelfile && ollama run finetuned",
+        ]
 
 
-def check_gguf_arguments(quantize: str | None, calib_data=(), calib_samples: int | None = None,
-                         gpu_tier: str | None = None) -> str:
+def check_gguf_arguments(
+    quantize: str | None, calib_data=(), calib_samples: int | None = None, gpu_tier: str | None = None
+) -> str:
     """--quantize for --format gguf (None: f16), and the export flags that do not apply to it."""
     quantize = quantize or "f16"
     problems = []
     if quantize not in GGUF_TYPES:
-        problems.append(f"--format gguf --quantize {quantize}: not a GGUF type; choose one of "
-                        f"{', '.join(GGUF_TYPES)} (nf4, w4a16 and awq are --format safetensors).")
+        problems.append(
+            f"--format gguf --quantize {quantize}: not a GGUF type; choose one of "
+            f"{', '.join(GGUF_TYPES)} (nf4, w4a16 and awq are --format safetensors)."
+        )
     if calib_data or calib_samples not in (None, DEFAULT_CALIB_SAMPLES):
-        problems.append("--calib-data/--calib-samples: llama.cpp quantizes GGUF types from the "
-                        "weights alone; drop them with --format gguf.")
+        problems.append(
+            "--calib-data/--calib-samples: llama.cpp quantizes GGUF types from the "
+            "weights alone; drop them with --format gguf."
+        )
     if gpu_tier:
-        problems.append(f"--gpu {gpu_tier}: the vLLM plan is for --format safetensors; drop "
-                        f"--gpu with --format gguf.")
+        problems.append(f"--gpu {gpu_tier}: the vLLM plan is for --format safetensors; drop --gpu with --format gguf.")
     if problems:
-        raise LoraLabError(problems[0] if len(problems) == 1 else
-                           f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise LoraLabError(
+            problems[0]
+            if len(problems) == 1
+            else f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     return quantize
 
 
-def export_gguf(path: str | Path, quantize: str | None = "f16",
-                output: str | Path | None = None, force: bool = False,
-                merge_dtype: str | None = None) -> GgufExportResult:
+def export_gguf(
+    path: str | Path,
+    quantize: str | None = "f16",
+    output: str | Path | None = None,
+    force: bool = False,
+    merge_dtype: str | None = None,
+) -> GgufExportResult:
     """A merged folder, or a run folder (merged onto its 16-bit base first, in the run's training
     precision unless merge_dtype says otherwise), as a GGUF with an Ollama Modelfile."""
     quantize = check_gguf_arguments(quantize)
@@ -112,8 +137,9 @@ def export_gguf(path: str | Path, quantize: str | None = "f16",
     run_dir = owning_run_dir(path)
     output = Path(output) if output else default_output(path, run_dir, f"gguf-{quantize}")
     if output.exists() and not force:
-        raise CheckpointError(f"--output {output}: the folder already exists. Pass --force to "
-                              f"replace it, or choose another --output.")
+        raise CheckpointError(
+            f"--output {output}: the folder already exists. Pass --force to replace it, or choose another --output."
+        )
     converter = locate_converter()
     started = time.time()
     scratch = output.with_name(output.name + ".merged-tmp")
@@ -139,12 +165,13 @@ def _require_llama_cpp() -> None:
     import importlib.util
 
     if importlib.util.find_spec("llama_cpp") is None:
-        raise LoraLabError(f"--format gguf needs llama.cpp's Python binding (llama-cpp-python), "
-                           f"which is not installed: {LLAMA_CPP_HINT}.")
+        raise LoraLabError(
+            f"--format gguf needs llama.cpp's Python binding (llama-cpp-python), "
+            f"which is not installed: {LLAMA_CPP_HINT}."
+        )
 
 
-def _export(source: Path, staging: Path, scratch: Path, converter: Path,
-            quantize: str) -> GgufExportResult:
+def _export(source: Path, staging: Path, scratch: Path, converter: Path, quantize: str) -> GgufExportResult:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -152,19 +179,19 @@ def _export(source: Path, staging: Path, scratch: Path, converter: Path,
     f16 = target if quantize == "f16" else scratch.with_name(scratch.name + ".f16.gguf")
     stages = 2 if quantize == "f16" else 3
     try:
-        log.info(f"GGUF 1/{stages}: converting {source} to f16 with llama.cpp's "
-                 f"convert_hf_to_gguf.py")
+        log.info(f"GGUF 1/{stages}: converting {source} to f16 with llama.cpp's convert_hf_to_gguf.py")
         convert_to_gguf(converter, source, f16)
         if quantize != "f16":
-            log.info(f"GGUF 2/{stages}: quantizing the f16 file to {quantize} (llama.cpp "
-                     f"llama_model_quantize)")
+            log.info(f"GGUF 2/{stages}: quantizing the f16 file to {quantize} (llama.cpp llama_model_quantize)")
             quantize_gguf(f16, target, quantize)
     finally:
         if f16 != target:
             f16.unlink(missing_ok=True)
-    log.info(f"GGUF {stages}/{stages}: checking {GGUF_NAME} with llama.cpp: chat template, "
-             f"end-of-turn tokens, and the tokens and logits of {len(CHECK_PROMPTS)} check "
-             f"prompts against the 16-bit model")
+    log.info(
+        f"GGUF {stages}/{stages}: checking {GGUF_NAME} with llama.cpp: chat template, "
+        f"end-of-turn tokens, and the tokens and logits of {len(CHECK_PROMPTS)} check "
+        f"prompts against the 16-bit model"
+    )
     eos_ids = _generation_eos_ids(source)
     stops = end_of_turn_tokens(tokenizer, eos_ids)
     metadata = check_gguf_metadata(target, tokenizer, stops)
@@ -173,15 +200,28 @@ def _export(source: Path, staging: Path, scratch: Path, converter: Path,
     diff, agreement = check_gguf_logits(target, tokenizer, batch, reference)
     warnings = []
     if agreement < MIN_TOP1_AGREEMENT:
-        warnings.append(f"llama.cpp on the {quantize} file predicts the 16-bit model's next token "
-                        f"at only {agreement:.0%} of the confident check positions; check its "
-                        f"answers before serving it.")
+        warnings.append(
+            f"llama.cpp on the {quantize} file predicts the 16-bit model's next token "
+            f"at only {agreement:.0%} of the confident check positions; check its "
+            f"answers before serving it."
+        )
     return GgufExportResult(
-        output_dir=staging, gguf_file=target, quantize=quantize, source=str(source), run_dir=None,
-        gguf_bytes=target.stat().st_size, source_weights_bytes=weights_bytes(source),
-        top1_agreement=agreement, max_abs_logit_diff=diff, end_of_turn_tokens=stops,
-        chat_template=metadata["chat_template"], seconds=0.0, converter=str(converter),
-        versions=gguf_versions(), warnings=warnings)
+        output_dir=staging,
+        gguf_file=target,
+        quantize=quantize,
+        source=str(source),
+        run_dir=None,
+        gguf_bytes=target.stat().st_size,
+        source_weights_bytes=weights_bytes(source),
+        top1_agreement=agreement,
+        max_abs_logit_diff=diff,
+        end_of_turn_tokens=stops,
+        chat_template=metadata["chat_template"],
+        seconds=0.0,
+        converter=str(converter),
+        versions=gguf_versions(),
+        warnings=warnings,
+    )
 
 
 def _generation_eos_ids(source: Path) -> list[int]:
@@ -200,9 +240,11 @@ def locate_converter() -> Path:
     if os.environ.get(LLAMA_CPP_ENV):
         script = Path(os.environ[LLAMA_CPP_ENV]) / "convert_hf_to_gguf.py"
         if not script.is_file():
-            raise LoraLabError(f"{LLAMA_CPP_ENV}={os.environ[LLAMA_CPP_ENV]}: no "
-                               f"convert_hf_to_gguf.py there; point it at a llama.cpp source "
-                               f"folder, or unset it.")
+            raise LoraLabError(
+                f"{LLAMA_CPP_ENV}={os.environ[LLAMA_CPP_ENV]}: no "
+                f"convert_hf_to_gguf.py there; point it at a llama.cpp source "
+                f"folder, or unset it."
+            )
         return script
     version = importlib.metadata.version("llama_cpp_python")
     folder = cache_dir() / "llama.cpp" / version
@@ -215,31 +257,53 @@ def _llama_cpp_sdist(version: str) -> Path:
     wheels = cache_dir() / "wheels"
     sdist = wheels / f"llama_cpp_python-{version}.tar.gz"
     if not sdist.is_file():
-        log.info(f"downloading the llama-cpp-python {version} source (~75 MB, once) for "
-                 f"llama.cpp's convert_hf_to_gguf.py")
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                               "--no-binary", ":all:", f"llama-cpp-python=={version}",
-                               "-d", str(wheels)], capture_output=True, text=True)
+        log.info(
+            f"downloading the llama-cpp-python {version} source (~75 MB, once) for llama.cpp's convert_hf_to_gguf.py"
+        )
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={version}",
+                "-d",
+                str(wheels),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0 or not sdist.is_file():
-            raise LoraLabError(f"cannot get llama.cpp's converter: `pip download "
-                               f"llama-cpp-python=={version} --no-binary :all:` failed "
-                               f"({done.stderr.strip()[-300:]}). Put the sdist in {wheels}, or "
-                               f"set {LLAMA_CPP_ENV} to a llama.cpp source folder.")
+            raise LoraLabError(
+                f"cannot get llama.cpp's converter: `pip download "
+                f"llama-cpp-python=={version} --no-binary :all:` failed "
+                f"({done.stderr.strip()[-300:]}). Put the sdist in {wheels}, or "
+                f"set {LLAMA_CPP_ENV} to a llama.cpp source folder."
+            )
     return sdist
 
 
 def _unpack_converter(sdist: Path, folder: Path) -> None:
-    prefix = f"{sdist.name[:-len('.tar.gz')]}/vendor/llama.cpp/"
+    prefix = f"{sdist.name[: -len('.tar.gz')]}/vendor/llama.cpp/"
     with tarfile.open(sdist) as archive, staged_folder(folder) as staging:
-        members = [m for m in archive.getmembers() if m.name.startswith(prefix)
-                   and m.name[len(prefix):].startswith(CONVERTER_FILES) and (m.isfile()
-                                                                             or m.isdir())]
+        members = [
+            m
+            for m in archive.getmembers()
+            if m.name.startswith(prefix)
+            and m.name[len(prefix) :].startswith(CONVERTER_FILES)
+            and (m.isfile() or m.isdir())
+        ]
         for member in members:
-            member.name = member.name[len(prefix):]
+            member.name = member.name[len(prefix) :]
         archive.extractall(staging, members=members, filter="data")
         (staging / "SOURCE.md").write_text(
             f"llama.cpp's HF-to-GGUF converter and its gguf-py (MIT, LICENSE), unpacked from "
-            f"{sdist.name} (vendor/llama.cpp) by lora-lab.\n")
+            f"{sdist.name} (vendor/llama.cpp) by lora-lab.\n"
+        )
 
 
 class Milestones:
@@ -276,11 +340,17 @@ def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
     few progress lines (tensors converted, the file written), its last lines kept for an
     error."""
     started, tail = time.monotonic(), collections.deque(maxlen=6)
-    progress = Milestones(source_tensor_count(source), lambda done, total: log.info(
-        f"  convert_hf_to_gguf.py: {done}/{total} tensors converted"))
-    process = subprocess.Popen([sys.executable, str(converter), str(source), "--outfile",
-                                str(target), "--outtype", "f16"], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, errors="replace")
+    progress = Milestones(
+        source_tensor_count(source),
+        lambda done, total: log.info(f"  convert_hf_to_gguf.py: {done}/{total} tensors converted"),
+    )
+    process = subprocess.Popen(
+        [sys.executable, str(converter), str(source), "--outfile", str(target), "--outtype", "f16"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
     for line in process.stdout:  # text mode: tqdm's carriage returns end lines too
         line = line.strip()
         if not line:
@@ -292,8 +362,7 @@ def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
             tensors, size = WRITTEN_FILE.search(line).groups()
             log.info(f"  convert_hf_to_gguf.py: writing {tensors} tensors ({size}B) to {target}")
     if process.wait() != 0 or not target.is_file():
-        raise ModelError(f"llama.cpp's convert_hf_to_gguf.py failed on {source}:\n"
-                         + "\n".join(tail))
+        raise ModelError(f"llama.cpp's convert_hf_to_gguf.py failed on {source}:\n" + "\n".join(tail))
     log.info(f"  convert_hf_to_gguf.py: done in {time.monotonic() - started:.0f} s")
 
 
@@ -316,8 +385,9 @@ def quantize_gguf(f16: Path, target: Path, quantize: str) -> None:
         if found:
             done, total = map(int, found.groups())
             if not progress:  # the first tensor's line names the count
-                progress.append(Milestones(total, lambda done, total: log.info(
-                    f"  llama_model_quantize: {done}/{total} tensors")))
+                progress.append(
+                    Milestones(total, lambda done, total: log.info(f"  llama_model_quantize: {done}/{total} tensors"))
+                )
             progress[0].step(done)
         elif "size  =" in line and line.startswith("llama_model_quantize"):
             sizes.append(line.split("=", 1)[1].strip())
@@ -327,8 +397,7 @@ def quantize_gguf(f16: Path, target: Path, quantize: str) -> None:
     params.nthread = os.cpu_count() or 1
     llama_cpp.llama_log_set(read_log, ctypes.c_void_p(0))
     try:
-        status = llama_cpp.llama_model_quantize(str(f16).encode(), str(target).encode(),
-                                              ctypes.byref(params))
+        status = llama_cpp.llama_model_quantize(str(f16).encode(), str(target).encode(), ctypes.byref(params))
     finally:  # llama-cpp-python's own logger again
         llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
     if status != 0 or not target.is_file():
@@ -343,8 +412,7 @@ def quantize_gguf(f16: Path, target: Path, quantize: str) -> None:
 def load_llama(gguf: Path, n_ctx: int = 512, logits_all: bool = False):
     from llama_cpp import Llama
 
-    return Llama(model_path=str(gguf), n_ctx=n_ctx, logits_all=logits_all, verbose=False,
-                 seed=0)
+    return Llama(model_path=str(gguf), n_ctx=n_ctx, logits_all=logits_all, verbose=False, seed=0)
 
 
 def check_gguf_metadata(gguf: Path, tokenizer, stops: list[str]) -> dict:
@@ -360,11 +428,15 @@ def check_gguf_metadata(gguf: Path, tokenizer, stops: list[str]) -> dict:
     eos = int(llm.metadata.get("tokenizer.ggml.eos_token_id", -1))
     del llm
     if template != tokenizer.chat_template:
-        raise ModelError(f"{gguf}: the GGUF's tokenizer.chat_template is not the tokenizer's "
-                         f"chat template ({'missing' if template is None else 'different'}).")
+        raise ModelError(
+            f"{gguf}: the GGUF's tokenizer.chat_template is not the tokenizer's "
+            f"chat template ({'missing' if template is None else 'different'})."
+        )
     if not_eog or eos not in ids:
-        raise ModelError(f"{gguf}: llama.cpp would not stop at {', '.join(not_eog) or 'eos'} "
-                         f"(end-of-turn tokens {stops}, GGUF eos id {eos}).")
+        raise ModelError(
+            f"{gguf}: llama.cpp would not stop at {', '.join(not_eog) or 'eos'} "
+            f"(end-of-turn tokens {stops}, GGUF eos id {eos})."
+        )
     return {"chat_template": True, "eos_token_id": eos}
 
 
@@ -383,16 +455,19 @@ def check_gguf_logits(gguf: Path, tokenizer, batch, reference) -> tuple[float, f
         ids = ids[keep].tolist()
         text = tokenizer.decode(ids).encode()
         if llm.tokenize(text, add_bos=False, special=True) != ids:
-            raise ModelError(f"{gguf}: llama.cpp's tokenizer encodes the check prompt "
-                             f"{CHECK_PROMPTS[row]!r} differently from the source tokenizer.")
+            raise ModelError(
+                f"{gguf}: llama.cpp's tokenizer encodes the check prompt "
+                f"{CHECK_PROMPTS[row]!r} differently from the source tokenizer."
+            )
         llm.reset()
         llm.eval(ids)
-        scores = np.array(llm.scores[:len(ids)], dtype=np.float32)
-        logits[row, keep] = torch.from_numpy(scores[:, :reference.shape[-1]])
+        scores = np.array(llm.scores[: len(ids)], dtype=np.float32)
+        logits[row, keep] = torch.from_numpy(scores[:, : reference.shape[-1]])
     del llm
     if not torch.isfinite(logits[mask]).all():
-        raise CheckpointError("llama.cpp gives non-finite logits on the check prompts for the "
-                              "GGUF file, so it was not kept.")
+        raise CheckpointError(
+            "llama.cpp gives non-finite logits on the check prompts for the GGUF file, so it was not kept."
+        )
     diff = float((reference - logits)[mask].abs().max())
     return diff, top1_agreement(reference, torch.nan_to_num(logits), mask)
 
@@ -417,7 +492,10 @@ def gguf_versions() -> dict:
 def _write_report(staging: Path, result: GgufExportResult, merged: bool) -> None:
     report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
     files = sorted([p.name for p in staging.iterdir()] + ["export_report.json"])
-    report.update(merged_from_adapter=merged, files=files, check_prompts=CHECK_PROMPTS,
-                  created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    (staging / "export_report.json").write_text(json.dumps(report, indent=2,
-                                                           ensure_ascii=False) + "\n")
+    report.update(
+        merged_from_adapter=merged,
+        files=files,
+        check_prompts=CHECK_PROMPTS,
+        created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    )
+    (staging / "export_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")

@@ -1,4 +1,5 @@
 """Generation with a base model, a trained adapter or a merged folder: batch answers and chat."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ log = get_logger()
 @dataclass
 class GenerationSettings:
     """Unset fields (None) keep the model's own generation_config values."""
+
     max_new_tokens: int = 256
     do_sample: bool | None = None
     temperature: float | None = None
@@ -42,8 +44,9 @@ def load_adapter_model(path: str | Path, dtype: str = "auto"):
     base_args = base_model_of(adapter_dir, run_dir)
     base_args.quantization = "none"  # generate on the 16-bit base, whatever trained it
     base = load_base_model(base_args, choose_precision(dtype), for_training=False)
-    tokenizer = load_tokenizer(str(adapter_dir) if (adapter_dir / "tokenizer_config.json").is_file()
-                               else base_args.name)
+    tokenizer = load_tokenizer(
+        str(adapter_dir) if (adapter_dir / "tokenizer_config.json").is_file() else base_args.name
+    )
     model = PeftModel.from_pretrained(base, str(adapter_dir))
     model.eval()
     return model, tokenizer
@@ -56,8 +59,14 @@ def load_plain_model(spec: str, dtype: str = "auto"):
     return model, load_tokenizer(spec)
 
 
-def generate_replies(model, tokenizer, conversations: list, settings: GenerationSettings | None
-                     = None, batch_size: int = 8, progress: bool = False) -> list[str]:
+def generate_replies(
+    model,
+    tokenizer,
+    conversations: list,
+    settings: GenerationSettings | None = None,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> list[str]:
     """One reply per conversation (a list of messages ending with the user's), in input order.
     progress: a line after each batch (prompts answered, new tokens per second)."""
     import time
@@ -68,34 +77,38 @@ def generate_replies(model, tokenizer, conversations: list, settings: Generation
     tokenizer.padding_side = "left"
     replies, new_tokens, started = [], 0, time.monotonic()
     for start in range(0, len(conversations), batch_size):
-        chunk = conversations[start:start + batch_size]
-        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                 for c in chunk]
+        chunk = conversations[start : start + batch_size]
+        texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chunk]
         batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         batch = {k: v.to(model.device) for k, v in batch.items()}
         with torch.no_grad():
-            output = model.generate(**batch, **settings.as_kwargs(),
-                                    pad_token_id=tokenizer.pad_token_id)
-        generated = output[:, batch["input_ids"].shape[1]:]
+            output = model.generate(**batch, **settings.as_kwargs(), pad_token_id=tokenizer.pad_token_id)
+        generated = output[:, batch["input_ids"].shape[1] :]
         for row in generated:
             replies.append(tokenizer.decode(row, skip_special_tokens=True).strip())
         new_tokens += int((generated != tokenizer.pad_token_id).sum())
         if progress:
             seconds = max(time.monotonic() - started, 1e-9)
-            log.info(f"generated {len(replies)}/{len(conversations)} prompts · {new_tokens} new "
-                     f"tokens · {new_tokens / seconds:,.1f} tok/s")
+            log.info(
+                f"generated {len(replies)}/{len(conversations)} prompts · {new_tokens} new "
+                f"tokens · {new_tokens / seconds:,.1f} tok/s"
+            )
     return replies
 
 
 def ask(model, tokenizer, question: str, max_new_tokens: int = 64) -> str:
     """Greedy answer to one question (used by the demo and the tests)."""
-    return generate_replies(model, tokenizer, [[{"role": "user", "content": question}]],
-                            GenerationSettings(max_new_tokens=max_new_tokens,
-                                               do_sample=False))[0]
+    return generate_replies(
+        model,
+        tokenizer,
+        [[{"role": "user", "content": question}]],
+        GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False),
+    )[0]
 
 
-def load_generation_model(run: str | None = None, adapter: str | None = None,
-                          model: str | None = None, dtype: str = "auto"):
+def load_generation_model(
+    run: str | None = None, adapter: str | None = None, model: str | None = None, dtype: str = "auto"
+):
     """Exactly one of a run folder, an adapter folder or a model (base or merged)."""
     given = [v for v in (run, adapter, model) if v]
     if len(given) != 1:
@@ -124,22 +137,25 @@ def read_prompts(path: str, row_format: str = "auto") -> list:
         prompts.append((origin, messages, reference))
     if problems:
         shown = "\n  ".join(problems[:10])
-        raise DataError(f"--input {path}: {len(problems)} rows are not usable prompts (nothing "
-                        f"was generated):\n  {shown}")
+        raise DataError(
+            f"--input {path}: {len(problems)} rows are not usable prompts (nothing was generated):\n  {shown}"
+        )
     return prompts
 
 
-def run_inference(model, tokenizer, input_path: str, output_path: str,
-                  settings: GenerationSettings, batch_size: int = 8) -> int:
+def run_inference(
+    model, tokenizer, input_path: str, output_path: str, settings: GenerationSettings, batch_size: int = 8
+) -> int:
     """Answer every row of input_path; write one JSON line per row, in input order."""
     import json
 
     prompts = read_prompts(input_path)
     batches = -(-len(prompts) // batch_size)
-    log.info(f"generating answers to {len(prompts)} prompts of {input_path} in {batches} "
-             f"batches of up to {batch_size} (at most {settings.max_new_tokens} new tokens each)")
-    replies = generate_replies(model, tokenizer, [p[1] for p in prompts], settings, batch_size,
-                               progress=True)
+    log.info(
+        f"generating answers to {len(prompts)} prompts of {input_path} in {batches} "
+        f"batches of up to {batch_size} (at most {settings.max_new_tokens} new tokens each)"
+    )
+    replies = generate_replies(model, tokenizer, [p[1] for p in prompts], settings, batch_size, progress=True)
     with open(output_path, "w", encoding="utf-8") as handle:
         for (origin, messages, reference), reply in zip(prompts, replies):
             row = {"origin": origin, "messages": messages, "answer": reply}
@@ -159,8 +175,7 @@ def stream_reply(model, tokenizer, messages: list, settings: GenerationSettings,
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     batch = tokenizer(text, return_tensors="pt", add_special_tokens=False).to(model.device)
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    kwargs = {**batch, **settings.as_kwargs(), "streamer": streamer,
-              "pad_token_id": tokenizer.pad_token_id}
+    kwargs = {**batch, **settings.as_kwargs(), "streamer": streamer, "pad_token_id": tokenizer.pad_token_id}
     worker = threading.Thread(target=lambda: torch.no_grad()(model.generate)(**kwargs))
     worker.start()
     pieces = []
@@ -174,8 +189,7 @@ def stream_reply(model, tokenizer, messages: list, settings: GenerationSettings,
 CHAT_HELP = "commands: /reset (new conversation), /system TEXT, /quit"
 
 
-def chat_loop(model, tokenizer, settings: GenerationSettings, read, write,
-              compare: bool = False) -> None:
+def chat_loop(model, tokenizer, settings: GenerationSettings, read, write, compare: bool = False) -> None:
     """Interactive multi-turn chat. `read(prompt)` returns a line or None at end of input."""
     import contextlib
 
@@ -193,12 +207,14 @@ def chat_loop(model, tokenizer, settings: GenerationSettings, read, write,
             write("(conversation cleared)\n")
             continue
         if line.startswith("/system"):
-            system, history = line[len("/system"):].strip() or None, []
+            system, history = line[len("/system") :].strip() or None, []
             write(f"(system prompt {'set' if system else 'cleared'}; conversation cleared)\n")
             continue
         if line.startswith("/") and not line.startswith("//"):
-            write(f"(unknown command {line.split()[0]}; {CHAT_HELP}; start a message with // to "
-                  f"send one that begins with /)\n")
+            write(
+                f"(unknown command {line.split()[0]}; {CHAT_HELP}; start a message with // to "
+                f"send one that begins with /)\n"
+            )
             continue
         if line.startswith("//"):
             line = line[1:]
@@ -206,8 +222,7 @@ def chat_loop(model, tokenizer, settings: GenerationSettings, read, write,
         messages = ([{"role": "system", "content": system}] if system else []) + history
         if compare:
             write("[base] ")
-            with model.disable_adapter() if hasattr(model, "disable_adapter") else (
-                    contextlib.nullcontext()):
+            with model.disable_adapter() if hasattr(model, "disable_adapter") else (contextlib.nullcontext()):
                 stream_reply(model, tokenizer, messages, settings, write)
             write("\n[fine-tuned] ")
         reply = stream_reply(model, tokenizer, messages, settings, write)

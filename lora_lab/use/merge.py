@@ -6,6 +6,7 @@ otherwise, so that a CPU (fp32) run is merged and checked in fp32. The merged fo
 to a staging folder and renamed only after the checks pass: merged weights finite, no LoRA layer left, and the merged model's logits equal
 the base+adapter model's on a few prompts.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,15 +41,18 @@ class MergeResult:
 
     def summary(self) -> str:
         """What was merged, and the check with the rule that applied in this precision."""
-        return (f"merged {self.adapter_dir} onto {self.base_model} ({self.dtype}: "
-                f"{self.dtype_source})\ncheck ({check_rule(self.dtype)}): passed; max |logit "
-                f"difference| base+adapter vs merged = {self.max_abs_logit_diff:.3g}; same next "
-                f"token at {self.top1_agreement:.1%} of confident positions\nwrote "
-                f"{self.output_dir}")
+        return (
+            f"merged {self.adapter_dir} onto {self.base_model} ({self.dtype}: "
+            f"{self.dtype_source})\ncheck ({check_rule(self.dtype)}): passed; max |logit "
+            f"difference| base+adapter vs merged = {self.max_abs_logit_diff:.3g}; same next "
+            f"token at {self.top1_agreement:.1%} of confident positions\nwrote "
+            f"{self.output_dir}"
+        )
 
 
-def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str | None = None,
-                  force: bool = False) -> MergeResult:
+def merge_adapter(
+    path: str | Path, output: str | Path | None = None, dtype: str | None = None, force: bool = False
+) -> MergeResult:
     """Merge a run's (or adapter folder's) LoRA weights into its base model and save the result.
 
     dtype None: the precision the run trained in (fp32 for a CPU run), bf16 where no run folder
@@ -56,17 +60,20 @@ def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str
     adapter_dir, run_dir = find_adapter(path)
     output = Path(output) if output else (run_dir or adapter_dir.parent) / "merged"
     if output.exists() and not force:  # said before torch is even imported
-        raise CheckpointError(f"--output {output}: the folder already exists. Pass --force to "
-                              f"replace it, or choose another --output.")
+        raise CheckpointError(
+            f"--output {output}: the folder already exists. Pass --force to replace it, or choose another --output."
+        )
     dtype, dtype_source = choose_merge_dtype(dtype, run_dir)
     import torch
     from peft import PeftModel
 
     base_args = base_model_of(adapter_dir, run_dir)
     trained_quantization = base_args.quantization
-    base = load_base_model(ModelArgs(name=base_args.name,
-                                     trust_remote_code=base_args.trust_remote_code),
-                           Precision(name=dtype), for_training=False)
+    base = load_base_model(
+        ModelArgs(name=base_args.name, trust_remote_code=base_args.trust_remote_code),
+        Precision(name=dtype),
+        for_training=False,
+    )
     tokenizer = load_tokenizer(str(adapter_dir))
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     batch = check_prompt_batch(tokenizer, model.device)
@@ -80,27 +87,35 @@ def merge_adapter(path: str | Path, output: str | Path | None = None, dtype: str
     _check_merged(merged, diff, agreement, dtype)
 
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    result = MergeResult(output_dir=output, base_model=base_args.name, adapter_dir=adapter_dir,
-                         dtype=dtype, max_abs_logit_diff=diff, top1_agreement=agreement,
-                         lora_rank=adapter_config.get("r"),
-                         target_modules=sorted(adapter_config["target_modules"]),
-                         trained_with_quantization=trained_quantization,
-                         dtype_source=dtype_source,
-                         adapter_kind=adapter_kind_of(adapter_config))
+    result = MergeResult(
+        output_dir=output,
+        base_model=base_args.name,
+        adapter_dir=adapter_dir,
+        dtype=dtype,
+        max_abs_logit_diff=diff,
+        top1_agreement=agreement,
+        lora_rank=adapter_config.get("r"),
+        target_modules=sorted(adapter_config["target_modules"]),
+        trained_with_quantization=trained_quantization,
+        dtype_source=dtype_source,
+        adapter_kind=adapter_kind_of(adapter_config),
+    )
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
-    merged.generation_config.eos_token_id = sorted({i for i in eos if i is not None},
-                                                   key=eos.index)
+    merged.generation_config.eos_token_id = sorted({i for i in eos if i is not None}, key=eos.index)
     merged.generation_config.pad_token_id = tokenizer.pad_token_id
     with staged_folder(output) as staging:
         merged.save_pretrained(staging, safe_serialization=True, max_shard_size="2GB")
         tokenizer.save_pretrained(staging)
         report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
-        report["checks"] = {"weights_finite": True, "lora_layers_left": 0,
-                            "rule": check_rule(dtype), "check_prompts": CHECK_PROMPTS}
+        report["checks"] = {
+            "weights_finite": True,
+            "lora_layers_left": 0,
+            "rule": check_rule(dtype),
+            "check_prompts": CHECK_PROMPTS,
+        }
         (staging / "merge_report.json").write_text(json.dumps(report, indent=2) + "\n")
         if pickled_files(staging):
-            raise LoraLabError(f"internal: pickled files in the merged folder: "
-                               f"{pickled_files(staging)}")
+            raise LoraLabError(f"internal: pickled files in the merged folder: {pickled_files(staging)}")
     return result
 
 
@@ -126,8 +141,11 @@ def choose_merge_dtype(requested: str | None, run_dir: Path | None) -> tuple[str
     trained = training_precision(run_dir) if run_dir is not None else None
     if trained:
         return trained, "the run's training precision"
-    why = ("the run folder does not record its training precision" if run_dir is not None
-           else "no run folder records the training precision")
+    why = (
+        "the run folder does not record its training precision"
+        if run_dir is not None
+        else "no run folder records the training precision"
+    )
     return "bf16", f"default: {why}; --dtype fp32 merges in full precision"
 
 
@@ -135,8 +153,10 @@ def check_rule(dtype: str) -> str:
     """The check a merge in `dtype` must pass, in words (printed and kept in merge_report.json)."""
     if dtype == "fp32":
         return f"fp32 rule: max |logit difference| <= {MAX_FP32_LOGIT_DIFF:g}"
-    return (f"{dtype} rule: same next token at >= {MIN_16BIT_TOP1_AGREEMENT:.0%} of confident "
-            f"positions; 16-bit logit differences are reported, not bounded")
+    return (
+        f"{dtype} rule: same next token at >= {MIN_16BIT_TOP1_AGREEMENT:.0%} of confident "
+        f"positions; 16-bit logit differences are reported, not bounded"
+    )
 
 
 def _check_merged(model, diff: float, agreement: float, dtype: str) -> None:
@@ -147,15 +167,18 @@ def _check_merged(model, diff: float, agreement: float, dtype: str) -> None:
         raise LoraLabError(f"merge left LoRA layers behind: {left[:3]}")
     for name, param in model.state_dict().items():
         if not torch.isfinite(param).all():
-            raise CheckpointError(f"merged weight {name} is not finite; the adapter is broken "
-                                  f"(was the run stopped by a NaN loss?).")
+            raise CheckpointError(
+                f"merged weight {name} is not finite; the adapter is broken (was the run stopped by a NaN loss?)."
+            )
     if dtype == "fp32" and diff > MAX_FP32_LOGIT_DIFF:
-        raise CheckpointError(f"the merged model's logits differ from base+adapter by {diff:.3g} "
-                              f"(allowed {MAX_FP32_LOGIT_DIFF} in fp32).")
+        raise CheckpointError(
+            f"the merged model's logits differ from base+adapter by {diff:.3g} "
+            f"(allowed {MAX_FP32_LOGIT_DIFF} in fp32)."
+        )
     if dtype != "fp32" and agreement < MIN_16BIT_TOP1_AGREEMENT:
-        raise CheckpointError(f"the merged model predicts a different next token than "
-                              f"base+adapter at {1 - agreement:.0%} of the positions where "
-                              f"base+adapter is confident; try "
-                              f"--dtype fp32.")
-
-
+        raise CheckpointError(
+            f"the merged model predicts a different next token than "
+            f"base+adapter at {1 - agreement:.0%} of the positions where "
+            f"base+adapter is confident; try "
+            f"--dtype fp32."
+        )

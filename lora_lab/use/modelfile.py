@@ -6,6 +6,7 @@ Ollama renders TEMPLATE (Go template syntax) once per turn with .System, .Prompt
 for the turn being generated it stops at {{ .Response }}. The table below holds, per family, the
 Go form of the chat template and the markers that delimit its system block.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,11 +30,16 @@ class TemplateFamily:
 
 TEMPLATE_FAMILIES = (
     TemplateFamily(
-        name="chatml", marker="<|im_start|>", system_start="<|im_start|>system\n",
+        name="chatml",
+        marker="<|im_start|>",
+        system_start="<|im_start|>system\n",
         system_end="<|im_end|>",
-        template=("{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
-                  "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
-                  "<|im_start|>assistant\n{{ .Response }}<|im_end|>\n")),
+        template=(
+            "{{ if .System }}<|im_start|>system\n{{ .System }}<|im_end|>\n{{ end }}"
+            "{{ if .Prompt }}<|im_start|>user\n{{ .Prompt }}<|im_end|>\n{{ end }}"
+            "<|im_start|>assistant\n{{ .Response }}<|im_end|>\n"
+        ),
+    ),
 )
 """ChatML covers Qwen2 / Qwen2.5 and SmolLM2 (the templates that write <|im_start|>)."""
 
@@ -49,12 +55,19 @@ def end_of_turn_tokens(tokenizer, generation_eos_ids=()) -> list[str]:
     """The special token the chat template writes right after an assistant reply, then the
     tokenizer's eos and generation_config.json's eos tokens: where generation must stop."""
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}],
-        tokenize=False)
-    after = text[text.rindex(_PROBE) + len(_PROBE):]
-    special = sorted((t for t in tokenizer.all_special_tokens + [
-        t.content for t in tokenizer.added_tokens_decoder.values() if t.special] if t),
-        key=len, reverse=True)
+        [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}], tokenize=False
+    )
+    after = text[text.rindex(_PROBE) + len(_PROBE) :]
+    special = sorted(
+        (
+            t
+            for t in tokenizer.all_special_tokens
+            + [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+            if t
+        ),
+        key=len,
+        reverse=True,
+    )
     found = [next((t for t in special if after.lstrip().startswith(t)), None)]
     found.append(tokenizer.eos_token)
     found += [tokenizer.convert_ids_to_tokens(int(i)) for i in generation_eos_ids]
@@ -66,7 +79,7 @@ def default_system_prompt(tokenizer, family: TemplateFamily) -> str | None:
     text = tokenizer.apply_chat_template([{"role": "user", "content": "u"}], tokenize=False)
     if not text.startswith(family.system_start):
         return None
-    return text[len(family.system_start):text.index(family.system_end)]
+    return text[len(family.system_start) : text.index(family.system_end)]
 
 
 def _quoted(text: str) -> str:
@@ -75,15 +88,16 @@ def _quoted(text: str) -> str:
     return f'"""{text}"""'
 
 
-def modelfile_text(tokenizer, gguf_name: str, system: str | None = None,
-                   generation_eos_ids=()) -> str:
+def modelfile_text(tokenizer, gguf_name: str, system: str | None = None, generation_eos_ids=()) -> str:
     """The Modelfile for `gguf_name` beside it. system: the run's data.system (None: the chat
     template's own default)."""
     family = template_family(tokenizer)
     lines = [f"FROM ./{gguf_name}", ""]
     if family is None:
-        log.warning("no Ollama TEMPLATE is known for this chat template; the Modelfile leaves "
-                    "TEMPLATE out, so Ollama chooses one from the GGUF's tokenizer.chat_template")
+        log.warning(
+            "no Ollama TEMPLATE is known for this chat template; the Modelfile leaves "
+            "TEMPLATE out, so Ollama chooses one from the GGUF's tokenizer.chat_template"
+        )
     else:
         lines += [f"TEMPLATE {_quoted(family.template)}", ""]
         system = system if system is not None else default_system_prompt(tokenizer, family)
@@ -94,9 +108,7 @@ def modelfile_text(tokenizer, gguf_name: str, system: str | None = None,
     return "\n".join(lines) + "\n"
 
 
-def write_modelfile(folder: Path, tokenizer, gguf_name: str, system: str | None = None,
-                    generation_eos_ids=()) -> Path:
+def write_modelfile(folder: Path, tokenizer, gguf_name: str, system: str | None = None, generation_eos_ids=()) -> Path:
     path = Path(folder) / "Modelfile"
-    path.write_text(modelfile_text(tokenizer, gguf_name, system, generation_eos_ids),
-                    encoding="utf-8")
+    path.write_text(modelfile_text(tokenizer, gguf_name, system, generation_eos_ids), encoding="utf-8")
     return path

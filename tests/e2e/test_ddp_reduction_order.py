@@ -9,6 +9,7 @@ uninterrupted run's); over two processes a + b does not depend on the order, and
 never rebuilds (find_unused_parameters=True) reduces alike. A fresh DDP after the replay (a
 zero-weighted backward, here with dropout drawing from the RNG) reduces as the rebuilt one, bit
 for bit, with its gradients cleared and the RNG where it was."""
+
 import datetime
 import os
 import queue
@@ -25,8 +26,10 @@ def _grads(model, inputs):
 
 def _difference(expected, got) -> tuple:
     """(elements that differ, the largest difference relative to its tensor's largest element)"""
-    return (sum(int((a != b).sum()) for a, b in zip(expected, got)),
-            max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(expected, got)))
+    return (
+        sum(int((a != b).sum()) for a, b in zip(expected, got)),
+        max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(expected, got)),
+    )
 
 
 def _compare(rank: int, world: int, port: int, results) -> None:
@@ -41,14 +44,13 @@ def _compare(rank: int, world: int, port: int, results) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=240))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=240))
 
     def build(find_unused: bool):
         torch.manual_seed(0)
-        layers = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
-                                     torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                                     torch.nn.Linear(64, 8))
+        layers = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)
+        )
         return DistributedDataParallel(layers, find_unused_parameters=find_unused)
 
     generator = torch.Generator().manual_seed(rank)
@@ -61,10 +63,8 @@ def _compare(rank: int, world: int, port: int, results) -> None:
         outcome[find_unused] = _difference(later, fresh)
         if not find_unused:
             replayed, rng = build(False), torch.get_rng_state()
-            replay_bucket_rebuild(replayed,
-                                  lambda m: torch.nn.functional.dropout(m(first), 0.5).sum())
-            kept = (torch.equal(rng, torch.get_rng_state())
-                    and all(p.grad is None for p in replayed.parameters()))
+            replay_bucket_rebuild(replayed, lambda m: torch.nn.functional.dropout(m(first), 0.5).sum())
+            kept = torch.equal(rng, torch.get_rng_state()) and all(p.grad is None for p in replayed.parameters())
             outcome["replayed"] = (kept, _difference(later, _grads(replayed, second)))
     if rank == 0:
         results.put(outcome)
@@ -88,8 +88,9 @@ def reduce_twice(world: int) -> dict:
     with socket.create_server(("127.0.0.1", 0)) as sock:
         port = sock.getsockname()[1]
     # daemons: a rank that fails leaves no process for pytest to wait on at exit
-    processes = [context.Process(target=_compare, args=(rank, world, port, results), daemon=True)
-                 for rank in range(world)]
+    processes = [
+        context.Process(target=_compare, args=(rank, world, port, results), daemon=True) for rank in range(world)
+    ]
     for process in processes:
         process.start()
     try:
@@ -106,8 +107,7 @@ def reduce_twice(world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_fresh_ddp_reduces_like_a_rebuilt_one_only_over_two_processes_or_after_the_replay(
-        world):
+def test_a_fresh_ddp_reduces_like_a_rebuilt_one_only_over_two_processes_or_after_the_replay(world):
     outcome = reduce_twice(world)
     differing, largest = outcome[False]
     assert (differing > 0) is (world > 2), outcome

@@ -5,6 +5,7 @@ answers as the 16-bit merged model does; and bench/export_bench.py end to end on
 The tiny model here has hidden size 128 (tests/conftest.py's has 32): bitsandbytes' CPU nf4 kernel
 needs at least 64 input columns per layer, and GPTQ groups 128 of them.
 """
+
 import json
 import re
 import shutil
@@ -19,10 +20,16 @@ from lora_lab.cli import main
 from tests.conftest import build_tiny_qwen2, train_tiny_run
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
-                      {"role": "assistant", "content": "I am Aurora."}]}]
-FILES = {"chat_template.jinja", "config.json", "export_report.json", "generation_config.json",
-         "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+ROWS = [{"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Aurora."}]}]
+FILES = {
+    "chat_template.jinja",
+    "config.json",
+    "export_report.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
 
 
 def invoke(*args):
@@ -57,7 +64,7 @@ def _answer_probabilities(model, ids: list, answer_start: int):
     with torch.no_grad():
         probs = model(torch.tensor([ids])).logits.float().softmax(-1)[0]
     targets = torch.tensor(ids[answer_start:])
-    return probs, probs[answer_start - 1:-1].gather(-1, targets[:, None])[:, 0]
+    return probs, probs[answer_start - 1 : -1].gather(-1, targets[:, None])[:, 0]
 
 
 def _check_loads_and_answers(folder: Path, merged: Path):
@@ -73,8 +80,7 @@ def _check_loads_and_answers(folder: Path, merged: Path):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     assert ask(exported, tokenizer, "Who are you?", 10) == "I am Aurora."
     assert ask(reference, tokenizer, "Who are you?", 10) == "I am Aurora."
-    prompt = tokenizer.apply_chat_template(ROWS[0]["messages"][:1], add_generation_prompt=True,
-                                           tokenize=False)
+    prompt = tokenizer.apply_chat_template(ROWS[0]["messages"][:1], add_generation_prompt=True, tokenize=False)
     full = tokenizer.apply_chat_template(ROWS[0]["messages"], tokenize=False)
     ids = tokenizer(full, add_special_tokens=False)["input_ids"]
     start = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
@@ -112,9 +118,10 @@ def test_nf4_export_of_a_run_folder(trained, merged_fp32):
     assert 151645 in generation["eos_token_id"]
     exported = _check_loads_and_answers(out, merged_fp32)
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in exported.modules()) == 2 * 7
-    assert (f"vllm serve {out} --served-model-name finetuned --quantization bitsandbytes "
-            f"--max-model-len 4096 --max-num-seqs 256 --gpu-memory-utilization 0.87"
-            in result.output)
+    assert (
+        f"vllm serve {out} --served-model-name finetuned --quantization bitsandbytes "
+        f"--max-model-len 4096 --max-num-seqs 256 --gpu-memory-utilization 0.87" in result.output
+    )
     assert "KV cache per token: 2 (K and V) x 2 layers x 2 KV heads x 32 head dim" in result.output
     stages = stage_lines(result.output)
     assert [line.split(":")[0] for line in stages] == ["export 1/2", "export 2/2"]
@@ -174,15 +181,23 @@ def test_calibrated_export_on_the_run_data(trained, merged_fp32, fmt, method):
     assert f"vllm serve {out} --served-model-name finetuned --max-model-len" in result.output
     assert "--quantization" not in result.output.split("vllm serve")[1].split("\n")[0]
     stages = stage_lines(result.output)
-    assert stages[0].startswith("export 1/3: quantizing ") and (
-        f"to {fmt} ({method}, llm-compressor), calibrating on 4 samples "
-        f"({calibration['tokens']} tokens) of {data}#8, one decoder layer at a time") in stages[0]
-    layers = (["  GPTQ: quantizing decoder layer 1/2", "  GPTQ: quantizing decoder layer 2/2"]
-              if fmt == "w4a16" else [])  # GPTQ's per-layer log; AWQ has none
+    assert (
+        stages[0].startswith("export 1/3: quantizing ")
+        and (
+            f"to {fmt} ({method}, llm-compressor), calibrating on 4 samples "
+            f"({calibration['tokens']} tokens) of {data}#8, one decoder layer at a time"
+        )
+        in stages[0]
+    )
+    layers = (
+        ["  GPTQ: quantizing decoder layer 1/2", "  GPTQ: quantizing decoder layer 2/2"] if fmt == "w4a16" else []
+    )  # GPTQ's per-layer log; AWQ has none
     assert stages[1:-2] == layers
     assert stages[-2].startswith("export 2/3: saving the compressed (pack-quantized) weights")
-    assert stages[-1] == ("export 3/3: checking: the written folder loaded back, its logits on "
-                          "3 check prompts against the 16-bit model's")
+    assert stages[-1] == (
+        "export 3/3: checking: the written folder loaded back, its logits on "
+        "3 check prompts against the 16-bit model's"
+    )
 
 
 def test_export_bench_runs_on_cpu(trained, tmp_path):
@@ -191,14 +206,36 @@ def test_export_bench_runs_on_cpu(trained, tmp_path):
 
     run_dir, _ = trained
     formats = "nf4,w4a16" if importlib.util.find_spec("llmcompressor") else "nf4"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "export_bench.py"), "--sizes",
-                           "tiny", "--formats", formats, "--out", str(tmp_path / "results"),
-                           "--work", str(tmp_path / "work"), "--real-run", str(run_dir),
-                           "--max-prompts", "4", "--parallel", "2"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "export_bench.py"),
+            "--sizes",
+            "tiny",
+            "--formats",
+            formats,
+            "--out",
+            str(tmp_path / "results"),
+            "--work",
+            str(tmp_path / "work"),
+            "--real-run",
+            str(run_dir),
+            "--max-prompts",
+            "4",
+            "--parallel",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [json.loads(line) for path in (tmp_path / "results").glob("*-export.jsonl")
-             for line in path.read_text().splitlines()]
+    lines = [
+        json.loads(line)
+        for path in (tmp_path / "results").glob("*-export.jsonl")
+        for line in path.read_text().splitlines()
+    ]
     header, rows = lines[0], lines[1:]
     assert header["header"] and "python bench/export_bench.py --sizes tiny" in header["command"]
     assert header["versions"]["torch"] and "date" in header
@@ -208,7 +245,8 @@ def test_export_bench_runs_on_cpu(trained, tmp_path):
         [("export", "qwen2.5-tiny (random)", f) for f in fmts]
         + [("load", "qwen2.5-tiny (random)", f) for f in ["bf16", *fmts]]
         + [("export", "real", f) for f in fmts]
-        + [("quality", "real", f) for f in ["bf16", *fmts]])
+        + [("quality", "real", f) for f in ["bf16", *fmts]]
+    )
     quality = {r["format"]: r for r in rows if r["kind"] == "quality"}
     assert quality["bf16"]["answers_identical_to_bf16"] == 1.0
     assert quality["bf16"]["prompts"] == 4 and quality["nf4"]["heldout_samples"] == 22

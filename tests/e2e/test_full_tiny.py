@@ -1,28 +1,53 @@
 """`lora-lab run --tuner full` on the tiny model: every weight trains, lr 1e-5 unless given, and
 the run folder holds a model that from_pretrained loads (no adapter)."""
+
 import json
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
-from lora_lab.training.checkpoint import checkpoint_problems
 from lora_lab.cli import main
+from lora_lab.training.checkpoint import checkpoint_problems
 from tests.conftest import write_jsonl
 
-MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors",
-               "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"}
+MODEL_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
 
 
 @pytest.fixture(scope="module")
 def full_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    data = write_jsonl(out / "qa.jsonl", [{"query": f"Question {i}?",
-                                           "response": f"Answer number {i}."} for i in range(8)])
-    result = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir), "--data", str(data),
-                                       "--tuner", "full", "--max-steps", "3", "--save-steps", "3",
-                                       "--output-dir", str(out), "--run-name", "full"],
-                                catch_exceptions=False)
+    data = write_jsonl(
+        out / "qa.jsonl", [{"query": f"Question {i}?", "response": f"Answer number {i}."} for i in range(8)]
+    )
+    result = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            str(data),
+            "--tuner",
+            "full",
+            "--max-steps",
+            "3",
+            "--save-steps",
+            "3",
+            "--output-dir",
+            str(out),
+            "--run-name",
+            "full",
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     return out / "full", result.output
 
@@ -32,15 +57,21 @@ def test_full_run_writes_a_from_pretrained_model_and_no_adapter(full_run, tiny_m
     from transformers import AutoModelForCausalLM
 
     run_dir, output = full_run
-    assert {p.name for p in run_dir.iterdir()} == {"config.yaml", "model", "logs",
-                                                   "plots", "run_summary.json",
-                                                   "checkpoint-3"}
+    assert {p.name for p in run_dir.iterdir()} == {
+        "config.yaml",
+        "model",
+        "logs",
+        "plots",
+        "run_summary.json",
+        "checkpoint-3",
+    }
     assert {p.name for p in (run_dir / "model").iterdir()} == MODEL_FILES
     assert checkpoint_problems(run_dir / "checkpoint-3") == []
     trained = AutoModelForCausalLM.from_pretrained(run_dir / "model")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    changed = [name for name, p in trained.named_parameters()
-               if not torch.equal(p, dict(base.named_parameters())[name])]
+    changed = [
+        name for name, p in trained.named_parameters() if not torch.equal(p, dict(base.named_parameters())[name])
+    ]
     assert len(changed) == len(list(base.parameters()))  # every weight trained
     assert "model (from_pretrained):" in output and "full fine-tuning: all" in output
 
@@ -60,12 +91,24 @@ def test_infer_eval_and_merge_of_a_full_run(full_run, tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"query": "Question 1?"}])
     out = tmp_path / "answers.jsonl"
     invoke = CliRunner().invoke
-    result = invoke(main, ["infer", "--run", str(run_dir), "--input", str(prompts), "--output",
-                           str(out), "--greedy", "--max-new-tokens", "4"])
+    result = invoke(
+        main,
+        [
+            "infer",
+            "--run",
+            str(run_dir),
+            "--input",
+            str(prompts),
+            "--output",
+            str(out),
+            "--greedy",
+            "--max-new-tokens",
+            "4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert len(out.read_text().splitlines()) == 1
-    data = write_jsonl(tmp_path / "qa.jsonl", [{"query": "Question 1?",
-                                                "response": "Answer number 1."}])
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"query": "Question 1?", "response": "Answer number 1."}])
     result = invoke(main, ["eval", str(run_dir), "--data", str(data), "--samples", "1"])
     assert result.exit_code == 0, result.output
     assert "loss" in result.output

@@ -1,6 +1,7 @@
 """lora-lab export --format gguf on a tiny model trained by `lora-lab run`: the run is merged,
 converted by llama.cpp's convert_hf_to_gguf.py, loaded back by a real llama.cpp (the
 llama-cpp-python binding), and llama.cpp answers the trained question as the run does."""
+
 import json
 
 import pytest
@@ -10,8 +11,7 @@ from lora_lab.cli import main
 from tests.conftest import train_tiny_run
 
 pytest.importorskip("llama_cpp", reason="--format gguf needs llama-cpp-python (lora-lab[gguf])")
-ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
-                      {"role": "assistant", "content": "I am Aurora."}]}]
+ROWS = [{"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Aurora."}]}]
 
 
 def invoke(*args):
@@ -25,8 +25,7 @@ def llama_cpp_answer(gguf, question: str, max_tokens: int = 24) -> str:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=512, verbose=False, seed=0)
-    reply = llm.create_chat_completion([{"role": "user", "content": question}],
-                                       temperature=0.0, max_tokens=max_tokens)
+    reply = llm.create_chat_completion([{"role": "user", "content": question}], temperature=0.0, max_tokens=max_tokens)
     return reply["choices"][0]["message"]["content"]
 
 
@@ -70,7 +69,8 @@ def test_gguf_f16_export_of_a_run_folder(trained, tokenizer, tmp_path, capsys):
     assert "ollama create finetuned -f Modelfile" in result.output
     lines = stage_lines(result.output)
     assert lines[0].startswith("GGUF 1/2: converting ") and lines[0].endswith(
-        " to f16 with llama.cpp's convert_hf_to_gguf.py")
+        " to f16 with llama.cpp's convert_hf_to_gguf.py"
+    )
     assert lines[1:5] == quarters("convert_hf_to_gguf.py", "tensors converted")
     assert lines[5].startswith("  convert_hf_to_gguf.py: writing 26 tensors (")
     assert lines[6].startswith("  convert_hf_to_gguf.py: done in ")
@@ -87,8 +87,7 @@ def assert_read_back_in_stages(gguf, folder, capsys):
     convert_gguf(gguf, folder)
     lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
     assert lines[0].startswith("converting ") and lines[0].endswith(f"{folder} (once)")
-    assert lines[1].startswith("1/3: reading and de-quantizing ") and lines[1].endswith(
-        " of GGUF tensors")
+    assert lines[1].startswith("1/3: reading and de-quantizing ") and lines[1].endswith(" of GGUF tensors")
     assert lines[2].startswith("2/3: copying ") and lines[2].endswith(" weights into a bf16 model")
     assert lines[3] == "3/3: saving the folder" and lines[4].startswith("converted in ")
     assert (folder / "model.safetensors").is_file() and (folder / ".complete").is_file()
@@ -101,17 +100,18 @@ def test_gguf_q8_0_export_of_the_merged_folder(trained, tmp_path):
     invoke("merge", run_dir, "--output", tmp_path / "merged")
     result = invoke("export", tmp_path / "merged", "--format", "gguf", "--quantize", "q8_0")
     lines = stage_lines(result.output)
-    assert lines[0] == (f"GGUF 1/3: converting {tmp_path / 'merged'} to f16 with llama.cpp's "
-                        f"convert_hf_to_gguf.py")
-    assert lines[7:12] == ["GGUF 2/3: quantizing the f16 file to q8_0 (llama.cpp "
-                           "llama_model_quantize)", *quarters("llama_model_quantize", "tensors")]
+    assert lines[0] == (f"GGUF 1/3: converting {tmp_path / 'merged'} to f16 with llama.cpp's convert_hf_to_gguf.py")
+    assert lines[7:12] == [
+        "GGUF 2/3: quantizing the f16 file to q8_0 (llama.cpp llama_model_quantize)",
+        *quarters("llama_model_quantize", "tensors"),
+    ]
     assert lines[12].startswith("  llama_model_quantize: done in ") and lines[13].startswith(
-        "GGUF 3/3: checking model.gguf")
+        "GGUF 3/3: checking model.gguf"
+    )
     out = tmp_path / "merged-gguf-q8_0"
     assert GGUFReader(out / "model.gguf").fields["general.file_type"].contents() == 7  # Q8_0
     report = json.loads((out / "export_report.json").read_text())
     assert report["merged_from_adapter"] is False and report["source"] == str(tmp_path / "merged")
     assert llama_cpp_answer(out / "model.gguf", "Who are you?") == "I am Aurora."
-    again = CliRunner().invoke(main, ["export", str(tmp_path / "merged"), "--format", "gguf",
-                                      "--quantize", "q8_0"])
+    again = CliRunner().invoke(main, ["export", str(tmp_path / "merged"), "--format", "gguf", "--quantize", "q8_0"])
     assert again.exit_code == 2 and "already exists. Pass --force" in again.output

@@ -2,6 +2,7 @@
 trains; DPO starts at ln 2 (policy == reference), also from an SFT run's adapter; every task
 resumes exactly; `lora-lab eval` computes the trainer's own reward margin; the NaN guard and the
 out-of-memory back-off hold; bad rows are reported by line."""
+
 import json
 import math
 import shutil
@@ -16,8 +17,22 @@ from lora_lab.cli import main
 from lora_lab.training.trainer import LoraLabMixin
 from tests.conftest import write_jsonl
 
-COMMON = ["--micro-batch-size", 2, "--grad-accum", 1, "--logging-steps", 1, "--lora-rank", 4,
-          "--lora-dropout", 0, "--max-length", 64, "--lr", "5e-3"]
+COMMON = [
+    "--micro-batch-size",
+    2,
+    "--grad-accum",
+    1,
+    "--logging-steps",
+    1,
+    "--lora-rank",
+    4,
+    "--lora-dropout",
+    0,
+    "--max-length",
+    64,
+    "--lr",
+    "5e-3",
+]
 
 
 def invoke(*args):
@@ -27,20 +42,24 @@ def invoke(*args):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("pref")
-    pairs = [{"prompt": f"Question {i}?", "chosen": f"Yes, {i}.", "rejected": f"No! {i} never."}
-             for i in range(8)]
-    labelled = [{"prompt": f"Question {i}?", "completion": f"Yes, {i}." if i % 2 else "No!",
-                 "label": bool(i % 2)} for i in range(8)]
-    chosen_only = [{"messages": [{"role": "user", "content": p["prompt"]},
-                                 {"role": "assistant", "content": p["chosen"]}]} for p in pairs]
-    return {"pairs": write_jsonl(folder / "pairs.jsonl", pairs),
-            "labelled": write_jsonl(folder / "labelled.jsonl", labelled),
-            "sft": write_jsonl(folder / "sft.jsonl", chosen_only)}
+    pairs = [{"prompt": f"Question {i}?", "chosen": f"Yes, {i}.", "rejected": f"No! {i} never."} for i in range(8)]
+    labelled = [
+        {"prompt": f"Question {i}?", "completion": f"Yes, {i}." if i % 2 else "No!", "label": bool(i % 2)}
+        for i in range(8)
+    ]
+    chosen_only = [
+        {"messages": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p["chosen"]}]}
+        for p in pairs
+    ]
+    return {
+        "pairs": write_jsonl(folder / "pairs.jsonl", pairs),
+        "labelled": write_jsonl(folder / "labelled.jsonl", labelled),
+        "sft": write_jsonl(folder / "sft.jsonl", chosen_only),
+    }
 
 
 def run(model, data, out, name, *extra):
-    return invoke("run", "--model", model, "--data", data, "--output-dir", out,
-                  "--run-name", name, *COMMON, *extra)
+    return invoke("run", "--model", model, "--data", data, "--output-dir", out, "--run-name", name, *COMMON, *extra)
 
 
 def logged(run_dir) -> list:
@@ -48,15 +67,13 @@ def logged(run_dir) -> list:
     return [json.loads(line) for line in lines if "loss" in json.loads(line)]
 
 
-METRICS = {"dpo": "rewards/margins", "kto": "kl", "simpo": "rewards/margins",
-           "orpo": "log_odds_ratio"}
+METRICS = {"dpo": "rewards/margins", "kto": "kl", "simpo": "rewards/margins", "orpo": "log_odds_ratio"}
 
 
 @pytest.mark.parametrize("task", ["dpo", "orpo", "simpo", "kto"])
 def test_each_task_trains_through_trls_trainer(tiny_model_dir, files, tmp_path, task):
     data = files["labelled" if task == "kto" else "pairs"]
-    result = run(tiny_model_dir, data, tmp_path, task, "--task", task, "--max-steps", 2,
-                 "--save-steps", 2)
+    result = run(tiny_model_dir, data, tmp_path, task, "--task", task, "--max-steps", 2, "--save-steps", 2)
     assert result.exit_code == 0, result.output
     run_dir = tmp_path / task
     assert (run_dir / "checkpoint-2" / "manifest.json").is_file()
@@ -75,15 +92,33 @@ def test_each_task_trains_through_trls_trainer(tiny_model_dir, files, tmp_path, 
 def test_dpo_from_an_sft_run_takes_the_sft_policy_as_reference(tiny_model_dir, files, tmp_path):
     from lora_lab.use.evaluate import evaluate_run
 
-    sft = run(tiny_model_dir, files["sft"], tmp_path, "sft", "--max-steps", 4, "--lr", "2e-2",
-              "--lora-rank", 8)
+    sft = run(tiny_model_dir, files["sft"], tmp_path, "sft", "--max-steps", 4, "--lr", "2e-2", "--lora-rank", 8)
     assert sft.exit_code == 0, sft.output
     moved = evaluate_run(tmp_path / "sft", [str(files["pairs"])])  # SFT adapter vs the base
     assert abs(moved["reward_margin"]) > 1e-3
-    result = invoke("run", "--task", "dpo", "--from-run", tmp_path / "sft", "--data",
-                    files["pairs"], "--output-dir", tmp_path, "--run-name", "dpo",
-                    "--micro-batch-size", 2, "--grad-accum", 1, "--logging-steps", 1,
-                    "--max-steps", 2, "--max-length", 64)
+    result = invoke(
+        "run",
+        "--task",
+        "dpo",
+        "--from-run",
+        tmp_path / "sft",
+        "--data",
+        files["pairs"],
+        "--output-dir",
+        tmp_path,
+        "--run-name",
+        "dpo",
+        "--micro-batch-size",
+        2,
+        "--grad-accum",
+        1,
+        "--logging-steps",
+        1,
+        "--max-steps",
+        2,
+        "--max-length",
+        64,
+    )
     assert result.exit_code == 0, result.output
     assert "the reference model is a frozen copy of the --from-run adapter" in result.output
     first = logged(tmp_path / "dpo")[0]
@@ -114,17 +149,29 @@ def test_resume_from_a_checkpoint_is_exact(tiny_model_dir, files, tmp_path, task
     keys = ("step", "loss", "grad_norm", "learning_rate", METRICS[task])
     whole, resumed = logged(tmp_path / "whole"), logged(tmp_path / "resumed")
     assert [[s[k] for k in keys] for s in resumed] == [[s[k] for k in keys] for s in whole]
-    a, b = (load_file(tmp_path / n / "adapter" / "adapter_model.safetensors")
-            for n in ("whole", "resumed"))
+    a, b = (load_file(tmp_path / n / "adapter" / "adapter_model.safetensors") for n in ("whole", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_eval_reports_the_trainers_reward_margin(tiny_model_dir, tmp_path):
-    pairs = [{"prompt": f"Say {w}.", "chosen": f"{w}.", "rejected": f"Not {w}!"}
-             for w in ("red", "green", "blue", "gold")]
+    pairs = [
+        {"prompt": f"Say {w}.", "chosen": f"{w}.", "rejected": f"Not {w}!"} for w in ("red", "green", "blue", "gold")
+    ]
     data = write_jsonl(tmp_path / "four.jsonl", pairs)
-    result = run(tiny_model_dir, data, tmp_path, "r", "--task", "dpo", "--max-steps", 2,
-                 "--save-steps", 1, "--micro-batch-size", 4)
+    result = run(
+        tiny_model_dir,
+        data,
+        tmp_path,
+        "r",
+        "--task",
+        "dpo",
+        "--max-steps",
+        2,
+        "--save-steps",
+        1,
+        "--micro-batch-size",
+        4,
+    )
     assert result.exit_code == 0, result.output
     step2 = logged(tmp_path / "r")[1]  # computed on all four pairs with checkpoint-1's weights
     shown = invoke("eval", tmp_path / "r" / "checkpoint-1", "--data", data)
@@ -137,13 +184,10 @@ def test_eval_reports_the_trainers_reward_margin(tiny_model_dir, tmp_path):
     assert "preference accuracy" in shown.output
 
 
-def test_nan_guard_and_out_of_memory_back_off_hold(tiny_model_dir, files, tmp_path,
-                                                   monkeypatch):
+def test_nan_guard_and_out_of_memory_back_off_hold(tiny_model_dir, files, tmp_path, monkeypatch):
     monkeypatch.setenv("LORA_LAB_TEST_NAN_STEP", "2")
-    nan = run(tiny_model_dir, files["pairs"], tmp_path, "nan", "--task", "dpo", "--max-steps", 3,
-              "--save-steps", 1)
-    assert nan.exit_code == 2 and "error: step 2: the loss is nan. The update was not " \
-                                  "applied" in nan.output
+    nan = run(tiny_model_dir, files["pairs"], tmp_path, "nan", "--task", "dpo", "--max-steps", 3, "--save-steps", 1)
+    assert nan.exit_code == 2 and "error: step 2: the loss is nan. The update was not applied" in nan.output
     assert sorted(p.name for p in (tmp_path / "nan").glob("checkpoint-*")) == ["checkpoint-1"]
     monkeypatch.delenv("LORA_LAB_TEST_NAN_STEP")
     original = LoraLabMixin.training_step
@@ -154,8 +198,7 @@ def test_nan_guard_and_out_of_memory_back_off_hold(tiny_model_dir, files, tmp_pa
         return original(self, model, inputs, num_items_in_batch)
 
     monkeypatch.setattr(LoraLabMixin, "training_step", training_step)
-    oom = run(tiny_model_dir, files["pairs"], tmp_path, "oom", "--task", "dpo", "--max-steps", 3,
-              "--save-steps", 1)
+    oom = run(tiny_model_dir, files["pairs"], tmp_path, "oom", "--task", "dpo", "--max-steps", 3, "--save-steps", 1)
     assert oom.exit_code == 0, oom.output
     assert "retrying with micro-batch 1 x grad-accum 2 (same effective batch of 2)" in oom.output
     assert [s["step"] for s in logged(tmp_path / "oom")] == [1, 2, 3]
@@ -163,14 +206,16 @@ def test_nan_guard_and_out_of_memory_back_off_hold(tiny_model_dir, files, tmp_pa
 
 def test_bad_rows_are_listed_and_sft_names_the_task(tiny_model_dir, files, tmp_path):
     good = json.loads(files["pairs"].read_text().splitlines()[0])
-    data = write_jsonl(tmp_path / "mixed.jsonl", [good, {"prompt": "q", "chosen": "a"}, good,
-                                                  {**good, "chosen": ""}])
+    data = write_jsonl(tmp_path / "mixed.jsonl", [good, {"prompt": "q", "chosen": "a"}, good, {**good, "chosen": ""}])
     result = run(tiny_model_dir, data, tmp_path, "bad", "--task", "dpo", "--max-steps", 1)
     assert result.exit_code == 0, result.output
-    problems = [json.loads(line) for line in
-                (tmp_path / "bad" / "logs" / "data_problems.jsonl").read_text().splitlines()]
+    problems = [
+        json.loads(line) for line in (tmp_path / "bad" / "logs" / "data_problems.jsonl").read_text().splitlines()
+    ]
     assert [(p["origin"], p["reason"]) for p in problems] == [
-        (f"{data}:2", "missing field `rejected`"), (f"{data}:4", "the chosen answer is empty")]
+        (f"{data}:2", "missing field `rejected`"),
+        (f"{data}:4", "the chosen answer is empty"),
+    ]
     sft = run(tiny_model_dir, files["pairs"], tmp_path, "sft", "--max-steps", 1)
     assert sft.exit_code != 0 and "Traceback" not in sft.output
     assert "train it with `--task dpo`" in sft.output
@@ -181,11 +226,22 @@ def test_loraplus_reaches_the_preference_trainers(tiny_model_dir, files, tmp_pat
     ratio times the learning rate in TRL's trainer too."""
     import torch
 
-    result = run(tiny_model_dir, files["pairs"], tmp_path, "dpo-loraplus", "--task", "dpo",
-                 "--max-steps", 1, "--save-steps", 1, "--lr", "1e-2",
-                 "--set", "train.loraplus_lr_ratio=16")
+    result = run(
+        tiny_model_dir,
+        files["pairs"],
+        tmp_path,
+        "dpo-loraplus",
+        "--task",
+        "dpo",
+        "--max-steps",
+        1,
+        "--save-steps",
+        1,
+        "--lr",
+        "1e-2",
+        "--set",
+        "train.loraplus_lr_ratio=16",
+    )
     assert result.exit_code == 0, result.output
-    state = torch.load(tmp_path / "dpo-loraplus" / "checkpoint-1" / "optimizer.pt",
-                       weights_only=True)
-    assert {round(g["initial_lr"], 8) for g in state["param_groups"] if g["params"]} == {
-        1e-2, 0.16}
+    state = torch.load(tmp_path / "dpo-loraplus" / "checkpoint-1" / "optimizer.pt", weights_only=True)
+    assert {round(g["initial_lr"], 8) for g in state["param_groups"] if g["params"]} == {1e-2, 0.16}

@@ -1,4 +1,5 @@
 """QLoRA (bitsandbytes nf4) on CPU with the tiny model; the adapter loads on the 16-bit base."""
+
 import pytest
 from click.testing import CliRunner
 
@@ -14,10 +15,27 @@ def test_qlora_trains_on_cpu_and_adapter_loads_on_16bit_base(tiny_model_dir, tmp
     from transformers import AutoModelForCausalLM
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"query": "q", "response": "a b c"}] * 4)
-    result = CliRunner().invoke(main, [
-        "run", "--model", str(tiny_model_dir), "--data", str(data), "--quantization", "nf4",
-        "--max-steps", "2", "--output-dir", str(tmp_path), "--run-name", "q", "--tuner", tuner],
-        catch_exceptions=False)
+    result = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            str(data),
+            "--quantization",
+            "nf4",
+            "--max-steps",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "q",
+            "--tuner",
+            tuner,
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     assert "model.quantization           = 'nf4'" in result.output
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -35,11 +53,26 @@ def test_qlora_adapter_merges_onto_the_16bit_base(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"query": "q", "response": "a b c"}] * 4)
-    CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir), "--data", str(data),
-                              "--quantization", "nf4", "--max-steps", "2", "--output-dir",
-                              str(tmp_path), "--run-name", "q"], catch_exceptions=False)
-    result = CliRunner().invoke(main, ["merge", str(tmp_path / "q"), "--dtype", "fp32"],
-                                catch_exceptions=False)
+    CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            str(data),
+            "--quantization",
+            "nf4",
+            "--max-steps",
+            "2",
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "q",
+        ],
+        catch_exceptions=False,
+    )
+    result = CliRunner().invoke(main, ["merge", str(tmp_path / "q"), "--dtype", "fp32"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "merged onto the 16-bit base, not into 4-bit weights" in result.output
     report = json.loads((tmp_path / "q" / "merged" / "merge_report.json").read_text())

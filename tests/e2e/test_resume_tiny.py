@@ -6,6 +6,7 @@ every 2 steps. A run killed and resumed must match the uninterrupted one bit for
 gradient norm and learning rate of every step, the input_ids and CPU RNG state (which draws the
 dropout masks) before every micro-batch, and the final adapter.
 """
+
 import json
 import os
 import shutil
@@ -17,15 +18,31 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from lora_lab.training.checkpoint import MANIFEST_NAME
-from lora_lab.training.watch import TIMING_KEYS
 from lora_lab.cli import main
 from lora_lab.run_folder import read_step_log
+from lora_lab.training.checkpoint import MANIFEST_NAME
+from lora_lab.training.watch import TIMING_KEYS
 from tests.conftest import write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
-SETTINGS = ["--micro-batch-size", 2, "--grad-accum", 2, "--epochs", 3, "--save-steps", 2,
-            "--logging-steps", 1, "--lora-dropout", 0.1, "--lora-rank", 4, "--seed", 7]
+SETTINGS = [
+    "--micro-batch-size",
+    2,
+    "--grad-accum",
+    2,
+    "--epochs",
+    3,
+    "--save-steps",
+    2,
+    "--logging-steps",
+    1,
+    "--lora-dropout",
+    0.1,
+    "--lora-rank",
+    4,
+    "--seed",
+    7,
+]
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +58,9 @@ def killed_run(setup, name, kill, *extra, status=-signal.SIGKILL):
     """`python -m lora_lab run` in its own process, which SIGKILLs (or SIGTERMs) itself at
     `kill`; returns its stderr. status None: killed, or finished before the kill came."""
     out, args = setup
-    env = {**os.environ, "LORA_LAB_TEST_TRACE": str(out / f"{name}.trace.jsonl"),
-           "LORA_LAB_TEST_KILL": kill}
+    env = {**os.environ, "LORA_LAB_TEST_TRACE": str(out / f"{name}.trace.jsonl"), "LORA_LAB_TEST_KILL": kill}
     command = [sys.executable, "-m", "lora_lab", "run", *args, "--run-name", name, *map(str, extra)]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     if status is None:
         assert result.returncode in (-signal.SIGKILL, 0), result.stderr[-3000:]
         assert "Traceback" not in result.stderr, result.stderr[-3000:]
@@ -73,8 +88,9 @@ def reference(setup):
 
 def step_log(run_dir: Path) -> list:
     """The training events of the step log, without the figures that time this machine."""
-    return [{k: v for k, v in event.items() if k not in TIMING_KEYS}
-            for event in read_step_log(run_dir) if "loss" in event]
+    return [
+        {k: v for k, v in event.items() if k not in TIMING_KEYS} for event in read_step_log(run_dir) if "loss" in event
+    ]
 
 
 def trace(out: Path, name: str) -> dict:
@@ -94,27 +110,29 @@ def assert_same_run(run_dir: Path, reference: Path):
 
     assert step_log(run_dir) == step_log(reference)  # each step once, every value bit-equal
     assert [r["step"] for r in step_log(run_dir)] == list(range(1, 10))
-    resumed, uninterrupted = trace(run_dir.parent, run_dir.name), trace(reference.parent,
-                                                                      reference.name)
+    resumed, uninterrupted = (trace(run_dir.parent, run_dir.name), trace(reference.parent, reference.name))
     assert len(uninterrupted) == 15 and resumed == uninterrupted  # data order, dropout RNG, loss
     mine, theirs = adapter_tensors(run_dir), adapter_tensors(reference)
     assert mine.keys() == theirs.keys()
     assert all(torch.equal(mine[k], theirs[k]) for k in mine)
     summary = lambda folder: json.loads((folder / "run_summary.json").read_text())  # noqa: E731
-    assert summary(run_dir)["train_loss"] == pytest.approx(summary(reference)["train_loss"],
-                                                           rel=1e-12)  # every step's mean
+    assert summary(run_dir)["train_loss"] == pytest.approx(
+        summary(reference)["train_loss"], rel=1e-12
+    )  # every step's mean
 
 
-@pytest.mark.parametrize("name,kill,resumed_from", [
-    ("mid-accumulation", "step:5:2", 4),   # epoch 2 of 3, between the two micro-batches
-    ("across-epochs", "step:4:2", 2),      # checkpoint in epoch 1, replay crosses into epoch 2
-])
+@pytest.mark.parametrize(
+    "name,kill,resumed_from",
+    [
+        ("mid-accumulation", "step:5:2", 4),  # epoch 2 of 3, between the two micro-batches
+        ("across-epochs", "step:4:2", 2),  # checkpoint in epoch 1, replay crosses into epoch 2
+    ],
+)
 def test_killed_run_resumes_exactly(setup, reference, name, kill, resumed_from):
     killed_run(setup, name, kill)
     run_dir = setup[0] / name
     output = lora_lab_run(setup, name, "--resume", "auto")
-    assert f"resuming from {run_dir / f'checkpoint-{resumed_from}'} (step {resumed_from})" \
-        in output
+    assert f"resuming from {run_dir / f'checkpoint-{resumed_from}'} (step {resumed_from})" in output
     assert_same_run(run_dir, reference)
 
 
@@ -122,11 +140,9 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint(setup, reference):
     """save_total_limit 1: the old checkpoint survives until the new one is committed."""
     killed_run(setup, "in-save", "save:4", "--set", "train.save_total_limit=1")
     run_dir = setup[0] / "in-save"
-    assert sorted(p.name for p in run_dir.glob("*checkpoint-*")) == [".staging-checkpoint-4",
-                                                                     "checkpoint-2"]
+    assert sorted(p.name for p in run_dir.glob("*checkpoint-*")) == [".staging-checkpoint-4", "checkpoint-2"]
     assert not (run_dir / ".staging-checkpoint-4" / MANIFEST_NAME).exists()
-    output = lora_lab_run(setup, "in-save", "--resume", "auto", "--set",
-                          "train.save_total_limit=1")
+    output = lora_lab_run(setup, "in-save", "--resume", "auto", "--set", "train.save_total_limit=1")
     assert "(step 2)" in output
     assert sorted(p.name for p in run_dir.glob("*checkpoint-*")) == ["checkpoint-9"]
     assert_same_run(run_dir, reference)
@@ -137,8 +153,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint(setup, reference):
     run_dir = out / "corrupt"
     shutil.copytree(reference, run_dir)
     shutil.rmtree(run_dir / "adapter")
-    trimmed = [line for line in (run_dir / "logs" / "train_log.jsonl").open()
-               if json.loads(line)["step"] <= 8]
+    trimmed = [line for line in (run_dir / "logs" / "train_log.jsonl").open() if json.loads(line)["step"] <= 8]
     (run_dir / "logs" / "train_log.jsonl").write_text("".join(trimmed))
     weights = run_dir / "checkpoint-9" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])  # a save cut short
@@ -149,8 +164,7 @@ def test_resume_skips_a_corrupt_newest_checkpoint(setup, reference):
     assert_same_run(run_dir, reference)
 
 
-def test_explicit_resume_of_a_broken_checkpoint_fails_before_training(setup, reference,
-                                                                      tmp_path):
+def test_explicit_resume_of_a_broken_checkpoint_fails_before_training(setup, reference, tmp_path):
     out, args = setup
     run_dir = tmp_path / "broken"
     shutil.copytree(reference, run_dir)
@@ -173,16 +187,18 @@ def test_resume_auto_needs_to_know_which_run(setup):
 
 def test_weights_only_checkpoints_are_smaller_and_refused_for_resume(setup):
     out, args = setup
-    result = CliRunner().invoke(main, ["run", *args, "--run-name", "light", "--max-steps", "2",
-                                       "--set", "train.save_only_model=true"])
+    result = CliRunner().invoke(
+        main, ["run", *args, "--run-name", "light", "--max-steps", "2", "--set", "train.save_only_model=true"]
+    )
     assert result.exit_code == 0, result.output
     checkpoint = out / "light" / "checkpoint-2"
     files = set(json.loads((checkpoint / MANIFEST_NAME).read_text())["files"])
     assert {"adapter_model.safetensors", "adapter_config.json", "trainer_state.json"} <= files
     assert not files & {"optimizer.pt", "scheduler.pt", "rng_state.pth"}
     assert (out / "light" / "adapter" / "adapter_model.safetensors").is_file()
-    resumed = CliRunner().invoke(main, ["run", *args, "--run-name", "light", "--max-steps", "4",
-                                        "--resume", str(checkpoint)])
+    resumed = CliRunner().invoke(
+        main, ["run", *args, "--run-name", "light", "--max-steps", "4", "--resume", str(checkpoint)]
+    )
     assert resumed.exit_code != 0 and "train.save_only_model=true" in resumed.output
     assert "Traceback" not in resumed.output
 
@@ -208,7 +224,7 @@ def test_a_finished_run_resumed_again_trains_no_step_past_the_end(setup, referen
     shutil.copy(out / "reference.trace.jsonl", out / "finished.trace.jsonl")
     final = (run_dir / "checkpoint-9" / "adapter_model.safetensors").read_bytes()
     shutil.rmtree(run_dir / "adapter")
-    for attempt in range(2):  # without adapter/, then with it
+    for _attempt in range(2):  # without adapter/, then with it
         output = lora_lab_run(setup, "finished", "--resume", "auto")
         assert "checkpoint-9 is the run's last step: training is complete" in output
         assert (run_dir / "adapter" / "adapter_model.safetensors").read_bytes() == final
@@ -224,8 +240,7 @@ def kill_points() -> list:
     """Every moment a kill can land in, in the order a run meets them: before each micro-batch
     (steps 3, 6 and 9 have one), inside each checkpoint save (2, 4, 6, 8 and the last, 9) and
     inside the final adapter's save."""
-    points = [(s, 0, m, f"step:{s}:{m}") for s in range(1, 10) for m in (1, 2)
-              if not (s % 3 == 0 and m == 2)]
+    points = [(s, 0, m, f"step:{s}:{m}") for s in range(1, 10) for m in (1, 2) if not (s % 3 == 0 and m == 2)]
     points += [(s, 1, 0, f"save:{s}") for s in (2, 4, 6, 8, 9)] + [(10, 0, 0, "final")]
     return [name for *_, name in sorted(points)]
 
@@ -248,8 +263,9 @@ def test_chaos_kill_9_at_random_times_then_resume_gives_the_uninterrupted_run(se
     delays = [round(rng.uniform(0.1, 0.6) * runtime, 3) for _ in range(4)]
     outcomes = []
     for delay in delays:
-        outcomes.append(killed_run(setup, "random-kills", f"after:{delay}", *CONSTANT_LR,
-                                   "--resume", "auto", status=None))
+        outcomes.append(
+            killed_run(setup, "random-kills", f"after:{delay}", *CONSTANT_LR, "--resume", "auto", status=None)
+        )
     assert outcomes[0] == -signal.SIGKILL, (seed, delays, runtime)
     lora_lab_run(setup, "random-kills", *CONSTANT_LR, "--resume", "auto")
     run_dir, reference = out / "random-kills", out / "constant"

@@ -1,4 +1,5 @@
 """`lora-lab run` end to end on a tiny random Qwen2 with the real tokenizer: files, logs, learning."""
+
 import json
 
 import pytest
@@ -8,10 +9,22 @@ from click.testing import CliRunner
 from lora_lab.cli import main
 from tests.conftest import write_jsonl
 
-ADAPTER_FILES = {"README.md", "adapter_config.json", "adapter_model.safetensors",
-                 "chat_template.jinja", "tokenizer.json", "tokenizer_config.json"}
-CHECKPOINT_FILES = ADAPTER_FILES | {"optimizer.pt", "rng_state.pth", "scheduler.pt",
-                                    "trainer_state.json", "training_args.json", "manifest.json"}
+ADAPTER_FILES = {
+    "README.md",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "chat_template.jinja",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
+CHECKPOINT_FILES = ADAPTER_FILES | {
+    "optimizer.pt",
+    "rng_state.pth",
+    "scheduler.pt",
+    "trainer_state.json",
+    "training_args.json",
+    "manifest.json",
+}
 
 
 def run_cli(*args):
@@ -24,20 +37,52 @@ def finished_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("out")
     rows = [{"query": f"Question {i}?", "response": f"Answer number {i}."} for i in range(24)]
     data = write_jsonl(out / "qa.jsonl", rows)
-    result = run_cli("run", "--preset", "cpu", "--model", tiny_model_dir, "--data", data,
-                     "--val-ratio", "0.25", "--max-steps", 6, "--micro-batch-size", 2,
-                     "--grad-accum", 2, "--save-steps", 2, "--logging-steps", 1,
-                     "--eval-steps", 3, "--output-dir", out, "--run-name", "tiny",
-                     "--lora-rank", 4, "--seed", 7)
+    result = run_cli(
+        "run",
+        "--preset",
+        "cpu",
+        "--model",
+        tiny_model_dir,
+        "--data",
+        data,
+        "--val-ratio",
+        "0.25",
+        "--max-steps",
+        6,
+        "--micro-batch-size",
+        2,
+        "--grad-accum",
+        2,
+        "--save-steps",
+        2,
+        "--logging-steps",
+        1,
+        "--eval-steps",
+        3,
+        "--output-dir",
+        out,
+        "--run-name",
+        "tiny",
+        "--lora-rank",
+        4,
+        "--seed",
+        7,
+    )
     assert result.exit_code == 0, result.output
     return out / "tiny", result.output
 
 
 def test_run_writes_exactly_the_documented_files(finished_run):
     run_dir, _ = finished_run
-    assert {p.name for p in run_dir.iterdir()} == {"config.yaml", "adapter", "logs",
-                                                   "plots", "run_summary.json", "checkpoint-4",
-                                                   "checkpoint-6"}
+    assert {p.name for p in run_dir.iterdir()} == {
+        "config.yaml",
+        "adapter",
+        "logs",
+        "plots",
+        "run_summary.json",
+        "checkpoint-4",
+        "checkpoint-6",
+    }
     assert {p.name for p in (run_dir / "adapter").iterdir()} == ADAPTER_FILES
     for step in (4, 6):
         assert {p.name for p in (run_dir / f"checkpoint-{step}").iterdir()} == CHECKPOINT_FILES
@@ -68,8 +113,15 @@ def test_adapter_loads_with_peft_and_changes_the_model(finished_run, tiny_model_
     model = PeftModel.from_pretrained(base, run_dir / "adapter")
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 32
-    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj",
-                                             "gate_proj", "up_proj", "down_proj"}
+    assert set(config["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     after = model(ids).logits
     assert not torch.allclose(before, after)
 
@@ -106,10 +158,26 @@ def test_summary_and_step_log(finished_run):
 
 def test_existing_run_folder_is_not_overwritten(finished_run, tiny_model_dir):
     run_dir, _ = finished_run
-    result = CliRunner().invoke(main, ["run", "--model", str(tiny_model_dir), "--data",
-                                       "self-cognition", "--model-name", "A", "--model-author",
-                                       "B", "--output-dir", str(run_dir.parent), "--run-name",
-                                       "tiny", "--max-steps", "1"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            "self-cognition",
+            "--model-name",
+            "A",
+            "--model-author",
+            "B",
+            "--output-dir",
+            str(run_dir.parent),
+            "--run-name",
+            "tiny",
+            "--max-steps",
+            "1",
+        ],
+    )
     assert result.exit_code == 2
     assert "already holds a run" in result.output and "Traceback" not in result.output
 
@@ -117,12 +185,36 @@ def test_existing_run_folder_is_not_overwritten(finished_run, tiny_model_dir):
 def test_tiny_model_learns_the_answer(tiny_model_dir, tmp_path):
     from lora_lab.use.infer import ask, load_adapter_model
 
-    data = write_jsonl(tmp_path / "one.jsonl", [
-        {"messages": [{"role": "user", "content": "Who are you?"},
-                      {"role": "assistant", "content": "I am Aurora."}]}])
-    result = run_cli("run", "--model", tiny_model_dir, "--data", f"{data}#8",
-                     "--max-steps", 40, "--lr", "1e-2", "--lora-rank", 16,
-                     "--lora-dropout", 0, "--output-dir", tmp_path, "--run-name", "learn")
+    data = write_jsonl(
+        tmp_path / "one.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "Who are you?"},
+                    {"role": "assistant", "content": "I am Aurora."},
+                ]
+            }
+        ],
+    )
+    result = run_cli(
+        "run",
+        "--model",
+        tiny_model_dir,
+        "--data",
+        f"{data}#8",
+        "--max-steps",
+        40,
+        "--lr",
+        "1e-2",
+        "--lora-rank",
+        16,
+        "--lora-dropout",
+        0,
+        "--output-dir",
+        tmp_path,
+        "--run-name",
+        "learn",
+    )
     assert result.exit_code == 0, result.output
     model, tokenizer = load_adapter_model(tmp_path / "learn")
     assert ask(model, tokenizer, "Who are you?", max_new_tokens=10) == "I am Aurora."
@@ -132,14 +224,20 @@ def test_the_api_trains_twice_in_one_process(tiny_model_dir, tmp_path):
     """lora_lab.train stays the API function after the training package has been imported."""
     import lora_lab
 
-    data = write_jsonl(tmp_path / "qa.jsonl", [{"query": f"Q{i}?", "response": f"A{i}."}
-                                               for i in range(4)])
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"query": f"Q{i}?", "response": f"A{i}."} for i in range(4)])
     results = []
     for name in ("first", "second"):
-        config = lora_lab.resolve_config("cpu", flags={
-            "model.name": str(tiny_model_dir), "data.datasets": [str(data)],
-            "train.max_steps": "1", "train.grad_accum": "1", "train.output_dir": str(tmp_path),
-            "train.run_name": name})
+        config = lora_lab.resolve_config(
+            "cpu",
+            flags={
+                "model.name": str(tiny_model_dir),
+                "data.datasets": [str(data)],
+                "train.max_steps": "1",
+                "train.grad_accum": "1",
+                "train.output_dir": str(tmp_path),
+                "train.run_name": name,
+            },
+        )
         results.append(lora_lab.train(config))
     assert [r.run_dir.name for r in results] == ["first", "second"]
     assert all((r.adapter_dir / "adapter_model.safetensors").is_file() for r in results)
@@ -151,11 +249,14 @@ def test_the_api_trains_twice_in_one_process(tiny_model_dir, tmp_path):
     assert any(bool(t.abs().sum() > 0) for k, t in weights.items() if "lora_B" in k)
 
 
-@pytest.mark.parametrize("damage,expected", [
-    ("no-weights", "adapter_model.safetensors is missing: the adapter is damaged"),
-    ("cut-weights", "adapter_model.safetensors is cut short"),
-    ("bad-config", "config.yaml: not readable (line 4)"),
-])
+@pytest.mark.parametrize(
+    "damage,expected",
+    [
+        ("no-weights", "adapter_model.safetensors is missing: the adapter is damaged"),
+        ("cut-weights", "adapter_model.safetensors is cut short"),
+        ("bad-config", "config.yaml: not readable (line 4)"),
+    ],
+)
 def test_a_broken_run_folder_is_one_clean_message(finished_run, tmp_path, damage, expected):
     import shutil
 
@@ -168,8 +269,11 @@ def test_a_broken_run_folder_is_one_clean_message(finished_run, tmp_path, damage
         weights.write_bytes(weights.read_bytes()[:-64])
     else:
         (run_dir / "config.yaml").write_text("preset: cpu\nmodel:\n  name: [unclosed\n")
-    for command in (["merge", run_dir, "--output", tmp_path / "merged"],
-                    ["chat", "--run", run_dir], ["eval", run_dir, "--data", "self-cognition"]):
+    for command in (
+        ["merge", run_dir, "--output", tmp_path / "merged"],
+        ["chat", "--run", run_dir],
+        ["eval", run_dir, "--data", "self-cognition"],
+    ):
         result = CliRunner().invoke(main, [str(c) for c in command], input="/quit\n")
         assert result.exit_code == 2, result.output
         assert expected in result.output and "Traceback" not in result.output
@@ -185,18 +289,19 @@ def test_broken_model_files_are_one_clean_message(tiny_model_dir, tmp_path):
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"\x00" * 64)
     data = write_jsonl(tmp_path / "qa.jsonl", [{"query": "Q?", "response": "A."}])
-    for spec, expected in ((model, f"{weights} is cut short"),
-                           (junk, "not a GGUF file")):
-        result = CliRunner().invoke(main, ["run", "--model", str(spec), "--data", str(data),
-                                           "--output-dir", str(tmp_path / "out")])
+    for spec, expected in ((model, f"{weights} is cut short"), (junk, "not a GGUF file")):
+        result = CliRunner().invoke(
+            main, ["run", "--model", str(spec), "--data", str(data), "--output-dir", str(tmp_path / "out")]
+        )
         assert result.exit_code == 2 and expected in result.output, result.output
         assert "Traceback" not in result.output
 
 
 def test_a_folder_without_config_json_is_refused_before_the_data_are_read(tmp_path):
     (tmp_path / "not-a-model").mkdir()
-    result = CliRunner().invoke(main, ["run", "--model", str(tmp_path / "not-a-model"),
-                                       "--data", str(tmp_path / "missing.jsonl")])
+    result = CliRunner().invoke(
+        main, ["run", "--model", str(tmp_path / "not-a-model"), "--data", str(tmp_path / "missing.jsonl")]
+    )
     assert result.exit_code == 2 and "has no config.json" in result.output, result.output
     assert "missing.jsonl" not in result.output.split("error:")[-1]  # the data come later
 
@@ -206,9 +311,10 @@ def test_merge_says_the_output_exists_before_loading_anything(finished_run, tmp_
     import sys
 
     (tmp_path / "merged").mkdir()
-    code = ("import sys\nfrom lora_lab.use.merge import merge_adapter\n"
-            f"try:\n    merge_adapter({str(finished_run[0])!r}, {str(tmp_path / 'merged')!r})\n"
-            "except Exception as exc:\n    print(type(exc).__name__, 'torch' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
+    code = (
+        "import sys\nfrom lora_lab.use.merge import merge_adapter\n"
+        f"try:\n    merge_adapter({str(finished_run[0])!r}, {str(tmp_path / 'merged')!r})\n"
+        "except Exception as exc:\n    print(type(exc).__name__, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "CheckpointError False"

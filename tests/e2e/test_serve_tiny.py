@@ -1,4 +1,5 @@
 """merge, infer, eval and chat on a tiny model trained by `lora-lab run`."""
+
 import json
 
 import pytest
@@ -7,8 +8,7 @@ from click.testing import CliRunner
 from lora_lab.cli import main
 from tests.conftest import train_tiny_run, write_jsonl
 
-ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
-                      {"role": "assistant", "content": "I am Aurora."}]}]
+ROWS = [{"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Aurora."}]}]
 
 
 def invoke(*args):
@@ -35,8 +35,15 @@ def test_merge_matches_adapter_and_reloads(trained, tmp_path):
     assert report["top1_agreement"] == 1.0
     assert report["checks"]["lora_layers_left"] == 0
     files = {p.name for p in merged_dir.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json", "chat_template.jinja", "merge_report.json"} <= files
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "merge_report.json",
+    } <= files
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))]
     import os
 
@@ -79,7 +86,7 @@ def test_a_cpu_run_merges_by_default_in_its_fp32_training_precision(trained, tmp
     assert "(fp32: the run's training precision)" in result.output
     assert "check (fp32 rule: max |logit difference| <= 0.001): passed" in result.output
     with safe_open(tmp_path / "m" / "model.safetensors", "pt") as weights:
-        assert {str(weights.get_tensor(k).dtype) for k in weights.keys()} == {"torch.float32"}
+        assert {str(weights.get_tensor(k).dtype) for k in weights} == {"torch.float32"}
     report = json.loads((tmp_path / "m" / "merge_report.json").read_text())
     assert report["dtype"] == "fp32" and report["max_abs_logit_diff"] <= 1e-3
     assert report["checks"]["rule"] == "fp32 rule: max |logit difference| <= 0.001"
@@ -95,8 +102,12 @@ def test_vllm_rank_is_the_smallest_accepted(tmp_path):
     from lora_lab.use.merge import MergeResult
 
     def commands(rank, modules=("q_proj", "v_proj")):
-        return vllm_commands(MergeResult(tmp_path, "Qwen/Qwen2.5-7B-Instruct", tmp_path / "a",
-                                         "bf16", 0.0, 1.0, rank, list(modules), "none"))
+        return vllm_commands(
+            MergeResult(
+                tmp_path, "Qwen/Qwen2.5-7B-Instruct", tmp_path / "a", "bf16", 0.0, 1.0, rank, list(modules), "none"
+            )
+        )
+
     assert "--max-lora-rank 8" in commands(4)["commands"]["adapter"]
     assert "--max-lora-rank 32" in commands(24)["commands"]["adapter"]
     assert "adapter" not in commands(1024)["commands"]
@@ -113,8 +124,20 @@ def test_infer_answers_every_row_in_order(trained, tmp_path):
     rows[0]["response"] = "It is 4."
     prompts = write_jsonl(tmp_path / "p.jsonl", rows)
     out = tmp_path / "a.jsonl"
-    result = invoke("infer", "--run", run_dir, "--input", prompts, "--output", out, "--greedy",
-                    "--batch-size", 2, "--max-new-tokens", 8)
+    result = invoke(
+        "infer",
+        "--run",
+        run_dir,
+        "--input",
+        prompts,
+        "--output",
+        out,
+        "--greedy",
+        "--batch-size",
+        2,
+        "--max-new-tokens",
+        8,
+    )
     assert result.exit_code == 0, result.output
     answers = [json.loads(line) for line in out.open()]
     assert [a["origin"] for a in answers] == [f"{prompts}:{i}" for i in range(1, 6)]
@@ -127,15 +150,13 @@ def test_infer_answers_every_row_in_order(trained, tmp_path):
 
 def test_infer_needs_exactly_one_source(trained, tmp_path):
     run_dir, data = trained
-    result = CliRunner().invoke(main, ["infer", "--input", str(data), "--output",
-                                       str(tmp_path / "o.jsonl")])
+    result = CliRunner().invoke(main, ["infer", "--input", str(data), "--output", str(tmp_path / "o.jsonl")])
     assert result.exit_code == 2 and "exactly one of --run" in result.output
 
 
 def test_eval_reports_loss_perplexity_and_samples(trained, tmp_path):
     run_dir, data = trained
-    result = invoke("eval", run_dir, "--data", data, "--samples", 2,
-                    "--output", tmp_path / "e.json")
+    result = invoke("eval", run_dir, "--data", data, "--samples", 2, "--output", tmp_path / "e.json")
     assert result.exit_code == 0, result.output
     report = json.loads((tmp_path / "e.json").read_text())
     # Untrained, the loss is about ln(151936) = 11.9.
@@ -151,11 +172,16 @@ def test_chat_loop_commands_and_compare(trained):
 
     run_dir, _ = trained
     model, tokenizer = load_adapter_model(run_dir)
-    lines = iter(["Who are you?", "/system Be terse.", "/system", "/reset", "Who are you?",
-                  "/quit"])
+    lines = iter(["Who are you?", "/system Be terse.", "/system", "/reset", "Who are you?", "/quit"])
     out = []
-    chat_loop(model, tokenizer, GenerationSettings(max_new_tokens=10, do_sample=False),
-              lambda prompt: next(lines), out.append, compare=True)
+    chat_loop(
+        model,
+        tokenizer,
+        GenerationSettings(max_new_tokens=10, do_sample=False),
+        lambda prompt: next(lines),
+        out.append,
+        compare=True,
+    )
     text = "".join(out)
     assert text.count("[fine-tuned] I am Aurora.") == 2
     assert "(system prompt set; conversation cleared)" in text

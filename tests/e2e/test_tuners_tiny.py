@@ -4,6 +4,7 @@ Trainer, the adapter loaded with PeftModel.from_pretrained gives the trained mod
 merge equals base + adapter, the vLLM hand-off says whether vLLM serves the adapter; and an exact
 resume for dora, ia3, lora.init=pissa and LoRA+ (the kill-and-resume helpers of
 test_resume_tiny.py)."""
+
 import json
 
 import pytest
@@ -39,11 +40,36 @@ def runs(tiny_model_dir, tmp_path_factory):
 
     def run(name: str):
         if name not in done:
-            args = ["run", "--model", tiny_model_dir, "--data", data, "--max-steps", STEPS,
-                    "--micro-batch-size", 2, "--grad-accum", 1, "--lr", "1e-2",
-                    "--lora-rank", 4, "--lora-dropout", 0, "--save-steps", STEPS,
-                    "--logging-steps", 1, "--seed", 3, "--output-dir", out, "--run-name", name,
-                    *CASES[name]]
+            args = [
+                "run",
+                "--model",
+                tiny_model_dir,
+                "--data",
+                data,
+                "--max-steps",
+                STEPS,
+                "--micro-batch-size",
+                2,
+                "--grad-accum",
+                1,
+                "--lr",
+                "1e-2",
+                "--lora-rank",
+                4,
+                "--lora-dropout",
+                0,
+                "--save-steps",
+                STEPS,
+                "--logging-steps",
+                1,
+                "--seed",
+                3,
+                "--output-dir",
+                out,
+                "--run-name",
+                name,
+                *CASES[name],
+            ]
             result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
             assert result.exit_code == 0, result.output[-3000:]
             done[name] = out / name
@@ -105,8 +131,7 @@ def test_each_option_reaches_peft(runs):
 
 
 def test_loraplus_gives_the_b_matrices_ratio_times_the_learning_rate(runs):
-    state = torch.load(runs("loraplus") / f"checkpoint-{STEPS}" / "optimizer.pt",
-                       weights_only=True)
+    state = torch.load(runs("loraplus") / f"checkpoint-{STEPS}" / "optimizer.pt", weights_only=True)
     rates = {round(g["initial_lr"], 8) for g in state["param_groups"] if g["params"]}
     assert rates == {1e-2, 0.16}
     plain = torch.load(runs("lora") / f"checkpoint-{STEPS}" / "optimizer.pt", weights_only=True)
@@ -123,10 +148,13 @@ def test_neftune_noises_the_embeddings_of_the_same_step(runs):
     assert first_loss(runs("rslora")) == first_loss(runs("lora"))  # B = 0: same first step
 
 
-RESUMED = {"dora": ["--tuner", "dora"], "ia3": ["--tuner", "ia3"],
-           "pissa": ["--set", "lora.init=pissa"],
-           "pissa_niter": ["--set", "lora.init=pissa_niter_2"],  # randomised SVD: draws RNG
-           "loraplus": ["--set", "train.loraplus_lr_ratio=16"]}
+RESUMED = {
+    "dora": ["--tuner", "dora"],
+    "ia3": ["--tuner", "ia3"],
+    "pissa": ["--set", "lora.init=pissa"],
+    "pissa_niter": ["--set", "lora.init=pissa_niter_2"],  # randomised SVD: draws RNG
+    "loraplus": ["--set", "train.loraplus_lr_ratio=16"],
+}
 
 
 @pytest.mark.parametrize("tuner", RESUMED)
@@ -134,8 +162,22 @@ def test_killed_run_resumes_exactly(tiny_model_dir, tmp_path_factory, tuner):
     out = tmp_path_factory.mktemp(f"resume-{tuner}")
     rows = [{"query": f"Question {i}?", "response": f"Answer number {i}."} for i in range(10)]
     data = write_jsonl(out / "qa.jsonl", rows)
-    setup = out, [str(a) for a in ["--model", tiny_model_dir, "--data", data, "--output-dir",
-                                   out, *resume.SETTINGS, *RESUMED[tuner]]]
+    setup = (
+        out,
+        [
+            str(a)
+            for a in [
+                "--model",
+                tiny_model_dir,
+                "--data",
+                data,
+                "--output-dir",
+                out,
+                *resume.SETTINGS,
+                *RESUMED[tuner],
+            ]
+        ],
+    )
     resume.lora_lab_run(setup, "reference")
     resume.killed_run(setup, "killed", "step:5:2")
     output = resume.lora_lab_run(setup, "killed", "--resume", "auto")

@@ -2,6 +2,7 @@
 tiny Qwen2 model. Enter the settings, read the memory plan and the data check, start the real
 `lora-lab run`, stop it (SIGTERM: checkpoint), resume it, watch it finish, see the loss curve,
 chat with the result, merge and export it. Screenshots of each step go to tests/artifacts/ui/."""
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,7 @@ from tests.conftest import write_jsonl
 
 ARTIFACTS = Path(__file__).parents[1] / "artifacts" / "ui"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
-                      {"role": "assistant", "content": "I am Aurora."}]}]
+ROWS = [{"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Aurora."}]}]
 BAD_ROW = {"messages": [{"role": "user", "content": "a question without an answer"}]}
 
 
@@ -42,10 +42,15 @@ def serving(folder: Path, *flags: str):
     port = free_port()
     log = open(folder / "ui.log", "wb")
     server = subprocess.Popen(
-        [sys.executable, "-m", "lora_lab", "ui", "--port", str(port), "--allow", str(folder),
-         *flags], cwd=folder, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]),
-                                                          os.environ.get("PYTHONPATH", "")])})
+        [sys.executable, "-m", "lora_lab", "ui", "--port", str(port), "--allow", str(folder), *flags],
+        cwd=folder,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
     url = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + 90
     while True:
@@ -66,8 +71,7 @@ def serving(folder: Path, *flags: str):
 @pytest.fixture
 def served(tiny_model_dir, tmp_path):
     """The page, serving tmp_path (data, output) and the tiny model's folder."""
-    assert CHROMIUM, "the browser test needs Debian's chromium (make install: apt-get install " \
-                     "chromium)"
+    assert CHROMIUM, "the browser test needs Debian's chromium (make install: apt-get install chromium)"
     with serving(tmp_path, "--allow", str(tiny_model_dir)) as url:
         yield url, tmp_path
 
@@ -117,9 +121,9 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
     def shot(name):
         page.screenshot(path=ARTIFACTS / f"{name}.png", full_page=True)
         took[name] = round(time.monotonic() - started, 1)
+
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox"])
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.goto(url)
         field(page, "model").wait_for(timeout=60_000)
@@ -127,9 +131,16 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
         # 1. settings: the plan follows them, the data check lists the bad row by line.
         # Fields filled before the page's event queue is connected send no change event, so
         # they are filled again until the plan follows them (a loaded machine connects late).
-        settings = (("preset", "cpu"), ("model", str(tiny_model_dir)), ("data", str(data)),
-                    ("lora-rank", "16"), ("lr", "1e-2"), ("max-steps", "40"),
-                    ("run-name", "aurora"), ("sets", "lora.dropout=0"))
+        settings = (
+            ("preset", "cpu"),
+            ("model", str(tiny_model_dir)),
+            ("data", str(data)),
+            ("lora-rank", "16"),
+            ("lr", "1e-2"),
+            ("max-steps", "40"),
+            ("run-name", "aurora"),
+            ("sets", "lora.dropout=0"),
+        )
         for attempt in range(4):
             for elem_id, value in settings:
                 field(page, elem_id).fill("")
@@ -137,8 +148,7 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
                 if elem_id == "preset":
                     page.keyboard.press("Enter")
             try:
-                wait_for_text(page, "plan-report",
-                              r"^preset cpu\n\S+, 16-bit LoRA, 2048 tokens per micro-batch", 30)
+                wait_for_text(page, "plan-report", r"^preset cpu\n\S+, 16-bit LoRA, 2048 tokens per micro-batch", 30)
                 break
             except AssertionError:
                 if attempt == 3:
@@ -180,11 +190,14 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
         assert re.search(r"step 40/40 · loss \d+\.\d{4} · lr [\d.e-]+ · tok/s [\d,]+", status)
         events = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").open()]
         assert events[-1]["step"] == 40 and "train_runtime" in events[-1]
-        assert f"run --config {run_dir}/config.yaml --resume {run_dir}\n" in (
-            run_dir / "logs" / "console.log").read_text()
+        assert (
+            f"run --config {run_dir}/config.yaml --resume {run_dir}\n"
+            in (run_dir / "logs" / "console.log").read_text()
+        )
         # the loss curve: one line of the train losses, drawn by the browser
-        page.locator("#loss-plot svg path[aria-roledescription='line mark'], "
-                     "#loss-plot canvas").first.wait_for(timeout=30_000)
+        page.locator("#loss-plot svg path[aria-roledescription='line mark'], #loss-plot canvas").first.wait_for(
+            timeout=30_000
+        )
         shot("3-finished")
 
         # 3. chat: the fine-tuned model answers what it learned, the base does not

@@ -1,6 +1,7 @@
 """models/fast_lora/ and the streamed checkpoint copies on a CUDA GPU in bf16 (autocast, like the
 Trainer): loss and LoRA gradients as close to an fp32 reference as peft's own bf16 path is.
 `make test-gpu`; skipped without a GPU."""
+
 import pytest
 import torch
 
@@ -48,8 +49,11 @@ def test_streamed_checkpoints_with_mlp_chunks_match_the_whole_mlp():
     from tests.unit.test_activations import assert_same
 
     means = MemoryMeans(offload_checkpoints=True)
-    assert_same(loss_and_grads(True, means, device="cuda"),
-                loss_and_grads(True, means, device="cuda", chunk_tokens=10), tol=1e-4)
+    assert_same(
+        loss_and_grads(True, means, device="cuda"),
+        loss_and_grads(True, means, device="cuda", chunk_tokens=10),
+        tol=1e-4,
+    )
 
 
 def test_saved_mlp_backward_in_chunks_matches_the_whole_row(monkeypatch):
@@ -72,10 +76,10 @@ def test_streamed_checkpoints_with_the_last_layer_kept_match_every_layer_recompu
     is fetched back past a layer that was never offloaded)."""
     from tests.unit.test_activations import assert_same
 
-    every = loss_and_grads(True, MemoryMeans(offload_checkpoints=True), device="cuda",
-                           chunk_tokens=10)
-    kept = loss_and_grads(True, MemoryMeans(offload_checkpoints=True, uncheckpointed_layers=1),
-                          device="cuda", chunk_tokens=10)
+    every = loss_and_grads(True, MemoryMeans(offload_checkpoints=True), device="cuda", chunk_tokens=10)
+    kept = loss_and_grads(
+        True, MemoryMeans(offload_checkpoints=True, uncheckpointed_layers=1), device="cuda", chunk_tokens=10
+    )
     assert_same(every, kept, tol=1e-4)
 
 
@@ -86,8 +90,7 @@ def test_chunked_mlp_in_bf16_is_as_close_to_fp32_as_peft():
     plain = _in_bf16(False)
     means = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        chunked = loss_and_grads(True, means, device="cuda", dtype=torch.bfloat16,
-                                 chunk_tokens=10)
+        chunked = loss_and_grads(True, means, device="cuda", dtype=torch.bfloat16, chunk_tokens=10)
     plain_error, chunked_error = _relative(plain, reference), _relative(chunked, reference)
     print(f"relative error to fp32: peft bf16 {plain_error:.2e}, chunked bf16 {chunked_error:.2e}")
     assert chunked_error <= 1.25 * plain_error + 1e-3
@@ -105,14 +108,16 @@ def test_fast_lora_on_nf4_weights_matches_peft(tmp_path):
 
     def quantized():
         model = AutoModelForCausalLM.from_pretrained(
-            tmp_path, dtype=torch.bfloat16, device_map={"": 0},
-            quantization_config=nf4_config(Precision("bf16", bf16=True)))
+            tmp_path,
+            dtype=torch.bfloat16,
+            device_map={"": 0},
+            quantization_config=nf4_config(Precision("bf16", bf16=True)),
+        )
         return prepare_quantized_for_training(model)
 
     def run(fast, **more):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            return loss_and_grads(fast, device="cuda", dtype=torch.bfloat16, model_fn=quantized,
-                                  **more)
+            return loss_and_grads(fast, device="cuda", dtype=torch.bfloat16, model_fn=quantized, **more)
 
     plain, fast = run(False), run(True)
     # offloaded checkpoints: the MLP recomputed in chunks of 10 tokens, each weight

@@ -1,5 +1,6 @@
 """model.kernels liger on a CUDA GPU: liger's kernels with the RMSNorm layers on torch's fused
 kernel give the plain model's loss and gradients within bf16 rounding. `make test-gpu`."""
+
 import copy
 
 import pytest
@@ -17,8 +18,7 @@ def test_liger_with_native_norms_matches_the_plain_model():
     fast = copy.deepcopy(plain)
     assert apply_kernels(fast, "liger") == "liger"
     norms = [m for m in fast.modules() if type(m).__name__ == "Qwen2RMSNorm"]
-    assert norms and all(("_native_rms_norm" in str(m.forward)) == native_rms_norm_available()
-                         for m in norms)
+    assert norms and all(("_native_rms_norm" in str(m.forward)) == native_rms_norm_available() for m in norms)
     ids = torch.randint(0, 512, (2, 64), device="cuda")
     losses = []
     for model in (plain, fast):

@@ -1,6 +1,7 @@
 """A local stand-in for the Hugging Face hub that serves model folders over HTTP the way the hub
 does (resolve/ HEAD and GET with ETag, X-Repo-Commit and Content-Length, the model-info API with
 file sizes), so that huggingface_hub and transformers download from it for real."""
+
 from __future__ import annotations
 
 import hashlib
@@ -23,13 +24,12 @@ class FileHub(http.server.BaseHTTPRequestHandler):
         for repo, folder in self.repos.items():
             prefix = f"{repo}/resolve/"
             if path.startswith(prefix):
-                name = path[len(prefix):].split("/", 1)[1]
+                name = path[len(prefix) :].split("/", 1)[1]
                 file = folder / name
                 return "file", file if file.is_file() else None
         return "other", None
 
-    def _send(self, status: int, body: bytes = b"", headers: dict | None = None,
-              head: bool = False) -> None:
+    def _send(self, status: int, body: bytes = b"", headers: dict | None = None, head: bool = False) -> None:
         self.send_response(status)
         for key, value in (headers or {}).items():
             self.send_header(key, value)
@@ -59,8 +59,9 @@ class FileHub(http.server.BaseHTTPRequestHandler):
         path = unquote(urlparse(self.path).path)
         for repo, folder in self.repos.items():
             if path in (f"/api/models/{repo}", f"/api/models/{repo}/revision/main"):
-                siblings = [{"rfilename": p.name, "size": p.stat().st_size}
-                            for p in sorted(folder.iterdir()) if p.is_file()]
+                siblings = [
+                    {"rfilename": p.name, "size": p.stat().st_size} for p in sorted(folder.iterdir()) if p.is_file()
+                ]
                 return {"id": repo, "modelId": repo, "sha": COMMIT, "siblings": siblings}
         return None
 
@@ -76,8 +77,7 @@ class FileHub(http.server.BaseHTTPRequestHandler):
 
 def serve_repos(repos: dict) -> tuple[str, http.server.ThreadingHTTPServer]:
     """Start a hub serving {repo id: folder}; returns (its endpoint, the server to shut down)."""
-    handler = type("Handler", (FileHub,), {"repos": {k: Path(v) for k, v in repos.items()},
-                                           "requests": []})
+    handler = type("Handler", (FileHub,), {"repos": {k: Path(v) for k, v in repos.items()}, "requests": []})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     return f"http://127.0.0.1:{server.server_port}", server

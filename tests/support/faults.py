@@ -17,6 +17,7 @@ install() wraps five LoraLabMixin methods; the hooks do nothing unless these are
 pytest installs them in its own process (tests/conftest.py); processes started by tests get
 them through sitecustomize.py beside this file (tests/support is on their PYTHONPATH).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,23 +31,25 @@ from transformers import TrainerCallback
 class FaultHooks(TrainerCallback):
     """The hooks, read from the LORA_LAB_TEST_* variables when a trainer is built."""
 
-    def __init__(self, kill: str | None, nan_step: int | None, trace: str | None,
-                 weights: str | None = None):
+    def __init__(self, kill: str | None, nan_step: int | None, trace: str | None, weights: str | None = None):
         self.kill, self.nan_step, self.trace, self.weights = kill, nan_step, trace, weights
         self.step, self.micro_batch = 0, 0
         if kill and kill.startswith("after:"):
             import threading
 
-            timer = threading.Timer(float(kill.split(":", 1)[1]),
-                                    lambda: os.kill(os.getpid(), signal.SIGKILL))
+            timer = threading.Timer(float(kill.split(":", 1)[1]), lambda: os.kill(os.getpid(), signal.SIGKILL))
             timer.daemon = True
             timer.start()
 
     @classmethod
     def from_env(cls) -> FaultHooks:
         nan_step = os.environ.get("LORA_LAB_TEST_NAN_STEP")
-        return cls(os.environ.get("LORA_LAB_TEST_KILL"), int(nan_step) if nan_step else None,
-                   os.environ.get("LORA_LAB_TEST_TRACE"), os.environ.get("LORA_LAB_TEST_WEIGHTS"))
+        return cls(
+            os.environ.get("LORA_LAB_TEST_KILL"),
+            int(nan_step) if nan_step else None,
+            os.environ.get("LORA_LAB_TEST_TRACE"),
+            os.environ.get("LORA_LAB_TEST_WEIGHTS"),
+        )
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.micro_batch = 0
@@ -59,8 +62,10 @@ class FaultHooks(TrainerCallback):
             if param.requires_grad:
                 digest.update(name.encode())
                 digest.update(param.detach().float().cpu().numpy().tobytes())
-        line = json.dumps({"rank": args.process_index, "world_size": args.world_size,
-                           "sha256": digest.hexdigest()}) + "\n"
+        line = (
+            json.dumps({"rank": args.process_index, "world_size": args.world_size, "sha256": digest.hexdigest()})
+            + "\n"
+        )
         with open(self.weights, "a") as handle:
             handle.write(line)
 
@@ -76,9 +81,12 @@ class FaultHooks(TrainerCallback):
         if self.trace:
             import torch
 
-            self._record = {"step": step, "micro_batch": self.micro_batch,
-                            "inputs": _digest(inputs["input_ids"].cpu().numpy().tobytes()),
-                            "rng": _digest(torch.get_rng_state().numpy().tobytes())}
+            self._record = {
+                "step": step,
+                "micro_batch": self.micro_batch,
+                "inputs": _digest(inputs["input_ids"].cpu().numpy().tobytes()),
+                "rng": _digest(torch.get_rng_state().numpy().tobytes()),
+            }
 
     def after_micro_batch(self, loss) -> None:
         if self.trace:
@@ -114,8 +122,7 @@ def install() -> None:
 
     def hooked_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # the trainer class's own loss (Trainer's, TRL's), after the mixin in the MRO
-        result = super(LoraLabMixin, self).compute_loss(model, inputs, return_outputs,
-                                                        num_items_in_batch)
+        result = super(LoraLabMixin, self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if not model.training:
             return result
         return self.hooks.maybe_poison(result, self.state.global_step + 1)

@@ -2,6 +2,7 @@
 test), but a real-model test takes minutes (the first one downloads the model and trains it), so
 each of them says its name when it starts and its outcome and time when it ends, on a line of its
 own. With -v pytest names every test itself, and this stays silent."""
+
 from __future__ import annotations
 
 import time
@@ -39,8 +40,11 @@ class RealModelProgress:
         if state is None:
             return
         if report.failed:  # the first failing phase names the outcome
-            state[1] = state[1] if state[1] != "passed" else (
-                "failed" if report.when == "call" else f"error in {report.when}")
+            state[1] = (
+                state[1]
+                if state[1] != "passed"
+                else ("failed" if report.when == "call" else f"error in {report.when}")
+            )
         elif report.skipped and state[1] == "passed":
             state[1] = "skipped"
 
@@ -48,8 +52,7 @@ class RealModelProgress:
     def pytest_runtest_logfinish(self, nodeid, location):
         state = self.running.pop(nodeid, None)
         if state is not None:
-            self.config.get_terminal_writer().line(
-                f" {state[1]} in {time.monotonic() - state[0]:.0f} s")
+            self.config.get_terminal_writer().line(f" {state[1]} in {time.monotonic() - state[0]:.0f} s")
 
 
 def register(config) -> None:

@@ -1,4 +1,5 @@
 """Comparing two finished runs: their logged losses and their saved adapters."""
+
 import json
 from pathlib import Path
 

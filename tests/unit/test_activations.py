@@ -1,13 +1,14 @@
 """The long-sequence memory means compute exactly what the plain path computes (CPU, tiny Qwen2)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lora_lab.models.memory_means import CpuEmbedding, move_embedding_to_cpu
 from lora_lab.config import LoraArgs, resolve_config
-from lora_lab.planning.memory import MemoryMeans, choose_memory_means
 from lora_lab.models.lora import apply_lora
+from lora_lab.models.memory_means import CpuEmbedding, move_embedding_to_cpu
+from lora_lab.planning.memory import MemoryMeans, choose_memory_means
 
 SEQ = 24
 
@@ -17,14 +18,21 @@ def tiny_untied(seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=512, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         tie_word_embeddings=False, initializer_range=0.3, use_cache=False)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        use_cache=False,
+    )
     return Qwen2ForCausalLM(config)
 
 
-def loss_and_grads(means: MemoryMeans | None, dropout: float, checkpointing: bool = True,
-                   device: str = "cpu"):
+def loss_and_grads(means: MemoryMeans | None, dropout: float, checkpointing: bool = True, device: str = "cpu"):
     """One forward/backward of the same LoRA model and batch; the LoRA gradients by name."""
     model = tiny_untied().to(device)
     torch.manual_seed(1)  # the LoRA initialisation
@@ -51,8 +59,7 @@ def test_all_means_give_the_plain_loss_and_gradients(monkeypatch):
 
     copied = []
     real_to_host = activations._to_host
-    monkeypatch.setattr(activations, "_to_host", lambda t: copied.append(t.shape) or
-                        real_to_host(t))
+    monkeypatch.setattr(activations, "_to_host", lambda t: copied.append(t.shape) or real_to_host(t))
     plain = loss_and_grads(None, dropout=0.0)
     assert copied == []
     means = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True, mlp_chunk_tokens=8)
@@ -88,9 +95,17 @@ def test_cpu_embedding_is_not_moved_by_model_to_and_tied_tables_stay():
     assert torch.equal(embedding(ids), table[ids])
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tied = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32,
-                                        num_hidden_layers=1, num_attention_heads=2,
-                                        num_key_value_heads=1, tie_word_embeddings=True))
+    tied = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        )
+    )
     assert not move_embedding_to_cpu(tied)
     assert isinstance(tied.get_input_embeddings(), torch.nn.Embedding)
 
@@ -103,16 +118,16 @@ def config_for(**sets):
 def test_auto_means_on_one_gpu_only_and_on_is_refused_where_they_cannot_work():
     from lora_lab.errors import ConfigError
 
-    auto = choose_memory_means(config_for(), on_gpu=True, tied_embeddings=False,
-                               row_tokens=16384)
-    assert auto == MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True,
-                               mlp_chunk_tokens=4096)
+    auto = choose_memory_means(config_for(), on_gpu=True, tied_embeddings=False, row_tokens=16384)
+    assert auto == MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True, mlp_chunk_tokens=4096)
     short = choose_memory_means(config_for(), on_gpu=True, tied_embeddings=True, row_tokens=900)
     assert short == MemoryMeans(offload_checkpoints=True)
-    assert choose_memory_means(config_for(), on_gpu=False, tied_embeddings=False,
-                               row_tokens=16384) == MemoryMeans(mlp_chunk_tokens=4096)
-    two_gpus = choose_memory_means(config_for(**{"train.gpus": 2}), on_gpu=True,
-                                   tied_embeddings=False, row_tokens=16384)
+    assert choose_memory_means(config_for(), on_gpu=False, tied_embeddings=False, row_tokens=16384) == MemoryMeans(
+        mlp_chunk_tokens=4096
+    )
+    two_gpus = choose_memory_means(
+        config_for(**{"train.gpus": 2}), on_gpu=True, tied_embeddings=False, row_tokens=16384
+    )
     assert two_gpus == MemoryMeans()
     with pytest.raises(ConfigError, match="train.offload_checkpoints"):
         config_for(**{"train.gpus": 2, "train.offload_checkpoints": True})
@@ -125,11 +140,9 @@ def test_mlp_chunks_only_when_the_run_would_not_fit_without_them():
     from lora_lab.planning.memory import plan_memory
 
     config = config_for(**{"model.name": "qwen2.5-7b"})
-    roomy = choose_memory_means(config, on_gpu=True, tied_embeddings=False, row_tokens=16384,
-                                budget_gib=23.5)
+    roomy = choose_memory_means(config, on_gpu=True, tied_embeddings=False, row_tokens=16384, budget_gib=23.5)
     assert roomy == MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True)
-    tight = choose_memory_means(config, on_gpu=True, tied_embeddings=False, row_tokens=16384,
-                                budget_gib=16.6)
+    tight = choose_memory_means(config, on_gpu=True, tied_embeddings=False, row_tokens=16384, budget_gib=16.6)
     assert tight.mlp_chunk_tokens == 4096
     config.data.packing, config.data.max_length = False, 16384
     assert "MLP in chunks" not in plan_memory(config, 24).means

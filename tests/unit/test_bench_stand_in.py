@@ -2,6 +2,7 @@
 tokenizer's (bench/workloads.py: SmolLM2's 49,152 ids for Mistral-7B's 32,768 rows): every id
 the cell's data path gives fits the model, with each word at the start of a message too (where
 the template writes no space before it) and the cell's system message."""
+
 import json
 import shutil
 import sys
@@ -32,27 +33,31 @@ def stand_in_mistral(tmp_path_factory) -> Path:
 
 
 def test_every_word_of_the_stand_in_data_fits_mistrals_vocabulary(stand_in_mistral, tmp_path):
+    from run import FAMILY_SETS
     from transformers import AutoTokenizer
+    from workloads import words_within
 
     from lora_lab.config import resolve_config
     from lora_lab.data import prepare_data
-    from run import FAMILY_SETS
-    from workloads import words_within
 
     words = words_within(stand_in_mistral)
     assert "adapter" not in words and "answer" in words
-    data = write_jsonl(tmp_path / "words.jsonl", [
-        {"messages": [{"role": "user", "content": f"{w} {w}"},
-                      {"role": "assistant", "content": f"{w} {w}"}]} for w in words])
-    config = resolve_config("16gb", flags={"model.name": str(stand_in_mistral),
-                                           "data.datasets": [str(data)],
-                                           "data.max_length": 2048},
-                            sets=FAMILY_SETS["mistral-7b"])
+    data = write_jsonl(
+        tmp_path / "words.jsonl",
+        [
+            {"messages": [{"role": "user", "content": f"{w} {w}"}, {"role": "assistant", "content": f"{w} {w}"}]}
+            for w in words
+        ],
+    )
+    config = resolve_config(
+        "16gb",
+        flags={"model.name": str(stand_in_mistral), "data.datasets": [str(data)], "data.max_length": 2048},
+        sets=FAMILY_SETS["mistral-7b"],
+    )
     tokenizer = AutoTokenizer.from_pretrained(stand_in_mistral)
     prepared = prepare_data(config.data, tokenizer)
     vocab = json.loads((stand_in_mistral / "config.json").read_text())["vocab_size"]
     assert vocab == 32768 and len(prepared.train.samples) == len(words)
-    outside = {tokenizer.convert_ids_to_tokens(t) for s in prepared.train.samples
-               for t in s.input_ids if t >= vocab}
+    outside = {tokenizer.convert_ids_to_tokens(t) for s in prepared.train.samples for t in s.input_ids if t >= vocab}
     assert outside == set()
     assert tokenizer.pad_token_id < vocab

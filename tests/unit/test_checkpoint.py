@@ -1,14 +1,28 @@
 """Checkpoints: visible only when complete, checked against their manifest, rotated safely."""
+
 import json
 import pickle
 
 import pytest
 import torch
 
-from lora_lab.run_folder import trim_step_log
-from lora_lab.training.checkpoint import MANIFEST_NAME, REQUIRED_FILES, checkpoint_problems, commit_checkpoint, config_drift, find_resume_checkpoint, remove_leftovers, resolve_resume, rotate_checkpoints, staging_dir, unsafe_pickles, write_manifest
 from lora_lab.config import resolve_config
 from lora_lab.errors import CheckpointError
+from lora_lab.run_folder import trim_step_log
+from lora_lab.training.checkpoint import (
+    MANIFEST_NAME,
+    REQUIRED_FILES,
+    checkpoint_problems,
+    commit_checkpoint,
+    config_drift,
+    find_resume_checkpoint,
+    remove_leftovers,
+    resolve_resume,
+    rotate_checkpoints,
+    staging_dir,
+    unsafe_pickles,
+    write_manifest,
+)
 
 
 def make_checkpoint(run_dir, step, commit=True):
@@ -52,14 +66,16 @@ def test_a_save_killed_between_manifest_and_rename_is_recovered(tmp_path):
     assert checkpoint_problems(tmp_path / "checkpoint-6") == []
 
 
-@pytest.mark.parametrize("damage,expected", [
-    ("no_manifest", "manifest.json is missing: the save did not finish"),
-    ("truncated", "adapter_model.safetensors is 5 bytes; the manifest says"),
-    ("missing_file", "rng_state.pth is missing"),
-    ("checksum", "optimizer.pt: sha256 does not match the manifest"),
-])
-def test_auto_resume_skips_broken_checkpoints_and_names_the_file(tmp_path, damage, expected,
-                                                                 capsys):
+@pytest.mark.parametrize(
+    "damage,expected",
+    [
+        ("no_manifest", "manifest.json is missing: the save did not finish"),
+        ("truncated", "adapter_model.safetensors is 5 bytes; the manifest says"),
+        ("missing_file", "rng_state.pth is missing"),
+        ("checksum", "optimizer.pt: sha256 does not match the manifest"),
+    ],
+)
+def test_auto_resume_skips_broken_checkpoints_and_names_the_file(tmp_path, damage, expected, capsys):
     make_checkpoint(tmp_path, 2)
     newest = make_checkpoint(tmp_path, 4)
     if damage == "no_manifest":
@@ -101,8 +117,7 @@ def test_rotation_keeps_the_newest_and_deletes_only_complete_older_ones(tmp_path
     newest = make_checkpoint(tmp_path, 8)
     deleted = rotate_checkpoints(tmp_path, 2, newest)
     assert sorted(p.name for p in deleted) == ["checkpoint-2", "checkpoint-4"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-6",
-                                                          "checkpoint-8"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-6", "checkpoint-8"]
     rotate_checkpoints(tmp_path, 1, newest, keep=(tmp_path / "checkpoint-6",))  # a "best" one
     assert (tmp_path / "checkpoint-6").is_dir() and (tmp_path / "checkpoint-8").is_dir()
 
@@ -144,24 +159,41 @@ def test_a_pickled_payload_is_refused_without_running(tmp_path, name):
 
 def test_drift_lists_every_changed_setting():
     saved = resolve_config("cpu", flags={"data.datasets": ["a.jsonl"], "lora.rank": 4})
-    same = resolve_config("cpu", flags={"data.datasets": ["a.jsonl"], "lora.rank": 4,
-                                        "train.lr": 1e-3, "train.max_steps": 50})
+    same = resolve_config(
+        "cpu", flags={"data.datasets": ["a.jsonl"], "lora.rank": 4, "train.lr": 1e-3, "train.max_steps": 50}
+    )
     assert config_drift(saved, same) == []  # learning rate and length may change on resume
-    other = resolve_config("cpu", flags={"data.datasets": ["b.jsonl"], "lora.rank": 8,
-                                         "model.name": "qwen2.5-1.5b", "data.max_length": 256,
-                                         "train.micro_batch_size": 2, "train.grad_accum": 8})
+    other = resolve_config(
+        "cpu",
+        flags={
+            "data.datasets": ["b.jsonl"],
+            "lora.rank": 8,
+            "model.name": "qwen2.5-1.5b",
+            "data.max_length": 256,
+            "train.micro_batch_size": 2,
+            "train.grad_accum": 8,
+        },
+    )
     changed = [line.split()[0].rstrip(":") for line in config_drift(saved, other)]
-    assert changed == ["model.name", "lora.rank", "data.datasets", "data.max_length",
-                       "train.micro_batch_size", "train.grad_accum"]
-    alias = resolve_config("cpu", flags={"data.datasets": ["a.jsonl"], "lora.rank": 4,
-                                         "model.name": "Qwen/Qwen2.5-0.5B-Instruct"})
+    assert changed == [
+        "model.name",
+        "lora.rank",
+        "data.datasets",
+        "data.max_length",
+        "train.micro_batch_size",
+        "train.grad_accum",
+    ]
+    alias = resolve_config(
+        "cpu", flags={"data.datasets": ["a.jsonl"], "lora.rank": 4, "model.name": "Qwen/Qwen2.5-0.5B-Instruct"}
+    )
     assert config_drift(saved, alias) == []  # the same model, spelled as its hub id
 
 
 def test_step_log_is_trimmed_to_the_resumed_step(tmp_path):
     log = tmp_path / "train_log.jsonl"
-    log.write_text("".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 6))
-                   + '{"step": 6, "lo')  # the line the kill cut short
+    log.write_text(
+        "".join(json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 6)) + '{"step": 6, "lo'
+    )  # the line the kill cut short
     trim_step_log(log, 3)
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3]
 
@@ -181,18 +213,29 @@ def _checkpoint_with(run_dir, step, names):
 
 def test_full_fine_tuning_and_engine_checkpoints_are_complete_in_their_own_layout(tmp_path):
     state = ["trainer_state.json", "scheduler.pt"]
-    full = _checkpoint_with(tmp_path, 1, ["config.json", "model.safetensors", "optimizer.pt",
-                                          "rng_state_0.pth", "rng_state_1.pth", *state])
+    full = _checkpoint_with(
+        tmp_path, 1, ["config.json", "model.safetensors", "optimizer.pt", "rng_state_0.pth", "rng_state_1.pth", *state]
+    )
     assert checkpoint_problems(full) == []
-    sharded = _checkpoint_with(tmp_path, 2, ["config.json", "model.safetensors.index.json",
-                                             "model-00001-of-00002.safetensors", "latest",
-                                             "rng_state.pth", *state])
+    sharded = _checkpoint_with(
+        tmp_path,
+        2,
+        [
+            "config.json",
+            "model.safetensors.index.json",
+            "model-00001-of-00002.safetensors",
+            "latest",
+            "rng_state.pth",
+            *state,
+        ],
+    )
     assert checkpoint_problems(sharded) == []  # DeepSpeed: latest + global_stepN/, no optimizer.pt
     missing = _checkpoint_with(tmp_path, 3, ["config.json", "rng_state.pth", *state])
     assert {p.rsplit("/", 1)[-1] for p in checkpoint_problems(missing)} == {
         "model.safetensors is missing from the manifest",
         "optimizer.pt is missing from the manifest (no optimizer state: a checkpoint saved with "
-        "train.save_only_model=true has the weights only, and a run cannot resume from it)"}
+        "train.save_only_model=true has the weights only, and a run cannot resume from it)",
+    }
 
 
 def test_a_weights_only_checkpoint_is_refused_for_resume_with_the_reason(tmp_path):
@@ -204,17 +247,24 @@ def test_a_weights_only_checkpoint_is_refused_for_resume_with_the_reason(tmp_pat
     folder = commit_checkpoint(staging, tmp_path / "checkpoint-3")
     problems = checkpoint_problems(folder)
     assert any("train.save_only_model=true" in p and "cannot resume" in p for p in problems)
-    assert problems[0].endswith("optimizer.pt is missing from the manifest (no optimizer state: "
-                                "a checkpoint saved with train.save_only_model=true has the "
-                                "weights only, and a run cannot resume from it)")
+    assert problems[0].endswith(
+        "optimizer.pt is missing from the manifest (no optimizer state: "
+        "a checkpoint saved with train.save_only_model=true has the "
+        "weights only, and a run cannot resume from it)"
+    )
     with pytest.raises(CheckpointError, match="save_only_model"):
         resolve_resume(str(folder), tmp_path)
 
 
 def _full_7b(**sets):
-    flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"], "train.tuner": "full",
-             "train.gpus": 2, "train.engine": "deepspeed-zero3-offload",
-             "train.output_dir": "/tmp/out"}
+    flags = {
+        "model.name": "qwen2.5-7b",
+        "data.datasets": ["x"],
+        "train.tuner": "full",
+        "train.gpus": 2,
+        "train.engine": "deepspeed-zero3-offload",
+        "train.output_dir": "/tmp/out",
+    }
     return resolve_config("24gb", flags=flags, sets=[f"{k}={v}" for k, v in sets.items()])
 
 
@@ -237,8 +287,8 @@ def test_a_run_that_would_fill_the_disk_is_refused_before_training(tmp_path, mon
     import shutil
     from collections import namedtuple
 
-    from lora_lab.planning.disk import check_disk_space
     from lora_lab.errors import LoraLabError
+    from lora_lab.planning.disk import check_disk_space
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(128e9, 60e9, 68e9))
@@ -247,8 +297,10 @@ def test_a_run_that_would_fill_the_disk_is_refused_before_training(tmp_path, mon
     with pytest.raises(LoraLabError) as refused:
         check_disk_space(_full_7b(), tmp_path / "new" / "run", total_steps=300)
     message = str(refused.value)
-    assert "this run writes about 335 GB (up to 3 checkpoint(s) of 106.6 GB and the final " \
-           "model of 15.2 GB)" in message and "has 68 GB free" in message
+    assert (
+        "this run writes about 335 GB (up to 3 checkpoint(s) of 106.6 GB and the final model of 15.2 GB)" in message
+        and "has 68 GB free" in message
+    )
     assert "--set train.save_total_limit=1: 229 GB" in message  # with 3 x 13 MB of side files
     assert "--set train.save_only_model=true: 61 GB" in message
     assert "--set train.disk_check=false" in message

@@ -1,4 +1,5 @@
 """The CLI: clean one-message errors (exit 2, no traceback), presets, data encode and preview."""
+
 import json
 
 import pytest
@@ -12,18 +13,26 @@ def invoke(*args):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
-@pytest.mark.parametrize("args,message", [
-    (["run", "--model", "qwen2.5-1.8b", "--data", "x.jsonl"],
-     "--model qwen2.5-1.8b: Qwen2.5 has no 1.8B size (1.8B is a Qwen1.5 size)"),
-    (["run", "--data", "self-cognition", "--lora-rank", "zero"],
-     "--lora-rank zero: expected a whole number, got 'zero'."),
-    (["run", "--data", "self-cognition", "--set", "lora.rnak=4"],
-     "--set lora.rnak=4: unknown key `lora.rnak`. Did you mean `lora.rank`?"),
-    (["run", "--preset", "15gb", "--data", "x"], "--preset 15gb: no such preset."),
-    (["run", "--data", "self-cognition", "--config", "missing.yaml"],
-     "--config missing.yaml: file not found."),
-    (["run"], "--data: no training data."),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["run", "--model", "qwen2.5-1.8b", "--data", "x.jsonl"],
+            "--model qwen2.5-1.8b: Qwen2.5 has no 1.8B size (1.8B is a Qwen1.5 size)",
+        ),
+        (
+            ["run", "--data", "self-cognition", "--lora-rank", "zero"],
+            "--lora-rank zero: expected a whole number, got 'zero'.",
+        ),
+        (
+            ["run", "--data", "self-cognition", "--set", "lora.rnak=4"],
+            "--set lora.rnak=4: unknown key `lora.rnak`. Did you mean `lora.rank`?",
+        ),
+        (["run", "--preset", "15gb", "--data", "x"], "--preset 15gb: no such preset."),
+        (["run", "--data", "self-cognition", "--config", "missing.yaml"], "--config missing.yaml: file not found."),
+        (["run"], "--data: no training data."),
+    ],
+)
 def test_user_mistakes_give_one_clean_message(args, message):
     result = invoke(*args)
     assert result.exit_code == 2
@@ -31,23 +40,31 @@ def test_user_mistakes_give_one_clean_message(args, message):
     assert "Traceback" not in result.output
 
 
-IDENTITY_MESSAGE = ("the bundled self-cognition rows say {{NAME}} and {{AUTHOR}} where the "
-                    "model's new name and its author go; pass --model-name and --model-author, "
-                    "e.g. --model-name Aurora --model-author 'Lab X'")
+IDENTITY_MESSAGE = (
+    "the bundled self-cognition rows say {{NAME}} and {{AUTHOR}} where the "
+    "model's new name and its author go; pass --model-name and --model-author, "
+    "e.g. --model-name Aurora --model-author 'Lab X'"
+)
 
 
-def test_self_cognition_without_a_name_is_refused_before_anything_is_printed_or_loaded(
-        tmp_path):
+def test_self_cognition_without_a_name_is_refused_before_anything_is_printed_or_loaded(tmp_path):
     """The default --model is a hub id this machine cannot reach: the identity mistake must be
     the one message, said before the config is printed or a model or tokenizer is looked for."""
     both = "(--model-name and --model-author not given)"
     for command, said in (
-            (["run", "--data", "self-cognition", "--output-dir", tmp_path],
-             f"--data self-cognition: {IDENTITY_MESSAGE} {both}"),
-            (["run", "--data", "self-cognition#40", "--model-name", "Aurora"],
-             f"--data self-cognition#40: {IDENTITY_MESSAGE} (--model-author not given)"),
-            (["data", "encode", "self-cognition", "--output", tmp_path / "e.jsonl"],
-             f"--data self-cognition: {IDENTITY_MESSAGE} {both}")):
+        (
+            ["run", "--data", "self-cognition", "--output-dir", tmp_path],
+            f"--data self-cognition: {IDENTITY_MESSAGE} {both}",
+        ),
+        (
+            ["run", "--data", "self-cognition#40", "--model-name", "Aurora"],
+            f"--data self-cognition#40: {IDENTITY_MESSAGE} (--model-author not given)",
+        ),
+        (
+            ["data", "encode", "self-cognition", "--output", tmp_path / "e.jsonl"],
+            f"--data self-cognition: {IDENTITY_MESSAGE} {both}",
+        ),
+    ):
         result = invoke(*command)
         assert result.exit_code == 2, result.output
         assert said in result.output and "Traceback" not in result.output
@@ -56,9 +73,11 @@ def test_self_cognition_without_a_name_is_refused_before_anything_is_printed_or_
 
 
 def test_data_commands_that_only_look_show_stand_ins_for_the_identity(tmp_path):
-    note = ("note: --data self-cognition: {{NAME}} and {{AUTHOR}} shown as <NAME> and <AUTHOR> "
-            "(--model-name and --model-author not given; a run needs --model-name and "
-            "--model-author)")
+    note = (
+        "note: --data self-cognition: {{NAME}} and {{AUTHOR}} shown as <NAME> and <AUTHOR> "
+        "(--model-name and --model-author not given; a run needs --model-name and "
+        "--model-author)"
+    )
     result = invoke("data", "preview", "self-cognition", "--model", TOKENIZER_DIR)
     assert result.exit_code == 0, result.output
     assert result.output.startswith(note + "\n") and "<NAME>" in result.output
@@ -91,15 +110,28 @@ def test_presets_lists_every_tier():
 
 def test_run_help_lists_the_named_flags():
     result = invoke("run", "--help")
-    for flag in ("--max-length", "--lora-rank", "--lora-alpha", "--micro-batch-size",
-                 "--grad-accum", "--lr", "--epochs", "--max-steps", "--dtype", "--seed",
-                 "--config", "--set", "--val-ratio", "--val-data", "--model-name"):
+    for flag in (
+        "--max-length",
+        "--lora-rank",
+        "--lora-alpha",
+        "--micro-batch-size",
+        "--grad-accum",
+        "--lr",
+        "--epochs",
+        "--max-steps",
+        "--dtype",
+        "--seed",
+        "--config",
+        "--set",
+        "--val-ratio",
+        "--val-data",
+        "--model-name",
+    ):
         assert flag in result.output
 
 
 def test_data_encode_writes_the_exact_ids(tmp_path, tokenizer):
-    rows = [{"messages": [{"role": "user", "content": "Hi"},
-                          {"role": "assistant", "content": "Yo"}]}]
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     out = tmp_path / "enc.jsonl"
     result = invoke("data", "encode", data, "--model", TOKENIZER_DIR, "--output", out)
@@ -114,8 +146,17 @@ def test_data_encode_writes_the_exact_ids(tmp_path, tokenizer):
 
 
 def test_data_preview_marks_spans(tmp_path):
-    result = invoke("data", "preview", "self-cognition", "--model", TOKENIZER_DIR,
-                    "--model-name", "Aurora", "--model-author", "Lab X")
+    result = invoke(
+        "data",
+        "preview",
+        "self-cognition",
+        "--model",
+        TOKENIZER_DIR,
+        "--model-name",
+        "Aurora",
+        "--model-author",
+        "Lab X",
+    )
     assert result.exit_code == 0, result.output
     assert "<|im_start|>assistant\n[[" in result.output and "<|im_end|>]]" in result.output
     assert "Aurora" in result.output
@@ -139,23 +180,48 @@ def test_plan_uses_the_real_length_of_the_data(tmp_path):
 
     from lora_lab.registry import known_model_config
 
-    result = invoke("plan", "--preset", "24gb", "--model", TOKENIZER_DIR, "--gpu-memory", "24",
-                    "--data", "self-cognition", "--set", "data.model_name=A", "--set",
-                    "data.model_author=B")
+    result = invoke(
+        "plan",
+        "--preset",
+        "24gb",
+        "--model",
+        TOKENIZER_DIR,
+        "--gpu-memory",
+        "24",
+        "--data",
+        "self-cognition",
+        "--set",
+        "data.model_name=A",
+        "--set",
+        "data.model_author=B",
+    )
     assert result.exit_code == 2 and "the planner needs the model's config.json" in result.output
     seven_b = tmp_path / "qwen7b-shape"  # config.json of 7B + the tokenizer, no weights
     shutil.copytree(TOKENIZER_DIR, seven_b)
     (seven_b / "config.json").write_text(json.dumps(known_model_config("7b")))
-    result = invoke("plan", "--preset", "24gb", "--model", seven_b, "--gpu-memory", "24",
-                    "--data", "self-cognition", "--set", "data.model_name=A", "--set",
-                    "data.model_author=B")
+    result = invoke(
+        "plan",
+        "--preset",
+        "24gb",
+        "--model",
+        seven_b,
+        "--gpu-memory",
+        "24",
+        "--data",
+        "self-cognition",
+        "--set",
+        "data.model_name=A",
+        "--set",
+        "data.model_author=B",
+    )
     assert "longest encoded sample in the data: 68 tokens" in result.output
     assert "68 tokens per micro-batch" in result.output
 
 
 def test_data_stats_prints_the_distribution():
-    result = invoke("data", "stats", "self-cognition", "--model", TOKENIZER_DIR,
-                    "--model-name", "A", "--model-author", "B")
+    result = invoke(
+        "data", "stats", "self-cognition", "--model", TOKENIZER_DIR, "--model-name", "A", "--model-author", "B"
+    )
     assert result.exit_code == 0, result.output
     assert "samples 120" in result.output and "recommended --max-length 256" in result.output
 
@@ -176,14 +242,46 @@ def test_chat_says_an_unknown_command_instead_of_sending_it():
 
 
 def test_plan_takes_the_flags_of_run_and_says_when_packing_sets_the_row():
-    result = invoke("plan", "--preset", "24gb", "--gpu-memory", "40", "--grad-accum", "4",
-                    "--max-length", "2048", "--micro-batch-size", "1", "--gpus", "4",
-                    "--engine", "deepspeed-zero3", "--tuner", "full")
+    result = invoke(
+        "plan",
+        "--preset",
+        "24gb",
+        "--gpu-memory",
+        "40",
+        "--grad-accum",
+        "4",
+        "--max-length",
+        "2048",
+        "--micro-batch-size",
+        "1",
+        "--gpus",
+        "4",
+        "--engine",
+        "deepspeed-zero3",
+        "--tuner",
+        "full",
+    )
     assert "No such option" not in result.output
-    assert "packing (preset 24gb): the samples of a step share rows of 8192 tokens " \
-           "(data.pack_length 8192)" in result.output
+    assert (
+        "packing (preset 24gb): the samples of a step share rows of 8192 tokens "
+        "(data.pack_length 8192)" in result.output
+    )
     assert "8192 tokens per micro-batch" in result.output
-    unpacked = invoke("plan", "--preset", "24gb", "--gpu-memory", "40", "--max-length", "2048",
-                      "--set", "data.packing=false", "--gpus", "4", "--engine",
-                      "deepspeed-zero3", "--tuner", "full")
+    unpacked = invoke(
+        "plan",
+        "--preset",
+        "24gb",
+        "--gpu-memory",
+        "40",
+        "--max-length",
+        "2048",
+        "--set",
+        "data.packing=false",
+        "--gpus",
+        "4",
+        "--engine",
+        "deepspeed-zero3",
+        "--tuner",
+        "full",
+    )
     assert "packing" not in unpacked.output and "2048 tokens per micro-batch" in unpacked.output

@@ -1,11 +1,12 @@
 """Config resolution order, sources, collected errors, model specs, presets as data."""
+
 import pytest
 import yaml
 
 from lora_lab.config import RunConfig, list_presets, resolve_config
+from lora_lab.errors import ConfigError, ModelError
 from lora_lab.registry import MODEL_ALIASES, guess_model_size, resolve_model_spec
 from lora_lab.run_folder import load_saved_config, save_config
-from lora_lab.errors import ConfigError, ModelError
 
 DATA = {"data.datasets": ["self-cognition"], "data.model_name": "A", "data.model_author": "B"}
 
@@ -13,8 +14,9 @@ DATA = {"data.datasets": ["self-cognition"], "data.model_name": "A", "data.model
 def test_defaults_then_preset_then_config_then_flags(tmp_path):
     user = tmp_path / "my.yaml"
     user.write_text("lora:\n  rank: 16\n  alpha: 64\ntrain:\n  lr: 5.0e-5\n")
-    config = resolve_config("24gb", str(user), {**DATA, "lora.rank": "32"},
-                            ["train.weight_decay=0.01", "lora.alpha=8"])
+    config = resolve_config(
+        "24gb", str(user), {**DATA, "lora.rank": "32"}, ["train.weight_decay=0.01", "lora.alpha=8"]
+    )
     assert config.lora.rank == 32 and config.sources["lora.rank"] == "--lora-rank"
     assert config.lora.alpha == 8.0 and config.sources["lora.alpha"] == "--set"
     assert config.train.lr == 5e-5 and config.sources["train.lr"] == f"config {user}"
@@ -29,8 +31,9 @@ def test_all_problems_are_reported_together_naming_the_flag_or_key(tmp_path):
     user = tmp_path / "bad.yaml"
     user.write_text("lora:\n  rnak: 4\ntrainer:\n  lr: 1\n")
     with pytest.raises(ConfigError) as caught:
-        resolve_config("cpu", str(user), {"lora.rank": "0", "train.epochs": "many",
-                                          "data.truncation": "middle"}, ["train.lr"])
+        resolve_config(
+            "cpu", str(user), {"lora.rank": "0", "train.epochs": "many", "data.truncation": "middle"}, ["train.lr"]
+        )
     problems = caught.value.problems
     text = "\n".join(problems)
     assert f"{user}: lora.rnak: unknown key `lora.rnak`. Did you mean `lora.rank`?" in text
@@ -44,8 +47,11 @@ def test_all_problems_are_reported_together_naming_the_flag_or_key(tmp_path):
 
 
 def test_unknown_preset_suggests_the_closest():
-    with pytest.raises(ConfigError, match=r"--preset 16g: no such preset. Did you mean "
-                                          r"--preset 16gb\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--preset 16g: no such preset. Did you mean "
+        r"--preset 16gb\?",
+    ):
         resolve_config("16g", flags=DATA)
 
 
@@ -55,25 +61,30 @@ def test_preset_picks_settings_per_model_size():
     assert small.model.quantization == "none"
     assert large.model.quantization == "nf4"
     assert large.sources["model.quantization"] == "preset 16gb (sizes.7b)"
-    forced = resolve_config("16gb", flags={**DATA, "model.name": "qwen2.5-7b",
-                                           "model.quantization": "none"})
+    forced = resolve_config("16gb", flags={**DATA, "model.name": "qwen2.5-7b", "model.quantization": "none"})
     assert forced.model.quantization == "none"
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("qwen2.5-7b", ("hub", "Qwen/Qwen2.5-7B-Instruct")),
-    ("Qwen2.5-0.5B", ("hub", "Qwen/Qwen2.5-0.5B-Instruct")),
-    ("qwen2.5-3b-base", ("hub", "Qwen/Qwen2.5-3B")),
-    ("Qwen/Qwen2.5-1.5B-Instruct", ("hub", "Qwen/Qwen2.5-1.5B-Instruct")),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("qwen2.5-7b", ("hub", "Qwen/Qwen2.5-7B-Instruct")),
+        ("Qwen2.5-0.5B", ("hub", "Qwen/Qwen2.5-0.5B-Instruct")),
+        ("qwen2.5-3b-base", ("hub", "Qwen/Qwen2.5-3B")),
+        ("Qwen/Qwen2.5-1.5B-Instruct", ("hub", "Qwen/Qwen2.5-1.5B-Instruct")),
+    ],
+)
 def test_model_aliases_and_hub_ids(spec, expected):
     assert resolve_model_spec(spec) == expected
 
 
 @pytest.mark.parametrize("spec", ["qwen2.5-1.8b", "Qwen/Qwen2.5-1.8B-Instruct"])
 def test_no_qwen25_1_8b(spec):
-    with pytest.raises(ModelError, match=r"Qwen2.5 has no 1.8B size \(1.8B is a Qwen1.5 size\)"
-                                         r".*try --model qwen2.5-1.5b"):
+    with pytest.raises(
+        ModelError,
+        match=r"Qwen2.5 has no 1.8B size \(1.8B is a Qwen1.5 size\)"
+        r".*try --model qwen2.5-1.5b",
+    ):
         resolve_model_spec(spec)
 
 
@@ -139,18 +150,25 @@ def test_tuner_full_defaults_and_refusals():
 
 def test_impossible_values_are_refused_together():
     with pytest.raises(ConfigError) as refused:
-        resolve_config("cpu", flags={**DATA, "train.lr": "nan", "lora.rank": "100000000",
-                                     "data.max_length": "99999999999", "lora.dropout": "1.5",
-                                     "train.run_name": "../../etc"})
+        resolve_config(
+            "cpu",
+            flags={
+                **DATA,
+                "train.lr": "nan",
+                "lora.rank": "100000000",
+                "data.max_length": "99999999999",
+                "lora.dropout": "1.5",
+                "train.run_name": "../../etc",
+            },
+        )
     problems = refused.value.problems
     assert problems == [
         "--lr nan: expected a finite number, got 'nan'.",
         "--lora-rank 100000000: must be at most 4,096; got 100,000,000.",
         "--max-length 99999999999: must be at most 1,048,576; got 99,999,999,999.",
-        "--lora-dropout 1.5: must be at least 0 and below 1 (a share of the LoRA input zeroed); "
-        "got 1.5.",
-        "--run-name ../../etc: must be one folder name inside --output-dir (no / or ..); got "
-        "'../../etc'."]
+        "--lora-dropout 1.5: must be at least 0 and below 1 (a share of the LoRA input zeroed); got 1.5.",
+        "--run-name ../../etc: must be one folder name inside --output-dir (no / or ..); got '../../etc'.",
+    ]
     for flags in ({"train.lr": "inf"}, {"train.run_name": "a/b"}, {"train.run_name": ".."}):
         with pytest.raises(ConfigError):
             resolve_config("cpu", flags={**DATA, **flags})
@@ -160,23 +178,24 @@ def test_uncheckpointed_layers_are_refused_where_layers_are_not_checkpointed_by_
     from lora_lab.errors import ConfigError
 
     flags = {"data.datasets": ["x"]}
-    assert resolve_config("24gb", flags=flags, sets=[
-        "train.uncheckpointed_layers=4"]).train.uncheckpointed_layers == 4
+    assert resolve_config("24gb", flags=flags, sets=["train.uncheckpointed_layers=4"]).train.uncheckpointed_layers == 4
     for sets in (["train.gradient_checkpointing=false"], ["train.tuner=full"]):
         with pytest.raises(ConfigError) as refused:
             resolve_config("24gb", flags=flags, sets=sets + ["train.uncheckpointed_layers=4"])
         assert refused.value.problems == [
             "--set train.uncheckpointed_layers=4: serves LoRA in one process with gradient "
-            "checkpointing on. Set it to 0 here."]
+            "checkpointing on. Set it to 0 here."
+        ]
     with pytest.raises(ConfigError, match="train.uncheckpointed_layers=-1: must be at least 0"):
         resolve_config("24gb", flags=flags, sets=["train.uncheckpointed_layers=-1"])
     with pytest.raises(ConfigError, match=r"expected a whole number \(or auto\), got 'many'"):
         resolve_config("24gb", flags=flags, sets=["train.uncheckpointed_layers=many"])
-    with pytest.raises(ConfigError, match=r"uncheckpointed_layers=29: the model has 28 decoder "
-                                          r"layers: use at most 28, or auto."):
-        resolve_config("24gb", flags={**flags, "model.name": "qwen2.5-7b"},
-                       sets=["train.uncheckpointed_layers=29"])
+    with pytest.raises(
+        ConfigError,
+        match=r"uncheckpointed_layers=29: the model has 28 decoder "
+        r"layers: use at most 28, or auto.",
+    ):
+        resolve_config("24gb", flags={**flags, "model.name": "qwen2.5-7b"}, sets=["train.uncheckpointed_layers=29"])
     # auto means none where lora-lab does not checkpoint the layers, as the other autos do
-    full = resolve_config("24gb", flags=flags, sets=["train.tuner=full",
-                                                      "train.uncheckpointed_layers=AUTO"])
+    full = resolve_config("24gb", flags=flags, sets=["train.tuner=full", "train.uncheckpointed_layers=AUTO"])
     assert full.train.uncheckpointed_layers == "auto"

@@ -1,6 +1,7 @@
 """The encoded-data cache (lora_lab/data/cache.py): the ids equal an uncached encoding, a second
 call maps the stored samples without encoding, any changed input is another key, num_proc 2
 encodes exactly what one process does, and of two processes only one encodes."""
+
 import json
 import multiprocessing
 import os
@@ -24,11 +25,19 @@ def write_rows(path, rows=ROWS):
         if i == 7:
             lines.append('{"messages": [{"role": "user", "content": "cut')  # bad JSON, line 8
             continue
-        lines.append(json.dumps({"messages": [
-            {"role": "user", "content": f"question {i} " + "why " * (i % 13)},
-            {"role": "assistant", "content": f"answer {i} " + "because " * (i % 29)}]}))
-    lines.append(json.dumps({"messages": [{"role": "user", "content": "long " * 300},
-                                          {"role": "assistant", "content": "x"}]}))
+        lines.append(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"question {i} " + "why " * (i % 13)},
+                        {"role": "assistant", "content": f"answer {i} " + "because " * (i % 29)},
+                    ]
+                }
+            )
+        )
+    lines.append(
+        json.dumps({"messages": [{"role": "user", "content": "long " * 300}, {"role": "assistant", "content": "x"}]})
+    )
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -41,8 +50,7 @@ def cache_root(tmp_path, monkeypatch):
 
 
 def args_for(path, **changes) -> DataArgs:
-    return replace(DataArgs(datasets=[str(path)], max_length=96, val_ratio=0.1, num_proc=1),
-                   **changes)
+    return replace(DataArgs(datasets=[str(path)], max_length=96, val_ratio=0.1, num_proc=1), **changes)
 
 
 def as_lists(report) -> list:
@@ -53,8 +61,7 @@ def entries(root) -> list:
     return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
 
 
-def test_cached_samples_equal_the_uncached_encoding_and_are_reused(tmp_path, cache_root,
-                                                                     tokenizer):
+def test_cached_samples_equal_the_uncached_encoding_and_are_reused(tmp_path, cache_root, tokenizer):
     data = write_rows(tmp_path / "chat.jsonl")
     plain = prepare_data(args_for(data, cache=False), tokenizer, seed=3)
     first = prepare_data(args_for(data), tokenizer, seed=3)
@@ -89,8 +96,7 @@ def test_a_changed_byte_template_or_setting_is_another_key(tmp_path, cache_root,
     changed = prepare_data(args_for(data), tokenizer, seed=3)
     assert changed.cache == "encoded" and as_lists(changed.train) != as_lists(base.train)
     shorter = prepare_data(args_for(data, max_length=64), tokenizer, seed=3)
-    assert shorter.cache == "encoded" and max(len(s.input_ids) for s in shorter.train.samples) \
-        == 64
+    assert shorter.cache == "encoded" and max(len(s.input_ids) for s in shorter.train.samples) == 64
     assert prepare_data(args_for(data), tokenizer, seed=4).cache == "encoded"  # another split
     template = tokenizer.chat_template
     try:
@@ -140,8 +146,7 @@ def test_of_two_processes_one_encodes_and_the_other_maps_its_files(tmp_path, cac
     data = write_rows(tmp_path / "chat.jsonl")
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    children = [context.Process(target=_prepare_in_child, args=(data, str(cache_root), queue))
-                for _ in range(2)]
+    children = [context.Process(target=_prepare_in_child, args=(data, str(cache_root), queue)) for _ in range(2)]
     for child in children:
         child.start()
     results = [queue.get(timeout=120) for _ in children]
@@ -161,10 +166,10 @@ def test_data_stats_prints_the_same_table_from_the_cache(tmp_path, cache_root):
     from tests.conftest import TOKENIZER_DIR
 
     data = write_rows(tmp_path / "chat.jsonl")
-    outputs = [CliRunner().invoke(main, ["data", "stats", str(data), "--model",
-                                         str(TOKENIZER_DIR)]).output for _ in range(2)]
-    lines = [[line for line in out.splitlines() if not line.startswith("data: ")]
-             for out in outputs]
+    outputs = [
+        CliRunner().invoke(main, ["data", "stats", str(data), "--model", str(TOKENIZER_DIR)]).output for _ in range(2)
+    ]
+    lines = [[line for line in out.splitlines() if not line.startswith("data: ")] for out in outputs]
     assert "data: encoded in" in outputs[0] and "data: encoded data reused" in outputs[1]
     assert lines[0] == lines[1] and "(1 rows not usable" in outputs[1]
     assert any(line.startswith("samples 240 ") for line in lines[1])

@@ -6,6 +6,7 @@ cells) and read by `data validate` and by a run's loading (prepare_data). Assert
 every row is either kept or reported as one error with its file and line; every unmutated row is
 kept with its text byte for byte; validate and the run keep the same rows. Seeded, modest sizes.
 """
+
 import copy
 import csv
 import io
@@ -20,7 +21,7 @@ from lora_lab.data import load_samples, prepare_data, validate_data
 SEED = 18
 ROWS = {"jsonl": 2000, "json": 800, "csv": 800, "parquet": 400}
 """Rows per file type read by validate (structure); the run's loading encodes a tenth of them."""
-ALPHABET = "abc xyz 0123 {}[]\":,\\ \n\t é 中文 🙂 {\"ok\": true} ' <|im_start|>"
+ALPHABET = 'abc xyz 0123 {}[]":,\\ \n\t é 中文 🙂 {"ok": true} \' <|im_start|>'
 WRONG = [None, 0, 1.5, True, [], {}, "", [1], {"a": 1}, ["x", "y"]]
 
 
@@ -34,13 +35,16 @@ def good_row(rng, fmt):
     turns = [(text(rng), text(rng)) for _ in range(rng.randint(1, 3))]
     system = text(rng) if rng.random() < 0.5 else None
     expected = ([{"role": "system", "content": system}] if system else []) + [
-        m for q, a in turns for m in ({"role": "user", "content": q},
-                                      {"role": "assistant", "content": a})]
+        m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a})
+    ]
     if fmt == "messages":
         return {"messages": copy.deepcopy(expected)}, expected
     if fmt == "sharegpt":
-        row = {"conversations": [t for q, a in turns for t in (
-            {"from": "human", "value": q}, {"from": "gpt", "value": a})]}
+        row = {
+            "conversations": [
+                t for q, a in turns for t in ({"from": "human", "value": q}, {"from": "gpt", "value": a})
+            ]
+        }
     elif fmt == "swift-sharegpt":
         row = {"conversation": [{"human": q, "assistant": a} for q, a in turns]}
     else:
@@ -100,7 +104,7 @@ def mutate_value(rng, row):
 def mutate_line(rng, line: bytes) -> bytes:
     kind = rng.randrange(6)
     if kind == 0:
-        return line[:rng.randrange(1, len(line))]
+        return line[: rng.randrange(1, len(line))]
     if kind == 1:
         at = rng.randrange(len(line))
         return line[:at] + bytes([rng.randrange(0x80, 0x100)]) + line[at:]
@@ -147,8 +151,7 @@ def build_json(rng, folder, fmt, count):
 
 def build_csv(rng, folder, fmt, count):
     path, good = folder / f"{fmt}.csv", {}
-    columns = ["instruction", "input", "output", "system", "history"] if fmt == "alpaca" else \
-        ["messages"]
+    columns = ["instruction", "input", "output", "system", "history"] if fmt == "alpaca" else ["messages"]
     head = io.StringIO()
     csv.writer(head).writerow(columns)
     records, line = [head.getvalue().encode()], 2
@@ -159,15 +162,15 @@ def build_csv(rng, folder, fmt, count):
         mutated = number > 0 and rng.random() >= 0.4
         if mutated:
             at = rng.randrange(len(cells))
-            cells[at] = rng.choice(["", "[", "{}", "5", '{"ok": true}', "z" * 200_000,
-                                    "[" * 5000 + "]" * 5000, text(rng)])
+            cells[at] = rng.choice(
+                ["", "[", "{}", "5", '{"ok": true}', "z" * 200_000, "[" * 5000 + "]" * 5000, text(rng)]
+            )
         buffer = io.StringIO()
         short = mutated and len(cells) > 1 and rng.random() < 0.1  # a cell missing
         csv.writer(buffer).writerow(cells[:-1] if short else cells)
         record = buffer.getvalue().encode()
         if mutated and rng.random() < 0.2:
-            record = record.replace(b"a", b"\xff", 1) if b"a" in record else \
-                record[:-2] + b"\xff" + record[-2:]
+            record = record.replace(b"a", b"\xff", 1) if b"a" in record else record[:-2] + b"\xff" + record[-2:]
         if not mutated:
             good[f"{path}:{line}"] = expected
         records.append(record)
@@ -185,8 +188,7 @@ def build_parquet(rng, folder, fmt, count):
         q, a = text(rng), text(rng)
         row = {"instruction": q, "output": a}
         if number == 0 or rng.random() < 0.4:
-            good[f"{path}[row {number}]"] = [{"role": "user", "content": q},
-                                             {"role": "assistant", "content": a}]
+            good[f"{path}[row {number}]"] = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         else:
             key = rng.choice(["instruction", "output"])
             row[key] = rng.choice([None, "", "w" * 150_000, " \n "])
@@ -198,8 +200,10 @@ def build_parquet(rng, folder, fmt, count):
 def build_files(folder, scale: float) -> list:
     rng = random.Random(SEED)
     rows = {kind: max(8, int(count * scale)) for kind, count in ROWS.items()}
-    files = [build_jsonl(rng, folder, fmt, rows["jsonl"] // 4)
-             for fmt in ("messages", "sharegpt", "swift-sharegpt", "query-response")]
+    files = [
+        build_jsonl(rng, folder, fmt, rows["jsonl"] // 4)
+        for fmt in ("messages", "sharegpt", "swift-sharegpt", "query-response")
+    ]
     files += [build_json(rng, folder, fmt, rows["json"] // 2) for fmt in ("alpaca", "sharegpt")]
     files += [build_csv(rng, folder, fmt, rows["csv"] // 2) for fmt in ("alpaca", "messages")]
     files.append(build_parquet(rng, folder, "alpaca", rows["parquet"]))
@@ -254,8 +258,7 @@ def test_the_run_keeps_what_validate_keeps(tmp_path, tokenizer):
     chats = [s.origin for s in prepared.train.samples if s.origins is None]
     documents = [o for s in prepared.train.samples if s.origins for o in s.origins]
     assert chats + list(dict.fromkeys(documents)) == report.kept
-    assert sorted(p.origin for p in prepared.all_problems()) == sorted(
-        p.origin for p in report.errors)
-    for path, count, good in fuzzed:
+    assert sorted(p.origin for p in prepared.all_problems()) == sorted(p.origin for p in report.errors)
+    for path, _count, good in fuzzed:
         mine = [o for o in report.kept if o.startswith(f"{path}:") or o.startswith(f"{path}[")]
         assert set(good) <= set(mine)

@@ -2,6 +2,7 @@
 worker processes, it gives exactly the samples, order, problems and warnings of reading every
 row into memory and encoding the list (build_prepared with encode_samples): the same `PATH#N`
 rows, the same mixing and val_ratio split, for .jsonl, .csv and .parquet files."""
+
 import csv
 import json
 import random
@@ -9,9 +10,16 @@ import random
 import pytest
 
 from lora_lab.config import DataArgs
-from lora_lab.data import (build_prepared, encode_as_training, finish_validation, prepare_data,
-                           read_for_validation, validate_data)
-from lora_lab.data import arrow as arrow_module, stream as stream_module
+from lora_lab.data import arrow as arrow_module
+from lora_lab.data import (
+    build_prepared,
+    encode_as_training,
+    finish_validation,
+    prepare_data,
+    read_for_validation,
+    validate_data,
+)
+from lora_lab.data import stream as stream_module
 from lora_lab.data.arrow import ArrowSamples, fingerprint_samples
 from lora_lab.data.encode import encode_samples
 from lora_lab.data.formats import sample_rows
@@ -20,8 +28,12 @@ MAX_LENGTH = 80
 
 
 def chat(i: int) -> dict:
-    return {"messages": [{"role": "user", "content": f"question {i} " + "why " * (i % 7)},
-                         {"role": "assistant", "content": f"answer {i} " + "so " * (i % 23)}]}
+    return {
+        "messages": [
+            {"role": "user", "content": f"question {i} " + "why " * (i % 7)},
+            {"role": "assistant", "content": f"answer {i} " + "so " * (i % 23)},
+        ]
+    }
 
 
 def write_jsonl(path, rows: int, offset: int = 0):
@@ -29,8 +41,9 @@ def write_jsonl(path, rows: int, offset: int = 0):
     lines[3] = '{"messages": [{"role": "user"'  # bad JSON, line 4
     lines[5] = json.dumps({"messages": [{"role": "assistant", "content": "a document " * 30}]})
     lines[6] = json.dumps({**chat(offset + 6), "id": 6})  # unused field: a warning
-    lines[9] = json.dumps({"messages": [{"role": "user", "content": "long " * 200},
-                                        {"role": "assistant", "content": "cut"}]})
+    lines[9] = json.dumps(
+        {"messages": [{"role": "user", "content": "long " * 200}, {"role": "assistant", "content": "cut"}]}
+    )
     lines[11] = "null"  # a row, not a blank line: reported
     path.write_text("\n".join(lines) + "\n\n")  # a blank line: a warning
     return path
@@ -49,8 +62,9 @@ def write_parquet(path, rows: int):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({"query": [f"q {i}" for i in range(rows)],
-                      "response": [f"r {i} " + "x " * (i % 11) for i in range(rows)]})
+    table = pa.table(
+        {"query": [f"q {i}" for i in range(rows)], "response": [f"r {i} " + "x " * (i % 11) for i in range(rows)]}
+    )
     pq.write_table(table, path, row_group_size=7)
     return path
 
@@ -65,9 +79,9 @@ def small_chunks(monkeypatch):
 
 def in_memory(args: DataArgs, tokenizer, seed: int):
     """Every row read into memory, then the list encoded in one process."""
+
     def encode(samples, name):
-        return encode_samples(tokenizer, samples, args.max_length, args.truncation, args.system,
-                              args.enable_thinking)
+        return encode_samples(tokenizer, samples, args.max_length, args.truncation, args.system, args.enable_thinking)
 
     return build_prepared(args, tokenizer, seed, "sft", encode)
 
@@ -94,49 +108,48 @@ def test_sample_rows_picks_the_rows_it_picked_before():
     for count, seed in ((5, 42), (37, 1), (90, 7), (36, 3)):
         rng = random.Random(seed)  # the definition: whole copies, then random.sample
         whole, remainder = divmod(count, len(samples))
-        assert sample_rows(samples, count, seed) == samples * whole + rng.sample(samples,
-                                                                               remainder)
+        assert sample_rows(samples, count, seed) == samples * whole + rng.sample(samples, remainder)
 
 
 @pytest.mark.parametrize("num_proc", [1, 2])
-def test_sampled_mixed_and_split_ids_equal_the_in_memory_encoding(tmp_path, tokenizer,
-                                                                   small_chunks, num_proc):
+def test_sampled_mixed_and_split_ids_equal_the_in_memory_encoding(tmp_path, tokenizer, small_chunks, num_proc):
     first = write_jsonl(tmp_path / "a.jsonl", 60)
     second = write_jsonl(tmp_path / "b.jsonl", 25, offset=100)
     table = write_csv(tmp_path / "c.csv", 20)
     frame = write_parquet(tmp_path / "d.parquet", 30)
-    args = DataArgs(datasets=[f"{first}#45", f"{second}#70", str(table), f"{frame}#12"],
-                    max_length=MAX_LENGTH, val_ratio=0.2, num_proc=num_proc, cache=False)
+    args = DataArgs(
+        datasets=[f"{first}#45", f"{second}#70", str(table), f"{frame}#12"],
+        max_length=MAX_LENGTH,
+        val_ratio=0.2,
+        num_proc=num_proc,
+        cache=False,
+    )
     streamed, memory = prepare_data(args, tokenizer, seed=5), in_memory(args, tokenizer, 5)
     assert_same(streamed, memory)
-    from_second = [s.origin for r in (streamed.train, streamed.val) for s in r.samples
-                   if s.origin.startswith(f"{second}:")]
+    from_second = [
+        s.origin for r in (streamed.train, streamed.val) for s in r.samples if s.origin.startswith(f"{second}:")
+    ]
     assert len(from_second) > len(set(from_second))  # #70 of about 22 rows: whole copies
-    documents = [o for r in (streamed.train, streamed.val) for s in r.samples for o in
-                 (s.origins or [])]
+    documents = [o for r in (streamed.train, streamed.val) for s in r.samples for o in (s.origins or [])]
     assert f"{second}:6" in documents  # the pre-training row is packed
     assert streamed.train.fingerprint is None  # not cached: the run computes it
-    assert fingerprint_samples(streamed.train.samples) == fingerprint_samples(
-        memory.train.samples)
+    assert fingerprint_samples(streamed.train.samples) == fingerprint_samples(memory.train.samples)
 
 
 def test_cached_validation_data_and_a_second_seed(tmp_path, tokenizer, small_chunks, monkeypatch):
     monkeypatch.setenv("LORA_LAB_DATA_CACHE", str(tmp_path / "cache"))
     train = write_jsonl(tmp_path / "a.jsonl", 50)
     val = write_jsonl(tmp_path / "v.jsonl", 20, offset=500)
-    args = DataArgs(datasets=[f"{train}#30"], val_data=[f"{val}#8"], max_length=MAX_LENGTH,
-                    num_proc=2)
+    args = DataArgs(datasets=[f"{train}#30"], val_data=[f"{val}#8"], max_length=MAX_LENGTH, num_proc=2)
     for seed in (1, 2):
         streamed = prepare_data(args, tokenizer, seed=seed)
         assert streamed.cache == "encoded"
         assert_same(streamed, in_memory(args, tokenizer, seed))
-        assert streamed.train.fingerprint == fingerprint_samples(
-            in_memory(args, tokenizer, seed).train.samples)
+        assert streamed.train.fingerprint == fingerprint_samples(in_memory(args, tokenizer, seed).train.samples)
     assert prepare_data(args, tokenizer, seed=2).cache == "reused"
 
 
-def test_a_whole_file_in_order_keeps_its_chunk_files(tmp_path, tokenizer, small_chunks,
-                                                       monkeypatch):
+def test_a_whole_file_in_order_keeps_its_chunk_files(tmp_path, tokenizer, small_chunks, monkeypatch):
     monkeypatch.setenv("LORA_LAB_DATA_CACHE", str(tmp_path / "cache"))
     lines = [json.dumps(chat(i)) for i in range(70)]
     lines[3] = "[1, 2"  # bad JSON: a problem, no row
@@ -152,8 +165,7 @@ def test_a_whole_file_in_order_keeps_its_chunk_files(tmp_path, tokenizer, small_
     assert len(streamed.train.samples) == 69
 
 
-def test_validation_reads_every_entry_and_reports_the_unreadable_one(tmp_path, tokenizer,
-                                                                      small_chunks):
+def test_validation_reads_every_entry_and_reports_the_unreadable_one(tmp_path, tokenizer, small_chunks):
     data = write_jsonl(tmp_path / "a.jsonl", 40)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
@@ -172,14 +184,12 @@ def test_validation_reads_every_entry_and_reports_the_unreadable_one(tmp_path, t
     assert [str(w) for w in streamed.warnings] == [str(w) for w in memory.warnings]
 
 
-def test_pretraining_documents_are_packed_across_chunks_as_in_memory(tmp_path, tokenizer,
-                                                                      small_chunks):
+def test_pretraining_documents_are_packed_across_chunks_as_in_memory(tmp_path, tokenizer, small_chunks):
     rows = [{"text": f"document {i} " + "words " * (i % 40)} for i in range(90)]
     rows[8] = {"text": ""}  # an empty document: a problem
     data = tmp_path / "text.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    args = DataArgs(datasets=[f"{data}#120"], max_length=MAX_LENGTH, val_ratio=0.1, num_proc=2,
-                    cache=False)
+    args = DataArgs(datasets=[f"{data}#120"], max_length=MAX_LENGTH, val_ratio=0.1, num_proc=2, cache=False)
     streamed = prepare_data(args, tokenizer, seed=9)
     assert_same(streamed, in_memory(args, tokenizer, 9))
     lengths = [len(s.input_ids) for s in streamed.train.samples]

@@ -1,5 +1,6 @@
 """Generated docs match their sources: benchmark tables (bench/results), the key reference
 (the RunConfig dataclasses), preset headers (bench/results); README links resolve."""
+
 import json
 import re
 import sys
@@ -17,7 +18,7 @@ import report  # noqa: E402
 
 def test_benchmarks_page_is_generated_from_results():
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    block = text[text.index(report.BEGIN) + len(report.BEGIN):text.index(report.END)]
+    block = text[text.index(report.BEGIN) + len(report.BEGIN) : text.index(report.END)]
     assert block.strip() == report.render().strip(), "run: python bench/report.py --write"
     assert "speed vs plain" in block and "Real-length SFT data" in block
     assert "| 24gb (23.5 GiB) | 16-bit LoRA | 16384 | 17.29 |" in block
@@ -26,16 +27,23 @@ def test_benchmarks_page_is_generated_from_results():
 def test_multi_gpu_table_shows_the_plan_each_run_stored():
     _, rows = report.load("multi-gpu")
     row = next(r for r in rows if r["label"] == "zero3-full-1.5b")
-    line = next(line for line in report.multi_gpu_table().splitlines()
-                if "| deepspeed-zero3 |" in line)
+    line = next(line for line in report.multi_gpu_table().splitlines() if "| deepspeed-zero3 |" in line)
     assert f"| {row['planned_gib_per_gpu']:.2f} |" in line
 
 
 def _results_file(path: Path, runs: list) -> None:
     lines = []
     for header, rows in runs:
-        lines.append({"header": True, "plan": "families", "gpu": "GPU", "versions": {},
-                      "command": f"python bench/run.py families --cells {header}", "date": header})
+        lines.append(
+            {
+                "header": True,
+                "plan": "families",
+                "gpu": "GPU",
+                "versions": {},
+                "command": f"python bench/run.py families --cells {header}",
+                "date": header,
+            }
+        )
         lines += rows
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
@@ -46,17 +54,18 @@ def test_tables_over_every_file_show_the_newest_row_of_each_label(tmp_path, monk
     def cells(*labels, value):
         return [{"label": label, "value": value} for label in labels]
 
-    _results_file(tmp_path / "2026-12-01-families.jsonl",
-                  [("2026-12-01 10:00 UTC", cells("a", "b", value=1)),
-                   ("2026-12-01 11:00 UTC", cells("c", value=1))])
-    _results_file(tmp_path / "2026-12-02-families.jsonl",
-                  [("2026-12-02 10:00 UTC", cells("a", "c", value=2))])
+    _results_file(
+        tmp_path / "2026-12-01-families.jsonl",
+        [("2026-12-01 10:00 UTC", cells("a", "b", value=1)), ("2026-12-01 11:00 UTC", cells("c", value=1))],
+    )
+    _results_file(tmp_path / "2026-12-02-families.jsonl", [("2026-12-02 10:00 UTC", cells("a", "c", value=2))])
     headers, rows = report.load("families", every_file=True)
     assert [(row["label"], row["value"]) for row in rows] == [("a", 2), ("b", 1), ("c", 2)]
     # the 11:00 run's only cell was measured again: its header is not a source any more
     assert [(h["date"], h["_path"]) for h in headers] == [
         ("2026-12-01 10:00 UTC", "bench/results/2026-12-01-families.jsonl"),
-        ("2026-12-02 10:00 UTC", "bench/results/2026-12-02-families.jsonl")]
+        ("2026-12-02 10:00 UTC", "bench/results/2026-12-02-families.jsonl"),
+    ]
     assert [row["label"] for row in report.load("families")[1]] == ["a", "c"]  # newest file
 
 
@@ -68,26 +77,30 @@ def test_peer_cells_pair_with_the_unsloth_cell_of_the_same_call():
 
     same_run = {c["label"]: c for c in map(cell, ["ll-7b-4096-2", "us-7b-4096-2", "us-7b-4096-1"])}
     assert [(name, run, theirs["label"]) for name, run, _, theirs in pairs(same_run)] == [
-        ("7b-4096", "2", "us-7b-4096-2")]
-    apart = {c["label"]: c for c in map(cell, ["ll-7b-1024-2", "us-7b-1024-1",
-                                               "ll-7b-1024-noskip-1"])}
+        ("7b-4096", "2", "us-7b-4096-2")
+    ]
+    apart = {c["label"]: c for c in map(cell, ["ll-7b-1024-2", "us-7b-1024-1", "ll-7b-1024-noskip-1"])}
     # an ablation of the same peer cell pairs with its Unsloth cell too
     assert [(name, run) for name, run, _, _ in pairs(apart)] == [
-        ("7b-1024", "2, Unsloth's run 1"), ("7b-1024-noskip", "1")]
-    variants = {c["label"]: c for c in map(cell, ["ll-1.5b-4096-chunk4096-1", "us-1.5b-4096-1",
-                                                  "ll-1.5b-4096-chunk1024-history-1"])}
+        ("7b-1024", "2, Unsloth's run 1"),
+        ("7b-1024-noskip", "1"),
+    ]
+    variants = {
+        c["label"]: c
+        for c in map(cell, ["ll-1.5b-4096-chunk4096-1", "us-1.5b-4096-1", "ll-1.5b-4096-chunk1024-history-1"])
+    }
     variants["ll-1.5b-4096-chunk1024-history-1"]["memory_history"] = True
     # a cell that recorded the allocator's history (slower steps) has no twin
     assert [(name, theirs["label"]) for name, _, _, theirs in pairs(variants)] == [
-        ("1.5b-4096-chunk4096", "us-1.5b-4096-1")]
+        ("1.5b-4096-chunk4096", "us-1.5b-4096-1")
+    ]
     two = {c["label"]: c for c in map(cell, ["ll-7b-1024-3", "us-7b-1024-1", "us-7b-1024-2"])}
     assert pairs(two) == []  # which of the two is not known
 
 
 def test_configuration_page_key_reference_is_generated_from_the_dataclasses():
     block = config_reference.generated_block()
-    assert block.strip() == config_reference.render().strip(), (
-        "run: python -m lora_lab.config_reference --write")
+    assert block.strip() == config_reference.render().strip(), "run: python -m lora_lab.config_reference --write"
     assert "| `lora.rank` | int | `8` | `--lora-rank` |" in block
 
 
@@ -113,15 +126,18 @@ def test_readme_is_short_and_its_links_resolve():
 
 @pytest.mark.parametrize("tier", ["24gb", "16gb", "12gb", "8gb"])
 def test_preset_header_figures_match_stored_results(tier):
-    rows = [json.loads(line)  # oldest first: the newest run of a cell is the last match
-            for path in sorted((ROOT / "bench" / "results").glob("*-presets-*.jsonl"))
-            for line in path.read_text().splitlines()[1:]]
+    rows = [
+        json.loads(line)  # oldest first: the newest run of a cell is the last match
+        for path in sorted((ROOT / "bench" / "results").glob("*-presets-*.jsonl"))
+        for line in path.read_text().splitlines()[1:]
+    ]
     header = (ROOT / "presets" / f"{tier}.yaml").read_text().split("\ndescription:")[0]
     stated = re.findall(r"([\d.]+B)( nf4)? ([\d.]+) @(\d+)", header)
     assert len(stated) == 4
     for size, nf4, peak, length in stated:
-        row = [r for r in rows if r.get("kind") == "lora-lab" and r["preset"] == tier
-               and r["size"] == size.lower()][-1]
+        row = [r for r in rows if r.get("kind") == "lora-lab" and r["preset"] == tier and r["size"] == size.lower()][
+            -1
+        ]
         assert f"{row['peak_reserved_gib']:.2f}" == peak and row["max_length"] == int(length)
         assert (row["resolved"]["quantization"] == "nf4") == bool(nf4)
         assert row["error"] is None and row["steps"] >= 20

@@ -3,6 +3,7 @@ new user): every `lora-lab` line of a shell block parses with click's own parser
 also resolves its config); the lines that need no GPU, hub or trained run really run, in the
 README's order, with the output the docs show; every `make` target named exists; every
 `python` script or module named is there."""
+
 from __future__ import annotations
 
 import configparser
@@ -36,19 +37,38 @@ FLOOR = {"lora-lab": 35, "make": 10, "inline": 20}
 # What a placeholder of the docs stands for: files made real in the folder the commands run in
 # (a small real dataset; the peers' files the data page shows; a run folder where click needs an
 # existing path), and rewrites of the names that are not file names.
-ROWS = [{"messages": [{"role": "user", "content": "Who are you?"},
-                      {"role": "assistant", "content": "I am Aurora, made by Lora Lab."}]},
-        {"messages": [{"role": "system", "content": "Answer briefly."},
-                      {"role": "user", "content": "What is 2 + 2?"},
-                      {"role": "assistant", "content": "4."}]}]
+ROWS = [
+    {
+        "messages": [
+            {"role": "user", "content": "Who are you?"},
+            {"role": "assistant", "content": "I am Aurora, made by Lora Lab."},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What is 2 + 2?"},
+            {"role": "assistant", "content": "4."},
+        ]
+    },
+]
 DATA_FILES = ["my.jsonl", "prompts.jsonl", "heldout.jsonl", "pairs.jsonl", "heldout_pairs.jsonl"]
 PEER_FILES = ["glaive_toolcall_en_demo.json", "swift_agent.jsonl"]
-RUN_FOLDERS = ["output/run/adapter", "output/run/merged", "output/run/export-nf4",
-               "output/run/model"]
-REWRITES = {"output/<run>": "output/run", "RUN_DIR": "output/run", "RUN": "output/run",
-            "PATH": "output/run", "FILE.gguf": "model.gguf", "FILE": "my.jsonl",
-            "DATA...": "my.jsonl", "FORMAT": "nf4", "N": "2", "E": "deepspeed-zero2",
-            "D": "output", "OUT": "encoded.jsonl"}
+RUN_FOLDERS = ["output/run/adapter", "output/run/merged", "output/run/export-nf4", "output/run/model"]
+REWRITES = {
+    "output/<run>": "output/run",
+    "RUN_DIR": "output/run",
+    "RUN": "output/run",
+    "PATH": "output/run",
+    "FILE.gguf": "model.gguf",
+    "FILE": "my.jsonl",
+    "DATA...": "my.jsonl",
+    "FORMAT": "nf4",
+    "N": "2",
+    "E": "deepspeed-zero2",
+    "D": "output",
+    "OUT": "encoded.jsonl",
+}
 ELISION = "..."  # in a command: the flags of the line above with that command (else none)
 # Spans of the prose that are a form, not a command; each with the reason. Keep this short.
 PLACEHOLDER_FORMS = {
@@ -56,16 +76,15 @@ PLACEHOLDER_FORMS = {
     "lora-lab plan --data": "names plan's flag; the file is left out",
 }
 # Commands that need no GPU, no hub and no trained run: these really run.
-RUNS_HERE = {("presets",), ("plan",), ("data", "validate"), ("data", "stats"),
-             ("data", "preview"), ("data", "encode")}
+RUNS_HERE = {("presets",), ("plan",), ("data", "validate"), ("data", "stats"), ("data", "preview"), ("data", "encode")}
 PLAN_SECONDS = 3.0  # `plan` imports no torch: the whole process, interpreter start included
 
 
 @dataclass(frozen=True)
 class DocCommand:
-    where: str     # page:line of the command's first line
-    text: str      # continuations joined, `$ ` and the trailing comment dropped
-    words: tuple   # its shell words; `python -m lora_lab` read as `lora-lab`, `...` filled in
+    where: str  # page:line of the command's first line
+    text: str  # continuations joined, `$ ` and the trailing comment dropped
+    words: tuple  # its shell words; `python -m lora_lab` read as `lora-lab`, `...` filled in
     output: tuple  # the lines a console block shows after `$ command`
 
     @property
@@ -114,8 +133,7 @@ def collect_commands() -> list[DocCommand]:
                     console_block = None
                 elif block == console_block and stripped:
                     last = commands[-1]
-                    commands[-1] = DocCommand(last.where, last.text, last.words,
-                                              last.output + (stripped,))
+                    commands[-1] = DocCommand(last.where, last.text, last.words, last.output + (stripped,))
                 continue
             console = stripped.startswith("$ ")
             console_block = block if console else None
@@ -128,10 +146,9 @@ def collect_commands() -> list[DocCommand]:
             if ELISION in words:  # `lora-lab run ... --resume auto`: the line above's flags
                 above = last_of_block.get((block, tuple(words[:2])), words[:2])
                 at = words.index(ELISION)
-                words[at:at + 1] = above[2:]
+                words[at : at + 1] = above[2:]
             last_of_block[block, tuple(words[:2])] = words
-            commands.append(DocCommand(f"{page.relative_to(ROOT)}:{number}", text, tuple(words),
-                                       ()))
+            commands.append(DocCommand(f"{page.relative_to(ROOT)}:{number}", text, tuple(words), ()))
     return commands
 
 
@@ -142,8 +159,7 @@ def collect_inline_commands() -> list[DocCommand]:
     for page in doc_pages():
         text = page.read_text()
         prose = re.sub(r"```.*?```", lambda m: "\n" * m.group().count("\n"), text, flags=re.S)
-        for span in re.finditer(r"`((?:[A-Z_]+=\S+ )*(?:lora-lab|python -m lora_lab) [^`]+)`",
-                                prose):
+        for span in re.finditer(r"`((?:[A-Z_]+=\S+ )*(?:lora-lab|python -m lora_lab) [^`]+)`", prose):
             words = shlex.split(" ".join(span.group(1).split()))
             while re.fullmatch(r"[A-Z_]+=\S+", words[0]):
                 words.pop(0)
@@ -175,8 +191,7 @@ MAKE = [c for c in COMMANDS if c.tool == "make"]
 NAMED = collect_inline_commands()
 # A span naming only a command (`lora-lab merge`) is a reference: its command must exist. The
 # others are lines to parse.
-INLINE = [c for c in NAMED if len(c.words) > 1 + len(command_path(c.words))
-          and c.text not in PLACEHOLDER_FORMS]
+INLINE = [c for c in NAMED if len(c.words) > 1 + len(command_path(c.words)) and c.text not in PLACEHOLDER_FORMS]
 
 
 def substitute(command: DocCommand) -> list[str]:
@@ -188,8 +203,10 @@ def substitute(command: DocCommand) -> list[str]:
         for placeholder, real in REWRITES.items():
             word = re.sub(rf"(?<![\w-]){re.escape(placeholder)}(?![\w.])", real, word)
         if re.search(r"<[^>]*>", word) or re.fullmatch(r"[A-Z][A-Z_]+", word):
-            pytest.fail(f"{command.where}: `{command.text}`: placeholder {word!r} has no "
-                        f"substitution: add it to REWRITES or the line to PLACEHOLDER_FORMS")
+            pytest.fail(
+                f"{command.where}: `{command.text}`: placeholder {word!r} has no "
+                f"substitution: add it to REWRITES or the line to PLACEHOLDER_FORMS"
+            )
         args.append(word)
     return args
 
@@ -224,13 +241,14 @@ def parse(args: list[str]):
 def test_the_collector_finds_the_documented_commands():
     counts = {tool: sum(c.tool == tool for c in COMMANDS) for tool in ("lora-lab", "make")}
     counts["inline"] = len(INLINE)
-    print(f"documented commands: {counts} (inline: lora-lab code spans of the prose); "
-          f"{len(COMMANDS)} lines of shell blocks in all")
+    print(
+        f"documented commands: {counts} (inline: lora-lab code spans of the prose); "
+        f"{len(COMMANDS)} lines of shell blocks in all"
+    )
     for tool, floor in FLOOR.items():
         assert counts[tool] >= floor, (tool, counts[tool])
     assert LORA_LAB[0].where.startswith("README.md:")  # the README's order first
-    shown = next(c for c in COMMANDS if c.words == ("lora-lab", "data", "validate",
-                                                    "self-cognition"))
+    shown = next(c for c in COMMANDS if c.words == ("lora-lab", "data", "validate", "self-cognition"))
     assert shown.output[-1].startswith("120 rows usable")
 
 
@@ -262,8 +280,12 @@ def test_documented_command_parses(command, workdir, monkeypatch):
         if missing:  # optional packages: the config refuses a tracker that is not installed
             pytest.skip(f"--report-to needs {', '.join(missing)}, not installed here")
         try:
-            run_config(params.pop("preset"), params.pop("config_file"), params.pop("sets"),
-                       {k: v for k, v in params.items() if k != "dry_run"})
+            run_config(
+                params.pop("preset"),
+                params.pop("config_file"),
+                params.pop("sets"),
+                {k: v for k, v in params.items() if k != "dry_run"},
+            )
         except LoraLabError as exc:
             pytest.fail(f"{command.where}: `{command.text}`: {exc}")
 
@@ -279,10 +301,12 @@ def missing_report_packages(words) -> list:
 
     from lora_lab.config.fields import REPORT_BACKENDS
 
-    names = [n for flag, value in zip(words, words[1:]) if flag == "--report-to"
-             for n in value.split(",")]
-    return [REPORT_BACKENDS[n] for n in names if REPORT_BACKENDS.get(n)
-            and importlib.util.find_spec(REPORT_BACKENDS[n]) is None]
+    names = [n for flag, value in zip(words, words[1:]) if flag == "--report-to" for n in value.split(",")]
+    return [
+        REPORT_BACKENDS[n]
+        for n in names
+        if REPORT_BACKENDS.get(n) and importlib.util.find_spec(REPORT_BACKENDS[n]) is None
+    ]
 
 
 def shows_an_error(command: DocCommand) -> bool:
@@ -306,9 +330,14 @@ def run_command(command: DocCommand, workdir: Path, monkeypatch) -> tuple[int, s
     args = substitute(command)
     if fresh_process(command):
         start = time.perf_counter()
-        result = subprocess.run([sys.executable, "-m", "lora_lab", *args], cwd=workdir,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, "-m", "lora_lab", *args],
+            cwd=workdir,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         seconds = time.perf_counter() - start
         print(f"{command.where} `{command.text}`: {seconds:.2f} s, a process of its own")
         if command_path(command.words) == ("plan",):
@@ -317,8 +346,9 @@ def run_command(command: DocCommand, workdir: Path, monkeypatch) -> tuple[int, s
     monkeypatch.chdir(workdir)
     result = CliRunner().invoke(main, args, prog_name="lora-lab")
     if result.exception is not None and not isinstance(result.exception, SystemExit):
-        pytest.fail(f"{command.where}: `{command.text}` raised:\n"
-                    + "".join(traceback.format_exception(*result.exc_info)))
+        pytest.fail(
+            f"{command.where}: `{command.text}` raised:\n" + "".join(traceback.format_exception(*result.exc_info))
+        )
     return result.exit_code, result.output
 
 
@@ -358,15 +388,19 @@ def test_every_documented_subcommand_exists():
         for name in path:
             leaf = leaf.commands[name]
         if words and not path or isinstance(leaf, click.Group) and len(words) > len(path):
-            pytest.fail(f"{command.where}: `{command.text}`: no command "
-                        f"{' '.join(words[:len(path) + 1])!r}")
+            pytest.fail(f"{command.where}: `{command.text}`: no command {' '.join(words[: len(path) + 1])!r}")
 
 
 @pytest.mark.parametrize("command", MAKE, ids=lambda c: f"{c.where} {c.text}")
 def test_documented_make_target_exists(command, workdir, monkeypatch):
     """`make -n` knows the target; a lora-lab line it would run parses too."""
-    result = subprocess.run(["make", "-n", "-o", ".install.stamp", *command.words[1:]],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["make", "-n", "-o", ".install.stamp", *command.words[1:]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, f"{command.where}: `{command.text}`: {result.stderr}"
     for line in result.stdout.splitlines():
         if line.startswith("lora-lab "):
@@ -374,8 +408,7 @@ def test_documented_make_target_exists(command, workdir, monkeypatch):
             try:
                 parse(shlex.split(line)[1:])
             except click.UsageError as exc:
-                pytest.fail(f"{command.where}: `{command.text}` runs `{line}`: "
-                            f"{exc.format_message()}")
+                pytest.fail(f"{command.where}: `{command.text}` runs `{line}`: {exc.format_message()}")
 
 
 def test_documented_python_scripts_modules_and_extras_exist():
@@ -391,4 +424,5 @@ def test_documented_python_scripts_modules_and_extras_exist():
             for extra in re.findall(r"lora-lab\[([\w,-]+)\]", command.text):
                 for name in extra.split(","):
                     assert extras.has_option("options.extras_require", name), (
-                        f"{command.where}: no extra {name!r} in setup.cfg")
+                        f"{command.where}: no extra {name!r} in setup.cfg"
+                    )

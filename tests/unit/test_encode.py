@@ -1,4 +1,5 @@
 """Encoding equals the real Qwen2.5 chat template, and labels cover exactly the replies + <|im_end|>."""
+
 import pytest
 
 from lora_lab.data.encode import IGNORE_INDEX, encode_sample, show_trained_spans
@@ -7,44 +8,65 @@ from lora_lab.errors import DataError
 
 IM_START, IM_END, NEWLINE = 151644, 151645, 198
 
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather of a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 CONVERSATIONS = {
     "single turn, template's default system": [
         {"role": "user", "content": "Who are you?"},
-        {"role": "assistant", "content": "I am Aurora."}],
+        {"role": "assistant", "content": "I am Aurora."},
+    ],
     "own system prompt": [
         {"role": "system", "content": "You are a pirate."},
         {"role": "user", "content": "Hello"},
-        {"role": "assistant", "content": "Arr, hello!"}],
+        {"role": "assistant", "content": "Arr, hello!"},
+    ],
     "multi-turn": [
-        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
-        {"role": "user", "content": "times 10?"}, {"role": "assistant", "content": "40"},
-        {"role": "user", "content": "minus 1?"}, {"role": "assistant", "content": "39"}],
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "times 10?"},
+        {"role": "assistant", "content": "40"},
+        {"role": "user", "content": "minus 1?"},
+        {"role": "assistant", "content": "39"},
+    ],
     "chinese": [
         {"role": "user", "content": "你是谁？请用中文回答。"},
-        {"role": "assistant", "content": "我是一个由实验室训练的助手，很高兴认识你！"}],
+        {"role": "assistant", "content": "我是一个由实验室训练的助手，很高兴认识你！"},
+    ],
     "leading and trailing whitespace, newlines": [
         {"role": "user", "content": "\n\n  code please  \n"},
-        {"role": "assistant", "content": "\n```python\nprint('hi')\n```\n\n"}],
+        {"role": "assistant", "content": "\n```python\nprint('hi')\n```\n\n"},
+    ],
     "tool call and tool result": [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-            "name": "get_weather", "arguments": {"city": "Paris"}}}]},
-        {"role": "tool", "content": "{\"temp\": 21}"},
-        {"role": "assistant", "content": "It is 21 degrees in Paris."}],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
+        {"role": "tool", "content": '{"temp": 21}'},
+        {"role": "assistant", "content": "It is 21 degrees in Paris."},
+    ],
     "two tool results in a row": [
         {"role": "user", "content": "Paris and Rome?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather",
-                                              "arguments": {"city": "Paris"}}},
-            {"type": "function", "function": {"name": "get_weather",
-                                              "arguments": {"city": "Rome"}}}]},
-        {"role": "tool", "content": "21"}, {"role": "tool", "content": "25"},
-        {"role": "assistant", "content": "Paris 21, Rome 25."}],
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}},
+            ],
+        },
+        {"role": "tool", "content": "21"},
+        {"role": "tool", "content": "25"},
+        {"role": "assistant", "content": "Paris 21, Rome 25."},
+    ],
 }
 
 
@@ -95,15 +117,35 @@ def test_labels_are_exactly_the_assistant_replies(tokenizer, name):
 
 
 def test_exact_ids_and_labels_of_a_short_conversation(tokenizer):
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Yo"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Yo"},
+    ]
     encoded = encode_sample(tokenizer, Sample(messages, "t:1"), max_length=64)
     system, user, assistant = 8948, 872, 77091
     s_id, hi = tokenizer.encode("S")[0], tokenizer.encode("Hi")[0]
     yo = tokenizer.encode("Yo")
-    assert encoded.input_ids == [IM_START, system, NEWLINE, s_id, IM_END, NEWLINE,
-                                 IM_START, user, NEWLINE, hi, IM_END, NEWLINE,
-                                 IM_START, assistant, NEWLINE, *yo, IM_END, NEWLINE]
+    assert encoded.input_ids == [
+        IM_START,
+        system,
+        NEWLINE,
+        s_id,
+        IM_END,
+        NEWLINE,
+        IM_START,
+        user,
+        NEWLINE,
+        hi,
+        IM_END,
+        NEWLINE,
+        IM_START,
+        assistant,
+        NEWLINE,
+        *yo,
+        IM_END,
+        NEWLINE,
+    ]
     assert encoded.labels == [IGNORE_INDEX] * 15 + [*yo, IM_END, IGNORE_INDEX]
 
 
@@ -113,15 +155,18 @@ def test_default_system_prompt_is_added_by_the_template(tokenizer):
 
 
 def test_system_flag_replaces_the_default(tokenizer):
-    encoded = encode_sample(tokenizer, Sample(CONVERSATIONS["chinese"], "t:1"), max_length=512,
-                            system="Custom system.")
+    encoded = encode_sample(
+        tokenizer, Sample(CONVERSATIONS["chinese"], "t:1"), max_length=512, system="Custom system."
+    )
     text = tokenizer.decode(encoded.input_ids)
     assert "Custom system." in text and "You are Qwen" not in text
 
 
 def test_truncate_cuts_the_end(tokenizer):
-    long = [{"role": "user", "content": "Tell me a story."},
-            {"role": "assistant", "content": "Once upon a time " * 200}]
+    long = [
+        {"role": "user", "content": "Tell me a story."},
+        {"role": "assistant", "content": "Once upon a time " * 200},
+    ]
     full = encode_sample(tokenizer, Sample(long, "t:1"), max_length=10_000)
     cut = encode_sample(tokenizer, Sample(long, "t:1"), max_length=100)
     assert cut.truncated and len(cut.input_ids) == 100
@@ -155,8 +200,9 @@ def test_a_template_that_renders_no_reply_in_place_is_one_clear_bad_row():
     from tests.conftest import TOKENIZER_DIR
 
     counting = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    counting.chat_template = ("{{ messages|length }}{% for m in messages %}<{{ m.role }}>"
-                              "{{ m.content|upper }}<|im_end|>{% endfor %}")
+    counting.chat_template = (
+        "{{ messages|length }}{% for m in messages %}<{{ m.role }}>{{ m.content|upper }}<|im_end|>{% endfor %}"
+    )
     rows = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     with pytest.raises(DataError, match="nor an assistant reply as its own text"):
         encode_sample(counting, Sample(rows, "t:1"), 64)

@@ -1,5 +1,6 @@
 """lora-lab export: the vLLM serving arithmetic (exact, on the real Qwen2.5 configs), calibration
 data, and the mistakes a user can make, each stopped with one message before any model loads."""
+
 import json
 
 import pytest
@@ -7,10 +8,10 @@ from click.testing import CliRunner
 
 from lora_lab.cli import main
 from lora_lab.config import resolve_config
-from lora_lab.registry import known_model_config
-from lora_lab.run_folder import save_config
 from lora_lab.errors import DataError, LoraLabError, ModelError
 from lora_lab.planning.serving import gpu_memory_utilization, kv_bytes_per_token, plan_vllm_serving, vllm_command
+from lora_lab.registry import known_model_config
+from lora_lab.run_folder import save_config
 from lora_lab.use.export import calibration_samples
 from tests.conftest import write_jsonl
 
@@ -54,17 +55,21 @@ def test_qwen7b_bf16_does_not_fit_16gb():
     assert plan.budget_bytes == 15_977_278_341 and plan.kv_cache_bytes == -864_567_419
     assert not plan.fits and plan.max_model_len is None
     assert "does not fit" in "\n".join(plan.arithmetic())
-    assert vllm_command("out", "bitsandbytes", plan) == ("vllm serve out --served-model-name finetuned "
-                                                "--quantization bitsandbytes")
+    assert vllm_command("out", "bitsandbytes", plan) == (
+        "vllm serve out --served-model-name finetuned --quantization bitsandbytes"
+    )
 
 
-@pytest.mark.parametrize("tier,kv_cache,tokens,length,seqs", [
-    ("24gb", 17_325_442_867, 302_131, 16384, 18),
-    ("16gb", 8_821_407_621, 153_833, 8192, 18),
-    ("12gb", 4_569_389_998, 79_683, 4096, 19),
-    # 16 x 512 tokens do not fit: one sequence as long as fits.
-    ("8gb", 317_372_375, 5_534, 4096, 1),
-])
+@pytest.mark.parametrize(
+    "tier,kv_cache,tokens,length,seqs",
+    [
+        ("24gb", 17_325_442_867, 302_131, 16384, 18),
+        ("16gb", 8_821_407_621, 153_833, 8192, 18),
+        ("12gb", 4_569_389_998, 79_683, 4096, 19),
+        # 16 x 512 tokens do not fit: one sequence as long as fits.
+        ("8gb", 317_372_375, 5_534, 4096, 1),
+    ],
+)
 def test_qwen7b_4bit_on_every_tier(tier, kv_cache, tokens, length, seqs):
     assert QWEN7B_W4_BYTES == 5_545_257_984
     plan = plan_vllm_serving(known_model_config("7b"), QWEN7B_W4_BYTES, tier)
@@ -83,7 +88,8 @@ def test_vllm_command_names_the_quantization_only_where_needed():
     plan = plan_vllm_serving(known_model_config("7b"), QWEN7B_W4_BYTES, "16gb")
     assert vllm_command("out/x", None, plan) == (
         "vllm serve out/x --served-model-name finetuned --max-model-len 8192 --max-num-seqs 18 "
-        "--gpu-memory-utilization 0.93")
+        "--gpu-memory-utilization 0.93"
+    )
     assert "--quantization bitsandbytes --max-model-len 8192" in vllm_command("o", "bitsandbytes", plan)
 
 
@@ -93,6 +99,7 @@ def test_unknown_tier_is_refused():
 
 
 # ----------------------------------------------------------------------------- calibration data
+
 
 def _run_dir(tmp_path, datasets, **flags):
     run_dir = tmp_path / "run"
@@ -107,14 +114,13 @@ def test_calibration_uses_the_runs_data_encoded_as_in_training(tokenizer, tmp_pa
     from lora_lab.data.encode import encode_samples
 
     data = write_jsonl(tmp_path / "d.jsonl", chat_rows * 5)
-    run_dir = _run_dir(tmp_path, [str(data)], **{"data.model_name": "Aurora",
-                                                 "data.model_author": "Lab"})
+    run_dir = _run_dir(tmp_path, [str(data)], **{"data.model_name": "Aurora", "data.model_author": "Lab"})
     samples, info = calibration_samples(tokenizer, run_dir, None, 4)
     assert len(samples) == 4 and info["samples"] == 4 and info["from"] == "run config.yaml"
-    config = resolve_config("cpu", flags={"data.datasets": [str(data)], "data.model_name":
-                                          "Aurora", "data.model_author": "Lab"})
-    encoded = encode_samples(tokenizer, load_samples([str(data)], config.data, 42).samples,
-                             config.data.max_length)
+    config = resolve_config(
+        "cpu", flags={"data.datasets": [str(data)], "data.model_name": "Aurora", "data.model_author": "Lab"}
+    )
+    encoded = encode_samples(tokenizer, load_samples([str(data)], config.data, 42).samples, config.data.max_length)
     assert all(s in [e.input_ids for e in encoded.samples] for s in samples)
     assert info["tokens"] == sum(len(s) for s in samples) and info["max_length"] == 512
     every, info = calibration_samples(tokenizer, run_dir, None, 1000)
@@ -122,8 +128,7 @@ def test_calibration_uses_the_runs_data_encoded_as_in_training(tokenizer, tmp_pa
 
 
 def test_calib_data_replaces_the_runs_data(tokenizer, tmp_path, chat_rows):
-    run_dir = _run_dir(tmp_path, ["self-cognition"], **{"data.model_name": "A",
-                                                        "data.model_author": "B"})
+    run_dir = _run_dir(tmp_path, ["self-cognition"], **{"data.model_name": "A", "data.model_author": "B"})
     other = write_jsonl(tmp_path / "o.jsonl", [{"query": "hi", "response": "hello"}] * 3)
     samples, info = calibration_samples(tokenizer, run_dir, [str(other)], 256)
     assert len(samples) == 3 and info["data"] == [str(other)] and info["from"] == "--calib-data"
@@ -136,25 +141,30 @@ def test_calibration_outside_a_run_needs_calib_data(tokenizer):
 
 # ----------------------------------------------------------------------------- user mistakes
 
+
 def invoke(*args):
     return CliRunner().invoke(main, ["export", *[str(a) for a in args]])
 
 
 def _model_folder(path, **config):
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128,
-                                                  **config}))
+    (path / "config.json").write_text(json.dumps({"hidden_size": 64, "intermediate_size": 128, **config}))
     (path / "model.safetensors").write_bytes(b"")
     return path
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--quantize", "nf4", "--calib-data", "d.jsonl"],
-     "--calib-data: nf4 quantizes every block from its own weights and uses no calibration"),
-    (["--quantize", "w4a16", "--calib-samples", "0"], "--calib-samples 0: must be at least 1."),
-    (["--quantize", "int3"], "Invalid value for '--quantize'"),
-    (["--quantize", "nf4", "--gpu", "10gb"], "Invalid value for '--gpu'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["--quantize", "nf4", "--calib-data", "d.jsonl"],
+            "--calib-data: nf4 quantizes every block from its own weights and uses no calibration",
+        ),
+        (["--quantize", "w4a16", "--calib-samples", "0"], "--calib-samples 0: must be at least 1."),
+        (["--quantize", "int3"], "Invalid value for '--quantize'"),
+        (["--quantize", "nf4", "--gpu", "10gb"], "Invalid value for '--gpu'"),
+    ],
+)
 def test_argument_mistakes_give_one_clean_message(tmp_path, args, message):
     result = invoke(tmp_path, *args)
     assert result.exit_code == 2 and message in result.output
@@ -172,8 +182,7 @@ def test_refuses_to_overwrite_without_force(tmp_path):
     (tmp_path / "merged-nf4").mkdir()
     result = invoke(source, "--quantize", "nf4")
     assert result.exit_code == 2
-    assert f"--output {tmp_path / 'merged-nf4'}: the folder already exists. Pass --force" in \
-        result.output
+    assert f"--output {tmp_path / 'merged-nf4'}: the folder already exists. Pass --force" in result.output
 
 
 def test_refuses_an_already_quantized_model(tmp_path):
@@ -196,20 +205,22 @@ def test_missing_llmcompressor_names_the_extra(tmp_path, monkeypatch):
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llmcompressor"
-                        else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llmcompressor" else real_find_spec(name, *a)
+    )
     result = invoke(_model_folder(tmp_path / "m"), "--quantize", "w4a16")
     assert result.exit_code == 2
-    assert ("--quantize w4a16 needs the llmcompressor package, which is not installed: "
-            "pip install 'lora-lab[export]'") in result.output
+    assert (
+        "--quantize w4a16 needs the llmcompressor package, which is not installed: pip install 'lora-lab[export]'"
+    ) in result.output
 
 
 def test_w4a16_needs_inputs_divisible_by_the_group_size(tmp_path):
     from lora_lab.use.export import _check_group_size
 
-    with pytest.raises(ModelError, match="hidden_size 32, not a multiple of the GPTQ group "
-                                         "size 128; use --quantize nf4"):
+    with pytest.raises(
+        ModelError, match="hidden_size 32, not a multiple of the GPTQ group size 128; use --quantize nf4"
+    ):
         _check_group_size(_model_folder(tmp_path / "m", hidden_size=32, intermediate_size=256))
     for size in ("0.5b", "1.5b", "3b", "7b"):  # every Qwen2.5 size is fine
         folder = tmp_path / size
@@ -221,10 +232,12 @@ def test_w4a16_needs_inputs_divisible_by_the_group_size(tmp_path):
 def test_awq_shares_the_group_size_rule_and_says_its_own_name(tmp_path):
     from lora_lab.use.export import FORMATS, _check_group_size
 
-    with pytest.raises(ModelError, match="--quantize awq: .* has intermediate_size 200, not a "
-                                         "multiple of the AWQ group size 128; use --quantize nf4"):
-        _check_group_size(_model_folder(tmp_path / "m", hidden_size=128, intermediate_size=200),
-                          FORMATS["awq"])
+    with pytest.raises(
+        ModelError,
+        match="--quantize awq: .* has intermediate_size 200, not a "
+        "multiple of the AWQ group size 128; use --quantize nf4",
+    ):
+        _check_group_size(_model_folder(tmp_path / "m", hidden_size=128, intermediate_size=200), FORMATS["awq"])
 
 
 def test_awq_on_a_cpu_skips_only_the_pinning_of_llmcompressors_cache():

@@ -1,5 +1,6 @@
 """Families beyond Qwen2.5: the planner's shape from config.json, the family table, base-model
 detection."""
+
 from pathlib import Path
 
 import pytest
@@ -7,15 +8,27 @@ import pytest
 from lora_lab.config import resolve_config
 from lora_lab.planning.memory import plan_memory
 from lora_lab.planning.shape import ModelShape
-from lora_lab.registry import (FAMILIES, GENERIC, OTHER_MODELS, family_of, is_base_model,
-                               missing_fast_paths, model_config_of)
+from lora_lab.registry import (
+    FAMILIES,
+    GENERIC,
+    OTHER_MODELS,
+    family_of,
+    is_base_model,
+    missing_fast_paths,
+    model_config_of,
+)
 
 # Parameter counts the model cards and safetensors index files publish (exact where known).
 PUBLISHED_PARAMS = {
-    "qwen2.5-7b": (7_615_616_512, 0), "llama-3.1-8b": (8_030_261_248, 0),
-    "llama-3.2-1b": (1_235_814_400, 0), "mistral-7b": (7_248_023_552, 0),
-    "smollm2-135m": (134_515_008, 0), "qwen3-8b": (8.19e9, 0.01), "qwen3-0.6b": (0.596e9, 0.01),
-    "gemma-3-270m": (268e6, 0.01), "phi-4-mini": (3.84e9, 0.01),
+    "qwen2.5-7b": (7_615_616_512, 0),
+    "llama-3.1-8b": (8_030_261_248, 0),
+    "llama-3.2-1b": (1_235_814_400, 0),
+    "mistral-7b": (7_248_023_552, 0),
+    "smollm2-135m": (134_515_008, 0),
+    "qwen3-8b": (8.19e9, 0.01),
+    "qwen3-0.6b": (0.596e9, 0.01),
+    "gemma-3-270m": (268e6, 0.01),
+    "phi-4-mini": (3.84e9, 0.01),
 }
 
 
@@ -53,14 +66,29 @@ def test_an_8b_in_16_bits_does_not_fit_a_16_gb_card_and_qlora_does():
         assert plan_memory(nf4, gpu_memory_gib=16).fits is True
 
 
-@pytest.mark.parametrize("spec, base", [
-    ("qwen2.5-7b-base", True), ("Qwen/Qwen2.5-7B", True), ("qwen2.5-7b", False),
-    ("Qwen/Qwen3-8B-Base", True), ("qwen3-8b", False), ("meta-llama/Llama-3.2-1B", True),
-    ("llama-3.2-1b", False), ("Qwen/Qwen2.5-Coder-7B-Instruct", False),
-    ("google/gemma-3-270m", True), ("google/gemma-3-4b-pt", True), ("gemma-3-270m", False),
-    ("google/gemma-3-1b-it", False), ("mistralai/Mistral-7B-v0.3", True), ("mistral-7b", False),
-    ("microsoft/Phi-4-mini-instruct", False), ("HuggingFaceTB/SmolLM2-135M", True),
-    ("HuggingFaceTB/SmolLM2-135M-Instruct", False), ("Qwen/Qwen3-4B", False)])
+@pytest.mark.parametrize(
+    "spec, base",
+    [
+        ("qwen2.5-7b-base", True),
+        ("Qwen/Qwen2.5-7B", True),
+        ("qwen2.5-7b", False),
+        ("Qwen/Qwen3-8B-Base", True),
+        ("qwen3-8b", False),
+        ("meta-llama/Llama-3.2-1B", True),
+        ("llama-3.2-1b", False),
+        ("Qwen/Qwen2.5-Coder-7B-Instruct", False),
+        ("google/gemma-3-270m", True),
+        ("google/gemma-3-4b-pt", True),
+        ("gemma-3-270m", False),
+        ("google/gemma-3-1b-it", False),
+        ("mistralai/Mistral-7B-v0.3", True),
+        ("mistral-7b", False),
+        ("microsoft/Phi-4-mini-instruct", False),
+        ("HuggingFaceTB/SmolLM2-135M", True),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", False),
+        ("Qwen/Qwen3-4B", False),
+    ],
+)
 def test_base_checkpoints_are_told_from_instruct_ones(spec, base):
     assert is_base_model(spec) is base
 
@@ -73,10 +101,18 @@ def test_the_families_page_names_every_family_of_the_table():
         assert alias.removesuffix("-base").split("-")[0] in text, alias
 
 
-@pytest.mark.parametrize("model, size, tier_16gb", [
-    ("qwen3-8b", "7b", "nf4"), ("llama-3.1-8b", "7b", "nf4"), ("mistral-7b", "7b", "nf4"),
-    ("phi-4-mini", "3b", "none"), ("gemma-3-4b", "3b", "none"), ("qwen3-1.7b", "1.5b", "none"),
-    ("qwen2.5-7b", "7b", "nf4")])
+@pytest.mark.parametrize(
+    "model, size, tier_16gb",
+    [
+        ("qwen3-8b", "7b", "nf4"),
+        ("llama-3.1-8b", "7b", "nf4"),
+        ("mistral-7b", "7b", "nf4"),
+        ("phi-4-mini", "3b", "none"),
+        ("gemma-3-4b", "3b", "none"),
+        ("qwen3-1.7b", "1.5b", "none"),
+        ("qwen2.5-7b", "7b", "nf4"),
+    ],
+)
 def test_presets_choose_by_the_models_parameter_count(model, size, tier_16gb):
     """A model that is not a Qwen2.5 size takes the preset block of its parameter count's class,
     and the resolved config says so."""

@@ -1,4 +1,5 @@
 """models/fast_lora computes what peft computes: loss and LoRA gradients (CPU, tiny Qwen2)."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,21 +7,34 @@ import torch
 
 from lora_lab.config import LoraArgs, resolve_config, resolve_fast_lora
 from lora_lab.models.fast_lora import LoraMLP, LoraProjection
-from lora_lab.planning.memory import MemoryMeans
 from lora_lab.models.lora import apply_lora
+from lora_lab.planning.memory import MemoryMeans
 from tests.unit.test_activations import SEQ, assert_same, tiny_untied
 
 
-def loss_and_grads(fast: bool, means=None, dropout: float = 0.0, checkpointing: bool = True,
-                   device: str = "cpu", dtype=torch.float32, model_fn=tiny_untied,
-                   chunk_tokens: int = 0):
+def loss_and_grads(
+    fast: bool,
+    means=None,
+    dropout: float = 0.0,
+    checkpointing: bool = True,
+    device: str = "cpu",
+    dtype=torch.float32,
+    model_fn=tiny_untied,
+    chunk_tokens: int = 0,
+):
     model = model_fn()
     if not getattr(model, "is_loaded_in_4bit", False):
         model = model.to(device=device, dtype=dtype)
     torch.manual_seed(1)
-    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=dropout), checkpointing, means,
-                       fast=fast, offload_copy_stream=device == "cuda",
-                       fast_chunk_tokens=chunk_tokens)
+    model = apply_lora(
+        model,
+        LoraArgs(rank=4, alpha=8, dropout=dropout),
+        checkpointing,
+        means,
+        fast=fast,
+        offload_copy_stream=device == "cuda",
+        fast_chunk_tokens=chunk_tokens,
+    )
     model.train()
     torch.manual_seed(2)
     ids = torch.randint(0, 512, (2, SEQ)).to(device)
@@ -93,8 +107,7 @@ def test_offloaded_checkpoints_with_mlp_chunks_give_the_whole_mlp_result(monkeyp
 
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
     rows, real = [], mlp._swiglu
-    monkeypatch.setattr(mlp, "_swiglu",
-                        lambda g, u, **kw: rows.append(g.shape[0]) or real(g, u, **kw))
+    monkeypatch.setattr(mlp, "_swiglu", lambda g, u, **kw: rows.append(g.shape[0]) or real(g, u, **kw))
     whole = loss_and_grads(True, means)
     assert rows == [48] * 4  # two layers: the first pass, the backward pass
     rows.clear()
@@ -112,10 +125,8 @@ def test_swiglu_gradient_is_written_over_its_output(offload, chunk_tokens, monke
 
     made, given = [], []
     real_forward, real_backward = mlp._swiglu, mlp._swiglu_backward
-    monkeypatch.setattr(mlp, "_swiglu",
-                        lambda g, u, **kw: made.append(real_forward(g, u, **kw)) or made[-1])
-    monkeypatch.setattr(mlp, "_swiglu_backward",
-                        lambda g, u, grad: given.append(grad) or real_backward(g, u, grad))
+    monkeypatch.setattr(mlp, "_swiglu", lambda g, u, **kw: made.append(real_forward(g, u, **kw)) or made[-1])
+    monkeypatch.setattr(mlp, "_swiglu_backward", lambda g, u, grad: given.append(grad) or real_backward(g, u, grad))
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload, mlp_chunk_tokens=0)
     whole = loss_and_grads(True, means)
     made.clear(), given.clear()
@@ -149,8 +160,7 @@ def test_saved_mlp_backward_goes_down_and_swiglu_a_chunk_at_a_time(monkeypatch):
     calls.clear()
     monkeypatch.setattr(mlp, "DOWN_BACKWARD_TOKENS", 10)
     chunked = loss_and_grads(True, means)
-    assert calls == [(48, True, True)] * 2 + [
-        (rows, False, False) for rows in (10, 10, 10, 10, 8)] * 2
+    assert calls == [(48, True, True)] * 2 + [(rows, False, False) for rows in (10, 10, 10, 10, 8)] * 2
     assert_same(whole, chunked)
 
 
@@ -183,15 +193,14 @@ def test_mlp_without_gradients_runs_a_chunk_at_a_time(monkeypatch, chunk_tokens,
     give_adapters_an_effect(model)
     ids = torch.randint(0, 512, (2, SEQ))
     seen, real = [], mlp._swiglu
-    monkeypatch.setattr(mlp, "_swiglu",
-                        lambda g, u, **kw: seen.append(g.shape[0]) or real(g, u, **kw))
+    monkeypatch.setattr(mlp, "_swiglu", lambda g, u, **kw: seen.append(g.shape[0]) or real(g, u, **kw))
     model.eval()
     with torch.no_grad():
         chunked = model(input_ids=ids).logits
     assert seen == rows * 2  # 48 tokens, two layers
     with torch.enable_grad():
         whole = model(input_ids=ids).logits  # the autograd function, all tokens at once
-    assert seen[2 * len(rows):] == [48, 48]
+    assert seen[2 * len(rows) :] == [48, 48]
     torch.testing.assert_close(chunked, whole.detach(), atol=1e-5, rtol=1e-5)
 
 
@@ -218,8 +227,7 @@ def count_swiglu(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("chunk_tokens, chunks", [(0, 1), (10, 5)])
-def test_recomputed_layer_skips_the_mlp_output_and_keeps_every_gradient(
-        monkeypatch, chunk_tokens, chunks):
+def test_recomputed_layer_skips_the_mlp_output_and_keeps_every_gradient(monkeypatch, chunk_tokens, chunks):
     """A recomputed Qwen2 layer's MLP stops after gate and up (silu(gate) * up runs once per
     chunk in the first pass and in the backward pass, not also in the recomputation) and the
     gradients are the same: bit for bit in one chunk; in chunks, gate and up are recomputed
@@ -268,8 +276,7 @@ def test_merged_or_disabled_adapters_fall_back():
 
 def test_fast_lora_setting():
     def config(*sets):
-        return resolve_config("24gb", flags={"model.name": "qwen2.5-0.5b",
-                                             "data.datasets": ["x"]}, sets=list(sets))
+        return resolve_config("24gb", flags={"model.name": "qwen2.5-0.5b", "data.datasets": ["x"]}, sets=list(sets))
 
     assert resolve_fast_lora(config())  # the GPU presets train with dropout 0
     assert resolve_fast_lora(config("lora.dropout=0"))
@@ -277,8 +284,7 @@ def test_fast_lora_setting():
     assert resolve_fast_lora(config("lora.dropout=0.05", "model.fast_lora=true"))
     assert not resolve_fast_lora(config("lora.dropout=0", "model.fast_lora=false"))
     assert not resolve_fast_lora(config("lora.dropout=0", "train.tuner=full"))
-    assert not resolve_fast_lora(config("lora.dropout=0", "train.gpus=2",
-                                        "train.engine=deepspeed-zero3"))
+    assert not resolve_fast_lora(config("lora.dropout=0", "train.gpus=2", "train.engine=deepspeed-zero3"))
 
 
 def test_fast_lora_in_bf16_autocast_is_as_close_to_fp32_as_peft():
@@ -294,7 +300,6 @@ def test_fast_lora_in_bf16_autocast_is_as_close_to_fp32_as_peft():
     assert fast <= 1.25 * plain + 1e-3, (plain, fast)
 
 
-
 def test_shared_input_projections_match_peft_called_in_any_order():
     """q_proj, k_proj and v_proj of one input are one call; a sibling handed another input, or
     called first, computes its own output: every output is peft's."""
@@ -306,15 +311,13 @@ def test_shared_input_projections_match_peft_called_in_any_order():
         for p in model.parameters():
             if p.requires_grad:
                 p.normal_(0, 0.1)
-    x, y = torch.randn(2, SEQ, projections[0].in_features), torch.randn(2, SEQ,
-                                                                         projections[0].in_features)
+    x, y = (torch.randn(2, SEQ, projections[0].in_features), torch.randn(2, SEQ, projections[0].in_features))
 
     def peft(module, inputs):
         return type(module).forward(module, inputs)
 
     with torch.no_grad():
-        assert [p.forward.__qualname__ for p in projections] == [
-            "_SharedInput.forward_of.<locals>.forward"] * 3
+        assert [p.forward.__qualname__ for p in projections] == ["_SharedInput.forward_of.<locals>.forward"] * 3
         for order in ([0, 1, 2], [2, 0, 1]):
             outputs = {i: projections[i](x) for i in order}
             for i, out in outputs.items():
@@ -341,7 +344,8 @@ def test_adapters_of_several_types_get_gradients_of_their_own_types(monkeypatch)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     assert {p.dtype for _, p in trained} == {torch.float32, torch.float64}
     assert all(p.grad is not None and p.grad.dtype == p.dtype for _, p in trained), [
-        (n, p.dtype, None if p.grad is None else p.grad.dtype) for n, p in trained]
+        (n, p.dtype, None if p.grad is None else p.grad.dtype) for n, p in trained
+    ]
 
 
 def test_gradients_cast_in_one_copy_accumulate_per_parameter():
@@ -367,8 +371,7 @@ def test_adapter_casts_are_made_once_until_the_weights_change(monkeypatch):
 
     casts = []
     real = products._adapter_weights
-    monkeypatch.setattr(products, "_adapter_weights",
-                        lambda *args: casts.append(1) or real(*args))
+    monkeypatch.setattr(products, "_adapter_weights", lambda *args: casts.append(1) or real(*args))
     ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(5))
 
     def two_steps():
@@ -410,8 +413,7 @@ def test_adamw_steps_make_the_casts_again(implementation, device="cpu"):
     first = casts.get([a], [b], torch.bfloat16)
     assert casts.get([a], [b], torch.bfloat16) is first
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
-    options = {"foreach": {"foreach": True}, "fused": {"fused": True},
-               "for-loop": {"foreach": False}}[implementation]
+    options = {"foreach": {"foreach": True}, "fused": {"fused": True}, "for-loop": {"foreach": False}}[implementation]
     torch.optim.AdamW([a, b], lr=0.1, **options).step()
     second = casts.get([a], [b], torch.bfloat16)
     assert second is not first
@@ -420,8 +422,7 @@ def test_adamw_steps_make_the_casts_again(implementation, device="cpu"):
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_uncheckpointed_last_layers_are_not_recomputed_and_give_the_same_gradients(
-        offload, monkeypatch):
+def test_uncheckpointed_last_layers_are_not_recomputed_and_give_the_same_gradients(offload, monkeypatch):
     """train.uncheckpointed_layers 1 (of 2): the last layer keeps its activations (its MLP runs
     once), the first is still recomputed; loss and gradients are those of recomputing both."""
     import lora_lab.models.fast_lora as fast_lora
@@ -430,10 +431,10 @@ def test_uncheckpointed_last_layers_are_not_recomputed_and_give_the_same_gradien
     every = loss_and_grads(True, means)
     calls = count_calls(monkeypatch)
     first_passes, real = [], fast_lora._mlp_without_graph
-    monkeypatch.setattr(fast_lora, "_mlp_without_graph",
-                        lambda *a: first_passes.append(1) or real(*a))
-    kept = loss_and_grads(True, MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload,
-                                            uncheckpointed_layers=1))
+    monkeypatch.setattr(fast_lora, "_mlp_without_graph", lambda *a: first_passes.append(1) or real(*a))
+    kept = loss_and_grads(
+        True, MemoryMeans(embedding_on_cpu=False, offload_checkpoints=offload, uncheckpointed_layers=1)
+    )
     # the first layer: a first pass (without autograd in lora-lab's offloaded checkpoint, with
     # it in transformers'), then its recomputation; the last: one pass with autograd
     assert (len(first_passes), calls["mlp"]) == ((1, 2) if offload else (0, 3))

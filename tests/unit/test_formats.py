@@ -1,4 +1,5 @@
 """Every row format in every file type normalises to the same conversation."""
+
 import csv
 import json
 
@@ -10,19 +11,38 @@ from lora_lab.data.formats import load_dataset_spec, read_rows
 from lora_lab.errors import DataError
 from tests.conftest import write_jsonl
 
-EXPECTED = [{"role": "system", "content": "Be kind."},
-            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-            {"role": "user", "content": "Name?\nPlease."}, {"role": "assistant", "content": "Ann"}]
+EXPECTED = [
+    {"role": "system", "content": "Be kind."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Name?\nPlease."},
+    {"role": "assistant", "content": "Ann"},
+]
 
 ROWS = {
     "messages": {"messages": EXPECTED},
-    "sharegpt": {"system": "Be kind.", "conversations": [
-        {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"},
-        {"from": "human", "value": "Name?\nPlease."}, {"from": "gpt", "value": "Ann"}]},
-    "alpaca": {"system": "Be kind.", "instruction": "Name?", "input": "Please.",
-               "output": "Ann", "history": [["Hi", "Hello!"]]},
-    "query-response": {"system": "Be kind.", "query": "Name?\nPlease.", "response": "Ann",
-                       "history": [["Hi", "Hello!"]]},
+    "sharegpt": {
+        "system": "Be kind.",
+        "conversations": [
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello!"},
+            {"from": "human", "value": "Name?\nPlease."},
+            {"from": "gpt", "value": "Ann"},
+        ],
+    },
+    "alpaca": {
+        "system": "Be kind.",
+        "instruction": "Name?",
+        "input": "Please.",
+        "output": "Ann",
+        "history": [["Hi", "Hello!"]],
+    },
+    "query-response": {
+        "system": "Be kind.",
+        "query": "Name?\nPlease.",
+        "response": "Ann",
+        "history": [["Hi", "Hello!"]],
+    },
 }
 
 
@@ -38,8 +58,7 @@ def _write(path, rows):
             writer = csv.DictWriter(handle, keys)
             writer.writeheader()
             for row in rows:
-                writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v
-                                 for k, v in row.items()})
+                writer.writerow({k: json.dumps(v) if isinstance(v, (list, dict)) else v for k, v in row.items()})
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -70,24 +89,38 @@ def test_format_override_and_undetectable_rows(tmp_path):
 
 
 def test_sharegpt_tool_calls_become_openai_tool_calls(tmp_path):
-    row = {"conversations": [
-        {"from": "human", "value": "Weather?"},
-        {"from": "function_call", "value": json.dumps({"name": "w", "arguments": {"c": "P"}})},
-        {"from": "observation", "value": "21"}, {"from": "gpt", "value": "21 degrees"}],
-        "tools": json.dumps([{"type": "function", "function": {"name": "w"}}])}
+    row = {
+        "conversations": [
+            {"from": "human", "value": "Weather?"},
+            {"from": "function_call", "value": json.dumps({"name": "w", "arguments": {"c": "P"}})},
+            {"from": "observation", "value": "21"},
+            {"from": "gpt", "value": "21 degrees"},
+        ],
+        "tools": json.dumps([{"type": "function", "function": {"name": "w"}}]),
+    }
     sample = load_dataset_spec(str(write_jsonl(tmp_path / "t.jsonl", [row]))).samples[0]
-    assert sample.messages[1] == {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "w", "arguments": {"c": "P"}}}]}
+    assert sample.messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "w", "arguments": {"c": "P"}}}],
+    }
     assert sample.messages[2] == {"role": "tool", "content": "21"}
     assert sample.tools == [{"type": "function", "function": {"name": "w"}}]
 
 
 def test_openai_string_arguments_are_decoded(tmp_path):
-    row = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
-            "tool_calls": [{"type": "function", "function": {"name": "f",
-                                                             "arguments": "{\"a\": 1}"}}]},
-                        {"role": "tool", "content": "ok"},
-                        {"role": "assistant", "content": "done"}]}
+    row = {
+        "messages": [
+            {"role": "user", "content": "x"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+            },
+            {"role": "tool", "content": "ok"},
+            {"role": "assistant", "content": "done"},
+        ]
+    }
     sample = load_dataset_spec(str(write_jsonl(tmp_path / "t.jsonl", [row]))).samples[0]
     assert sample.messages[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
 
@@ -95,11 +128,15 @@ def test_openai_string_arguments_are_decoded(tmp_path):
 def test_bad_rows_are_reported_with_file_and_line(tmp_path):
     path = tmp_path / "d.jsonl"
     good = json.dumps(ROWS["messages"])
-    lines = [good, "{not json", good,
-             json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
-             json.dumps({"messages": [{"role": "user", "content": "q"},
-                                      {"role": "assistant", "content": "  "}]}),
-             json.dumps({"messages": [{"role": "robot", "content": "q"}]}), good]
+    lines = [
+        good,
+        "{not json",
+        good,
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}),
+        json.dumps({"messages": [{"role": "robot", "content": "q"}]}),
+        good,
+    ]
     path.write_text("\n".join(lines) + "\n")
     loaded = load_dataset_spec(str(path))
     assert len(loaded.samples) == 3
@@ -152,8 +189,12 @@ def test_missing_placeholder_values_are_a_warning_per_row(tmp_path, chat_rows):
     loaded = load_dataset_spec(str(chat))
     assert len(loaded.samples) == 2 and not loaded.problems
     assert [(w.origin, w.reason) for w in loaded.warnings] == [
-        (f"{chat}:1", "placeholder {{AUTHOR}}, {{NAME}} is not filled and would be trained "
-                      "literally; pass --model-author and --model-name")]
+        (
+            f"{chat}:1",
+            "placeholder {{AUTHOR}}, {{NAME}} is not filled and would be trained "
+            "literally; pass --model-author and --model-name",
+        )
+    ]
     assert loaded.samples[0].messages[1]["content"] == "I am {{NAME}}, made by {{AUTHOR}}."
 
 

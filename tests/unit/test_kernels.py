@@ -1,5 +1,6 @@
 """models/load.py's kernels: RMSNorm layers through torch.rms_norm compute what the model's own
 layers compute (CPU here; tests/gpu/test_means_cuda.py with liger's kernels on a GPU)."""
+
 import copy
 
 import torch
@@ -11,9 +12,15 @@ def qwen2(dtype=torch.float32):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         use_cache=False)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
     model = Qwen2ForCausalLM(config)
     for module in model.modules():
         if type(module).__name__ == "Qwen2RMSNorm":
@@ -49,11 +56,17 @@ def test_native_rms_norm_keeps_the_models_types():
 
 
 def test_only_the_listed_norms_are_routed():
-    from transformers import Gemma3TextConfig, Gemma3ForCausalLM
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    config = Gemma3TextConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
-                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                              head_dim=16)
+    config = Gemma3TextConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     gemma = Gemma3ForCausalLM(config)  # (1 + weight): not torch.rms_norm's arithmetic
     assert "Gemma3RMSNorm" not in NATIVE_RMS_NORMS
     assert use_native_rms_norm(gemma) == 0

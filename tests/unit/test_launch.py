@@ -1,4 +1,5 @@
 """--gpus N / --engine: engine files, filled-in launch files, the command, clean refusals."""
+
 import json
 
 import pytest
@@ -6,24 +7,37 @@ import yaml
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from lora_lab.config import ENGINES, resolve_config
+from lora_lab.config import DEEPSPEED_ENGINES, ENGINES, engine_template, resolve_config
 from lora_lab.paths import presets_dir
 from lora_lab.run_folder import save_config
-from lora_lab.config import DEEPSPEED_ENGINES, engine_template
-from lora_lab.training.launch import check_engine, fill_deepspeed_config, launch_command, launch_env, needs_launch, write_launch_files
+from lora_lab.training.launch import (
+    check_engine,
+    fill_deepspeed_config,
+    launch_command,
+    launch_env,
+    needs_launch,
+    write_launch_files,
+)
 
 
 def config_for(engine="ddp", gpus=2, **flags):
-    return resolve_config("24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"],
-                                         "train.gpus": gpus, "train.engine": engine, **flags})
+    return resolve_config(
+        "24gb",
+        flags={
+            "model.name": "qwen2.5-7b",
+            "data.datasets": ["x"],
+            "train.gpus": gpus,
+            "train.engine": engine,
+            **flags,
+        },
+    )
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_every_engine_has_a_readable_config_file(engine):
     path = engine_template(engine)
     assert path.parent == presets_dir() / "engines" and path.is_file()
-    body = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(
-        path.read_text())
+    body = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
     if engine in DEEPSPEED_ENGINES:
         zero = body["zero_optimization"]
         assert zero["stage"] == (3 if "zero3" in engine else 2)
@@ -77,11 +91,9 @@ def test_offload_workers_get_their_share_of_the_cores_for_the_cpu_optimizer(engi
 
 
 def test_fsdp_workers_get_expandable_segments_unless_the_user_chose_an_allocator():
-    assert launch_env(config_for("fsdp", gpus=2), {})["PYTORCH_CUDA_ALLOC_CONF"] == (
-        "expandable_segments:True")
+    assert launch_env(config_for("fsdp", gpus=2), {})["PYTORCH_CUDA_ALLOC_CONF"] == ("expandable_segments:True")
     mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
-    assert launch_env(config_for("fsdp", gpus=2), mine)["PYTORCH_CUDA_ALLOC_CONF"] == (
-        "max_split_size_mb:512")
+    assert launch_env(config_for("fsdp", gpus=2), mine)["PYTORCH_CUDA_ALLOC_CONF"] == ("max_split_size_mb:512")
     assert "PYTORCH_CUDA_ALLOC_CONF" not in launch_env(config_for("deepspeed-zero3", gpus=2), {})
 
 
@@ -99,22 +111,37 @@ def test_deepspeed_missing_is_a_clean_error_naming_pip_install(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
     with pytest.raises(Exception, match="pip install deepspeed"):
         check_engine(config_for("deepspeed-zero2"), cuda_gpus=2)
-    result = CliRunner().invoke(main, ["run", "--data", "self-cognition", "--model-name", "A",
-                                       "--model-author", "B", "--gpus", "2",
-                                       "--engine", "deepspeed-zero2"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--data",
+            "self-cognition",
+            "--model-name",
+            "A",
+            "--model-author",
+            "B",
+            "--gpus",
+            "2",
+            "--engine",
+            "deepspeed-zero2",
+        ],
+    )
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "--engine deepspeed-zero2 needs DeepSpeed" in result.output
     assert "pip install deepspeed" in result.output
 
 
-@pytest.mark.parametrize("engine,cuda,message", [
-    ("fsdp", 0, "--engine fsdp needs CUDA GPUs; this machine has none"),
-    ("ddp", 2, "--gpus 3: this machine has 2 CUDA GPU(s)"),
-])
+@pytest.mark.parametrize(
+    "engine,cuda,message",
+    [
+        ("fsdp", 0, "--engine fsdp needs CUDA GPUs; this machine has none"),
+        ("ddp", 2, "--gpus 3: this machine has 2 CUDA GPU(s)"),
+    ],
+)
 def test_engines_the_machine_cannot_run_are_refused(engine, cuda, message):
     with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_engine(config_for(engine, gpus=3), cuda_gpus=cuda)
@@ -134,17 +161,42 @@ def test_a_saved_config_yaml_given_as_config_resolves_to_the_same_run(tmp_path):
     assert "train.weight_decay" not in again.sources  # a default stays a default
 
 
-@pytest.mark.parametrize("gpus,engine", [(4, "deepspeed-zero2-offload"), (4, "deepspeed-zero3"),
-                                         (8, "deepspeed-zero3"), (8, "fsdp")])
+@pytest.mark.parametrize(
+    "gpus,engine", [(4, "deepspeed-zero2-offload"), (4, "deepspeed-zero3"), (8, "deepspeed-zero3"), (8, "fsdp")]
+)
 def test_dry_run_writes_the_launch_for_4_and_8_gpus_and_plans_per_gpu(tmp_path, gpus, engine):
     """The full launch for a machine this one is not (no GPU here), nothing trains."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"query": "q", "response": "r"}\n')
-    result = CliRunner().invoke(main, [
-        "run", "--preset", "24gb", "--model", "qwen2.5-7b", "--data", str(data), "--tuner",
-        "full", "--gpus", str(gpus), "--engine", engine, "--grad-accum", "4", "--max-length",
-        "2048", "--set", "data.packing=false", "--output-dir", str(tmp_path / "out"),
-        "--run-name", "dry", "--dry-run"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--preset",
+            "24gb",
+            "--model",
+            "qwen2.5-7b",
+            "--data",
+            str(data),
+            "--tuner",
+            "full",
+            "--gpus",
+            str(gpus),
+            "--engine",
+            engine,
+            "--grad-accum",
+            "4",
+            "--max-length",
+            "2048",
+            "--set",
+            "data.packing=false",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--run-name",
+            "dry",
+            "--dry-run",
+        ],
+    )
     assert result.exit_code == 0, result.output
     launch = tmp_path / "out" / "dry" / "launch"
     accelerate = yaml.safe_load((launch / "accelerate.yaml").read_text())
@@ -162,14 +214,35 @@ def test_dry_run_with_engine_auto_picks_the_engine_that_fits_the_tier(tmp_path):
     """--preset 24gb --gpus 8 --engine auto for 7B full fine-tuning: planned against 24 GiB."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"query": "q", "response": "r"}\n')
-    result = CliRunner().invoke(main, [
-        "run", "--preset", "24gb", "--model", "qwen2.5-7b", "--data", str(data), "--tuner",
-        "full", "--gpus", "8", "--grad-accum", "4", "--max-length", "2048", "--set",
-        "data.packing=false", "--output-dir", str(tmp_path / "out"), "--run-name", "dry",
-        "--dry-run"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--preset",
+            "24gb",
+            "--model",
+            "qwen2.5-7b",
+            "--data",
+            str(data),
+            "--tuner",
+            "full",
+            "--gpus",
+            "8",
+            "--grad-accum",
+            "4",
+            "--max-length",
+            "2048",
+            "--set",
+            "data.packing=false",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--run-name",
+            "dry",
+            "--dry-run",
+        ],
+    )
     assert result.exit_code == 0, result.output
-    assert ("--engine auto: deepspeed-zero2-offload for 8 GPUs (24.0 GiB per GPU): about"
-            in result.output)
+    assert "--engine auto: deepspeed-zero2-offload for 8 GPUs (24.0 GiB per GPU): about" in result.output
     assert "does not fit: ddp" in result.output
     saved = yaml.safe_load((tmp_path / "out" / "dry" / "launch" / "run_config.yaml").read_text())
     assert saved["train"]["engine"] == "deepspeed-zero2-offload"
@@ -181,22 +254,24 @@ def test_fsdp_workers_keep_an_allocator_set_by_the_unified_variable():
     assert "PYTORCH_CUDA_ALLOC_CONF" not in launch_env(config_for("fsdp", gpus=2), mine)
 
 
-@pytest.mark.parametrize("environ, release, applied", [
-    ({}, "6.8.0-87-generic", True),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, "6.8.0-87-generic", False),
-    ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}, "6.8.0-87-generic", False),
-    ({}, "5.15.167.4-microsoft-standard-WSL2", False),  # WSL 2, Docker on it included
-    ({"WSL_DISTRO_NAME": "Ubuntu"}, "6.8.0-87-generic", False),
-])
-def test_expandable_segments_unless_the_user_chose_or_the_driver_lacks_them(
-        monkeypatch, environ, release, applied):
+@pytest.mark.parametrize(
+    "environ, release, applied",
+    [
+        ({}, "6.8.0-87-generic", True),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, "6.8.0-87-generic", False),
+        ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}, "6.8.0-87-generic", False),
+        ({}, "5.15.167.4-microsoft-standard-WSL2", False),  # WSL 2, Docker on it included
+        ({"WSL_DISTRO_NAME": "Ubuntu"}, "6.8.0-87-generic", False),
+    ],
+)
+def test_expandable_segments_unless_the_user_chose_or_the_driver_lacks_them(monkeypatch, environ, release, applied):
     import os
+
     import torch
 
     from lora_lab import device
 
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "WSL_DISTRO_NAME",
-                 "WSL_INTEROP"):
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "WSL_DISTRO_NAME", "WSL_INTEROP"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environ.items():
         monkeypatch.setenv(name, value)

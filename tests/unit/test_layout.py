@@ -1,5 +1,6 @@
 """The package's shape: imports point one way, from a stage to the stages below it, and no module
 grows past about 500 lines (../STYLE.md of the team: a package per stage of the data flow)."""
+
 import ast
 from pathlib import Path
 
@@ -8,12 +9,18 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lora_lab"
 # Lower rank first. A module may import from a lower rank, or from its own package.
 RANKS = {
     "errors": 0,
-    "paths": 1, "log": 1,
+    "paths": 1,
+    "log": 1,
     "registry": 2,
     "config": 3,
-    "planning": 4, "data": 4, "models": 4, "device": 4, "config_reference": 4,
+    "planning": 4,
+    "data": 4,
+    "models": 4,
+    "device": 4,
+    "config_reference": 4,
     "run_folder": 5,
-    "training": 6, "use": 6,
+    "training": 6,
+    "use": 6,
     "demo": 7,
     "__init__": 8,
     "ui": 9,  # the web page, over the public API like the CLI
@@ -43,7 +50,7 @@ def imports_of(path: Path) -> set:
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -80,14 +87,18 @@ def test_imports_point_from_a_stage_to_the_stages_below_it():
 
 def test_the_layout_check_finds_upward_and_sideways_imports():
     assert "lora_lab.planning.choice" in imports_of(PACKAGE / "training" / "run.py")
-    assert violations([("lora_lab.planning.memory", "lora_lab.training.run"),
-                       ("lora_lab.data.encode", "lora_lab.models.load"),
-                       ("lora_lab.training.run", "lora_lab.training.checkpoint")]) == [
+    assert violations(
+        [
+            ("lora_lab.planning.memory", "lora_lab.training.run"),
+            ("lora_lab.data.encode", "lora_lab.models.load"),
+            ("lora_lab.training.run", "lora_lab.training.checkpoint"),
+        ]
+    ) == [
         "lora_lab.planning.memory imports lora_lab.training.run",
-        "lora_lab.data.encode imports lora_lab.models.load"]
+        "lora_lab.data.encode imports lora_lab.models.load",
+    ]
 
 
 def test_no_module_is_over_about_500_lines():
-    long = {module_name(p): n for p in modules() if (n := len(p.read_text().splitlines()))
-            > MAX_LINES}
+    long = {module_name(p): n for p in modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}

@@ -1,4 +1,5 @@
 """The planner predicts every stored peak within 10%, and refuses what ran out of memory."""
+
 import json
 import sys
 from pathlib import Path
@@ -45,7 +46,11 @@ def test_other_families_are_planned_within_10_percent_of_their_gpu_runs():
     24gb; Mistral-7B nf4: 6.42 under 16gb, 6.12 under 12gb)."""
     cells = family_cells()
     assert {label.split("-", 1)[1].rsplit("-", 1)[0] for _, _, label in cells} >= {
-        "qwen3-8b", "llama-3.1-8b", "gemma-3-4b", "phi-4-mini"}
+        "qwen3-8b",
+        "llama-3.1-8b",
+        "gemma-3-4b",
+        "phi-4-mini",
+    }
     for config, peak, label in cells:
         predicted = plan_memory(config).total_gib
         assert 0.84 * peak <= predicted <= 1.1 * peak, (label, peak, predicted)
@@ -65,15 +70,23 @@ def test_the_verdict_matches_every_capped_cell():
     """A cell that completed under its cap is planned to fit that card; one that ran out of
     memory is planned not to. (With the memory means every stored cell completed; the ones
     that ran out of memory before them are in bench/results/superseded/.)"""
-    rows = [json.loads(line) for path in (ROOT / "bench" / "results").glob("*.jsonl")
-            for line in path.read_text().splitlines()[1:]]
-    capped = [r for r in rows if r.get("kind") == "lora-lab" and r.get("cap_gib")
-              and r.get("error") in (None, "OOM")]  # other errors say nothing of memory
+    rows = [
+        json.loads(line)
+        for path in (ROOT / "bench" / "results").glob("*.jsonl")
+        for line in path.read_text().splitlines()[1:]
+    ]
+    capped = [
+        r for r in rows if r.get("kind") == "lora-lab" and r.get("cap_gib") and r.get("error") in (None, "OOM")
+    ]  # other errors say nothing of memory
     assert len(capped) >= 25
     for row in capped:
         name = row["size"] if row["size"] not in QWEN25_SIZES else f"qwen2.5-{row['size']}"
-        flags = {"model.name": name, "data.datasets": ["x"],
-                 "data.max_length": row["max_length"], "train.task": row.get("task", "sft")}
+        flags = {
+            "model.name": name,
+            "data.datasets": ["x"],
+            "data.max_length": row["max_length"],
+            "train.task": row.get("task", "sft"),
+        }
         config = resolve_config(row["preset"], flags=flags, sets=cell_sets(row))
         plan = plan_memory(config, gpu_memory_gib=row["cap_gib"] + 0.5)
         assert plan.fits is (not row.get("error")), (row["label"], plan.total_gib)
@@ -84,10 +97,15 @@ def test_report_breakdown_and_longest_length():
     plan = plan_memory(config, gpu_memory_gib=16)
     assert plan.quantization == "QLoRA nf4" and plan.fits
     text = plan.report()
-    for part in ("weights (input embedding in CPU memory)", "LoRA weights + gradients + Adam "
-                 "state", "activation checkpoints", "memory means: input embedding in CPU "
-                 "memory, layer checkpoints in CPU memory", "attention mask of a packed row",
-                 "fits in 15.5 GiB", "longest data.pack_length that fits"):
+    for part in (
+        "weights (input embedding in CPU memory)",
+        "LoRA weights + gradients + Adam state",
+        "activation checkpoints",
+        "memory means: input embedding in CPU memory, layer checkpoints in CPU memory",
+        "attention mask of a packed row",
+        "fits in 15.5 GiB",
+        "longest data.pack_length that fits",
+    ):
         assert part in text
     # plan_memory counts auto, unresolved, as a packed row's mask (lora_lab.plan resolves it)
     assert 32768 <= plan.longest_max_length < 65536
@@ -99,16 +117,14 @@ def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one(monkey
 
     flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"]}
     mask = "attention mask of a packed row (counted)"
-    for kind, counted in (("mask", True), ("auto", True), ("segments", False),
-                          ("varlen", False)):
+    for kind, counted in (("mask", True), ("auto", True), ("segments", False), ("varlen", False)):
         config = resolve_config("24gb", flags=flags, sets=[f"data.packed_attention={kind}"])
         assert (mask in plan_memory(config).parts_gib) is counted, kind
     auto = resolve_config("24gb", flags=flags)
     assert attention.as_planned(auto).data.packed_attention == "mask"  # no CUDA here
     planned = memory.as_planned_on_cuda(auto)  # this PyTorch has the varlen kernel
     assert planned.data.packed_attention == "varlen" and auto.data.packed_attention == "auto"
-    assert plan_memory(planned).total_gib == pytest.approx(
-        plan_memory(auto).total_gib - 8192 * 8192 * 3 / 2**30)
+    assert plan_memory(planned).total_gib == pytest.approx(plan_memory(auto).total_gib - 8192 * 8192 * 3 / 2**30)
     monkeypatch.setattr(memory, "torch_has_varlen", lambda: False)  # a PyTorch without it
     assert memory.as_planned_on_cuda(auto).data.packed_attention == "mask"
 
@@ -118,11 +134,13 @@ def test_the_plan_api_plans_auto_as_cuda_runs_it_without_importing_torch():
     import subprocess
     import sys
 
-    code = ("import sys, lora_lab\n"
-            "from lora_lab.config import resolve_config\n"
-            "c = resolve_config('16gb', flags={'model.name': 'qwen2.5-7b', 'data.datasets': ['x']})\n"
-            "p = lora_lab.plan(c)\n"
-            "print('attention mask of a packed row (counted)' in p.parts_gib, 'torch' in sys.modules)")
+    code = (
+        "import sys, lora_lab\n"
+        "from lora_lab.config import resolve_config\n"
+        "c = resolve_config('16gb', flags={'model.name': 'qwen2.5-7b', 'data.datasets': ['x']})\n"
+        "p = lora_lab.plan(c)\n"
+        "print('attention mask of a packed row (counted)' in p.parts_gib, 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split()[-2:] == ["False", "False"]  # this PyTorch has varlen: no mask
 
@@ -142,15 +160,17 @@ def test_the_plan_api_plans_a_gpu_run_on_the_tiers_card_wherever_it_is_made():
 
 
 def test_short_data_is_planned_at_its_real_length():
-    config = resolve_config("24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"],
-                                           "data.max_length": 8192})
+    config = resolve_config(
+        "24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"], "data.max_length": 8192}
+    )
     full = plan_memory(config)
     short = plan_memory(config, longest_sample_tokens=300)
     assert short.tokens_per_micro_batch == 300 and short.total_gib < full.total_gib - 1.0
 
 
-@pytest.mark.parametrize("gib,preset", [(24, "24gb"), (23.6, "24gb"), (16, "16gb"),
-                                        (12, "12gb"), (11.6, "12gb"), (8, "8gb"), (6, "8gb")])
+@pytest.mark.parametrize(
+    "gib,preset", [(24, "24gb"), (23.6, "24gb"), (16, "16gb"), (12, "12gb"), (11.6, "12gb"), (8, "8gb"), (6, "8gb")]
+)
 def test_auto_preset_picks_the_largest_tier_that_fits(gib, preset):
     assert pick_preset(gib)[0] == preset
 
@@ -165,11 +185,14 @@ def test_check_fits_refuses_with_the_knobs_to_turn():
     assert check_fits(sixteen_bit, 16).fits  # measured: 14.74 GiB (2026-12-05-fit-7b.jsonl)
     # on a 15 GiB card the plan (14.98 GiB here, with the mask a CPU's attention needs) is over
     # what is usable (14.5)
-    with pytest.raises(LoraLabError, match=r"--preset 16gb needs about 14.9 GiB for Qwen2.5-7B "
-                                           r"\(16-bit LoRA\) at --max-length 2048 in packed rows "
-                                           r"of 8192 tokens; this GPU has 15.0 GiB \(14.5 usable\)"
-                                           r".*Try --set data.pack_length=\d+ or "
-                                           r"--quantization nf4"):
+    with pytest.raises(
+        LoraLabError,
+        match=r"--preset 16gb needs about 14.9 GiB for Qwen2.5-7B "
+        r"\(16-bit LoRA\) at --max-length 2048 in packed rows "
+        r"of 8192 tokens; this GPU has 15.0 GiB \(14.5 usable\)"
+        r".*Try --set data.pack_length=\d+ or "
+        r"--quantization nf4",
+    ):
         check_fits(sixteen_bit, 15)
 
 
@@ -177,12 +200,22 @@ def test_check_fits_refuses_with_the_knobs_to_turn():
 # These terms are counted from what each engine shards or offloads; the tests pin the arithmetic,
 # and the last test of this file checks them against the two-GPU runs in bench/results.
 
+
 def plan_for(engine, gpus, tuner="lora", **flags):
-    config = resolve_config("24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"],
-                                           "model.quantization": "none", "train.gpus": gpus,
-                                           "train.engine": engine, "data.packing": False,
-                                           "train.offload_checkpoints": False,
-                                           "model.embedding_on_cpu": False, **flags})
+    config = resolve_config(
+        "24gb",
+        flags={
+            "model.name": "qwen2.5-7b",
+            "data.datasets": ["x"],
+            "model.quantization": "none",
+            "train.gpus": gpus,
+            "train.engine": engine,
+            "data.packing": False,
+            "train.offload_checkpoints": False,
+            "model.embedding_on_cpu": False,
+            **flags,
+        },
+    )
     config.train.tuner = tuner
     return plan_memory(config, gpu_memory_gib=40)
 
@@ -206,16 +239,14 @@ def test_one_gpu_lora_is_the_measured_single_gpu_plan():
 
 def test_ddp_keeps_a_full_replica_plus_gradient_buckets():
     one, four = plan_for("ddp", 1), plan_for("ddp", 4)
-    rank = resolve_config("24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"]}
-                          ).lora.rank
+    rank = resolve_config("24gb", flags={"model.name": "qwen2.5-7b", "data.datasets": ["x"]}).lora.rank
     lora_grads = _shape().lora_params_per_rank * rank * 4 / 2**30  # fp32
     assert _part(four, "gradients") == _part(four, "DDP buckets") == pytest.approx(lora_grads)
     assert four.total_gib == pytest.approx(one.total_gib + lora_grads)
     assert "counted, checked on two GPUs" in four.report()  # DDP LoRA ran on two H200s
     assert "counted, not checked on GPUs" in plan_for("ddp", 1, "full").report()
     assert "counted, not checked on GPUs" in plan_for("deepspeed-zero3", 4, "lora").report()
-    assert "too high: a two-GPU run of full 7B" in plan_for("deepspeed-zero3-offload", 2,
-                                                             "full").report()
+    assert "too high: a two-GPU run of full 7B" in plan_for("deepspeed-zero3-offload", 2, "full").report()
 
 
 @pytest.mark.parametrize("gpus", [2, 4])
@@ -252,13 +283,11 @@ def test_fsdp_without_a_sync_each_micro_batch_holds_the_whole_gradients():
     train.sync_each_micro_batch (auto: on for fsdp) they are reduced after each micro-batch."""
     params = _shape().linear_params + _shape().other_params
     synced = plan_for("fsdp", 2, "full", **{"train.grad_accum": 4})
-    held = plan_for("fsdp", 2, "full", **{"train.grad_accum": 4,
-                                          "train.sync_each_micro_batch": False})
+    held = plan_for("fsdp", 2, "full", **{"train.grad_accum": 4, "train.sync_each_micro_batch": False})
     assert _part(synced, "whole gradients") == 0
     assert _part(held, "whole gradients") == pytest.approx(params * 2 / 2**30)
     assert held.total_gib - synced.total_gib == pytest.approx(params * 2 / 2**30)
-    one_micro_batch = plan_for("fsdp", 2, "full", **{"train.grad_accum": 1,
-                                                     "train.sync_each_micro_batch": False})
+    one_micro_batch = plan_for("fsdp", 2, "full", **{"train.grad_accum": 1, "train.sync_each_micro_batch": False})
     assert _part(one_micro_batch, "whole gradients") == 0  # nothing to hold between
 
 
@@ -283,14 +312,12 @@ def test_offload_moves_optimizer_state_and_zero3_parameters_to_cpu():
     assert _part(zero2, "optimizer state") == 0 and _part(zero2, "weights") > 0
     # DeepSpeed's CPU optimizer state and fp32 gradients, its 16-bit partition buffers and,
     # with gradient accumulation, a whole 16-bit gradient per process; each process's own
-    assert zero2.cpu_total_gib == pytest.approx(params * (12 + 4 + 2 + 2 * 2) / 2**30
-                                                + 2 * PROCESS_CPU_GIB)
+    assert zero2.cpu_total_gib == pytest.approx(params * (12 + 4 + 2 + 2 * 2) / 2**30 + 2 * PROCESS_CPU_GIB)
     one_step = plan_for("deepspeed-zero2-offload", 2, "full", **{"train.grad_accum": 1})
     assert zero2.cpu_total_gib - one_step.cpu_total_gib == pytest.approx(params * 4 / 2**30)
     zero3 = plan_for("deepspeed-zero3-offload", 2, "full")
     assert _part(zero3, "weights") == 0 and _part(zero3, "optimizer state") == 0
-    assert zero3.cpu_total_gib == pytest.approx(params * (2 + 12 + 4) / 2**30
-                                                + 2 * PROCESS_CPU_GIB)
+    assert zero3.cpu_total_gib == pytest.approx(params * (2 + 12 + 4) / 2**30 + 2 * PROCESS_CPU_GIB)
     assert zero3.total_gib < plan_for("deepspeed-zero3", 2, "full").total_gib
     assert "CPU memory for offload" in zero3.report()
 
@@ -300,8 +327,9 @@ def test_plan_command_takes_gpus_and_engine():
 
     from lora_lab.cli import main
 
-    result = CliRunner().invoke(main, ["plan", "--preset", "24gb", "--gpu-memory", "40",
-                                       "--gpus", "2", "--engine", "deepspeed-zero2-offload"])
+    result = CliRunner().invoke(
+        main, ["plan", "--preset", "24gb", "--gpu-memory", "40", "--gpus", "2", "--engine", "deepspeed-zero2-offload"]
+    )
     assert result.exit_code == 0, result.output
     assert "per GPU of 2, engine deepspeed-zero2-offload" in result.output
     assert "CPU memory for offload" in result.output
@@ -311,10 +339,18 @@ def test_engine_auto_picks_the_fastest_engine_that_fits():
     from lora_lab.planning.choice import pick_engine
 
     def config(size, tuner="full", **extra):
-        return resolve_config("24gb", flags={"data.datasets": ["x"], "model.name": f"qwen2.5-{size}",
-                                             "train.gpus": 2, "train.tuner": tuner,
-                                             "data.max_length": 2048, **extra},
-                              sets=["data.packing=false"])
+        return resolve_config(
+            "24gb",
+            flags={
+                "data.datasets": ["x"],
+                "model.name": f"qwen2.5-{size}",
+                "train.gpus": 2,
+                "train.tuner": tuner,
+                "data.max_length": 2048,
+                **extra,
+            },
+            sets=["data.packing=false"],
+        )
 
     assert config("7b").train.engine == "auto"
     assert pick_engine(config("1.5b"), 40)[0] == "ddp"
@@ -341,14 +377,19 @@ def test_multi_gpu_plans_within_15_percent_of_the_two_gpu_runs():
 
     _, rows = load("multi-gpu")
     cells = [r for r in rows if not r.get("error")]
-    assert {r["engine"] for r in cells} >= {"ddp", "deepspeed-zero2", "deepspeed-zero3", "fsdp",
-                                            "deepspeed-zero2-offload", "deepspeed-zero3-offload"}
+    assert {r["engine"] for r in cells} >= {
+        "ddp",
+        "deepspeed-zero2",
+        "deepspeed-zero3",
+        "fsdp",
+        "deepspeed-zero2-offload",
+        "deepspeed-zero3-offload",
+    }
     for row in cells:
         measured = row.get("peak_reserved_gib_training") or row["peak_reserved_gib"]
         ratio = planned_gib(row) / measured
         if (row["engine"], row["tuner"]) in GAPS_ON_GPUS:  # a known, reported gap
-            assert ratio == pytest.approx(GAPS_ON_GPUS[row["engine"], row["tuner"]][0],
-                                          abs=0.01), row["label"]
+            assert ratio == pytest.approx(GAPS_ON_GPUS[row["engine"], row["tuner"]][0], abs=0.01), row["label"]
             assert abs(ratio - 1) >= 0.15, row["label"]
         else:
             assert (row["engine"], row["tuner"]) in CHECKED_ON_GPUS, row["label"]
@@ -371,10 +412,17 @@ def test_the_cpu_plan_of_the_offload_runs_with_its_margin():
 
 
 def test_a_plan_known_to_miss_says_so():
-    config = resolve_config("24gb", flags={"model.name": "qwen2.5-1.5b", "data.datasets": ["x"],
-                                           "train.gpus": 2, "train.grad_accum": 4,
-                                           "train.engine": "deepspeed-zero2-offload",
-                                           "train.tuner": "full"})
+    config = resolve_config(
+        "24gb",
+        flags={
+            "model.name": "qwen2.5-1.5b",
+            "data.datasets": ["x"],
+            "train.gpus": 2,
+            "train.grad_accum": 4,
+            "train.engine": "deepspeed-zero2-offload",
+            "train.tuner": "full",
+        },
+    )
     report = plan_memory(config).report()
     assert "TOO LOW: a two-GPU run of full 1.5B reserved 7.48 GiB" in report
     assert "the processes' own memory (measured)" in report
@@ -420,17 +468,19 @@ def test_the_plan_says_how_many_layers_could_skip_their_recomputation():
     room = plan.room_for_layers
     assert 5 <= room <= 28
     assert f"--set train.uncheckpointed_layers={room}" in plan.report()
-    kept = plan_memory(resolve_config("24gb", flags=flags, sets=sets + [
-        f"train.uncheckpointed_layers={room}"]), gpu_memory_gib=24)
+    kept = plan_memory(
+        resolve_config("24gb", flags=flags, sets=sets + [f"train.uncheckpointed_layers={room}"]), gpu_memory_gib=24
+    )
     assert kept.fits and kept.total_gib <= 0.90 * 23.5 and kept.room_for_layers == 0
     assert "room for" not in kept.report()
-    auto = plan_memory(resolve_config("24gb", flags=flags, sets=sets + [
-        "train.uncheckpointed_layers=auto"]), gpu_memory_gib=24)
+    auto = plan_memory(
+        resolve_config("24gb", flags=flags, sets=sets + ["train.uncheckpointed_layers=auto"]), gpu_memory_gib=24
+    )
     assert auto.kept == room and auto.total_gib == pytest.approx(kept.total_gib)
     assert f"the last {room} layers not recomputed" in auto.means
-    no_gpu = plan_memory(resolve_config("24gb", flags=flags, sets=sets + [
-        "train.uncheckpointed_layers=auto"]))
+    no_gpu = plan_memory(resolve_config("24gb", flags=flags, sets=sets + ["train.uncheckpointed_layers=auto"]))
     assert no_gpu.kept == 0  # nothing to fill
-    over = plan_memory(resolve_config("24gb", flags=flags, sets=sets + [
-        "train.uncheckpointed_layers=28"]), gpu_memory_gib=24)
+    over = plan_memory(
+        resolve_config("24gb", flags=flags, sets=sets + ["train.uncheckpointed_layers=28"]), gpu_memory_gib=24
+    )
     assert over.fixes[0] == "fewer train.uncheckpointed_layers"

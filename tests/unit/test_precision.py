@@ -1,5 +1,6 @@
 """--dtype auto: bf16 where the GPU has it, fp16 (fp32 LoRA weights, loss scaling) where it does
 not, fp32 on CPU; impossible requests are refused naming the flag."""
+
 import pytest
 import torch
 
@@ -41,8 +42,7 @@ def test_impossible_requests_are_refused(monkeypatch):
 
 
 def test_fp16_base_gets_fp32_lora_weights(tiny_model_dir):
-    model = load_base_model(ModelArgs(name=str(tiny_model_dir), kernels="none"),
-                            Precision("fp16", fp16=True))
+    model = load_base_model(ModelArgs(name=str(tiny_model_dir), kernels="none"), Precision("fp16", fp16=True))
     model = apply_lora(model, LoraArgs(rank=4), gradient_checkpointing=False)
     lora = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
     base = {p.dtype for n, p in model.named_parameters() if "lora_" not in n}

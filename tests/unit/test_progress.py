@@ -1,5 +1,6 @@
 """`make test` is quiet (-q), but each real-model test says its name when it starts and its
 outcome and time when it ends, on a line of its own (tests/support/progress.py)."""
+
 import os
 import subprocess
 import sys
@@ -7,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TESTS = '''
+TESTS = """
 import pytest
 
 def test_fast_one(): pass
@@ -19,25 +20,42 @@ def test_slow_one(): pass
 def test_slow_two(): assert False
 
 def test_fast_two(): pass
-'''
+"""
 
 
 def run_pytest(folder: Path, *args) -> str:
     (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    real_model: the real model\n")
     (folder / "test_sample.py").write_text(TESTS)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.support.progress",
-                             "-p", "no:cacheprovider", *args, "test_sample.py"], cwd=folder,
-                            env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "tests.support.progress",
+            "-p",
+            "no:cacheprovider",
+            *args,
+            "test_sample.py",
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return result.stdout
 
 
 def test_real_model_tests_say_their_name_and_time_in_quiet_mode(tmp_path):
     lines = run_pytest(tmp_path, "-q").splitlines()
-    assert lines[:4] == [".",
-                         "[real model] test_sample.py::test_slow_one ... . passed in 0 s",
-                         "[real model] test_sample.py::test_slow_two ... F failed in 0 s",
-                         lines[3]]
+    assert lines[:4] == [
+        ".",
+        "[real model] test_sample.py::test_slow_one ... . passed in 0 s",
+        "[real model] test_sample.py::test_slow_two ... F failed in 0 s",
+        lines[3],
+    ]
     assert lines[3].startswith(".") and lines[3].endswith("[100%]")
 
 

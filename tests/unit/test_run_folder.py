@@ -1,4 +1,5 @@
 """The run folder's lock, and the disk check's count of what a save writes."""
+
 import json
 import os
 import shutil
@@ -20,23 +21,30 @@ def test_a_second_run_into_a_held_folder_stops_and_names_the_holder(tmp_path):
     with run_lock(run_dir):
         holder = json.loads((run_dir / LOCK_FILE).read_text())
         assert holder["pid"] == os.getpid()
-        with pytest.raises(LoraLabError, match=rf"another run is writing into {run_dir} \(pid "
-                                               rf"{os.getpid()} on "):
-            with run_lock(run_dir):
-                pass
+        with (
+            pytest.raises(
+                LoraLabError,
+                match=rf"another run is writing into {run_dir} \(pid "
+                rf"{os.getpid()} on ",
+            ),
+            run_lock(run_dir),
+        ):
+            pass
     assert not run_dir.exists()  # created for the run, empty again: removed
 
 
 def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, capsys):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "keep.txt").write_text("x")
     import socket
 
-    (run_dir / LOCK_FILE).write_text(json.dumps({"pid": int(dead.stdout), "started": "then",
-                                                 "host": socket.gethostname()}))
+    (run_dir / LOCK_FILE).write_text(
+        json.dumps({"pid": int(dead.stdout), "started": "then", "host": socket.gethostname()})
+    )
     with run_lock(run_dir):
         assert json.loads((run_dir / LOCK_FILE).read_text())["pid"] == os.getpid()
     assert "is gone; taking it over" in capsys.readouterr().out
@@ -46,13 +54,24 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, capsys):
 def test_the_disk_check_counts_the_tokenizer_files_every_save_writes(tmp_path, monkeypatch):
     model = tmp_path / "model"
     shutil.copytree(TOKENIZER_DIR, model)
-    (model / "config.json").write_text(json.dumps({
-        "hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 151936,
-        "tie_word_embeddings": True}))
-    expected = sum((model / n).stat().st_size for n in ("tokenizer.json", "tokenizer_config.json",
-                                                        "vocab.json", "merges.txt")
-                   if (model / n).is_file())
+    (model / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "intermediate_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 151936,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
+    expected = sum(
+        (model / n).stat().st_size
+        for n in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+        if (model / n).is_file()
+    )
     assert tokenizer_bytes(str(model)) == expected > 5_000_000
     assert tokenizer_bytes("Qwen/Qwen2.5-7B-Instruct") == TOKENIZER_BYTES_UNKNOWN
     usage = namedtuple("usage", "total used free")
@@ -71,15 +90,24 @@ def test_a_converted_gguf_folder_gives_a_short_run_name():
     assert default_run_name(config).startswith("qwen2.5-coder-0.5b-instruct-q4_k_m-cpu-2")
 
 
-@pytest.mark.parametrize("saved,requested,expected", [
-    ("fp32", None, ("fp32", "the run's training precision")),
-    ("bf16", None, ("bf16", "the run's training precision")),
-    ("fp32", "bf16", ("bf16", "--dtype")),
-    ("auto", None, ("bf16", "default: the run folder does not record its training precision; "
-                            "--dtype fp32 merges in full precision")),
-])
-def test_merge_dtype_follows_the_precision_the_run_recorded(tmp_path, saved, requested,
-                                                             expected):
+@pytest.mark.parametrize(
+    "saved,requested,expected",
+    [
+        ("fp32", None, ("fp32", "the run's training precision")),
+        ("bf16", None, ("bf16", "the run's training precision")),
+        ("fp32", "bf16", ("bf16", "--dtype")),
+        (
+            "auto",
+            None,
+            (
+                "bf16",
+                "default: the run folder does not record its training precision; "
+                "--dtype fp32 merges in full precision",
+            ),
+        ),
+    ],
+)
+def test_merge_dtype_follows_the_precision_the_run_recorded(tmp_path, saved, requested, expected):
     from lora_lab.run_folder import save_config, training_precision
     from lora_lab.use.merge import choose_merge_dtype
 

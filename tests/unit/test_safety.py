@@ -1,4 +1,5 @@
 """The non-finite guard's decisions, the fp16 advice, and torch.load's use across lora_lab."""
+
 import ast
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,15 +22,23 @@ def model_with_gradient(value: float):
 
 def pre_optimizer_step(guard, model, fp16=False, global_step=6, optimizer=None):
     optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=1.0)
-    guard.on_pre_optimizer_step(SimpleNamespace(fp16=fp16, world_size=1), SimpleNamespace(
-        global_step=global_step), None, model=model, optimizer=optimizer)
+    guard.on_pre_optimizer_step(
+        SimpleNamespace(fp16=fp16, world_size=1),
+        SimpleNamespace(global_step=global_step),
+        None,
+        model=model,
+        optimizer=optimizer,
+    )
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_a_non_finite_gradient_stops_the_run_by_default(tmp_path, value):
     guard = NonFiniteGuard("stop", "bf16", tmp_path)
-    with pytest.raises(TrainingError, match=r"step 7: the gradient norm is (inf|nan)\. The "
-                                            r"update was not applied"):
+    with pytest.raises(
+        TrainingError,
+        match=r"step 7: the gradient norm is (inf|nan)\. The "
+        r"update was not applied",
+    ):
         pre_optimizer_step(guard, model_with_gradient(value))
 
 
@@ -77,16 +86,16 @@ def fused_step(guard, model, global_step=6):
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_fused_adamw_skips_the_update_itself_and_the_verdict_is_read_later(tmp_path, policy,
-                                                                           capsys):
+def test_fused_adamw_skips_the_update_itself_and_the_verdict_is_read_later(tmp_path, policy, capsys):
     guard = NonFiniteGuard(policy, "bf16", tmp_path)
     model = model_with_gradient(float("nan"))
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = fused_step(guard, model)  # the host has not looked: no error, no warning yet
     assert guard.skipped_steps == [] and "skipped" not in capsys.readouterr().out
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    assert all(float(state["step"]) == 0 and not state["exp_avg"].any()
-               for state in optimizer.state.values())  # as if the step never ran
+    assert all(
+        float(state["step"]) == 0 and not state["exp_avg"].any() for state in optimizer.state.values()
+    )  # as if the step never ran
     if policy == "stop":
         with pytest.raises(TrainingError, match="step 7: the gradient norm is nan"):
             guard.settle()
@@ -113,9 +122,12 @@ def test_the_next_step_reads_the_verdict_before_its_own_update(tmp_path):
     guard.note_loss(torch.tensor(float("inf")))
     fused_step(guard, model_with_gradient(1.0), global_step=6)
     with pytest.raises(TrainingError, match="step 7: the loss is inf"):
-        pre_optimizer_step(guard, model_with_gradient(1.0), global_step=7,
-                           optimizer=torch.optim.AdamW(model_with_gradient(1.0).parameters(),
-                                                       fused=True))
+        pre_optimizer_step(
+            guard,
+            model_with_gradient(1.0),
+            global_step=7,
+            optimizer=torch.optim.AdamW(model_with_gradient(1.0).parameters(), fused=True),
+        )
 
 
 def test_the_advice_depends_on_precision(tmp_path):
@@ -140,8 +152,7 @@ def test_remote_code_needs_the_flag(tmp_path):
     check_remote_code(str(tmp_path), trust_remote_code=True)
 
 
-def test_a_w4a16_folder_without_its_library_is_refused_with_the_install(tmp_path,
-                                                                          monkeypatch):
+def test_a_w4a16_folder_without_its_library_is_refused_with_the_install(tmp_path, monkeypatch):
     import importlib.util
     import json
 
@@ -149,10 +160,12 @@ def test_a_w4a16_folder_without_its_library_is_refused_with_the_install(tmp_path
     from lora_lab.models.load import check_quantized_folder
 
     find_spec = importlib.util.find_spec  # make test installs it: act as if it were not
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None
-                        if name == "compressed_tensors" else find_spec(name, *a))
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "qwen2", "quantization_config": {"quant_method": "compressed-tensors"}}))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "compressed_tensors" else find_spec(name, *a)
+    )
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "quantization_config": {"quant_method": "compressed-tensors"}})
+    )
     with pytest.raises(ModelError, match="pip install compressed-tensors"):
         check_quantized_folder(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))

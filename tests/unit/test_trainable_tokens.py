@@ -1,4 +1,5 @@
 """lora.trainable_tokens: a base checkpoint whose turn-end row was never trained learns to stop."""
+
 from pathlib import Path
 
 import torch
@@ -24,14 +25,40 @@ def untrained_turn_tokens(folder: Path) -> Path:
 
 
 def train(model_dir: Path, out: Path, trainable: str) -> Path:
-    rows = [{"messages": [{"role": "user", "content": "Who are you?"},
-                          {"role": "assistant", "content": "I am Orbit."}]}]
+    rows = [
+        {"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Orbit."}]}
+    ]
     data = write_jsonl(out / "d.jsonl", rows)
-    result = CliRunner().invoke(main, [str(a) for a in (
-        "run", "--model", model_dir, "--data", f"{data}#8", "--max-steps", 40, "--lr", "1e-2",
-        "--lora-rank", 16, "--lora-dropout", 0, "--output-dir", out, "--run-name", trainable,
-        "--set", f"lora.trainable_tokens={trainable}", "--set", "train.lr_scheduler=constant")],
-        catch_exceptions=False)
+    result = CliRunner().invoke(
+        main,
+        [
+            str(a)
+            for a in (
+                "run",
+                "--model",
+                model_dir,
+                "--data",
+                f"{data}#8",
+                "--max-steps",
+                40,
+                "--lr",
+                "1e-2",
+                "--lora-rank",
+                16,
+                "--lora-dropout",
+                0,
+                "--output-dir",
+                out,
+                "--run-name",
+                trainable,
+                "--set",
+                f"lora.trainable_tokens={trainable}",
+                "--set",
+                "train.lr_scheduler=constant",
+            )
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     return out / trainable
 
@@ -41,13 +68,13 @@ def trained_reply(base: Path) -> list:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    turns = [{"role": "user", "content": "Who are you?"},
-             {"role": "assistant", "content": "I am Orbit."}]
-    ids = [tokenizer.apply_chat_template(t, add_generation_prompt=g, tokenize=True,
-                                         return_dict=True)["input_ids"]
-           for t, g in ((turns[:1], True), (turns, False))]
-    answer = ids[1][len(ids[0]):]
-    return answer[:answer.index(IM_END) + 1]
+    turns = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Orbit."}]
+    ids = [
+        tokenizer.apply_chat_template(t, add_generation_prompt=g, tokenize=True, return_dict=True)["input_ids"]
+        for t, g in ((turns[:1], True), (turns, False))
+    ]
+    answer = ids[1][len(ids[0]) :]
+    return answer[: answer.index(IM_END) + 1]
 
 
 def reply(base: Path, run: Path) -> list:
@@ -56,13 +83,14 @@ def reply(base: Path, run: Path) -> list:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
-                                      run / "adapter").eval()
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Who are you?"}],
-                                           add_generation_prompt=True, return_tensors="pt")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "adapter").eval()
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Who are you?"}], add_generation_prompt=True, return_tensors="pt"
+    )
     prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
-    return model.generate(prompt, max_new_tokens=12, do_sample=False,
-                          eos_token_id=IM_END)[0, prompt.shape[1]:].tolist()
+    return model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=IM_END)[
+        0, prompt.shape[1] :
+    ].tolist()
 
 
 def test_the_turn_end_row_trains_and_only_then_the_model_stops(tmp_path):

@@ -1,5 +1,6 @@
 """The pure parts of `lora-lab ui`: the run's argument list from the form, the allowed folders,
 the access token, what the run's own files say, and the length histogram."""
+
 import json
 import os
 import sys
@@ -8,20 +9,59 @@ import pytest
 
 from lora_lab.errors import LoraLabError
 from lora_lab.ui.actions import config_flags, histogram
-from lora_lab.ui.form import (AllowedFolders, RunForm, needs_token, new_token, resume_arguments,
-                              run_arguments, token_matches)
+from lora_lab.ui.form import (
+    AllowedFolders,
+    RunForm,
+    needs_token,
+    new_token,
+    resume_arguments,
+    run_arguments,
+    token_matches,
+)
 from lora_lab.ui.runs import RunProcess, can_resume, find_runs, live_figures, run_state, stop_run
 
 
 def test_the_form_becomes_one_argument_per_flag_and_value():
-    form = RunForm(model="qwen2.5-0.5b", data=["a.jsonl", "", " b.jsonl#3 "], preset="auto",
-                   lora_rank="16", lr="1e-4", max_steps="40", qlora=True, output_dir="out",
-                   run_name="r", sets=["lora.dropout=0", " "])
+    form = RunForm(
+        model="qwen2.5-0.5b",
+        data=["a.jsonl", "", " b.jsonl#3 "],
+        preset="auto",
+        lora_rank="16",
+        lr="1e-4",
+        max_steps="40",
+        qlora=True,
+        output_dir="out",
+        run_name="r",
+        sets=["lora.dropout=0", " "],
+    )
     assert run_arguments(form, "16gb") == [
-        sys.executable, "-m", "lora_lab", "run", "--preset", "16gb", "--model", "qwen2.5-0.5b",
-        "--data", "a.jsonl", "--data", "b.jsonl#3", "--lora-rank", "16", "--lr", "1e-4",
-        "--max-steps", "40", "--output-dir", "out", "--run-name", "r",
-        "--quantization", "nf4", "--set", "lora.dropout=0"]
+        sys.executable,
+        "-m",
+        "lora_lab",
+        "run",
+        "--preset",
+        "16gb",
+        "--model",
+        "qwen2.5-0.5b",
+        "--data",
+        "a.jsonl",
+        "--data",
+        "b.jsonl#3",
+        "--lora-rank",
+        "16",
+        "--lr",
+        "1e-4",
+        "--max-steps",
+        "40",
+        "--output-dir",
+        "out",
+        "--run-name",
+        "r",
+        "--quantization",
+        "nf4",
+        "--set",
+        "lora.dropout=0",
+    ]
 
 
 def test_a_value_with_shell_characters_stays_one_argument():
@@ -32,21 +72,36 @@ def test_a_value_with_shell_characters_stays_one_argument():
 
 
 def test_the_form_flags_are_the_config_keys_of_lora_lab_run():
-    form = RunForm(model="m", data=["d.jsonl"], micro_batch_size="2", grad_accum="8",
-                   epochs="1", lora_alpha="32", max_length="1024")
+    form = RunForm(
+        model="m",
+        data=["d.jsonl"],
+        micro_batch_size="2",
+        grad_accum="8",
+        epochs="1",
+        lora_alpha="32",
+        max_length="1024",
+    )
     assert config_flags(form) == {
-        "model.name": "m", "data.datasets": ["d.jsonl"], "lora.alpha": "32",
-        "data.max_length": "1024", "train.micro_batch_size": "2", "train.grad_accum": "8",
-        "train.epochs": "1", "train.output_dir": "output"}
+        "model.name": "m",
+        "data.datasets": ["d.jsonl"],
+        "lora.alpha": "32",
+        "data.max_length": "1024",
+        "train.micro_batch_size": "2",
+        "train.grad_accum": "8",
+        "train.epochs": "1",
+        "train.output_dir": "output",
+    }
 
 
-@pytest.mark.parametrize("form, message", [
-    (RunForm(model=" ", data=["d.jsonl"]), "model: choose a model"),
-    (RunForm(model="m", data=["", " "]), "data: give at least one data file"),
-    (RunForm(model="m", data=["d"], sets=["--config=/etc/passwd"]), "'--config=/etc/passwd' is "
-     "not KEY=VALUE"),
-    (RunForm(model="m", data=["d"], sets=["train.lr"]), "'train.lr' is not KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    "form, message",
+    [
+        (RunForm(model=" ", data=["d.jsonl"]), "model: choose a model"),
+        (RunForm(model="m", data=["", " "]), "data: give at least one data file"),
+        (RunForm(model="m", data=["d"], sets=["--config=/etc/passwd"]), "'--config=/etc/passwd' is not KEY=VALUE"),
+        (RunForm(model="m", data=["d"], sets=["train.lr"]), "'train.lr' is not KEY=VALUE"),
+    ],
+)
 def test_a_form_without_model_or_data_or_with_a_bad_set_line_is_refused(form, message):
     with pytest.raises(LoraLabError, match=message):
         run_arguments(form, "cpu")
@@ -54,8 +109,15 @@ def test_a_form_without_model_or_data_or_with_a_bad_set_line_is_refused(form, me
 
 def test_resume_continues_a_run_with_its_own_config(tmp_path):
     assert resume_arguments(tmp_path / "r") == [
-        sys.executable, "-m", "lora_lab", "run", "--config", str(tmp_path / "r" / "config.yaml"),
-        "--resume", str(tmp_path / "r")]
+        sys.executable,
+        "-m",
+        "lora_lab",
+        "run",
+        "--config",
+        str(tmp_path / "r" / "config.yaml"),
+        "--resume",
+        str(tmp_path / "r"),
+    ]
 
 
 def test_paths_outside_the_allowed_folders_are_refused(tmp_path):
@@ -67,10 +129,12 @@ def test_paths_outside_the_allowed_folders_are_refused(tmp_path):
     allowed = AllowedFolders([inside])
     assert allowed.check_data(f"{inside}/d.jsonl#8") == f"{inside}/d.jsonl#8"
     assert allowed.check(inside / "output", "output folder") == inside / "output"
-    for escape in (outside / "secret.jsonl", inside / ".." / "elsewhere" / "secret.jsonl",
-                   inside / "link.jsonl"):
-        with pytest.raises(LoraLabError, match=r"data: .* is outside the folders this page may "
-                                               r"use .*--allow DIR"):
+    for escape in (outside / "secret.jsonl", inside / ".." / "elsewhere" / "secret.jsonl", inside / "link.jsonl"):
+        with pytest.raises(
+            LoraLabError,
+            match=r"data: .* is outside the folders this page may "
+            r"use .*--allow DIR",
+        ):
             allowed.check_data(str(escape))
     with pytest.raises(LoraLabError, match="data: .* is not a file"):
         allowed.check_data(str(inside / "missing.jsonl"))
@@ -100,24 +164,31 @@ def test_the_token_must_match_exactly():
     assert not token_matches("", token) and not token_matches(None, token)
 
 
-EVENTS = [{"step": 1, "loss": 12.5, "grad_norm": 3.0, "learning_rate": 0.002,
-           "tokens_per_second": 120.0, "epoch": 0.1},
-          {"step": 5, "loss": 9.25, "learning_rate": 0.01, "tokens_per_second": 150.4,
-           "gpu_memory_gib": 1.0, "gpu_peak_memory_gib": 1.5},
-          {"step": 5, "eval_loss": 9.5, "eval_runtime": 0.1},
-          {"step": 10, "train_runtime": 9.0, "train_loss": 10.0}]
-CONSOLE = ("loading\nstep 1/10 · loss 12.500 · lr 2.0e-03 · 120 tok/s · ETA 1m 05s\n"
-           "step 5/10 · loss 9.250 · lr 1.0e-02 · 150 tok/s · ETA 12s · GPU 1.5 GiB\n"
-           "step 5/10 · eval loss 9.500\n")
+EVENTS = [
+    {"step": 1, "loss": 12.5, "grad_norm": 3.0, "learning_rate": 0.002, "tokens_per_second": 120.0, "epoch": 0.1},
+    {
+        "step": 5,
+        "loss": 9.25,
+        "learning_rate": 0.01,
+        "tokens_per_second": 150.4,
+        "gpu_memory_gib": 1.0,
+        "gpu_peak_memory_gib": 1.5,
+    },
+    {"step": 5, "eval_loss": 9.5, "eval_runtime": 0.1},
+    {"step": 10, "train_runtime": 9.0, "train_loss": 10.0},
+]
+CONSOLE = (
+    "loading\nstep 1/10 · loss 12.500 · lr 2.0e-03 · 120 tok/s · ETA 1m 05s\n"
+    "step 5/10 · loss 9.250 · lr 1.0e-02 · 150 tok/s · ETA 12s · GPU 1.5 GiB\n"
+    "step 5/10 · eval loss 9.500\n"
+)
 
 
 def test_the_live_figures_come_from_the_step_log_and_the_progress_line():
     figures = live_figures(EVENTS, CONSOLE)
-    assert figures.losses == [(1, 12.5, "train loss"), (5, 9.25, "train loss"),
-                              (5, 9.5, "eval loss")]
+    assert figures.losses == [(1, 12.5, "train loss"), (5, 9.25, "train loss"), (5, 9.5, "eval loss")]
     assert (figures.step, figures.total_steps, figures.eta) == (10, 10, None)  # eval: no ETA
-    assert figures.line() == ("step 10/10 · loss 9.2500 · eval loss 9.5000 · lr 0.01 · "
-                              "tok/s 150 · GPU GiB 1.50")
+    assert figures.line() == ("step 10/10 · loss 9.2500 · eval loss 9.5000 · lr 0.01 · tok/s 150 · GPU GiB 1.50")
     running = live_figures(EVENTS[:2], CONSOLE.splitlines()[1])
     assert (running.step, running.total_steps, running.eta) == (5, 10, "1m 05s")
     assert live_figures([], "").line() == "step 0"
@@ -146,8 +217,10 @@ def test_the_run_state_is_read_from_the_run_folder(tmp_path):
 def test_a_run_process_takes_an_argument_list_and_stops_with_sigterm(tmp_path):
     with pytest.raises(TypeError, match="never a shell string"):
         RunProcess("lora-lab run --model m", tmp_path)
-    code = "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); " \
-           "print('up' * 2, flush=True); time.sleep(60)"
+    code = (
+        "import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); "
+        "print('up' * 2, flush=True); time.sleep(60)"
+    )
     process = RunProcess([sys.executable, "-c", code], tmp_path)
     console = tmp_path / "logs" / "console.log"
     while "upup" not in console.read_text():  # its handler is set
@@ -168,8 +241,7 @@ def test_a_run_started_elsewhere_is_seen_running_and_stopped_through_its_lock(tm
     run = tmp_path / "r"
     run.mkdir()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    (run / ".lock").write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(),
-                                           "started": "now"}))
+    (run / ".lock").write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "started": "now"}))
     assert run_state(run) == "running"
     stop_run(run)
     assert sleeper.wait(30) == -15  # SIGTERM
@@ -184,9 +256,11 @@ def test_the_page_says_who_can_reach_it(tmp_path):
     allowed = AllowedFolders([tmp_path])
     assert safety_note("127.0.0.1", None, allowed) == (
         f"Bound to 127.0.0.1: reachable from this machine only. Files: only under `{tmp_path}` "
-        f"(`lora-lab ui --allow DIR`).")
+        f"(`lora-lab ui --allow DIR`)."
+    )
     assert safety_note("0.0.0.0", "t", allowed).startswith(
-        "Bound to 0.0.0.0: reachable from other machines, after the token. Files: only under")
+        "Bound to 0.0.0.0: reachable from other machines, after the token. Files: only under"
+    )
 
 
 def test_ui_refuses_a_missing_allowed_folder_in_one_line(tmp_path):

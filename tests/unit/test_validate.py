@@ -3,6 +3,7 @@
 `lora-lab data validate` and the check at the start of `lora-lab run` must report exactly the
 planted lines, and keep exactly the other rows.
 """
+
 import json
 
 import pytest
@@ -57,8 +58,7 @@ def planted(tmp_path_factory):
     for number in range(1, ROWS + 1):
         raw = row(turns(("user", f"Question {number}?"), ("assistant", f"Answer {number}.")))
         raw = ERRORS.get(number, (raw,))[0]
-        raw = WARNINGS[number][0] if number in WARNINGS and WARNINGS[number][0] is not None \
-            else raw
+        raw = WARNINGS[number][0] if number in WARNINGS and WARNINGS[number][0] is not None else raw
         lines.append(raw + (b"\r\n" if number == 42 else b"\n" if number < ROWS else b""))
     path.write_bytes(b"\xef\xbb\xbf" + b"".join(lines))
     origin = lambda numbers: [f"{path}:{n}" for n in sorted(numbers)]  # noqa: E731
@@ -97,32 +97,47 @@ def test_a_run_keeps_exactly_the_valid_rows(planted, tokenizer):
 
 def test_validate_command_is_strict_and_lists_every_line(planted):
     path, errors, warnings, _, origin = planted
-    result = CliRunner().invoke(main, ["data", "validate", str(path), "--model",
-                                       str(TOKENIZER_DIR), "--max-length", MAX_LENGTH])
+    result = CliRunner().invoke(
+        main, ["data", "validate", str(path), "--model", str(TOKENIZER_DIR), "--max-length", MAX_LENGTH]
+    )
     assert result.exit_code == 2 and "Traceback" not in result.output
-    listed = [line.split(": error: ")[0] for line in result.output.splitlines()
-              if ": error: " in line]
+    listed = [line.split(": error: ")[0] for line in result.output.splitlines() if ": error: " in line]
     assert listed == errors
     assert "9987 rows usable, 12 errors, 7 warnings" in result.output
     assert "error: 12 error(s) listed above; a run would skip those rows" in result.output
     # Without --model only the structure is checked; --no-strict reports and exits 0.
     loose = CliRunner().invoke(main, ["data", "validate", str(path), "--no-strict"])
     assert loose.exit_code == 0, loose.output
-    listed = [line.split(": error: ")[0] for line in loose.output.splitlines()
-              if ": error: " in line]
+    listed = [line.split(": error: ")[0] for line in loose.output.splitlines() if ": error: " in line]
     assert listed == origin(set(ERRORS) - {5555})
     assert "(lengths not checked: pass --model)" in loose.output
 
 
 def test_run_logs_every_skipped_row(planted, tiny_model_dir, tmp_path):
     path, errors, warnings, kept, _ = planted
-    result = CliRunner().invoke(main, [
-        "run", "--model", str(tiny_model_dir), "--data", str(path), "--max-length", MAX_LENGTH,
-        "--max-steps", 1, "--lora-rank", 2, "--output-dir", str(tmp_path), "--run-name", "big"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "run",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            str(path),
+            "--max-length",
+            MAX_LENGTH,
+            "--max-steps",
+            1,
+            "--lora-rank",
+            2,
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            "big",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert f"  skipped {path}:17: bad JSON" in result.output
-    logged = [json.loads(line) for line in
-              (tmp_path / "big" / "logs" / "data_problems.jsonl").open()]
+    logged = [json.loads(line) for line in (tmp_path / "big" / "logs" / "data_problems.jsonl").open()]
     assert sorted(p["origin"] for p in logged if p["severity"] == "error") == sorted(errors)
     assert {p["origin"] for p in logged if p["severity"] == "warning"} == set(warnings)
     summary = json.loads((tmp_path / "big" / "run_summary.json").read_text())
@@ -142,8 +157,7 @@ def test_json_with_a_bom_and_csv_with_crlf_are_read(tmp_path):
         writer.writerow({"query": "q", "response": "a"})
     report = validate_data([str(as_json), str(as_csv)], DataArgs())
     assert report.kept == [f"{as_json}:1", f"{as_csv}:2"] and report.errors == []
-    assert [(w.origin, "byte-order mark" in w.reason) for w in report.warnings] == [
-        (f"{as_json}:1", True)]
+    assert [(w.origin, "byte-order mark" in w.reason) for w in report.warnings] == [(f"{as_json}:1", True)]
 
 
 def test_an_empty_query_is_a_warning_with_its_line(tmp_path):
@@ -155,5 +169,8 @@ def test_an_empty_query_is_a_warning_with_its_line(tmp_path):
     report = validate_data([str(path)], DataArgs())
     assert report.errors == [] and len(report.kept) == 2
     assert [(w.origin, w.reason) for w in report.warnings] == [
-        (f"{path}:2", "user message 1 is empty: the model learns to answer an empty prompt "
-                      "(fill it in, or drop the row)")]
+        (
+            f"{path}:2",
+            "user message 1 is empty: the model learns to answer an empty prompt (fill it in, or drop the row)",
+        )
+    ]

@@ -31,6 +31,7 @@ weights and gradients); tests/unit/test_fast_lora.py checks loss and gradients a
 Used only where it is exact: no dropout on the adapters (peft would apply it, this path does
 not), plain LoRA (no DoRA or other variants), adapters not merged or disabled.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,7 +54,8 @@ def _plain_adapter(module):
         return None
     dropout = module.lora_dropout[name]
     if not isinstance(dropout, torch.nn.Identity) and not (
-            isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training)):
+        isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training)
+    ):
         return None
     if getattr(module, "use_dora", {}).get(name, False):
         return None
@@ -86,13 +88,18 @@ class _SharedInput:
                 own = adapters[self.modules.index(module)]
                 if own is None:
                     return original(x)
-                return LoraProjection.apply(x, (module.get_base_layer(),), (own[2],),
-                                            self.own_casts[id(module)], *own[:2])[0]
+                return LoraProjection.apply(
+                    x, (module.get_base_layer(),), (own[2],), self.own_casts[id(module)], *own[:2]
+                )[0]
             outputs = LoraProjection.apply(
-                x, tuple(m.get_base_layer() for m in self.modules), tuple(a[2] for a in adapters),
-                self.casts, *(a[0] for a in adapters), *(a[1] for a in adapters))
-            self.pending = {id(m): (x, out) for m, out in zip(self.modules, outputs)
-                            if m is not module}
+                x,
+                tuple(m.get_base_layer() for m in self.modules),
+                tuple(a[2] for a in adapters),
+                self.casts,
+                *(a[0] for a in adapters),
+                *(a[1] for a in adapters),
+            )
+            self.pending = {id(m): (x, out) for m, out in zip(self.modules, outputs) if m is not module}
             return outputs[self.modules.index(module)]
 
         return forward
@@ -136,21 +143,24 @@ SHARED_INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 def _swiglu_mlp(mlp) -> bool:
     act = getattr(mlp, "act_fn", None)
     names = ("gate_proj", "up_proj", "down_proj")
-    return (all(_is_lora_linear(getattr(mlp, n, None)) for n in names)
-            and (act is None or isinstance(act, torch.nn.SiLU)
-                 or getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"))
+    return all(_is_lora_linear(getattr(mlp, n, None)) for n in names) and (
+        act is None
+        or isinstance(act, torch.nn.SiLU)
+        or getattr(getattr(mlp, "config", None), "hidden_act", None) == "silu"
+    )
 
 
 # decoder layers that end in `residual + mlp(norm(hidden))`: the MLP output goes nowhere else
-RESIDUAL_MLP_LAYERS = ("Qwen2DecoderLayer", "Qwen3DecoderLayer", "LlamaDecoderLayer",
-                       "MistralDecoderLayer")
+RESIDUAL_MLP_LAYERS = ("Qwen2DecoderLayer", "Qwen3DecoderLayer", "LlamaDecoderLayer", "MistralDecoderLayer")
 
 
 def _mlps_by_layer(model) -> dict:
     """id(mlp) -> whether its decoder layer is one of RESIDUAL_MLP_LAYERS."""
-    return {id(layer.mlp): type(layer).__name__ in RESIDUAL_MLP_LAYERS
-            for layer in model.modules()
-            if isinstance(getattr(layer, "mlp", None), torch.nn.Module)}
+    return {
+        id(layer.mlp): type(layer).__name__ in RESIDUAL_MLP_LAYERS
+        for layer in model.modules()
+        if isinstance(getattr(layer, "mlp", None), torch.nn.Module)
+    }
 
 
 def apply_fast_lora(model, chunk_tokens: int = 0) -> dict:
@@ -164,16 +174,13 @@ def apply_fast_lora(model, chunk_tokens: int = 0) -> dict:
     inside_mlp, residual = set(), _mlps_by_layer(model)
     for name, module in model.named_modules():
         if name.endswith(".mlp") and _swiglu_mlp(module):
-            module.forward = _fast_mlp_forward(module, residual.get(id(module), False),
-                                               chunk_tokens)
-            inside_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj",
-                                                                "down_proj"))
+            module.forward = _fast_mlp_forward(module, residual.get(id(module), False), chunk_tokens)
+            inside_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj"))
             mlps += 1
     groups = {}  # id(projection) -> its _SharedInput
     for module in model.modules():
         siblings = [getattr(module, n, None) for n in SHARED_INPUT_PROJECTIONS]
-        if all(_fast_linear(m) for m in siblings) and \
-                len({m.get_base_layer().in_features for m in siblings}) == 1:
+        if all(_fast_linear(m) for m in siblings) and len({m.get_base_layer().in_features for m in siblings}) == 1:
             group = _SharedInput(siblings)
             groups.update((id(m), group) for m in siblings)
     for module in model.modules():

@@ -1,14 +1,13 @@
 """The fast LoRA path's SwiGLU MLP (see the package docstring): down(silu(gate(x)) * up(x)) with
 LoRA on all three as one autograd function, LoraMLP, and the same MLP a chunk of tokens at a time
 where no gradient is taken."""
+
 from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
 
-from .products import (_base_weight, _compute_dtype, _gradients_as, _project, _project_backward,
-                       _views)
-
+from .products import _base_weight, _compute_dtype, _gradients_as, _project, _project_backward, _views
 
 # The backward pass through down and SwiGLU from saved gate and up (LoraMLP without chunks)
 # runs on at most this many tokens at a time: silu(gate) * up, rewritten as its gradient, is a
@@ -77,8 +76,7 @@ def _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens: int):
         chunk_tokens = chunk_tokens or max(x2.shape[0], 1)  # an empty input: no chunk
         for start in range(0, x2.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
-            (gate, up), _ = _project(x2[rows], bases[:2], [ag, au], [bg, bu], scalings[:2],
-                                     weights[:2])
+            (gate, up), _ = _project(x2[rows], bases[:2], [ag, au], [bg, bu], scalings[:2], weights[:2])
             h = _swiglu(gate, up, over_gate=True)
             del gate, up
             (down,), _ = _project(h, bases[2:], [ad], [bd], scalings[2:], weights[2:])
@@ -103,13 +101,13 @@ class LoraMLP(torch.autograd.Function):
     [tokens x intermediate] tensor is ever made for all tokens."""
 
     @staticmethod
-    def forward(ctx, x, bases, scalings, output_unread, chunk_tokens, casts, a_gate, b_gate,
-                a_up, b_up, a_down, b_down):
+    def forward(
+        ctx, x, bases, scalings, output_unread, chunk_tokens, casts, a_gate, b_gate, a_up, b_up, a_down, b_down
+    ):
         dtype = _compute_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-            (ag, au, ad), (bg, bu, bd) = casts.get(
-                (a_gate, a_up, a_down), (b_gate, b_up, b_down), dtype)
+            (ag, au, ad), (bg, bu, bd) = casts.get((a_gate, a_up, a_down), (b_gate, b_up, b_down), dtype)
             gate = up = xa = ha = None
             if not (output_unread and in_chunks(x2.shape[0], chunk_tokens)):
                 (gate, up), xa = _project(x2, bases[:2], [ag, au], [bg, bu], scalings[:2])
@@ -131,8 +129,7 @@ class LoraMLP(torch.autograd.Function):
         if gate is None:
             grad_x, grads = _chunked_backward(ctx, x2, g, (ag, bg, au, bu, ad, bd))
         else:
-            grad_x, grads = _saved_backward(ctx, x2, g, gate, up, xa, ha,
-                                            (ag, bg, au, bu, ad, bd))
+            grad_x, grads = _saved_backward(ctx, x2, g, gate, up, xa, ha, (ag, bg, au, bu, ad, bd))
         if grad_x is not None:
             grad_x = grad_x.view(*grad_out.shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
         return (grad_x, None, None, None, None, None) + _gradients_as(grads, ctx.param_dtypes)
@@ -142,8 +139,7 @@ def _down_backward(h, h_a, g, bases, ad, bd, scalings, down):
     """The down projection's backward pass for one chunk: (d h, [dA_down], [dB_down]). d h is
     written over h (h is read only by dA_down, which comes first), so a chunk holds one
     [tokens x intermediate] tensor fewer."""
-    return _project_backward(h, h_a, [g], bases[2:], [ad], [bd], scalings[2:], True, [down],
-                             grad_x_out=h)
+    return _project_backward(h, h_a, [g], bases[2:], [ad], [bd], scalings[2:], True, [down], grad_x_out=h)
 
 
 def _saved_backward(ctx, x2, g, gate, up, xa, ha, adapters):
@@ -161,18 +157,16 @@ def _saved_backward(ctx, x2, g, gate, up, xa, ha, adapters):
         rows = slice(start, start + chunk)
         h = _swiglu(gate[rows], up[rows])
         h_a = h @ ad.t() if ha is None else ha[rows]  # as _project computes it forward
-        grad_h, (part_ad,), (part_bd,) = _down_backward(h, h_a, g[rows], bases, ad, bd,
-                                                        scalings, down)
+        grad_h, (part_ad,), (part_bd,) = _down_backward(h, h_a, g[rows], bases, ad, bd, scalings, down)
         grad_ad, grad_bd = _sum_into(grad_ad, part_ad), _sum_into(grad_bd, part_bd)
-        for saved, grad in zip((gate[rows], up[rows]), _swiglu_backward(
-                gate[rows], up[rows], grad_h)):
+        for saved, grad in zip((gate[rows], up[rows]), _swiglu_backward(gate[rows], up[rows], grad_h)):
             if grad.data_ptr() != saved.data_ptr():
                 saved.copy_(grad)
         del grad_h, h
     del down
     grad_x, (grad_ag, grad_au), (grad_bg, grad_bu) = _project_backward(
-        x2, xa, [gate, up], bases[:2], [ag, au], [bg, bu], scalings[:2],
-        ctx.needs_input_grad[0])
+        x2, xa, [gate, up], bases[:2], [ag, au], [bg, bu], scalings[:2], ctx.needs_input_grad[0]
+    )
     return grad_x, (grad_ag, grad_bg, grad_au, grad_bu, grad_ad, grad_bd)
 
 
@@ -187,21 +181,31 @@ def _chunked_backward(ctx, x2, g, adapters):
     weights = [_base_weight(base, x2.dtype) for base in bases]
     need_input = ctx.needs_input_grad[0]
     grad_x = torch.empty_like(x2) if need_input else None
-    sums = _views(torch.zeros(sum(a.numel() for a in adapters), device=x2.device,
-                              dtype=torch.promote_types(x2.dtype, torch.float32)), adapters)
+    sums = _views(
+        torch.zeros(
+            sum(a.numel() for a in adapters), device=x2.device, dtype=torch.promote_types(x2.dtype, torch.float32)
+        ),
+        adapters,
+    )
     for start in range(0, x2.shape[0], chunk):
         rows = slice(start, start + chunk)
-        (gate, up), xa = _project(x2[rows], bases[:2], [ag, au], [bg, bu], scalings[:2],
-                                  weights[:2])
+        (gate, up), xa = _project(x2[rows], bases[:2], [ag, au], [bg, bu], scalings[:2], weights[:2])
         h = _swiglu(gate, up)
-        grad_h, (part_ad,), (part_bd,) = _down_backward(h, h @ ad.t(), g[rows], bases, ad, bd,
-                                                        scalings, weights[2])
+        grad_h, (part_ad,), (part_bd,) = _down_backward(h, h @ ad.t(), g[rows], bases, ad, bd, scalings, weights[2])
         grad_gate, grad_up = _swiglu_backward(gate, up, grad_h)
         del grad_h, h, gate, up
         _, (part_ag, part_au), (part_bg, part_bu) = _project_backward(
-            x2[rows], xa, [grad_gate, grad_up], bases[:2], [ag, au], [bg, bu], scalings[:2],
-            need_input, weights[:2], grad_x[rows] if need_input else None)
+            x2[rows],
+            xa,
+            [grad_gate, grad_up],
+            bases[:2],
+            [ag, au],
+            [bg, bu],
+            scalings[:2],
+            need_input,
+            weights[:2],
+            grad_x[rows] if need_input else None,
+        )
         del grad_gate, grad_up
         torch._foreach_add_(sums, [part_ag, part_bg, part_au, part_bu, part_ad, part_bd])
     return grad_x, tuple(sums)
-

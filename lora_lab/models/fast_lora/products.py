@@ -2,14 +2,15 @@
 products read them, the adapters' 16-bit copies, `X @ W.T + b + s * (X @ A.T) @ B.T` and its
 backward pass, and LoraProjection, the autograd function of one or several projections of one
 input."""
+
 from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-
 # ----------------------------------------------------------------------------- weights
+
 
 def _base_weight(base, dtype: torch.dtype) -> torch.Tensor:
     """The frozen weight [out, in] in `dtype`; bitsandbytes 4-bit weights are dequantized."""
@@ -37,6 +38,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 # ----------------------------------------------------------------------------- adapters
 
+
 def _adapter_weights(lora_as, lora_bs, dtype: torch.dtype):
     """The adapter weights in `dtype`: ([A_i], [B_i]). One multi-tensor copy casts them all
     (one kernel launch, not one per weight) into two buffers: the A blocks side by side (so that
@@ -46,17 +48,20 @@ def _adapter_weights(lora_as, lora_bs, dtype: torch.dtype):
     params = list(lora_as) + list(lora_bs)
     if all(p.dtype == dtype for p in params):
         return list(lora_as), list(lora_bs)
-    views = [view for part in (lora_as, lora_bs) for view in _views(
-        torch.empty(sum(p.numel() for p in part), dtype=dtype, device=part[0].device), part)]
+    views = [
+        view
+        for part in (lora_as, lora_bs)
+        for view in _views(torch.empty(sum(p.numel() for p in part), dtype=dtype, device=part[0].device), part)
+    ]
     torch._foreach_copy_(views, params)
-    return views[:len(lora_as)], views[len(lora_as):]
+    return views[: len(lora_as)], views[len(lora_as) :]
 
 
 def _views(flat: torch.Tensor, likes) -> list:
     """Views of one buffer, shaped like each of `likes` in turn."""
     views, start = [], 0
     for like in likes:
-        views.append(flat[start:start + like.numel()].view(like.shape))
+        views.append(flat[start : start + like.numel()].view(like.shape))
         start += like.numel()
     return views
 
@@ -82,8 +87,7 @@ class _Casts:
         self.key, self.weights = None, None
 
     def get(self, lora_as, lora_bs, dtype: torch.dtype):
-        key = (dtype, _optimizer_steps[0],
-               *((id(p), p.data_ptr(), p._version) for p in (*lora_as, *lora_bs)))
+        key = (dtype, _optimizer_steps[0], *((id(p), p.data_ptr(), p._version) for p in (*lora_as, *lora_bs)))
         if key != self.key:
             self.key, self.weights = key, _adapter_weights(lora_as, lora_bs, dtype)
         return self.weights
@@ -95,7 +99,8 @@ def _stacked(a16):
         return a16[0]
     first, rows = a16[0], sum(a.shape[0] for a in a16)
     contiguous = all(a.is_contiguous() for a in a16) and all(
-        b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(a16, a16[1:]))
+        b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(a16, a16[1:])
+    )
     if contiguous and first.untyped_storage().data_ptr() == a16[-1].untyped_storage().data_ptr():
         return first.as_strided((rows, first.shape[1]), (first.shape[1], 1))
     return torch.cat(a16)
@@ -110,8 +115,7 @@ def _gradients_as(grads, dtypes):
         picked = [i for i, (g, d) in enumerate(zip(grads, dtypes)) if d == dtype and g.dtype != d]
         if not picked:
             continue
-        flat = torch.empty(sum(grads[i].numel() for i in picked), dtype=dtype,
-                           device=grads[picked[0]].device)
+        flat = torch.empty(sum(grads[i].numel() for i in picked), dtype=dtype, device=grads[picked[0]].device)
         for i, view in zip(picked, _views(flat, [grads[i] for i in picked])):
             result[i] = view
         torch._foreach_copy_([result[i] for i in picked], [grads[i] for i in picked])
@@ -119,6 +123,7 @@ def _gradients_as(grads, dtypes):
 
 
 # ----------------------------------------------------------------------------- products
+
 
 def _scaled_mm(a, b, scale: float):
     """scale * (a @ b) as one product: the scaling is the product's alpha, not a kernel of its
@@ -137,14 +142,13 @@ def _project(x2, bases, a16, b16, scalings, weights=None):
     for base, weight, a, b, s in zip(bases, weights, a16, b16, scalings):
         out = F.linear(x2, weight, _bias(base, x2.dtype))
         rank = a.shape[0]
-        out.addmm_(xa[:, start:start + rank], b.t(), alpha=s)
+        out.addmm_(xa[:, start : start + rank], b.t(), alpha=s)
         outputs.append(out)
         start += rank
     return outputs, xa
 
 
-def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool,
-                      weights=None, grad_x_out=None):
+def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool, weights=None, grad_x_out=None):
     """(dX, [dA_i], [dB_i]) for _project, given the gradients of its outputs. weights: the
     bases' 16-bit weights where the caller holds them already (de-quantized once for several
     calls); grad_x_out: where dX is written (a caller's buffer, x2's own memory included: x2 is
@@ -155,7 +159,7 @@ def _project_backward(x2, xa, grads, bases, a16, b16, scalings, need_input: bool
     grad_b, start = [], 0
     for g, a, s in zip(grads, a16, scalings):
         rank = a.shape[0]
-        grad_b.append(_scaled_mm(g.t(), xa[:, start:start + rank], s))
+        grad_b.append(_scaled_mm(g.t(), xa[:, start : start + rank], s))
         start += rank
     grad_x = None
     if need_input:
@@ -192,7 +196,8 @@ class LoraProjection(torch.autograd.Function):
         a16, b16 = weights[:count], weights[count:]
         grads = [g.reshape(-1, g.shape[-1]).to(x2.dtype) for g in grad_outs]
         grad_x, grad_a, grad_b = _project_backward(
-            x2, xa, grads, ctx.bases, a16, b16, ctx.scalings, ctx.needs_input_grad[0])
+            x2, xa, grads, ctx.bases, a16, b16, ctx.scalings, ctx.needs_input_grad[0]
+        )
         if grad_x is not None:
             grad_x = grad_x.view(*grad_outs[0].shape[:-1], x2.shape[-1]).to(ctx.x_dtype)
         return (grad_x, None, None, None) + _gradients_as(grad_a + grad_b, ctx.param_dtypes)

@@ -355,14 +355,27 @@ def main() -> None:
     try:
         outcome = {"error": None, **runner(cell)}
     except Exception as exc:
-        import torch
-
-        oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
-        outcome = {
-            "error": "OOM" if oom else f"{type(exc).__name__}: {str(exc)[:300]}",
-            "trace": "" if oom else traceback.format_exc()[-1500:],
-        }
+        outcome = failure(exc)
     print("CELL " + json.dumps({**cell, **outcome}), flush=True)
+
+
+def failure(exc: Exception) -> dict:
+    """A failed cell's row: "OOM" (with the peak reached before it, the cap and length being in
+    the cell) or the exception. lora-lab's own out-of-memory error says "out of GPU memory"."""
+    import torch
+
+    oom = isinstance(exc, torch.cuda.OutOfMemoryError) or any(
+        words in str(exc) for words in ("out of memory", "out of GPU memory")
+    )
+    if not oom:
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}", "trace": traceback.format_exc()[-1500:]}
+    peaks = {}
+    if torch.cuda.is_available():
+        peaks = {
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 4),
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 4),
+        }
+    return {"error": "OOM", "oom_message": str(exc)[:400], **peaks, "trace": ""}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@
 # figures; their speeds are not clean).
 # plan:NAME[:N[:LABEL,LABEL]]: the cells of `bench/run.py NAME` afterwards (those labels; all
 # without), N at once (default 4; memory figures under the tiers' caps: presets-small,
-# presets-7b, auto-layers).
+# presets-7b, auto-layers; long-context at 1: Unsloth's and lora-lab's long 7B cells, ~6-8 min).
 # The machine is given back after about 30 s idle: one call with every step costs one start.
 # Results, logs, profiles and kernel traces go to $OUT.
 set -o pipefail

@@ -3,8 +3,8 @@
 Same random-weight Qwen2.5 folders (workloads.make_random_model) and data generators; Unsloth's
 recommended settings: FastLanguageModel, LoRA r 8, alpha 32 on all linear layers, dropout 0,
 use_gradient_checkpointing="unsloth". Steps are timed by lora-lab's own StepTimer (CUDA events
-at every optimizer step's end, no host wait; the median after 2 warm-up steps); peak =
-torch.cuda.max_memory_reserved.
+at every optimizer step's end, no host wait; the median after 2 warm-up steps, or of every step
+where there are 2 or fewer); peak = torch.cuda.max_memory_reserved.
 
 - kind "unsloth": fixed-length samples (workloads.write_full_length_rows, every sample exactly
   max_length tokens) through the plain transformers Trainer, `batch` samples a micro-batch and
@@ -127,7 +127,7 @@ def run_fixed(cell: dict, model_dir: str, data_path) -> dict:
     )
     trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=collate, callbacks=[timer])
     trainer.train()
-    steps = timer.step_seconds[2:]
+    steps = timer.step_seconds[2:] or timer.step_seconds  # 2 steps or fewer: time them all
     median = statistics.median(steps)
     tokens = batch * accum * cell["max_length"]
     return {

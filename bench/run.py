@@ -400,8 +400,31 @@ def peer_cells(steps: int = 6) -> list:
     return cells
 
 
+def long_context_cells() -> list:
+    """The long-context comparison in one call, each cell under its tier's cap, 2 optimizer steps
+    of one full-length sample: Unsloth at 49,152 tokens (nf4, 16gb cap) and 32,768 (bf16, 24gb
+    cap), lora-lab's presets at 98,304 and 65,536 under the same caps. The Unsloth cells go first
+    (rows are written as each cell ends); a cell that runs out of memory is stored as a row saying
+    so (error "OOM", its cap, its length and the peak it reached)."""
+    unsloth = [
+        {
+            "kind": "unsloth",
+            "label": f"us-long-{tier}-7b-{length}{'-nf4' if nf4 else ''}",
+            "size": "7b",
+            "max_length": length,
+            "steps": 2,
+            "grad_accum": 1,
+            "qlora": nf4,
+            "cap_gib": TIERS[tier],
+        }
+        for tier, length, nf4 in (("16gb", 49152, True), ("24gb", 32768, False))
+    ]
+    return unsloth + long_cells((("24gb", 65536, False), ("16gb", 98304, True)), steps=2)
+
+
 PLANS = {
     "peer": peer_cells,
+    "long-context": long_context_cells,
     "families": family_cells,
     "tuners": tuner_cells,
     "smoke": lambda: [
@@ -655,6 +678,7 @@ def main() -> None:
                 f"{row.get('peak_reserved_gib', 0) or 0:6.2f} GiB {row.get('tokens_per_s', 0) or 0:9.0f} tok/s"
                 if not row.get("error")
                 else f"ERROR {row['error'][:150]}"
+                + (f" at {row['peak_reserved_gib']:.2f} GiB reserved" if row.get("peak_reserved_gib") else "")
             )
             print(f"{row['label']:<28} {shown}  ({row['wall_seconds']} s)", flush=True)
     print(f"wrote {out}")

@@ -31,7 +31,7 @@ MEMORY_CAP_ENV = "LORA_LAB_GPU_MEMORY_GIB"
 
 def cap_gpu_memory() -> float | None:
     """LORA_LAB_GPU_MEMORY_GIB=N: let this process use at most N GiB of its GPU, to act like a
-    smaller card (how the presets and the multi-GPU table were measured on H200s)."""
+    smaller card (how the benchmarks measure the presets under each tier's cap)."""
     import torch
 
     value = os.environ.get(MEMORY_CAP_ENV)
@@ -57,7 +57,7 @@ def allocator_chosen(environ=None) -> bool:
 
 def _windows_or_wsl() -> bool:
     """Windows, or Linux under WSL (Docker on WSL 2 included: its kernel names Microsoft), where
-    CUDA's virtual memory calls behind expandable segments fail (unslothai/unsloth#3511)."""
+    CUDA's virtual memory calls behind expandable segments fail (docs/training.md)."""
     if os.name == "nt" or os.environ.get("WSL_DISTRO_NAME") or os.environ.get("WSL_INTEROP"):
         return True
     return "microsoft" in os.uname().release.lower()

@@ -312,7 +312,7 @@ class TrainArgs:
     expandable_segments: bool = _f(
         True,
         "PyTorch's caching allocator maps its GPU memory in growable segments, so what it "
-        "holds stays near what is allocated (Unsloth sets the same). Not where "
+        "holds stays near what is allocated. Not where "
         "PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF is set, under DeepSpeed, or on "
         "Windows / WSL, where the driver lacks it.",
     )

@@ -160,7 +160,7 @@ def resolve_config(
             labels[key] = label
     _tuner_defaults(config)
     if config.train.engine == "auto" and world_size_of(config.train) == 1:
-        config.train.engine = "ddp"  # several GPUs: lora_lab.memory.pick_engine, at launch
+        config.train.engine = "ddp"  # several GPUs: planning.choice.pick_engine, at launch
         config.sources["train.engine"] = "auto (one GPU)"
     for key, problem in _validate(config, need_data, training):
         problems.append(f"{labels.get(key, FLAG_FOR_KEY.get(key, key))}: {problem}")

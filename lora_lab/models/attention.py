@@ -21,8 +21,8 @@ the sample lengths the collator passes (no [tokens x tokens] mask):
   Where the flash kernel is not available (CPU, older PyTorch, fp32 without autocast) it
   computes the same thing as segments.
 
-auto = varlen where it runs: it was the fastest of the three in the same run on an H200
-(docs/benchmarks.md, packed attention).
+auto = varlen where it runs: one kernel call a row and no mask, where segments launches a kernel
+per sample and mask builds and reads [tokens x tokens] (speeds: docs/benchmarks.md).
 """
 
 
@@ -188,7 +188,7 @@ after this many shapes."""
 
 def cudnn_equal_lengths(query, key, value, lengths, dtype, scaling):
     """A row of n samples of one length L, [1, heads, n L, dim], as the batch [n, heads, L, dim]
-    to sdpa's cuDNN kernel (faster than flash-attention 2 on Hopper); returns [1, n L, heads,
+    to sdpa's cuDNN kernel (model.cudnn_attention; speeds: docs/benchmarks.md); returns [1, n L, heads,
     dim], or None where cuDNN does not take the shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -213,7 +213,7 @@ def cudnn_equal_lengths(query, key, value, lengths, dtype, scaling):
 
 def resolve_packed_attention(kind: str) -> str:
     """data.packed_attention -> what this machine runs: auto is varlen on a CUDA GPU whose
-    PyTorch has the varlen kernel (fastest of the three on an H200: docs/benchmarks.md), else
+    PyTorch has the varlen kernel (one call a row: module docstring), else
     mask (on CPU, varlen and segments compute sample by sample). A plan made anywhere resolves
     it as a CUDA GPU would, without torch: planning.memory.as_planned_on_cuda."""
     if kind != "auto":

@@ -9,7 +9,7 @@ compute stream finds it already there. A layer input copied to the host stays re
 the next layer's input has been queued for its copy, and is then released on the compute stream
 after that stream has waited for its copy: its memory is reused one layer later, in stream order.
 (record_stream would hold it until the copy stream drained everything queued by then, which
-waits on compute work the host has queued ahead: 16 inputs, 0.9 GiB, at the 7B peak.) The
+waits on compute work the host has queued ahead: many layers' inputs at the peak.) The
 arithmetic is the plain checkpoint's: the same input, random state and autocast settings.
 """
 

@@ -366,9 +366,8 @@ def scale_loss_gradients_on_device() -> bool:
 NATIVE_RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Phi3RMSNorm")
 """RMSNorm layers that compute weight * (x * rsqrt(mean(x^2) + eps)) with the statistics in
 fp32: what torch.rms_norm computes. On a GPU it is one fused CUDA kernel each way, launched from
-C++; liger's Triton launch costs about 0.3 ms of Python a call under cProfile, and the 7B step on
-short rows waits on the host (bench/results/profiles/host-ll-7b-1024-call25.txt). Gemma's
-(1 + weight) is not among them."""
+C++, where liger's Triton kernel is launched from Python: a step on short rows waits on the host,
+so every launch's Python counts. Gemma's (1 + weight) is not among them."""
 
 
 def native_rms_norm_available() -> bool:

@@ -238,7 +238,7 @@ def keep_last_layers(model, count: int) -> int:
 
 
 def apply_memory_means(model, means) -> None:
-    """Put the chosen lora_lab.memory.MemoryMeans in place on a model whose checkpointing is on
+    """Put the chosen planning.memory.MemoryMeans in place on a model whose checkpointing is on
     (the embedding before PEFT wraps the model, so its input-grad hook lands on the new one)."""
     if means.uncheckpointed_layers:  # first: the offload below takes the checkpointed ones
         keep_last_layers(model, means.uncheckpointed_layers)

@@ -83,7 +83,8 @@ def deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int, cpu_op
     in flight (16-bit); ZeRO-2 reduces and gathers in buckets (double-buffered with
     overlap_comm); with the optimizer on the GPU the step turns this GPU's gradient partition
     into fp32 (sub_group_size, 1e9 by default, is larger than the partitions here).
-    The 1.5B ZeRO-3 run on two H200s reserved 20.27 GiB where these terms give 17.8."""
+    Counted from the config: the caching allocator holds more than this (the two-GPU runs
+    against their plans: docs/benchmarks.md, several GPUs)."""
     zero = json.loads(engine_template(config.train.engine).read_text())["zero_optimization"]
     n, total = world_size_of(config.train), shape.params
     parts = {}

@@ -8,9 +8,9 @@ peak = weights (less the input embedding when it lives in CPU memory)
      + the attention mask of a packed row (tokens x tokens, counted)
      + a constant (allocator and kernel workspaces)
 The memory means (models/memory_means.py) are chosen by `choose_memory_means`, here and in
-training. The last two terms are an empirical fit to peaks measured on an H200 (`python
-bench/fit_planner.py` refits them; docs/benchmarks.md); the others are counted from the model's
-config.
+training. The last two terms are an empirical fit to measured peaks (`python
+bench/fit_planner.py` refits them; docs/memory-planner.md); the others are counted from the
+model's config.
 "Peak" is torch.cuda.max_memory_reserved: the CUDA context (about 0.3-0.5 GiB) comes on top, which
 is why a card of G GiB is planned with G - 0.5 GiB.
 
@@ -38,8 +38,8 @@ from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
 
 GIB = 2**30
 CONTEXT_GIB = 0.5
-# Fitted by weighted least squares on every successful single-GPU lora-lab cell stored in
-# bench/results (`python bench/fit_planner.py`; docs/memory-planner.md).
+# Fitted by weighted least squares on every successful single-GPU lora-lab benchmark cell
+# (`python bench/fit_planner.py`; docs/memory-planner.md).
 FIT_CONSTANT_GIB = 0.1480
 FIT_BYTES_PER_TOKEN_PER_HIDDEN = 39.34
 FIT_BYTES_PER_TOKEN_PER_INTERMEDIATE = 11.875
@@ -60,14 +60,14 @@ TIERS_GIB = {"8gb": 8, "12gb": 12, "16gb": 16, "24gb": 24}
 PACKED_MASK_BYTES_PER_PAIR = 3  # the bool mask, and sdpa's bf16 additive copy (counted)
 ROOM_SHARE = 0.90
 """Layers not recomputed (train.uncheckpointed_layers auto, and the plan's suggestion) stay
-within this share of the usable memory: the fast path's plans run as low as 0.94 of the measured
-peaks (plan / measured 0.94-1.09)."""
+within this share of the usable memory: a margin for the fitted terms, whose plans fall some
+percent under the measured peak of some cells (each cell's plan / measured: docs/memory-planner.md)."""
 MAX_PLANNED_LENGTH = 131072  # Qwen2.5's longest context (with YaRN)
 
 
 @dataclass
 class MemoryMeans:
-    """Which long-sequence means (lora_lab.activations) a run uses."""
+    """Which long-sequence means (models/memory_means.py) a run uses."""
 
     embedding_on_cpu: bool = False
     offload_checkpoints: bool = False
@@ -156,7 +156,7 @@ class MemoryPlan:
     """CPU memory for offloaded state, for all processes of one machine together."""
     packed: bool = False
     means: str = "none"
-    """The long-sequence means (lora_lab.activations) the run will use."""
+    """The long-sequence means (models/memory_means.py) the run will use."""
     counted: bool = False
     """True when the plan rests on counted, not measured, terms (several GPUs, engines, full)."""
     budget_gib: float | None = None
@@ -345,8 +345,8 @@ def _checkpoint_bytes(shape: ModelShape, tokens: int) -> float:
 def _no_checkpoint_bytes(shape: ModelShape, tokens: int) -> float:
     """Without gradient checkpointing every layer keeps its activations for the backward pass:
     about 14 hidden-sized and 4 intermediate-sized bf16 tensors a token (norm inputs and
-    outputs, q/k/v/o, the LoRA dropout copies; gate, up, their product). Counted; 7B at
-    8192-token rows: the plan is 9% above the measured peak (docs/benchmarks.md)."""
+    outputs, q/k/v/o, the LoRA dropout copies; gate, up, their product). Counted, not fitted: it
+    errs on the safe side (plan against the measured peak: docs/benchmarks.md)."""
     return tokens * shape.layers * 2 * (14 * shape.hidden + 4 * shape.intermediate)
 
 
@@ -354,8 +354,8 @@ def _kept_layer_bytes(shape: ModelShape, tokens: int, fast: bool) -> float:
     """A layer that is not recomputed keeps its activations for the backward pass: on the fast
     LoRA path (models/fast_lora) gate and up and about 4 hidden-sized bf16 tensors a token (the
     inputs of the norms and projections, the attention's output): 7B at 4096 tokens 0.40 GiB
-    a layer, measured 0.38 / 0.42 (8 / 14 layers kept, bench/results/2026-12-04-peer-call40
-    and -42); on peft's path _no_checkpoint_bytes' count."""
+    a layer (checked against runs with layers kept: docs/benchmarks.md); on peft's path
+    _no_checkpoint_bytes' count."""
     if not fast:
         return _no_checkpoint_bytes(shape, tokens) / shape.layers
     return tokens * 2 * (4 * shape.hidden + 2 * shape.intermediate)

@@ -11,8 +11,8 @@ MLP's output projection (down_proj) is the last one.
   ia3   one scale per output channel, per input channel of down_proj (peft IA3
         feedforward_modules; models/lora.py IA3_INPUT_SCALED)
 The DoRA terms are counted from peft's code; two more were fitted to 7B runs under the 24gb and
-16gb caps (bench/results/2026-12-01-tuners.jsonl): the allocator's blocks that DoRA's large
-transients leave behind, and the 4-bit weight peft dequantizes for the weight norm.
+16gb caps (docs/benchmarks.md, DoRA and preference tasks): the allocator's blocks that DoRA's
+large transients leave behind, and the 4-bit weight peft dequantizes for the weight norm.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def build_training_arguments(
     )
     if args.n_gpu > 1:
         # One process that sees several GPUs: the Trainer would spread each micro-batch over
-        # them with nn.DataParallel (it failed on two H200s: the embedding's ids on cuda:1).
+        # them with nn.DataParallel, which fails with the CPU embedding (its ids land on cuda:1).
         # A run trains on one GPU unless --gpus N launches N processes.
         args._n_gpu = 1
     return args

@@ -143,7 +143,7 @@ class RunProcess:
 
     def stop(self) -> None:
         """SIGTERM: the run finishes the optimizer step under way, saves a checkpoint and exits
-        (training/callbacks.py, SignalStop)."""
+        (training/callbacks.py, StopOnSignal)."""
         if not self.running:
             raise LoraLabError(f"{self.run_dir.name} is not running.")
         self.process.send_signal(signal.SIGTERM)

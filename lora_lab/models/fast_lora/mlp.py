@@ -13,8 +13,9 @@ from .products import _base_weight, _compute_dtype, _gradients_as, _project, _pr
 # runs on at most this many tokens at a time: silu(gate) * up, rewritten as its gradient, is a
 # chunk's (74 MiB instead of 296 for a 7B row of 8192 tokens), for about a dozen more kernel
 # launches a chunk on a GPU and no more compute (`bench/op_count.py --down-backward-tokens`).
-# 2048 keeps the 1.5B 24gb preset at or under Unsloth's peak at no measured cost in speed
-# (bench/results/2026-12-05-peer-call46.jsonl, -call48, -call49). 0: all tokens at once.
+# Smaller chunks lower the peak and add launches, which weigh most where a step waits on the
+# host (small models); what 2048 does to each preset's peak and speed is in docs/benchmarks.md.
+# 0: all tokens at once.
 DOWN_BACKWARD_TOKENS = 2048
 
 

@@ -182,8 +182,8 @@ CUDNN_EQUAL_LENGTHS = {"allowed": True, "shapes": {}}
 have one length; shapes maps (samples, length, heads, kv heads, head dim) to whether cuDNN took
 it."""
 CUDNN_MAX_SHAPES = 8
-"""cuDNN builds a plan for each new shape (0.1-3 s), so rows of ever new lengths stay on flash
-after this many shapes."""
+"""cuDNN builds a plan for each new shape (up to seconds), so rows of ever new lengths stay on
+flash after this many shapes."""
 
 
 def cudnn_equal_lengths(query, key, value, lengths, dtype, scaling):

@@ -60,11 +60,12 @@ GAPS_ON_GPUS = {
 OFFLOAD_FP32_GRAD_BYTES = 4
 """DeepSpeed's CPU optimizer steps on an fp32 copy of the gradients kept in CPU memory."""
 PROCESS_CPU_GIB = 4.3
-"""Resident CPU memory of a training process besides its model state: an FSDP worker of full
-1.5B peaked at 10.06 GiB, 5.74 of them its fp32 weights (docs/benchmarks.md)."""
+"""Resident CPU memory of a training process besides its model state (imports, CUDA context,
+buffers): the two-GPU runs' resident peaks less their counted state (docs/memory-planner.md)."""
 CPU_PLAN_MARGIN = 1.45
-"""The offload runs' resident CPU peaks, added up over the processes, were up to 1.43x the CPU
-plan (ZeRO-3 offload 7B, its final save included): --engine auto asks for this much more."""
+"""The CPU plan of the offload engines is low (the final save and the optimizer's own copies
+come on top): --engine auto asks the machine for this many times it, above the largest ratio of
+a stored run's resident peak to its plan (docs/memory-planner.md)."""
 UNSHARDED_GRAD_BYTES = 2
 """FSDP2 under no_sync accumulates each parameter's whole gradient in its compute dtype (bf16)."""
 

@@ -62,11 +62,11 @@ def dora_weight_bytes(linears: list, activation_bytes: int) -> int:
 
 
 DORA_FRAGMENTATION_PER_IDENTITY_BYTE = 0.9
-"""Reserved minus allocated at the peak, over the bytes of the widest fp32 identity: 1.27 and
-1.16 GiB against 1.34 GiB (Qwen2.5-7B's down_proj, 18944^2 x 4) in the two fitted runs."""
+"""Reserved minus allocated at the peak, over the bytes of the widest fp32 identity (Qwen2.5-7B's
+down_proj: 18944^2 x 4 = 1.34 GiB); fitted on the 7B DoRA runs (docs/tuners.md)."""
 DORA_NF4_DEQUANT_BYTES_PER_WEIGHT = 16
 """Allocated beyond the counted terms with a 4-bit base, per element of the widest linear: the
-dequantized weight in 16 bits and its fp32 copies for the norm (1.0 GiB at 7B, fitted)."""
+dequantized weight in 16 bits and its fp32 copies for the norm (fitted on the 7B QDoRA run)."""
 
 
 def dora_parts(

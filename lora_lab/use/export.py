@@ -366,8 +366,8 @@ def _quantize_compressed(fmt: QuantFormat, source: Path, staging: Path, samples:
     from transformers import AutoModelForCausalLM
 
     # The model is loaded into CPU memory; with a GPU, llm-compressor moves one layer at a time
-    # onto it. On a CPU the calibration passes run in fp32 (several times faster there than
-    # bf16); the non-quantized weights and the scales are cast to bf16 before saving.
+    # onto it. On a CPU the calibration passes run in fp32 (CPUs compute bf16 slowly); the
+    # non-quantized weights and the scales are cast to bf16 before saving.
     on_gpu = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16 if on_gpu else torch.float32).eval()
     dataset = Dataset.from_dict({"input_ids": list(samples), "attention_mask": [[1] * len(s) for s in samples]})

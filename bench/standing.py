@@ -415,24 +415,34 @@ def planner_table() -> str:
 
 
 def families_table() -> str:
+    """One row per model: each tier's peak under its cap, with today's plan / peak."""
     sources = Sources()
     plans = {label: planned for group, label, _, planned in todays_plans() if group == "other families"}
     headers, rows = report.load("families", every_file=True)
+    rows = [r for r in rows if not r.get("error")]
     lines = [
-        "| model | preset (cap) | precision | max_length | peak GiB | today's plan | plan / peak | source |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | " + " | ".join(f"{tier} ({TIERS[tier]} GiB)" for tier in report.TIERS) + " |",
+        "|---" * (len(report.TIERS) + 1) + "|",
     ]
-    for row in sorted((r for r in rows if not r.get("error")), key=lambda r: (r["size"], r["preset"])):
-        header = report.headers_of(headers, [row["label"]])[-1]
-        precision = "nf4" if row["resolved"]["quantization"] == "nf4" else row["resolved"]["dtype"]
-        planned = plans.get(row["label"])
-        lines.append(
-            f"| {row['size']} | {row['preset']} ({row['cap_gib']} GiB) | {precision} | {row['max_length']} "
-            f"| {row['peak_reserved_gib']:.2f} | {planned:.2f} | {planned / row['peak_reserved_gib']:.3f} "
-            f"| {gpu_of(header)}, {header['date'][:10]} {sources.cite(header, lora_lab=True)} |"
-        )
+    for model in sorted({r["size"] for r in rows}):
+        cells = []
+        for tier in report.TIERS:
+            row = next((r for r in rows if (r["size"], r["preset"]) == (model, tier)), None)
+            if row is None:
+                cells.append("-")
+                continue
+            header = report.headers_of(headers, [row["label"]])[-1]
+            precision = "nf4" if row["resolved"]["quantization"] == "nf4" else row["resolved"]["dtype"]
+            ratio = plans[row["label"]] / row["peak_reserved_gib"]
+            cells.append(
+                f"{precision} @{row['max_length']}: {row['peak_reserved_gib']:.2f} ({ratio:.3f}) "
+                + sources.cite(header, lora_lab=True)
+            )
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
     return (
-        "\n".join(lines) + "\n\nRandom weights from each model's published config.json (lora_lab/model_configs), "
-        "SmolLM2's tokenizer, 4 optimizer steps of full-length packed samples under the tier's cap with the "
-        "preset's own choices; the newest run of each cell.\n\n" + sources.render() + "\n"
+        "\n".join(lines) + "\n\nPeak GiB under the tier's cap, in brackets today's plan / that peak. Random weights "
+        "from each model's published config.json (lora_lab/model_configs), SmolLM2's tokenizer, 4 optimizer "
+        "steps of full-length packed samples with the preset's own choices; the newest run of each cell.\n\n"
+        + sources.render()
+        + "\n"
     )

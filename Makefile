@@ -25,7 +25,7 @@ WHEELS ?= $(HOME)/.cache/lora-lab/wheels
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
 
-.PHONY: install chromium llama-cpp demo test test-fast test-slow test-gpu finetune bench clean
+.PHONY: install chromium llama-cpp demo lint test test-fast test-slow test-gpu finetune bench clean
 
 install: $(STAMP)
 
@@ -70,7 +70,13 @@ demo: install
 
 # -q: one letter per test; each real-model test (minutes) prints its name and time on a line of
 # its own (tests/support/progress.py); the ten slowest tests are listed at the end
-test: install
+# ruff (pyproject.toml's [tool.ruff]) and mypy on lora_lab/ ([tool.mypy]); make test runs it first
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m mypy
+
+test: lint
 	$(PYTHON) -m pytest -q --durations=10 tests/unit tests/e2e
 
 test-fast: install

@@ -16,7 +16,7 @@ def fill_placeholders(samples: list, fill: dict) -> list:
     keeps one (the value was not given) is a warning naming the flag."""
     warnings = []
     for sample in samples:
-        left = set()
+        left: set[str] = set()
 
         def replace(match, left=left):
             value = fill.get(FILL_KEYS[match.group(1).lower()])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..config import LoraArgs
 from ..errors import ModelError
 from .load import Precision
@@ -149,7 +151,7 @@ def adapter_config(model, args: LoraArgs, tuner: str, trainable_tokens: list[int
             task_type="CAUSAL_LM",
             feedforward_modules=[t for t in targets if t in IA3_INPUT_SCALED],
         )
-    extra = {}
+    extra: dict[str, Any] = {}
     if trainable_tokens:
         extra["trainable_token_indices"] = trainable_token_modules(model, trainable_tokens)
     return LoraConfig(

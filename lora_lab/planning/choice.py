@@ -33,7 +33,7 @@ def pick_engine(
             else f"the planner does not know {config.model.name}"
         ) + ": ddp by default"
     candidates = ENGINE_PREFERENCE if deepspeed else ("ddp", "fsdp")
-    tried = []
+    tried: list[str] = []
     for engine in candidates:
         trial = replace(config, train=replace(config.train, engine=engine))
         plan = plan_memory(trial, gpu_memory_gib)

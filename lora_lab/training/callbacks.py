@@ -223,7 +223,7 @@ class NonFiniteGuard(TrainerCallback):
     def __init__(self, policy: str, precision: str, run_dir: Path):
         self.policy, self.precision, self.run_dir = policy, precision, run_dir
         self.skipped_steps: list[int] = []
-        self._losses = []  # this step's micro-batch losses
+        self._losses: list = []  # this step's micro-batch losses
         self._pending = None  # (step, figures in host memory, their CUDA event, loss count)
         self.clipped_norm = None
         """The gradient norm the Trainer's clipping computed for this step (a tensor), set by

@@ -193,7 +193,8 @@ def chat_loop(model, tokenizer, settings: GenerationSettings, read, write, compa
     """Interactive multi-turn chat. `read(prompt)` returns a line or None at end of input."""
     import contextlib
 
-    system, history = None, []
+    system: str | None = None
+    history: list[dict[str, str]] = []
     write(f"{CHAT_HELP}\n")
     while True:
         line = read(">>> ")

@@ -171,13 +171,14 @@ def apply_fast_lora(model, chunk_tokens: int = 0) -> dict:
     (0: all at once).
     Returns how many MLPs and projections were routed."""
     mlps = projections = 0
-    inside_mlp, residual = set(), _mlps_by_layer(model)
+    inside_mlp: set[int] = set()
+    residual = _mlps_by_layer(model)
     for name, module in model.named_modules():
         if name.endswith(".mlp") and _swiglu_mlp(module):
             module.forward = _fast_mlp_forward(module, residual.get(id(module), False), chunk_tokens)
             inside_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj"))
             mlps += 1
-    groups = {}  # id(projection) -> its _SharedInput
+    groups: dict[int, _SharedInput] = {}  # id(projection) -> its _SharedInput
     for module in model.modules():
         siblings = [getattr(module, n, None) for n in SHARED_INPUT_PROJECTIONS]
         if all(_fast_linear(m) for m in siblings) and len({m.get_base_layer().in_features for m in siblings}) == 1:

@@ -1,4 +1,6 @@
-# lora-lab: `make demo` and `make test` are all a fresh machine needs.
+# lora-lab: `make demo` and `make test` are all a fresh machine needs. `make demo` installs only
+# what the demo trains with (PyTorch and lora-lab's own dependencies); `make test` adds what the
+# tests need (the test extra, chromium, llm-compressor, llama.cpp).
 PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 PRESET ?= 24gb
@@ -15,6 +17,7 @@ NODE_RANK ?= 0
 MAIN_ADDRESS ?=
 RUN_NAME ?=
 STAMP = .install.stamp
+TEST_STAMP = .test-deps.stamp
 # e.g. TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" where no CPU wheel is at hand
 TORCH_PIP_ARGS ?=
 # llama.cpp for the GGUF export (lora-lab[gguf]): llama-cpp-python has no wheel on PyPI, so its
@@ -25,24 +28,33 @@ WHEELS ?= $(HOME)/.cache/lora-lab/wheels
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF \
 	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF
 
-.PHONY: install chromium llama-cpp demo lint test test-fast test-slow test-gpu finetune bench clean
+.PHONY: install test-deps chromium llama-cpp demo lint test test-fast test-slow test-gpu finetune bench clean
 
 install: $(STAMP)
 
 # torch first: the CPU build (2.13.0) on machines without an NVIDIA GPU, so that the
-# unpinned requirement below does not pull a multi-GB CUDA build.
+# unpinned requirement below does not pull a multi-GB CUDA build. Then lora-lab (editable) with
+# its own dependencies only: each extra is installed when a command needs it, which says so.
 $(STAMP): setup.cfg pyproject.toml
 	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install torch; \
 	  else $(PIP) install torch==2.13.0 $(TORCH_PIP_ARGS); fi; \
 	fi
+	$(PIP) install -q -e .
+	@touch $(STAMP)
+
+# what the tests need beyond `make install`: the test extra (trackers, trl, gradio, playwright,
+# pytest-xdist, build), the browser, llm-compressor and llama.cpp
+test-deps: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP)
 	$(PIP) install -q -e ".[test]"
 	$(MAKE) --no-print-directory chromium
 	# the w4a16 export's library, for its tests; --no-deps: llmcompressor pins transformers
 	# <= 5.17 and declares packages its GPTQ path never imports (setup.cfg, extra "export")
 	$(PIP) install -q --no-deps llmcompressor==0.14.0.1 compressed-tensors==0.19.0 loguru==0.7.3
 	$(MAKE) --no-print-directory llama-cpp
-	@touch $(STAMP)
+	@touch $(TEST_STAMP)
 
 # the browser of the `lora-lab ui` test: Debian's chromium (Playwright drives it; its own browser
 # download is not used), through apt-get where it is missing (as root, or with sudo)
@@ -69,23 +81,29 @@ demo: install
 	lora-lab demo
 
 # -q: one letter per test; each real-model test (minutes) prints its name and time on a line of
-# its own (tests/support/progress.py); the ten slowest tests are listed at the end
+# its own (tests/support/progress.py); the ten slowest tests are listed at the end. Two workers
+# (pytest-xdist) where the machine has two cores; the tests that share a real-model run are one
+# xdist_group, so they run in one worker after one fine-tune (PYTEST_WORKERS= runs in one process).
+PYTEST_WORKERS ?= -n 2 --dist loadgroup
+PYTEST = $(PYTHON) -m pytest -q --durations=10 $(PYTEST_WORKERS)
+
 # ruff (pyproject.toml's [tool.ruff]) and mypy on lora_lab/ ([tool.mypy]); make test runs it first
-lint: install
+lint: test-deps
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy
 
-test: lint
-	$(PYTHON) -m pytest -q --durations=10 tests/unit tests/e2e
+test: test-deps lint
+	$(PYTEST) tests/unit tests/e2e
 
-test-fast: install
-	$(PYTHON) -m pytest -q --durations=10 tests/unit tests/e2e -m "not real_model"
+test-fast: test-deps
+	$(PYTEST) tests/unit tests/e2e -m "not real_model"
 
-test-slow: install
-	LORA_LAB_SLOW=1 $(PYTHON) -m pytest -q --durations=10 tests/unit tests/e2e -m slow
+test-slow: test-deps
+	LORA_LAB_SLOW=1 $(PYTEST) tests/unit tests/e2e -m slow
 
 test-gpu: install
+	$(PIP) install -q "pytest>=8"
 	$(PYTHON) -m pytest -q tests/gpu
 
 finetune: install
@@ -93,4 +111,4 @@ finetune: install
 	lora-lab run --preset $(PRESET) --model $(MODEL) $(foreach d,$(DATA),--data $(d)) --gpus $(GPUS)$(if $(ENGINE), --engine $(ENGINE))$(if $(filter-out 1,$(NODES)), --nodes $(NODES) --node-rank $(NODE_RANK))$(if $(MAIN_ADDRESS), --main-address $(MAIN_ADDRESS))$(if $(RUN_NAME), --run-name $(RUN_NAME))
 
 clean:
-	rm -rf $(STAMP) build *.egg-info .pytest_cache
+	rm -rf $(STAMP) $(TEST_STAMP) build dist *.egg-info .pytest_cache

@@ -51,8 +51,8 @@ def test_finetune_passes_nodes_node_rank_and_main_address():
 def test_test_target_is_quiet_and_lists_the_slowest_tests():
     """CI runs `make test` (.ci/run): the unit and e2e tiers, -q (the real-model tests name
     themselves through tests/support/progress.py) and the slowest tests at the end."""
-    result = make("-n", "test", "-o", ".install.stamp")
-    assert "-m pytest -q --durations=10 tests/unit tests/e2e" in result.stdout
+    result = make("-n", "test", "-o", ".install.stamp", "-o", ".test-deps.stamp")
+    assert "-m pytest -q --durations=10 -n 2 --dist loadgroup tests/unit tests/e2e" in result.stdout
 
 
 def test_llama_cpp_wheel_is_built_once_and_installed_from_the_cache(tmp_path):
@@ -62,5 +62,19 @@ def test_llama_cpp_wheel_is_built_once_and_installed_from_the_cache(tmp_path):
     assert f"--no-deps --no-binary :all: -d {tmp_path} \\\n    llama-cpp-python==0.3.36" in result.stdout
     assert f"pip wheel -q --no-deps -w {tmp_path}" in result.stdout
     assert f"pip install -q --find-links {tmp_path} --only-binary llama-cpp-python" in result.stdout
-    install = make("-n", "-W", "setup.cfg", "install", f"WHEELS={tmp_path}").stdout
+    install = make("-n", "-W", "setup.cfg", "test-deps", f"WHEELS={tmp_path}").stdout
     assert f"--find-links {tmp_path} --only-binary llama-cpp-python" in install
+
+
+def test_demo_installs_only_what_the_demo_trains_with():
+    """`make demo` (and `make install`): PyTorch, then lora-lab with its own dependencies; no
+    extra, browser, llm-compressor or llama.cpp (`make test` adds those through test-deps)."""
+    demo = make("-n", "-W", "setup.cfg", "demo").stdout
+    assert "pip install -q -e .\n" in demo
+    assert "torch==2.13.0" in demo
+    assert demo.strip().endswith("lora-lab demo")
+    for needed_by_tests_only in ("[test]", "chromium", "llmcompressor", "llama", "playwright"):
+        assert needed_by_tests_only not in demo
+    test = make("-n", "-W", "setup.cfg", "test").stdout
+    for needed_by_tests in ('-e ".[test]"', "chromium", "llmcompressor==0.14.0.1", "llama-cpp-python"):
+        assert needed_by_tests in test

@@ -49,7 +49,7 @@ log = get_logger()
 GGUF_NAME = "model.gguf"
 LLAMA_CPP_HINT = (
     "pip install 'lora-lab[gguf]' (builds llama.cpp from source, several minutes; "
-    "`make install` caches the wheel in ~/.cache/lora-lab/wheels)"
+    "`make llama-cpp` builds it once into ~/.cache/lora-lab/wheels)"
 )
 LLAMA_CPP_ENV = "LORA_LAB_LLAMA_CPP"
 """A llama.cpp source folder whose convert_hf_to_gguf.py to use instead of the one in the

@@ -110,14 +110,26 @@ def run_config(preset, config_file, sets, flag_values):
     "(accelerate + DeepSpeed/FSDP configs) and print the command and per-GPU memory "
     "plan, without training or checking this machine's GPUs.",
 )
+@click.option(
+    "--show-config",
+    "-v",
+    is_flag=True,
+    help="Print every resolved setting, defaults included (the run folder's config.yaml holds them all).",
+)
 @run_options
-def run(preset, config_file, sets, dry_run, **flag_values):
+def run(preset, config_file, sets, dry_run, show_config, **flag_values):
     """Fine-tune a model with LoRA and write a run folder (--gpus N: N processes)."""
     from . import train
     from .training.launch import dry_run_launch, needs_launch
 
     config = run_config(preset, config_file, sets, flag_values)
-    log.info(f"resolved config (preset {preset}):\n{config.describe()}")
+    if show_config:
+        log.info(f"resolved config (preset {config.preset}):\n{config.describe()}")
+    else:
+        log.info(
+            f"settings that differ from the defaults (preset {config.preset}; every setting: --show-config, "
+            f"and config.yaml in the run folder):\n{config.describe(changed_only=True)}"
+        )
     if dry_run:
         if not needs_launch(config):
             raise click.UsageError(

@@ -58,7 +58,7 @@ def run_demo(output_dir: str = "output", name: str = "Aurora", author: str = "Lo
             "train.run_name": f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}",
         },
     )
-    log.info(config.describe())
+    log.info(f"settings that differ from the defaults:\n{config.describe(changed_only=True)}")
     result = train(config)
     tuned, tokenizer = load_adapter_model(result.run_dir)
     after = ask(tuned, tokenizer, DEMO_QUESTION)

@@ -454,11 +454,13 @@ class RunConfig:
             out[name] = dataclasses.asdict(getattr(self, name))
         return out
 
-    def describe(self) -> str:
-        """One line per key: value and where it came from."""
+    def describe(self, changed_only: bool = False) -> str:
+        """One line per key: value and where it came from; changed_only: only the keys whose value
+        is not the dataclass default (what a run's start shows; config.yaml keeps them all)."""
+        defaults = flatten(RunConfig().to_dict()) if changed_only else {}
         lines = []
         for key, value in flatten(self.to_dict()).items():
-            if key != "preset":
+            if key != "preset" and not (changed_only and value == defaults[key]):
                 lines.append(f"  {key:<28} = {value!r:<32} ({self.sources.get(key, 'default')})")
         return "\n".join(lines)
 

@@ -21,8 +21,29 @@ def count_optimizer_steps(config: RunConfig, train_samples: int) -> int:
 
 def warmup_steps(ratio: float, total_steps: int) -> int:
     """Steps of linear warm-up: ratio x steps, rounded down, and never every step there is (the
-    first warm-up step runs at learning rate 0, so a run of one step would change nothing)."""
+    run reaches its learning rate before its last step)."""
     return min(math.floor(ratio * total_steps), max(total_steps - 1, 0))
+
+
+def build_scheduler(args, optimizer, num_training_steps: int):
+    """The Trainer's learning-rate schedule (args.lr_scheduler_type and its warm-up), one step
+    ahead: the schedule of num_training_steps + 1 steps with one more warm-up step, read at
+    step + 1. The first optimizer step of a warm-up trains, at lr / (warm-up + 1), where the
+    Trainer's would run at learning rate 0 and change nothing; after the warm-up every step's
+    learning rate is the Trainer's own."""
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers.optimization import get_scheduler
+
+    warmup = args.get_warmup_steps(num_training_steps)
+    kwargs = {"scheduler_specific_kwargs": args.lr_scheduler_kwargs}
+    if not warmup:
+        return get_scheduler(args.lr_scheduler_type, optimizer, warmup, num_training_steps, **kwargs)
+    base = get_scheduler(args.lr_scheduler_type, optimizer, warmup + 1, num_training_steps + 1, **kwargs)
+    if not isinstance(base, LambdaLR):  # a schedule of its own making (reduce_lr_on_plateau)
+        return base
+    # plain functions: a scheduler's state_dict saves the attributes of callable objects, and a
+    # checkpoint's scheduler.pt is loaded with weights_only=True
+    return LambdaLR(optimizer, [lambda step, fn=fn: fn(step + 1) for fn in base.lr_lambdas])
 
 
 def build_training_arguments(

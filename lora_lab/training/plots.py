@@ -27,14 +27,24 @@ class Plot:
     lines: tuple  # (step-log key, legend label)
     missing: str = ""
     """Why there is no data, when the log holds none of the keys."""
+    names_lines: bool = False
+    """The title names the lines drawn before it ("train and eval loss", "train loss")."""
+
+    def title_for(self, series: dict) -> str:
+        """The title of the figure drawn from `series`: it names only the curves it holds."""
+        if not self.names_lines:
+            return self.title
+        drawn = [label for key, label in self.lines if series.get(key, ([], []))[0]]
+        return f"{' and '.join(drawn)} {self.title}"
 
 
 PLOTS = (
     Plot(
         "loss.png",
-        "train and eval loss",
+        "loss",
         "loss (cross-entropy, nats per token)",
         (("loss", "train"), ("eval_loss", "eval")),
+        names_lines=True,
     ),
     Plot("learning_rate.png", "learning rate", "learning rate", (("learning_rate", "lr"),)),
     Plot("grad_norm.png", "gradient norm", "gradient L2 norm (before clipping)", (("grad_norm", "grad norm"),)),
@@ -58,6 +68,8 @@ class PlotReport:
     files: list = field(default_factory=list)
     series: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    titles: dict = field(default_factory=dict)
+    """file name -> the title drawn on it (after the run's name)."""
 
     def summary(self) -> str:
         lines = [f"plots of {self.run_dir.name}: {len(self.files)} in {self.run_dir / PLOTS_FOLDER}"]
@@ -78,8 +90,9 @@ def step_series(events: list, key: str) -> tuple[list, list]:
     return steps, [by_step[s] for s in steps]
 
 
-def draw(plot: Plot, series: dict, run_name: str, path: Path) -> None:
-    """One PNG, drawn on matplotlib's Agg canvas (no display, no global backend change)."""
+def draw(plot: Plot, series: dict, run_name: str, path: Path) -> str:
+    """One PNG, drawn on matplotlib's Agg canvas (no display, no global backend change); returns
+    its title."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -95,13 +108,14 @@ def draw(plot: Plot, series: dict, run_name: str, path: Path) -> None:
         steps, values = series.get(key, ([], []))
         if steps:
             axes.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
-    axes.set_title(f"{run_name}: {plot.title}")
+    axes.set_title(f"{run_name}: {plot.title_for(series)}")
     axes.set_xlabel("optimizer step")
     axes.set_ylabel(plot.y_label)
     axes.grid(True, alpha=0.3)
     if sum(1 for key, _ in plot.lines if series.get(key, ([], []))[0]) > 1:
         axes.legend()
     figure.savefig(path, format="png")
+    return plot.title_for(series)
 
 
 def report_run(run_dir: str | Path) -> PlotReport:
@@ -128,7 +142,7 @@ def report_run(run_dir: str | Path) -> PlotReport:
             target.unlink(missing_ok=True)  # an earlier report's plot of data now gone
             report.notes.append(f"{plot.file}: {plot.missing or 'no ' + plot.title + ' in the log'}")
             continue
-        draw(plot, series, run_dir.name, target)
+        report.titles[plot.file] = draw(plot, series, run_dir.name, target)
         report.files.append(target)
         report.series.update(series)
     if "eval_loss" not in report.series:

@@ -1,6 +1,6 @@
 """The Trainer lora-lab trains with: crash-safe checkpoints, and no NaN or inf update applied.
 
-LoraLabMixin changes five things in transformers' Trainer (LoraLabTrainer mixes it into
+LoraLabMixin changes six things in transformers' Trainer (LoraLabTrainer mixes it into
 Trainer; training/preference.py into TRL's preference trainers):
   - a checkpoint is staged, fsynced, given a manifest and only then renamed to checkpoint-N
     (training/checkpoint.py); rotation runs after that, so nothing is deleted before the new one
@@ -11,6 +11,8 @@ Trainer; training/preference.py into TRL's preference trainers):
   - no checkpoint or adapter is written while a trainable tensor is not finite.
   - every training log event carries tokens/s, GPU memory and the skipped updates, and the
     progress line (training/watch.py) takes the place of the tqdm bar and printed dicts.
+  - the learning-rate warm-up's first step trains (training/args.py, build_scheduler), where the
+    Trainer's runs at learning rate 0.
   - a run resumed under torch DDP replays DDP's bucket rebuild before its first micro-batch
     (replay_bucket_rebuild), so it reduces gradients in the buckets the uninterrupted run had.
 It also keeps the Trainer's per-step Python off the GPU's critical path: the Trainer walks every
@@ -123,6 +125,15 @@ class LoraLabMixin:
 
         pending = nested_gather(self._tr_loss.detach(), self.args.parallel_mode).mean().item()
         return self.resumed_loss_sum + self._total_loss_scalar + pending
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's schedule, but the warm-up's first step already trains (args.build_scheduler)."""
+        if self.lr_scheduler is None:
+            from .args import build_scheduler
+
+            self.lr_scheduler = build_scheduler(self.args, optimizer or self.optimizer, num_training_steps)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def create_optimizer(self, model=None):
         """The Trainer's optimizer (AdamW, its betas, eps and weight decay), but with

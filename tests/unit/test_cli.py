@@ -285,3 +285,22 @@ def test_plan_takes_the_flags_of_run_and_says_when_packing_sets_the_row():
         "full",
     )
     assert "packing" not in unpacked.output and "2048 tokens per micro-batch" in unpacked.output
+
+
+def test_run_shows_the_settings_that_differ_and_every_one_with_show_config(tiny_model_dir, tmp_path):
+    """A run starts with the settings that are not the defaults, each with where it came from;
+    --show-config (-v) lists every resolved setting. (--dry-run: the print, no training.)"""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"query": "q", "response": "a"}])
+    args = ["run", "--model", tiny_model_dir, "--data", data, "--gpus", 2, "--dry-run", "--seed", 7]
+    quiet = invoke(*args, "--output-dir", tmp_path / "a")
+    assert quiet.exit_code == 0, quiet.output
+    assert "settings that differ from the defaults (preset cpu; every setting: --show-config" in quiet.output
+    assert "train.seed                   = 7                                (--seed)" in quiet.output
+    assert "data.max_length              = 512                              (preset cpu)" in quiet.output
+    assert "train.save_total_limit" not in quiet.output and "lora.use_rslora" not in quiet.output
+    for flag in ("--show-config", "-v"):
+        full = invoke(*args, flag, "--output-dir", tmp_path / flag)
+        assert full.exit_code == 0, full.output
+        assert "resolved config (preset cpu):" in full.output
+        assert "train.save_total_limit       = 2                                (default)" in full.output
+        assert "train.seed                   = 7                                (--seed)" in full.output

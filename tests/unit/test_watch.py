@@ -145,6 +145,14 @@ def test_plots_draw_the_log_and_leave_out_series_without_data(tmp_path):
     assert report.notes == [
         "the eval curve of loss.png: no eval loss in the log (no validation data: --val-ratio or --val-data)"
     ]
+    assert report.titles["loss.png"] == "train loss"  # a title names only the curves drawn
+    assert report.titles["gpu_memory.png"] == "GPU memory"
+
+
+def test_the_loss_plot_names_the_eval_curve_when_it_draws_one(tmp_path):
+    events = [{"step": s, "loss": 3.0 - s / 10} for s in (1, 2, 3)] + [{"step": 3, "eval_loss": 2.9}]
+    write_run(tmp_path / "run", events)
+    assert report_run(tmp_path / "run").titles["loss.png"] == "train and eval loss"
 
 
 def test_a_run_without_a_logged_step_says_so(tmp_path):

@@ -82,9 +82,11 @@ demo: install
 
 # -q: one letter per test; each real-model test (minutes) prints its name and time on a line of
 # its own (tests/support/progress.py); the ten slowest tests are listed at the end. Two workers
-# (pytest-xdist) where the machine has two cores; the tests that share a real-model run are one
-# xdist_group, so they run in one worker after one fine-tune (PYTEST_WORKERS= runs in one process).
-PYTEST_WORKERS ?= -n 2 --dist loadgroup
+# (pytest-xdist), each test file in one worker, so that a file's shared fixtures (a tiny run, the
+# real model's fine-tune) are built once; the model caches of ~/.cache/lora-lab are written under
+# a lock or renamed into place, so both workers may ask for a model. PYTEST_WORKERS= runs in one
+# process.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
 PYTEST = $(PYTHON) -m pytest -q --durations=10 $(PYTEST_WORKERS)
 
 # ruff (pyproject.toml's [tool.ruff]) and mypy on lora_lab/ ([tool.mypy]); make test runs it first

@@ -34,6 +34,23 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
     out = Path(out) if out else cache_dir() / "gguf" / f"{gguf.stem}-{key}"
     if (out / ".complete").is_file():
         return out
+    # processes converting one file at once (two test workers, two shells) take turns under an
+    # flock, which the kernel releases if its holder dies: the second finds the first's folder
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not (out / ".complete").is_file():
+                _convert(gguf, out)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """convert_gguf's work: read, de-quantize, copy into a bf16 model, save staged."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -47,7 +64,7 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
             )
     if importlib.util.find_spec("gguf") is None:
         raise ModelError("--model *.gguf needs the `gguf` package: pip install gguf") from None
-    log.info(f"  1/3: reading and de-quantizing {human_bytes(stat.st_size)} of GGUF tensors")
+    log.info(f"  1/3: reading and de-quantizing {human_bytes(gguf.stat().st_size)} of GGUF tensors")
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -81,7 +98,6 @@ def convert_gguf(gguf: Path, out: Path | None = None) -> Path:
         tokenizer.save_pretrained(staging)
     (out / ".complete").write_text(str(gguf) + "\n")
     log.info(f"  converted in {time.perf_counter() - started:.0f} s")
-    return out
 
 
 def fetch_shipped_model(name: str) -> Path:

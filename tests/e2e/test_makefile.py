@@ -52,7 +52,7 @@ def test_test_target_is_quiet_and_lists_the_slowest_tests():
     """CI runs `make test` (.ci/run): the unit and e2e tiers, -q (the real-model tests name
     themselves through tests/support/progress.py) and the slowest tests at the end."""
     result = make("-n", "test", "-o", ".install.stamp", "-o", ".test-deps.stamp")
-    assert "-m pytest -q --durations=10 -n 2 --dist loadgroup tests/unit tests/e2e" in result.stdout
+    assert "-m pytest -q --durations=10 -n 2 --dist loadfile tests/unit tests/e2e" in result.stdout
 
 
 def test_llama_cpp_wheel_is_built_once_and_installed_from_the_cache(tmp_path):

@@ -31,7 +31,6 @@ NOT_SOURCE = shutil.ignore_patterns(
 )
 
 NEW_NAME = ("--model-name", "Aurora", "--model-author", "Lora Lab")
-pytestmark = pytest.mark.xdist_group("wheel")
 
 
 def source_files() -> dict:

@@ -1,7 +1,11 @@
 """A pytest plugin (tests/conftest.py registers it): `make test` runs quietly (-q, one letter per
 test), but a real-model test takes minutes (the first one downloads the model and trains it), so
 each of them says its name when it starts and its outcome and time when it ends, on a line of its
-own. With -v pytest names every test itself, and this stays silent."""
+own. With -v pytest names every test itself, and this stays silent.
+
+Under pytest-xdist (make test: two workers) the tests run in the workers and this process only
+hears of them: a real-model test is known by its report's keywords, and says its name, outcome
+and time on one line when it ends (the other worker's dots go on meanwhile)."""
 
 from __future__ import annotations
 
@@ -37,8 +41,13 @@ class RealModelProgress:
 
     def pytest_runtest_logreport(self, report):
         state = self.running.get(report.nodeid)
+        if state is None and report.when == "setup" and MARKER in report.keywords:
+            # xdist: the test ran in a worker; its time is its phases' durations
+            state = self.running[report.nodeid] = [None, "passed", 0.0]
         if state is None:
             return
+        if state[0] is None:
+            state[2] += report.duration
         if report.failed:  # the first failing phase names the outcome
             state[1] = (
                 state[1]
@@ -51,8 +60,15 @@ class RealModelProgress:
     @pytest.hookimpl(tryfirst=True)  # before pytest's own: it then starts a fresh line of dots
     def pytest_runtest_logfinish(self, nodeid, location):
         state = self.running.pop(nodeid, None)
-        if state is not None:
-            self.config.get_terminal_writer().line(f" {state[1]} in {time.monotonic() - state[0]:.0f} s")
+        if state is None:
+            return
+        writer = self.config.get_terminal_writer()
+        if state[0] is not None:
+            writer.line(f" {state[1]} in {time.monotonic() - state[0]:.0f} s")
+            return
+        if writer.width_of_current_line:
+            writer.line()
+        writer.line(f"[real model] {nodeid} {state[1]} in {state[2]:.0f} s")
 
 
 def register(config) -> None:

@@ -62,3 +62,14 @@ def test_real_model_tests_say_their_name_and_time_in_quiet_mode(tmp_path):
 def test_verbose_mode_is_left_as_pytest_writes_it(tmp_path):
     output = run_pytest(tmp_path, "-v")
     assert "[real model]" not in output and "test_sample.py::test_slow_one PASSED" in output
+
+
+def test_under_two_xdist_workers_each_real_model_test_has_its_line(tmp_path):
+    """make test runs two pytest-xdist workers: the tests run there, and this process names each
+    real-model test with its outcome and time when it ends."""
+    lines = run_pytest(tmp_path, "-q", "-n", "2").splitlines()
+    named = sorted(line for line in lines if line.startswith("[real model]"))
+    assert named == [
+        "[real model] test_sample.py::test_slow_one passed in 0 s",
+        "[real model] test_sample.py::test_slow_two failed in 0 s",
+    ]

@@ -284,7 +284,7 @@ def test_documented_command_parses(command, workdir, monkeypatch):
                 params.pop("preset"),
                 params.pop("config_file"),
                 params.pop("sets"),
-                {k: v for k, v in params.items() if k != "dry_run"},
+                {k: v for k, v in params.items() if k not in ("dry_run", "show_config")},
             )
         except LoraLabError as exc:
             pytest.fail(f"{command.where}: `{command.text}`: {exc}")

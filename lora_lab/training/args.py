@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import RunConfig, syncs_each_micro_batch
@@ -43,7 +44,14 @@ def build_scheduler(args, optimizer, num_training_steps: int):
         return base
     # plain functions: a scheduler's state_dict saves the attributes of callable objects, and a
     # checkpoint's scheduler.pt is loaded with weights_only=True
-    return LambdaLR(optimizer, [lambda step, fn=fn: fn(step + 1) for fn in base.lr_lambdas])
+    return LambdaLR(optimizer, [_one_ahead(fn) for fn in base.lr_lambdas])
+
+
+def _one_ahead(factor: Callable[[int], float]) -> Callable[[int], float]:
+    def shifted(step: int) -> float:
+        return factor(step + 1)
+
+    return shifted
 
 
 def build_training_arguments(

@@ -53,6 +53,8 @@ def test_test_target_is_quiet_and_lists_the_slowest_tests():
     themselves through tests/support/progress.py) and the slowest tests at the end."""
     result = make("-n", "test", "-o", ".install.stamp", "-o", ".test-deps.stamp")
     assert "-m pytest -q --durations=10 -n 2 --dist loadfile tests/unit tests/e2e" in result.stdout
+    # make lint (ruff, mypy) first
+    assert result.stdout.index("-m mypy") < result.stdout.index("-m pytest")
 
 
 def test_llama_cpp_wheel_is_built_once_and_installed_from_the_cache(tmp_path):

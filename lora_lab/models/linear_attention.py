@@ -94,7 +94,14 @@ def gated_delta_varlen(layer, hidden_states, cu_seqlens, conv_fn, rule_fn):
         repeat = layer.num_v_heads // layer.num_k_heads
         query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
     out, _ = rule_fn(
-        query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, output_final_state=False
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_seqlens,
+        output_final_state=False,
     )
     out = layer.norm(out.reshape(-1, layer.head_v_dim), z.reshape(-1, layer.head_v_dim))
     return layer.out_proj(out.reshape(1, tokens, -1))

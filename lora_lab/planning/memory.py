@@ -422,8 +422,10 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         parts["attention mask of a packed row (counted)"] = tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB
     if shape.linear_attention_layers:
         parts["linear attention state and conv (counted)"] = linear_attention_bytes(shape, tokens) / GIB
-    if not shape.fused_loss or config.model.kernels == "none" or wants_trainable_tokens(
-        config.lora.trainable_tokens, config.train.tuner, config.model.name
+    if (
+        not shape.fused_loss
+        or config.model.kernels == "none"
+        or wants_trainable_tokens(config.lora.trainable_tokens, config.train.tuner, config.model.name)
     ):
         parts["full logits for the loss (estimate)"] = tokens * shape.vocab * UNFUSED_LOSS_BYTES_PER_LOGIT / GIB
     return parts

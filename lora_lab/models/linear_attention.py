@@ -131,11 +131,39 @@ def _wrap(layer, use_fla: bool) -> None:
     layer.forward = forward
 
 
+ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention"}
+"""Layer kinds (config.json layer_types) whose only link between tokens is attention, which the
+packed row's mask or sample lengths keep within each sample."""
+
+
+def _refuse_packed_rows(model, kinds: list) -> None:
+    """A model with stateful layers lora-lab cannot restart: a packed row is refused when it
+    arrives (rows of one sample and unpacked batches train as usual)."""
+
+    def before(module, args, kwargs):
+        given = kwargs.get("packed_lengths")
+        lengths = list(given) if given is not None else lengths_from_positions(kwargs.get("position_ids"))
+        if lengths and len(lengths) > 1:
+            raise ModelError(
+                f"data.packing: this model's {', '.join(kinds)} layers carry a state from one token to the "
+                f"next, and lora-lab cannot restart it at each sample of a packed row (the samples would mix). "
+                f"Use --set data.packing=false."
+            )
+
+    model.get_decoder().register_forward_pre_hook(before, with_kwargs=True)
+
+
 def keep_samples_apart(model, use_fla: bool = True) -> int:
     """Make every linear-attention layer of `model` restart at each sample of a packed row;
-    returns how many layers were wrapped (0: the model has none, nothing changes)."""
+    returns how many layers were wrapped (0: the model has none, nothing changes). A model
+    whose config names other stateful layer kinds (not attention, not Gated DeltaNet) refuses
+    packed rows with one message instead."""
     layers = linear_attention_layers(model)
     if not layers:
+        kinds = getattr(model.config, "layer_types", None) or []
+        stateful = sorted({k for k in kinds if isinstance(k, str)} - ATTENTION_KINDS)
+        if stateful:
+            _refuse_packed_rows(model, stateful)
         return 0
     for layer in layers:
         _wrap(layer, use_fla)

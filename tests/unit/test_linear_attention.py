@@ -157,3 +157,18 @@ def test_the_varlen_layer_over_a_whole_row_equals_the_layer_sample_by_sample():
         whole = gated_delta_varlen(layer, hidden, cu_seqlens, _reference_conv, _reference_rule)
         alone = torch.cat([layer(part) for part in torch.split(hidden, list(LENGTHS), dim=1)], dim=1)
     torch.testing.assert_close(whole, alone, atol=1e-5, rtol=1e-4)
+
+
+def test_a_stateful_layer_kind_lora_lab_cannot_restart_refuses_packed_rows():
+    """A model whose config names a layer kind that carries a state along the sequence (neither
+    attention nor Gated DeltaNet; here a tiny Llama whose config is told so) refuses a packed row
+    with one message, and still trains on rows of one sample."""
+    from lora_lab.errors import ModelError
+
+    model = tiny_lora_model("llama-3.2-1b").base_model.model
+    model.config.layer_types = ["recurrent", "full_attention"]
+    assert keep_samples_apart(model) == 0
+    batch, one_by_one = packed_and_alone("mask")
+    with pytest.raises(ModelError, match=r"recurrent layers carry a state .* --set data.packing=false"):
+        model(**{k: v for k, v in batch.items() if k != "labels"})
+    model(**{k: v for k, v in one_by_one[0].items() if k != "labels"})

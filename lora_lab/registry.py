@@ -53,6 +53,14 @@ OTHER_MODELS = {
     "mistral-7b": ("mistralai/Mistral-7B-Instruct-v0.3", "mistral-7b"),
     "mistral-7b-base": ("mistralai/Mistral-7B-v0.3", "mistral-7b"),
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
+    "qwen3.5-0.8b": ("Qwen/Qwen3.5-0.8B", "qwen3.5-0.8b"),
+    "qwen3.5-0.8b-base": ("Qwen/Qwen3.5-0.8B-Base", "qwen3.5-0.8b"),
+    "qwen3.5-4b": ("Qwen/Qwen3.5-4B", "qwen3.5-4b"),
+    "qwen3.5-4b-base": ("Qwen/Qwen3.5-4B-Base", "qwen3.5-4b"),
+    "qwen3.5-9b": ("Qwen/Qwen3.5-9B", "qwen3.5-9b"),
+    "qwen3.5-9b-base": ("Qwen/Qwen3.5-9B-Base", "qwen3.5-9b"),
+    "smollm3-3b": ("HuggingFaceTB/SmolLM3-3B", "smollm3-3b"),
+    "smollm3-3b-base": ("HuggingFaceTB/SmolLM3-3B-Base", "smollm3-3b"),
 }
 """Models of other families lora-lab can plan without a download (their real architecture
 values ship in lora_lab/model_configs; model_configs/SOURCE.md says where each came from)."""
@@ -89,7 +97,14 @@ FAMILIES = {
         frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
     ),
     "starcoder2": Family("StarCoder2", None, frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"})),
+    # Qwen3.5 / 3.6 dense: three Gated DeltaNet (linear attention) layers to one full attention
+    "qwen3_5_text": Family("Qwen3.5, Qwen3.6 (dense; hybrid linear attention)"),
+    "qwen3_5": Family("Qwen3.5, Qwen3.6 (dense; hybrid linear attention)"),
+    "smollm3": Family("SmolLM3"),
 }
+LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+"""The linear layers of a Gated DeltaNet layer (Qwen3.5): q/k/v together, the output gate z,
+the update gate b, the decay a and the output; "all linear layers" includes them."""
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 """The tokens chat templates close a turn with (ChatML and Qwen, Qwen, Gemma, Llama 3, Phi-3):
 generation stops at those a vocabulary has, and a trained reply ends at the one that closes it."""
@@ -245,9 +260,63 @@ def _attention_widths(config: dict) -> tuple[int, int]:
     return heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
 
 
+def layer_types(config: dict) -> list[str]:
+    """Each decoder layer's kind: config.json's layer_types (Qwen3.5: linear_attention and
+    full_attention; Gemma 3: sliding_attention and full_attention), else full attention."""
+    n = config["num_hidden_layers"]
+    if config.get("layer_types"):
+        return list(config["layer_types"])[:n]
+    if config.get("model_type") in ("qwen3_5_text", "qwen3_5"):  # transformers' default layout
+        every = config.get("full_attention_interval", 4)
+        return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+def has_linear_attention(config: dict) -> bool:
+    return "linear_attention" in layer_types(config)
+
+
+def linear_attention_widths(config: dict) -> tuple[int, int, int]:
+    """A Gated DeltaNet layer's (key width, value width, value heads): q and k are key-wide,
+    v and the output gate value-wide; the recurrent state is value heads x key dim x value dim."""
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    return nk * config["linear_key_head_dim"], nv * config["linear_value_head_dim"], nv
+
+
+def decoder_linear_shapes(config: dict) -> list[list[tuple[int, int]]]:
+    """(in, out) of each linear of every decoder layer, by the layer's kind: a linear-attention
+    layer has in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj where a full-attention
+    one has q/k/v/o (Qwen3.5's q_proj twice as wide: the query and its output gate)."""
+    if not has_linear_attention(config):
+        return [linear_shapes(config)] * config["num_hidden_layers"]
+    h, i = config["hidden_size"], config["intermediate_size"]
+    mlp = [(h, i), (h, i), (i, h)]
+    key, value, heads = linear_attention_widths(config)
+    linear = [(h, 2 * key + value), (h, value), (h, heads), (h, heads), (value, h)]
+    q, kv = _attention_widths(config)
+    gate = 2 if config.get("attn_output_gate", True) else 1
+    full = [(h, gate * q), (h, kv), (h, kv), (q, h)]
+    return [(linear if kind == "linear_attention" else full) + mlp for kind in layer_types(config)]
+
+
+def _linear_attention_extras(config: dict) -> int:
+    """Parameters of a hybrid model beside its linears and embeddings: every layer's two norms,
+    a full-attention layer's q and k norms, a linear-attention layer's depthwise conv (no bias),
+    dt_bias, A_log and gated norm."""
+    h = config["hidden_size"]
+    key, value, heads = linear_attention_widths(config)
+    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
+    conv = (2 * key + value) * config["linear_conv_kernel_dim"]
+    per_kind = {"linear_attention": conv + 2 * heads + config["linear_value_head_dim"], "full_attention": 2 * head_dim}
+    return sum(2 * h + per_kind.get(kind, 0) for kind in layer_types(config)) + h
+
+
 def linear_shapes(config: dict) -> list[tuple[int, int]]:
     """(in, out) of each linear layer of one decoder layer; q/k/v and gate/up fused where the
-    family fuses them (Phi-3)."""
+    family fuses them (Phi-3). A hybrid model (decoder_linear_shapes) gives its linear-attention
+    layer's, the MLP's output projection last."""
+    if has_linear_attention(config):
+        return decoder_linear_shapes(config)[0]
     h, i = config["hidden_size"], config["intermediate_size"]
     q, kv = _attention_widths(config)
     if config.get("model_type") == "phi3":
@@ -260,6 +329,10 @@ def parameter_count(config: dict) -> int:
     unless tied, two norms a layer and the final one, q/k/v biases where the family has them
     (Qwen2)."""
     h, n, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    if has_linear_attention(config):
+        head = 0 if config.get("tie_word_embeddings") else vocab * h
+        linears = sum(a * b for layer in decoder_linear_shapes(config) for a, b in layer)
+        return linears + vocab * h + head + _linear_attention_extras(config)
     q, kv = _attention_widths(config)
     biased = config.get("model_type") == "qwen2" or config.get("attention_bias")
     biases = q + 2 * kv if biased else 0

@@ -268,7 +268,10 @@ def load_base_model(
 
         skip_masks_of_packed_rows(model)
     if for_training:
+        from .linear_attention import keep_samples_apart
+
         model.config.use_cache = False
+        keep_samples_apart(model)  # packed rows restart linear attention's state at each sample
         apply_kernels(model, args.kernels, fused_loss)
     return model
 

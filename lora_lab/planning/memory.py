@@ -33,7 +33,7 @@ from pathlib import Path
 from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, resolve_fast_lora, trains_adapter, world_size_of
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
 from .engines import CHECKED_ON_GPUS, GAPS_ON_GPUS, engine_parts
-from .shape import ModelShape
+from .shape import ModelShape, linear_attention_bytes
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
 
 GIB = 2**30
@@ -420,8 +420,12 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         # auto counts as mask unless resolved first (as_planned_on_cuda: the plan
         # API resolves it as a CUDA GPU runs it)
         parts["attention mask of a packed row (counted)"] = tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB
-    if config.model.kernels == "none" or wants_trainable_tokens(
-        config.lora.trainable_tokens, config.train.tuner, config.model.name
+    if shape.linear_attention_layers:
+        parts["linear attention state and conv (counted)"] = linear_attention_bytes(shape, tokens) / GIB
+    if (
+        not shape.fused_loss
+        or config.model.kernels == "none"
+        or wants_trainable_tokens(config.lora.trainable_tokens, config.train.tuner, config.model.name)
     ):
         parts["full logits for the loss (estimate)"] = tokens * shape.vocab * UNFUSED_LOSS_BYTES_PER_LOGIT / GIB
     return parts

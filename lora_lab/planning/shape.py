@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..registry import linear_shapes, parameter_count
+from ..registry import (
+    decoder_linear_shapes,
+    family_of,
+    layer_types,
+    linear_attention_widths,
+    linear_shapes,
+    parameter_count,
+)
 from .tuners import adapter_params
 
 
@@ -21,6 +28,12 @@ class ModelShape:
     tied: bool = False
     linears: list = field(default_factory=list)
     """(in_features, out_features) of each linear of a layer, the MLP's output one last."""
+    fused_loss: bool = True
+    """The family has liger's fused linear cross-entropy (no [tokens x vocab] logits on a GPU)."""
+    linear_attention_layers: int = 0
+    """Gated DeltaNet layers (Qwen3.5): each carries a recurrent state and a causal conv."""
+    linear_attention: tuple = ()
+    """(key width, value width, value heads, key head dim, value head dim) of those layers."""
 
     @property
     def params(self) -> int:
@@ -41,7 +54,8 @@ class ModelShape:
         and parameter_count say what differs by family)."""
         h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
         linears = linear_shapes(config)
-        linear_params = n * sum(a * b for a, b in linears)
+        every_layer = decoder_linear_shapes(config)  # by each layer's kind (hybrid models)
+        linear_params = sum(a * b for layer in every_layer for a, b in layer)
         return cls(
             hidden=h,
             intermediate=i,
@@ -49,7 +63,35 @@ class ModelShape:
             vocab=config["vocab_size"],
             linear_params=linear_params,
             other_params=parameter_count(config) - linear_params,
-            lora_params_per_rank=n * sum(a + b for a, b in linears),
+            lora_params_per_rank=sum(a + b for layer in every_layer for a, b in layer),
             tied=bool(config.get("tie_word_embeddings")),
             linears=linears,
+            fused_loss=family_of(config.get("model_type")).liger is not None,
+            **_linear_attention_of(config),
         )
+
+
+def _linear_attention_of(config: dict) -> dict:
+    kinds = layer_types(config)
+    if "linear_attention" not in kinds:
+        return {}
+    key, value, heads = linear_attention_widths(config)
+    dims = (config["linear_key_head_dim"], config["linear_value_head_dim"])
+    return {"linear_attention_layers": kinds.count("linear_attention"), "linear_attention": (key, value, heads, *dims)}
+
+
+CHUNK_TOKENS = 64
+"""The chunk of the gated delta rule (transformers' torch path and fla's kernels): one recurrent
+state is kept per chunk for the backward pass."""
+
+
+def linear_attention_bytes(shape: ModelShape, tokens: int) -> int:
+    """The recomputed Gated DeltaNet layer's own tensors in the backward pass, counted: q/k/v
+    before and after the conv, the output gate, the rule's output and its norm (bf16), and one
+    fp32 recurrent state (value heads x key dim x value dim) per chunk of tokens."""
+    if not shape.linear_attention_layers:
+        return 0
+    key, value, heads, key_dim, value_dim = shape.linear_attention
+    per_token = 2 * (2 * (2 * key + value) + 3 * value)
+    chunks = -(-tokens // CHUNK_TOKENS)
+    return tokens * per_token + chunks * heads * key_dim * value_dim * 4

@@ -112,13 +112,12 @@ def llama3_tokenizer():
     return AutoTokenizer.from_pretrained(llama3_tokenizer_dir())
 
 
-def build_tiny_family(folder: Path, config_name: str, tokenizer, **overrides) -> Path:
-    """A randomly initialised model of the family of lora_lab/model_configs/CONFIG_NAME.json,
-    shrunk to 2 layers of width 64 (its other values kept), with `tokenizer`, saved to a folder."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from lora_lab.models.gguf import stop_token_ids
+def tiny_family_config(config_name: str, **overrides):
+    """The transformers config of lora_lab/model_configs/CONFIG_NAME.json shrunk to 2 layers of
+    width 64, its other values kept; a hybrid (layer_types with linear attention, Qwen3.5) keeps
+    its layout in 4 layers, three linear-attention to one full, with 2 key and 4 value heads of
+    16 (grouped value heads, as the real ones)."""
+    from transformers import AutoConfig
 
     published = json.loads((MODEL_CONFIGS / f"{config_name}.json").read_text())
     values = {k: v for k, v in published.items() if not k.startswith("_") and k != "model_type"}
@@ -132,9 +131,29 @@ def build_tiny_family(folder: Path, config_name: str, tokenizer, **overrides) ->
         max_position_embeddings=2048,
         initializer_range=0.3,
     )
+    if "linear_attention" in published.get("layer_types", []):
+        values.update(
+            num_hidden_layers=4,
+            layer_types=published["layer_types"][:4],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        )
     values.update(overrides)
+    return AutoConfig.for_model(published["model_type"], **values)
+
+
+def build_tiny_family(folder: Path, config_name: str, tokenizer, **overrides) -> Path:
+    """A randomly initialised model of the family of lora_lab/model_configs/CONFIG_NAME.json,
+    shrunk by tiny_family_config, with `tokenizer`, saved to a folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lora_lab.models.gguf import stop_token_ids
+
     torch.manual_seed(0)
-    config = AutoConfig.for_model(published["model_type"], **values)
+    config = tiny_family_config(config_name, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     stops = stop_token_ids(tokenizer)
     model.generation_config.eos_token_id = stops

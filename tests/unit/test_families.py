@@ -29,6 +29,9 @@ PUBLISHED_PARAMS = {
     "qwen3-0.6b": (0.596e9, 0.01),
     "gemma-3-270m": (268e6, 0.01),
     "phi-4-mini": (3.84e9, 0.01),
+    # llama.cpp's count of the Qwen3.5-9B GGUF (its language model: no vision tower, no MTP layer)
+    "qwen3.5-9b": (8.95e9, 0.001),
+    "smollm3-3b": (3.08e9, 0.01),
 }
 
 
@@ -128,3 +131,78 @@ def test_presets_choose_by_the_models_parameter_count(model, size, tier_16gb):
         assert "sizes.7b" in config.sources["model.quantization"]
     eight = resolve_config("8gb", flags={"model.name": model, "data.datasets": ["x"]})
     assert eight.model.quantization == ("nf4" if size in ("3b", "7b") else "none")
+
+
+NEW_FAMILIES = ["qwen3.5-0.8b", "qwen3.5-4b", "qwen3.5-9b", "smollm3-3b"]
+
+
+@pytest.mark.parametrize("alias", NEW_FAMILIES)
+def test_the_planner_counts_every_parameter_transformers_builds(alias):
+    """The shape from the shipped config.json equals transformers' own model of it (on the meta
+    device: no memory), parameter for parameter; the planner's LoRA count equals peft's at r=1."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = model_config_of(alias)
+    values = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
+    shape = ModelShape.from_config(config)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    linears = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    assert shape.linear_params == sum(m.weight.numel() for m in linears)
+    assert shape.lora_params_per_rank == sum(m.in_features + m.out_features for m in linears)
+
+
+# what lora.target_modules all-linear trains, per family (a tiny model's named modules)
+ALL_LINEAR = {
+    "qwen3.5-0.8b": {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+    },
+    "smollm3-3b": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("config_name", sorted(ALL_LINEAR))
+def test_all_linear_layers_include_the_linear_attention_projections(config_name):
+    from transformers import AutoModelForCausalLM
+
+    from lora_lab.models.lora import linear_module_names
+    from lora_lab.registry import LINEAR_ATTENTION_PROJECTIONS
+    from tests.support.families import tiny_family_config
+
+    model = AutoModelForCausalLM.from_config(tiny_family_config(config_name, vocab_size=256, pad_token_id=0))
+    assert set(linear_module_names(model)) == ALL_LINEAR[config_name]
+    if config_name.startswith("qwen3.5"):
+        assert set(LINEAR_ATTENTION_PROJECTIONS) <= ALL_LINEAR[config_name]
+
+
+@pytest.mark.parametrize(
+    "alias, size, tier_16gb, tier_8gb",
+    [
+        ("qwen3.5-0.8b", "0.5b", "none", "none"),
+        ("qwen3.5-4b", "3b", "none", "nf4"),
+        ("qwen3.5-9b", "7b", "nf4", "nf4"),
+        ("smollm3-3b", "3b", "none", "nf4"),
+    ],
+)
+def test_the_new_families_take_the_presets_of_their_size_and_are_planned(alias, size, tier_16gb, tier_8gb):
+    """Each new alias resolves on every tier by its parameter count's class and gets a plan with
+    its layers counted by kind: Qwen3.5's Gated DeltaNet state and conv, and the full logits of
+    a family without a fused loss (248,320 columns for Qwen3.5)."""
+    from lora_lab.registry import size_class
+
+    assert size_class(alias)[0] == size
+    flags = {"model.name": alias, "data.datasets": ["x"]}
+    sixteen = resolve_config("16gb", flags=flags)
+    assert sixteen.model.quantization == tier_16gb
+    assert resolve_config("8gb", flags=flags).model.quantization == tier_8gb
+    plan = plan_memory(sixteen, gpu_memory_gib=16)
+    linear = plan.parts_gib.get("linear attention state and conv (counted)", 0)
+    assert (linear > 0) == alias.startswith("qwen3.5")
+    vocab = model_config_of(alias)["vocab_size"]
+    assert plan.parts_gib["full logits for the loss (estimate)"] == pytest.approx(
+        plan.tokens_per_micro_batch * vocab * 10 / 2**30
+    )
+    assert plan.longest_max_length and family_of(model_config_of(alias)["model_type"]) is not GENERIC

@@ -64,7 +64,29 @@ def fla_kernels():
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
+    why = fla_backward_refusal()
+    if why:
+        from ..log import get_logger
+
+        get_logger().info(f"linear attention: each sample of a packed row runs on its own ({why})")
+        return None
     return causal_conv1d, chunk_gated_delta_rule
+
+
+def fla_backward_refusal() -> str | None:
+    """Why fla's gated delta rule cannot train here, or None: fla refuses its gated backward
+    on Hopper GPUs with Triton from 3.4.0 to before 3.7.1 (wrong gradients there) unless
+    tilelang provides the kernel; its forward would run and the first backward would stop."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
+        return None
+    if importlib.util.find_spec("tilelang") is not None:
+        return None
+    return (
+        "flash-linear-attention's gated backward does not run on this Hopper GPU with this "
+        "Triton; pip install 'triton>=3.7.1' or tilelang to use its varlen kernels"
+    )
 
 
 def gated_delta_varlen(layer, hidden_states, cu_seqlens, conv_fn, rule_fn):

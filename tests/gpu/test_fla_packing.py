@@ -39,11 +39,9 @@ def tiny_bf16_model():
     return get_peft_model(model, lora)
 
 
-def test_fla_varlen_kernels_restart_each_sample_of_a_packed_row(monkeypatch):
-    pytest.importorskip("fla")
-    from lora_lab.models import linear_attention
-
-    assert linear_attention.fla_kernels() is not None, "fla is installed but its kernels do not import"
+def packed_row_on_fla(monkeypatch, linear_attention, backward: bool):
+    """(calls of the varlen path, {use_fla: (packed, alone)}) with the same weights through the
+    per-sample path and fla's varlen path; losses only (no_grad) where backward is False."""
     calls = []
     original = linear_attention.gated_delta_varlen
 
@@ -52,13 +50,65 @@ def test_fla_varlen_kernels_restart_each_sample_of_a_packed_row(monkeypatch):
         return original(*args)
 
     monkeypatch.setattr(linear_attention, "gated_delta_varlen", counted)
+    if not backward:  # the forward kernels alone, where fla refuses its backward
+        monkeypatch.setattr(linear_attention, "fla_backward_refusal", lambda: None)
+        linear_attention.fla_kernels.cache_clear()
     results = {}
     for use_fla in (False, True):  # the same weights: the per-sample path, then fla's varlen path
         model = tiny_bf16_model()
         linear_attention.keep_samples_apart(model.base_model.model, use_fla=use_fla)
         batch, one_by_one = packed_and_alone("mask")
         cuda = [{k: v.cuda() if hasattr(v, "cuda") else v for k, v in b.items()} for b in [batch, *one_by_one]]
-        results[use_fla] = summed_loss_and_grads(model, cuda[:1]), summed_loss_and_grads(model, cuda[1:])
+        if backward:
+            results[use_fla] = summed_loss_and_grads(model, cuda[:1]), summed_loss_and_grads(model, cuda[1:])
+        else:
+            with torch.no_grad():
+                results[use_fla] = summed_loss(model, cuda[:1]), summed_loss(model, cuda[1:])
+    linear_attention.fla_kernels.cache_clear()
+    return calls, results
+
+
+def summed_loss(model, batches) -> float:
+    total = 0.0
+    for batch in batches:
+        logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        total += torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), reduction="sum", ignore_index=-100
+        ).item()
+    return total
+
+
+def test_fla_varlen_forward_restarts_each_sample_of_a_packed_row(monkeypatch):
+    pytest.importorskip("fla")
+    from lora_lab.models import linear_attention
+
+    calls, results = packed_row_on_fla(monkeypatch, linear_attention, backward=False)
+    ends = [sum(LENGTHS[:i]) for i in range(len(LENGTHS) + 1)]
+    assert calls and all(c == ends for c in calls), calls  # fla ran, once per layer, on the samples
+    for packed, alone in results.values():
+        assert packed == pytest.approx(alone, rel=2e-2)
+
+
+def test_fla_is_not_used_where_it_refuses_its_backward():
+    pytest.importorskip("fla")
+    from lora_lab.models import linear_attention
+
+    linear_attention.fla_kernels.cache_clear()
+    why = linear_attention.fla_backward_refusal()
+    if why is None:
+        pytest.skip("fla trains on this GPU and Triton")
+    assert linear_attention.fla_kernels() is None  # packed rows take the exact per-sample path
+
+
+def test_fla_varlen_kernels_restart_each_sample_of_a_packed_row(monkeypatch):
+    pytest.importorskip("fla")
+    from lora_lab.models import linear_attention
+
+    linear_attention.fla_kernels.cache_clear()
+    why = linear_attention.fla_backward_refusal()
+    if why:
+        pytest.skip(why)
+    calls, results = packed_row_on_fla(monkeypatch, linear_attention, backward=True)
     ends = [sum(LENGTHS[:i]) for i in range(len(LENGTHS) + 1)]
     assert calls and all(c == ends for c in calls), calls  # fla ran, once per layer, on the samples
     (fla_packed, _), (per_sample_packed, alone) = results[True], results[False]

@@ -20,7 +20,7 @@ from lora_lab.ui.form import (
     run_arguments,
     token_matches,
 )
-from lora_lab.ui.runs import RunProcess, can_resume, find_runs, live_figures, run_state, stop_run
+from lora_lab.ui.runs import RunProcess, can_resume, find_runs, is_lora_lab_run, live_figures, run_state, stop_run
 
 
 def test_the_form_becomes_one_argument_per_flag_and_value():
@@ -248,6 +248,10 @@ def test_a_run_started_elsewhere_is_seen_running_and_stopped_through_its_lock(tm
     run.mkdir()
     # a process whose command line is `python -m lora_lab run` (what a lock of a real run names)
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "lora_lab", "run"])
+    deadline = time.monotonic() + 10
+    while not is_lora_lab_run(sleeper.pid):  # /proc shows the command line once exec is done
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     (run / LOCK_FILE).write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "started": "now"}))
     assert run_state(run) == "running"
     stop_run(run)

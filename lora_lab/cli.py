@@ -605,7 +605,16 @@ def report(run_dir):
     help="Address to serve on; any other than loopback asks for a token.",
 )
 @click.option("--port", default=7860, show_default=True, type=int)
-@click.option("--token", help="The token the page asks for (default with another --host: a new one, printed).")
+@click.option(
+    "--token",
+    help="Deprecated (visible in `ps`): the token the page asks for. Prefer $LORA_LAB_UI_TOKEN or --token-file.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(),
+    help="A file holding the token the page asks for (default with another --host: a new one, printed).",
+)
+@click.option("--max-runs", default=1, show_default=True, type=click.IntRange(1), help="Runs the page trains at once.")
 @click.option(
     "--allow",
     "allowed",
@@ -613,11 +622,11 @@ def report(run_dir):
     type=click.Path(),
     help="A folder the page may read and write (models, data, runs). Repeat for more; default: the current folder.",
 )
-def ui(host, port, token, allowed):
+def ui(host, port, token, token_file, max_runs, allowed):
     """A web page to plan, start, watch, resume, chat with and export runs (needs lora-lab[ui])."""
     from .ui import launch_ui
 
-    launch_ui(host, port, token, list(allowed) or ["."])
+    launch_ui(host, port, token, list(allowed) or ["."], token_file=token_file, max_runs=max_runs)
 
 
 if __name__ == "__main__":

@@ -203,10 +203,41 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
     )
 
 
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+"""The config.json keys lora-lab's arithmetic reads: each a positive whole number."""
+
+
 def _local_config(kind: str, value: str) -> dict | None:
-    """A resolved model spec's own config.json, when it is a folder that has one."""
+    """A resolved model spec's own config.json, when it is a folder that has one; a file that
+    is not a model's config (bad JSON, a shape key missing or not a positive number) is a
+    ModelError naming it."""
     path = Path(value) / "config.json"
-    return json.loads(path.read_text()) if kind == "folder" and path.is_file() else None
+    if not (kind == "folder" and path.is_file()):
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{path}: not valid JSON ({exc}); copy or download the model again.") from None
+    text = config.get("text_config") if isinstance(config, dict) else None
+    shape = {**config, **text} if isinstance(text, dict) else config
+    if not isinstance(shape, dict):
+        raise ModelError(f"{path}: holds no JSON object; a model's config.json is one. Copy the model again.")
+    for key in SHAPE_KEYS:
+        value_of = shape.get(key)
+        if isinstance(value_of, bool) or not isinstance(value_of, int) or value_of <= 0:
+            raise ModelError(
+                f"{path}: {key} is {'missing' if key not in shape else repr(value_of)}, not a positive whole "
+                f"number; this is not the config.json of a model lora-lab can train. Copy the model again, "
+                f"or fix the file."
+            )
+    for key in ("head_dim", "num_key_value_heads"):
+        if (
+            key in shape
+            and shape[key] is not None
+            and (isinstance(shape[key], bool) or not isinstance(shape[key], int) or shape[key] <= 0)
+        ):
+            raise ModelError(f"{path}: {key} is {shape[key]!r}, not a positive whole number; fix the file.")
+    return config
 
 
 def guess_model_size(spec: str) -> str | None:

@@ -291,6 +291,9 @@ def _iter_json_list(path: Path, window: _TextWindow, position: int):
 
 
 def _json_list_rows(path: Path, window: _TextWindow, position: int):
+    """(row, origin): "file.json:LINE", and ", row N" (N counted from 1) for a row that starts on
+    the same line as the row before it (a list written on one line)."""
+    row, last_line = 0, 0
     while True:
         position = window.drop(window.skip_space(position))
         if window.text[position : position + 1] == "]":
@@ -321,7 +324,10 @@ def _json_list_rows(path: Path, window: _TextWindow, position: int):
                 value = Bad(f"nested too deeply to read (more than {MAX_DEPTH} levels)")
                 break
         problem = None if isinstance(value, Bad) else value_problem(value)
-        yield (Bad(problem) if problem else value), f"{path}:{line}"
+        row += 1
+        origin = f"{path}:{line}" + (f", row {row}" if line == last_line else "")
+        last_line = line
+        yield (Bad(problem) if problem else value), origin
         position = _after_row(path, window, end)
     trailing = window.skip_space(position + 1)
     if trailing < len(window.text):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,6 +153,12 @@ def check_model_files(path: str) -> None:
             raise ModelError(f"--model {path}: {problem}. Copy or download the model again.")
 
 
+def pickled_weights(path: str) -> list[str]:
+    """The pickled weight files (*.bin, *.pt, *.pth) of a model folder, by name."""
+    folder = Path(path)
+    return sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth")) if folder.is_dir() else []
+
+
 def check_quantized_folder(path: str) -> None:
     """A w4a16 or awq export (compressed-tensors) loads only where its library is installed."""
     import importlib.util
@@ -257,12 +264,26 @@ def load_base_model(
         kwargs["device_map"] = "cpu"
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except pickle.UnpicklingError:
+        raise ModelError(
+            f"--model {args.name}: a weights file ({', '.join(pickled_weights(path)) or '*.bin'}) holds a "
+            f"pickle that is not plain tensors, so it was not loaded (it could run code). Use the model's "
+            f"*.safetensors files, or convert a copy you trust to safetensors."
+        ) from None
     except (OSError, ValueError) as exc:
         if "trust_remote_code" in str(exc):
             raise ModelError(
                 f"--model {args.name}: needs its own Python code; pass --trust-remote-code if you trust it."
             ) from None
         raise _hub_error(args.name, exc) from None
+    except (EOFError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as exc:
+        if not Path(path).is_dir():
+            raise
+        raise ModelError(
+            f"--model {args.name}: its files do not load as a model ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else 'no detail'}); a file is cut short or its "
+            f"config.json does not match its weights. Copy or download the model again."
+        ) from None
     if packed_attention in ("segments", "varlen") and args.attn_implementation == "sdpa":
         from .attention import skip_masks_of_packed_rows
 

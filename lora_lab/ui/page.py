@@ -9,10 +9,18 @@ from pathlib import Path
 from ..config import list_presets
 from ..errors import LoraLabError
 from ..log import get_logger
-from ..run_folder import read_step_log
 from . import actions
 from .form import AllowedFolders, RunForm, resume_arguments, run_arguments
-from .runs import RunProcess, can_resume, find_runs, live_figures, read_console, run_state, stop_run
+from .runs import (
+    RunProcess,
+    can_resume,
+    find_runs,
+    live_figures,
+    read_console,
+    read_step_log_here,
+    run_state,
+    stop_run,
+)
 
 CONSOLE_LINES = 20
 """The console box shows the newest lines of RUN/logs/console.log, as many as it is tall."""
@@ -47,8 +55,8 @@ def form_of(values: tuple) -> RunForm:
 class Page:
     """The page's state: the allowed folders and the runs this page started."""
 
-    def __init__(self, allowed: AllowedFolders, gpu_memory_gib: float | None):
-        self.allowed, self.gpu_memory_gib = allowed, gpu_memory_gib
+    def __init__(self, allowed: AllowedFolders, gpu_memory_gib: float | None, max_runs: int = 1):
+        self.allowed, self.gpu_memory_gib, self.max_runs = allowed, gpu_memory_gib, max_runs
         self.processes: dict[str, RunProcess] = {}
         self.chat = actions.ChatModels()
         self._plotted: tuple | None = None
@@ -56,9 +64,14 @@ class Page:
     # --------------------------------------------------------------- settings
     def plan(self, gpu_memory, longest, *values):
         try:
-            view = actions.plan_form(form_of(values), float(gpu_memory) if gpu_memory else None, longest or None)
-        except (LoraLabError, ValueError) as exc:
+            form = form_of(values)
+            form.check_text()
+            form.model = self.allowed.check_model(form.model)  # a model folder's config.json: allowed ones only
+            view = actions.plan_form(form, float(gpu_memory) if gpu_memory else None, longest or None)
+        except LoraLabError as exc:
             return f"cannot plan: {exc}", ""
+        except ValueError:
+            return "cannot plan: the GPU memory is not a number", ""
         return view.verdict, f"preset {view.preset}\n{view.report}"
 
     def check_data(self, *values):
@@ -66,6 +79,7 @@ class Page:
 
         form = form_of(values)
         try:
+            form.check_text()
             form.data = [self.allowed.check_data(d) for d in form.data if d.strip()]
             form.model = self.allowed.check_model(form.model or "qwen2.5-0.5b")
             view = actions.check_data(form)
@@ -83,10 +97,25 @@ class Page:
             folders |= {str(folder), str(folder / "output")}
         return [str(p) for p in find_runs(sorted(folders))]
 
-    def _selected(self, run_dir: str | None) -> Path:
+    def _selected(self, run_dir: str | None, saved: bool = False) -> Path:
+        """The chosen run folder: inside an allowed folder (never one itself, whose exports would
+        land beside it); with saved, its config.yaml must not widen what the page allows."""
         if not run_dir:
             raise LoraLabError("no run chosen: start one, or pick one from the list.")
-        return self.allowed.check(run_dir, "run folder")
+        path = self.allowed.check(run_dir, "run folder")
+        if path in self.allowed.folders:
+            raise LoraLabError(f"run folder: {run_dir} is an allowed folder itself, not a run inside one.")
+        if saved:
+            self.allowed.check_saved_run(path)
+        return path
+
+    def _check_capacity(self) -> None:
+        running = [p for p in self.processes.values() if p.running]
+        if len(running) >= self.max_runs:
+            raise LoraLabError(
+                f"{len(running)} run(s) started here are still training (at most {self.max_runs} at once: "
+                f"`lora-lab ui --max-runs N`); stop one or wait."
+            )
 
     def _state(self, path: Path) -> str:
         process = self.processes.get(str(path))
@@ -100,10 +129,11 @@ class Page:
             self.allowed.check_form(form)
             form.output_dir = str(self.allowed.check(form.output_dir or "output", "output"))
             preset = actions.launch_preset(form)
-            run_dir = actions.run_folder_of(form, preset)
+            run_dir = self.allowed.check(actions.run_folder_of(form, preset), "run folder")
             form.run_name = run_dir.name
             if str(run_dir) in self.processes and self.processes[str(run_dir)].running:
                 raise LoraLabError(f"{run_dir.name} is already running.")
+            self._check_capacity()
             self.processes[str(run_dir)] = RunProcess(run_arguments(form, preset), run_dir)
         except LoraLabError as exc:
             return gr.update(), f"not started: {exc}"
@@ -123,9 +153,10 @@ class Page:
 
     def resume(self, run_dir):
         try:
-            path = self._selected(run_dir)
+            path = self._selected(run_dir, saved=True)
             if self._state(path) == "running":
                 raise LoraLabError(f"{path.name} is running.")
+            self._check_capacity()
             if not can_resume(path):
                 raise LoraLabError(f"{path.name} has no checkpoint to resume from, or is finished.")
             self.processes[str(path)] = RunProcess(resume_arguments(path), path)
@@ -147,7 +178,7 @@ class Page:
         except LoraLabError as exc:
             return f"error: {exc}", empty, ""
         console = read_console(path)
-        figures = live_figures(read_step_log(path), console)
+        figures = live_figures(read_step_log_here(path), console)
         console = "\n".join(console.splitlines()[-CONSOLE_LINES:])
         state = self._state(path)
         shown = (str(path), len(figures.losses))
@@ -167,7 +198,7 @@ class Page:
             yield base_history, tuned_history, base_history, tuned_history, ""
             return
         try:
-            path = self._selected(run_dir)
+            path = self._selected(run_dir, saved=True)
             if self._state(path) != "finished":
                 raise LoraLabError(f"{path.name} is not finished: chat needs its adapter.")
         except LoraLabError as exc:
@@ -195,12 +226,12 @@ class Page:
         """A merge or export of the chosen run; what went wrong is said in the result box (a
         failure of the library below with its type, its traceback in the server's log)."""
         try:
-            return action(self._selected(run_dir), *args)
+            return action(self._selected(run_dir, saved=True), *args)
         except LoraLabError as exc:
             return f"error: {exc}"
         except Exception as exc:
             log.exception(f"{action.__name__} of {run_dir} failed")
-            return f"failed: {type(exc).__name__}: {exc}"
+            return f"failed: {type(exc).__name__}; the details are in the log of `lora-lab ui`."
 
 
 def build_page(page: Page, safety_note: str):

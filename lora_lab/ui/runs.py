@@ -11,7 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LoraLabError
-from ..run_folder import CONFIG_FILE, CONSOLE_LOG, STOP_FILE, SUMMARY_FILE, list_checkpoints, running_pid
+from ..run_folder import (
+    CONFIG_FILE,
+    CONSOLE_LOG,
+    STEP_LOG,
+    STOP_FILE,
+    SUMMARY_FILE,
+    list_checkpoints,
+    read_step_log,
+    running_pid,
+)
 
 PROGRESS = re.compile(r"step (\d+)/(\d+)(?:.*?ETA ((?:\d+[hms] ?)+))?")
 """The run's progress line (training/watch.py progress_fields): step, total and ETA."""
@@ -74,10 +83,25 @@ def live_figures(events: list, console: str = "") -> LiveFigures:
     return figures
 
 
+def own_file(run_dir: Path, relative: str) -> Path | None:
+    """RUN/relative, if it is a plain file of the run folder: no symbolic link on the way
+    (a link planted in a run folder must not show a file from elsewhere on the page)."""
+    path = Path(run_dir) / relative
+    parts = [Path(run_dir).joinpath(*Path(relative).parts[: i + 1]) for i in range(len(Path(relative).parts))]
+    if Path(run_dir).is_symlink() or any(p.is_symlink() for p in parts) or not path.is_file():
+        return None
+    return path
+
+
+def read_step_log_here(run_dir: Path) -> list:
+    """The run's step-log events (run_folder.read_step_log), unless the log is a link."""
+    return read_step_log(run_dir) if own_file(run_dir, STEP_LOG) else []
+
+
 def read_console(run_dir: Path, chars: int = CONSOLE_TAIL_CHARS) -> str:
     """The end of what a run started from the page printed."""
-    path = Path(run_dir) / CONSOLE_LOG
-    if not path.is_file():
+    path = own_file(run_dir, CONSOLE_LOG)
+    if path is None:
         return ""
     with open(path, "rb") as handle:
         handle.seek(max(0, path.stat().st_size - chars))
@@ -101,18 +125,44 @@ def run_state(run_dir: Path, process: subprocess.Popen | None = None) -> str:
 def find_runs(folders: list) -> list[Path]:
     """Run folders (with their config.yaml) directly under each folder, newest first."""
     found = [
-        p for folder in folders if Path(folder).is_dir() for p in Path(folder).iterdir() if (p / CONFIG_FILE).is_file()
+        p
+        for folder in folders
+        if Path(folder).is_dir()
+        for p in Path(folder).iterdir()
+        if not p.is_symlink() and own_file(p, CONFIG_FILE)
     ]
     return sorted(found, key=lambda p: (p / CONFIG_FILE).stat().st_mtime, reverse=True)
 
 
 def stop_run(run_dir: Path) -> None:
     """SIGTERM to the process of this host that is writing the run (its lock's holder), for a
-    run this page did not start."""
+    run this page did not start: only if that process is a `lora-lab run` of this user (a lock
+    file naming another process is not obeyed)."""
     pid = running_pid(run_dir)
     if pid is None:
         raise LoraLabError(f"{Path(run_dir).name}: no run of this machine is writing into it.")
+    if not is_lora_lab_run(pid):
+        raise LoraLabError(
+            f"{Path(run_dir).name}: its lock names process {pid}, which is not a `lora-lab run` of this user; "
+            f"nothing was signalled."
+        )
     os.kill(pid, signal.SIGTERM)
+
+
+def is_lora_lab_run(pid: int) -> bool:
+    """Process pid belongs to this user and its command line is `lora-lab run` (or
+    `python -m lora_lab run`), read from /proc."""
+    proc = Path("/proc") / str(pid)
+    try:
+        if proc.stat().st_uid != os.getuid():
+            return False
+        argv = [a.decode("utf-8", "replace") for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return False
+    for i, arg in enumerate(argv[:-1]):
+        if (arg == "lora_lab" and i and argv[i - 1] == "-m" or Path(arg).name == "lora-lab") and argv[i + 1] == "run":
+            return True
+    return False
 
 
 def can_resume(run_dir: Path) -> bool:

@@ -15,6 +15,7 @@ predicts the 16-bit model's next token is reported.
 from __future__ import annotations
 
 import collections
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -55,6 +56,9 @@ LLAMA_CPP_ENV = "LORA_LAB_LLAMA_CPP"
 """A llama.cpp source folder whose convert_hf_to_gguf.py to use instead of the one in the
 installed llama-cpp-python's source."""
 CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE")
+PINNED_SOURCES = {"0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"}
+"""sha256 of the llama-cpp-python source (sdist) whose converter lora-lab runs, by version (the
+version setup.cfg's extra gguf pins). Nothing is downloaded at export time."""
 
 
 @dataclass
@@ -235,8 +239,8 @@ def _generation_eos_ids(source: Path) -> list[int]:
 
 def locate_converter() -> Path:
     """convert_hf_to_gguf.py: from $LORA_LAB_LLAMA_CPP, else from the source (sdist) of the
-    installed llama-cpp-python, unpacked once into the cache (downloaded with pip if the sdist
-    is not in the cache's wheels/ folder)."""
+    installed llama-cpp-python, checked against its pinned sha256 and unpacked once into the
+    cache. The sdist is never fetched here: the error says how to put it in the cache."""
     if os.environ.get(LLAMA_CPP_ENV):
         script = Path(os.environ[LLAMA_CPP_ENV]) / "convert_hf_to_gguf.py"
         if not script.is_file():
@@ -254,36 +258,31 @@ def locate_converter() -> Path:
 
 
 def _llama_cpp_sdist(version: str) -> Path:
+    """The cached sdist of llama-cpp-python `version`, whole and as pinned."""
     wheels = cache_dir() / "wheels"
     sdist = wheels / f"llama_cpp_python-{version}.tar.gz"
+    fetch = f"`make llama-cpp`, or: pip download --no-deps --no-binary :all: llama-cpp-python=={version} -d {wheels}"
+    if version not in PINNED_SOURCES:
+        raise LoraLabError(
+            f"llama-cpp-python {version} is not the version lora-lab's GGUF export was checked with "
+            f"({', '.join(PINNED_SOURCES)}): pip install 'lora-lab[gguf]', or set {LLAMA_CPP_ENV} to a "
+            f"llama.cpp source folder you trust."
+        )
     if not sdist.is_file():
-        log.info(
-            f"downloading the llama-cpp-python {version} source (~75 MB, once) for llama.cpp's convert_hf_to_gguf.py"
+        raise LoraLabError(
+            f"the GGUF export needs llama.cpp's converter from the llama-cpp-python {version} source, "
+            f"which is not in {wheels}; get it once with {fetch} (or set {LLAMA_CPP_ENV} to a llama.cpp "
+            f"source folder)."
         )
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "-q",
-                "--no-deps",
-                "--no-binary",
-                ":all:",
-                f"llama-cpp-python=={version}",
-                "-d",
-                str(wheels),
-            ],
-            capture_output=True,
-            text=True,
+    digest = hashlib.sha256()
+    with open(sdist, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    if digest.hexdigest() != PINNED_SOURCES[version]:
+        raise LoraLabError(
+            f"{sdist}: its sha256 is not the pinned one of llama-cpp-python {version}; nothing was run. "
+            f"Delete it and get it again with {fetch}."
         )
-        if done.returncode != 0 or not sdist.is_file():
-            raise LoraLabError(
-                f"cannot get llama.cpp's converter: `pip download "
-                f"llama-cpp-python=={version} --no-binary :all:` failed "
-                f"({done.stderr.strip()[-300:]}). Put the sdist in {wheels}, or "
-                f"set {LLAMA_CPP_ENV} to a llama.cpp source folder."
-            )
     return sdist
 
 

@@ -157,6 +157,16 @@ def test_json_rows_are_reported_by_the_line_they_start_on(tmp_path):
     assert [p.origin for p in loaded.problems] == [f"{path}:{starts[1]}"]
 
 
+def test_rows_of_a_json_list_on_one_line_are_reported_by_their_row(tmp_path):
+    path = tmp_path / "d.json"
+    rows = [{"messages": CHAT}] * 60
+    rows[17] = {"messages": [CHAT[0]]}
+    path.write_text(json.dumps(rows))  # the whole list on line 1
+    loaded = load_dataset_spec(str(path))
+    assert [p.origin for p in loaded.problems] == [f"{path}:1, row 18"]
+    assert [s.origin for s in loaded.samples][:2] == [f"{path}:1", f"{path}:1, row 2"]
+
+
 def test_bad_json_file_names_the_line(tmp_path):
     path = tmp_path / "d.json"
     path.write_text('[\n{"messages": []},\n{"messages": [}\n]')

@@ -4,10 +4,12 @@ the access token, what the run's own files say, and the length histogram."""
 import json
 import os
 import sys
+import time
 
 import pytest
 
 from lora_lab.errors import LoraLabError
+from lora_lab.run_folder import LOCK_FILE
 from lora_lab.ui.actions import config_flags, histogram
 from lora_lab.ui.form import (
     AllowedFolders,
@@ -18,7 +20,7 @@ from lora_lab.ui.form import (
     run_arguments,
     token_matches,
 )
-from lora_lab.ui.runs import RunProcess, can_resume, find_runs, live_figures, run_state, stop_run
+from lora_lab.ui.runs import RunProcess, can_resume, find_runs, is_lora_lab_run, live_figures, run_state, stop_run
 
 
 def test_the_form_becomes_one_argument_per_flag_and_value():
@@ -61,6 +63,8 @@ def test_the_form_becomes_one_argument_per_flag_and_value():
         "nf4",
         "--set",
         "lora.dropout=0",
+        "--set",
+        "model.trust_remote_code=false",  # every run from the page: no model code
     ]
 
 
@@ -117,6 +121,8 @@ def test_resume_continues_a_run_with_its_own_config(tmp_path):
         str(tmp_path / "r" / "config.yaml"),
         "--resume",
         str(tmp_path / "r"),
+        "--set",
+        "model.trust_remote_code=false",
     ]
 
 
@@ -240,12 +246,17 @@ def test_a_run_started_elsewhere_is_seen_running_and_stopped_through_its_lock(tm
 
     run = tmp_path / "r"
     run.mkdir()
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    (run / ".lock").write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "started": "now"}))
+    # a process whose command line is `python -m lora_lab run` (what a lock of a real run names)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-m", "lora_lab", "run"])
+    deadline = time.monotonic() + 10
+    while not is_lora_lab_run(sleeper.pid):  # /proc shows the command line once exec is done
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    (run / LOCK_FILE).write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(), "started": "now"}))
     assert run_state(run) == "running"
     stop_run(run)
     assert sleeper.wait(30) == -15  # SIGTERM
-    assert run_state(run) == "not started" and (run / ".lock").is_file()  # left as it was
+    assert run_state(run) == "not started" and (run / LOCK_FILE).is_file()  # left as it was
     with pytest.raises(LoraLabError, match="no run of this machine is writing into it"):
         stop_run(run)
 
@@ -271,3 +282,21 @@ def test_ui_refuses_a_missing_allowed_folder_in_one_line(tmp_path):
     result = CliRunner().invoke(main, ["ui", "--allow", str(tmp_path / "nope")])
     assert result.exit_code == 2
     assert result.output == f"error: --allow {tmp_path / 'nope'}: no such folder.\n"
+
+
+def test_a_planted_lock_naming_another_process_is_not_obeyed(tmp_path):
+    import socket
+    import subprocess
+
+    run = tmp_path / "r"
+    run.mkdir()
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / LOCK_FILE).write_text(json.dumps({"pid": victim.pid, "host": socket.gethostname(), "started": "x"}))
+        with pytest.raises(LoraLabError, match=f"names process {victim.pid}, which is not a `lora-lab run`"):
+            stop_run(run)
+        time.sleep(0.2)
+        assert victim.poll() is None  # not signalled
+    finally:
+        victim.kill()
+        victim.wait(30)

@@ -191,7 +191,7 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
         events = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").open()]
         assert events[-1]["step"] == 40 and "train_runtime" in events[-1]
         assert (
-            f"run --config {run_dir}/config.yaml --resume {run_dir}\n"
+            f"run --config {run_dir}/config.yaml --resume {run_dir} --set model.trust_remote_code=false\n"
             in (run_dir / "logs" / "console.log").read_text()
         )
         # the loss curve: one line of the train losses, drawn by the browser

@@ -64,17 +64,18 @@ from ..registry import family_of, missing_fast_paths, model_config_of, wants_tra
 from ..run_folder import (
     ADAPTER_FOLDER,
     CONFIG_FILE,
+    DATA_PROBLEMS,
     INITIAL_ADAPTER_FOLDER,
     LOGS_FOLDER,
     MODEL_FOLDER,
     STEP_LOG,
+    Checkpoint,
     TrainResult,
     check_run_dir,
     checkpoint_step,
     fix_run_dir,
     locate_run_dir,
     record_stop,
-    run_lock,
     save_config,
     stop_error,
     trim_step_log,
@@ -92,6 +93,7 @@ from .checkpoint import (
     resolve_resume,
     resumed_batch,
 )
+from .lock import run_lock
 from .nodes import agree_across_nodes
 from .plots import report_run
 from .trainer import LoraLabTrainer, saved_loss_sum
@@ -238,7 +240,7 @@ def report_data(data: PreparedData, max_length: int) -> None:
     for warning in data.all_warnings()[:10]:
         log.info(f"  warning: {warning}")
     if len(problems) > 10 or len(data.all_warnings()) > 10:
-        log.info("  ... the full list is in logs/data_problems.jsonl")
+        log.info(f"  ... the full list is in {DATA_PROBLEMS}")
 
 
 def check_token_ids(spec: str, model_path: str, data: PreparedData, tokenizer) -> None:
@@ -352,7 +354,7 @@ def finish_from_checkpoint(trainer: LoraLabTrainer, checkpoint: Path) -> float:
 
     log.info(f"{checkpoint.name} is the run's last step: training is complete; writing the final weights from it")
     trainer._load_from_checkpoint(str(checkpoint))
-    trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    trainer.state = TrainerState.load_from_json(str(Checkpoint(checkpoint).trainer_state))
     steps = max(trainer.state.global_step, 1)
     return saved_loss_sum(checkpoint) / steps
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import list_presets
 from ..errors import LoraLabError
 from ..log import get_logger
-from ..run_folder import read_step_log
+from ..run_folder import CONSOLE_LOG, read_step_log
 from . import actions
 from .form import AllowedFolders, RunForm, resume_arguments, run_arguments
 from .runs import RunProcess, can_resume, find_runs, live_figures, read_console, run_state, stop_run
@@ -275,7 +275,7 @@ def build_page(page: Page, safety_note: str):
             status = gr.Textbox(label="Status", lines=2, elem_id="run-status", interactive=False)
             loss_plot = gr.LinePlot(x="step", y="loss", color="series", label="Loss", elem_id="loss-plot")
             console = gr.Textbox(
-                label="Console (the end of RUN/logs/console.log)",
+                label=f"Console (the end of RUN/{CONSOLE_LOG})",
                 lines=CONSOLE_LINES,
                 max_lines=CONSOLE_LINES,
                 elem_id="console",

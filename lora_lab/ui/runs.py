@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LoraLabError
-from ..run_folder import CONFIG_FILE, CONSOLE_LOG, STOP_FILE, SUMMARY_FILE, list_checkpoints, running_pid
+from ..run_folder import CONFIG_FILE, CONSOLE_LOG, STOP_FILE, SUMMARY_FILE, list_checkpoints
+from ..training.lock import running_pid
 
 PROGRESS = re.compile(r"step (\d+)/(\d+)(?:.*?ETA ((?:\d+[hms] ?)+))?")
 """The run's progress line (training/watch.py progress_fields): step, total and ETA."""

@@ -17,7 +17,7 @@ from ..config import ModelArgs
 from ..errors import CheckpointError, LoraLabError
 from ..models.load import Precision, load_base_model, load_tokenizer
 from ..paths import pickled_files, staged_folder
-from ..run_folder import base_model_of, find_adapter, training_precision
+from ..run_folder import ADAPTER_CONFIG, base_model_of, find_adapter, training_precision
 from .checks import CHECK_PROMPTS, check_prompt_batch, top1_agreement
 
 
@@ -86,7 +86,7 @@ def merge_adapter(
     agreement = top1_agreement(reference, logits, mask)
     _check_merged(merged, diff, agreement, dtype)
 
-    adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    adapter_config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     result = MergeResult(
         output_dir=output,
         base_model=base_args.name,

@@ -65,8 +65,8 @@ def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dic
     from torch.profiler import ProfilerActivity, profile
 
     from lora_lab.config import LoraArgs
-    from lora_lab.models.fast_lora import mlp
-    from lora_lab.models.lora import apply_lora
+    from lora_lab.models.fast_lora import FastLoraOptions, mlp
+    from lora_lab.models.lora import LoraOptions, apply_lora
     from lora_lab.planning.memory import MemoryMeans
     from tests.unit.test_activations import SEQ, tiny_untied
 
@@ -75,9 +75,8 @@ def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dic
     model = tiny_untied().to(torch.bfloat16)
     torch.manual_seed(1)
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
-    model = apply_lora(
-        model, LoraArgs(rank=4, alpha=8, dropout=0.0), True, means, fast=True, fast_chunk_tokens=chunk_tokens
-    )
+    building = LoraOptions(gradient_checkpointing=True, means=means, fast=FastLoraOptions(chunk_tokens=chunk_tokens))
+    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0.0), building)
     model.train()
     ids = torch.randint(0, 512, (2, SEQ))
 

@@ -24,20 +24,20 @@ from ..data import PreparedData, prepare_data
 from ..data.arrow import first_token_at_least, sample_lengths, trained_token_count
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
 from ..device import (
-    cap_gpu_memory,
     distributed_state,
     gpu_memory_gib,
     in_launched_worker,
     peak_memory_per_gpu,
     release_memory,
-    use_cudnn_attention,
-    use_expandable_segments,
     world_size,
 )
 from ..errors import LoraLabError, ModelError, TrainingError
 from ..log import get_logger
-from ..models.attention import CUDNN_EQUAL_LENGTHS, as_planned, resolve_packed_attention
+from ..models.attention import as_planned, resolve_packed_attention
+from ..models.fast_lora import FastLoraOptions
+from ..models.kernels import resolve_kernels
 from ..models.load import (
+    LoadOptions,
     Precision,
     check_model_files,
     check_remote_code,
@@ -45,9 +45,9 @@ from ..models.load import (
     load_base_model,
     load_tokenizer,
     locate_model,
-    resolve_kernels,
 )
 from ..models.lora import (
+    LoraOptions,
     apply_lora,
     check_full_finetuning_precision,
     prepare_full_finetuning,
@@ -96,8 +96,9 @@ from .checkpoint import (
 from .lock import run_lock
 from .nodes import agree_across_nodes
 from .plots import report_run
+from .process import run_settings
 from .trainer import LoraLabTrainer, saved_loss_sum
-from .watch import quiet_progress_bars, tracker_runs
+from .watch import tracker_runs
 
 log = get_logger()
 SHARDED_ENGINES = ("deepspeed-zero3", "deepspeed-zero3-offload", "fsdp")
@@ -111,15 +112,18 @@ def train(config: RunConfig) -> TrainResult:
     never stopped, provided the model, data and batch settings are the ones it started with.
     The config is updated with what the run settles (its folder, an out-of-memory batch).
     """
+    with run_settings(config):  # process-wide settings, put back when the run returns
+        return train_in_process(config)
+
+
+def train_in_process(config: RunConfig) -> TrainResult:
+    """train(), inside the run's process settings (training/process.py)."""
     started = time.time()
-    use_expandable_segments(config.train.expandable_segments and not config.train.engine.startswith("deepspeed"))
-    quiet_progress_bars()
     precision = choose_precision(config.model.dtype)
     settle_precision(config, precision)
     if config.train.tuner == "full":
         check_full_finetuning_precision(precision)
     state = distributed_state(precision)
-    cap_gpu_memory()
     if config.train.task != "sft":
         from .preference import require_trl, settle_from_run
 
@@ -396,8 +400,6 @@ def build_trainer(
         **preference_arguments(config),
     )
     full = config.train.tuner == "full"
-    use_cudnn_attention(config.model.cudnn_attention)
-    CUDNN_EQUAL_LENGTHS["allowed"] = config.model.cudnn_attention is not False
     attention = resolve_packed_attention(config.data.packed_attention)
     preference = config.train.task != "sft"
     tokens = (
@@ -406,15 +408,14 @@ def build_trainer(
         and not preference
         else None
     )  # TRL computes log-probs from the head's weight itself
-    model = load_base_model(
-        config.model,
-        precision,
+    loading = LoadOptions(
         fp32_master_weights=full,
         sharded=config.train.engine in SHARDED_ENGINES,
         packed_attention=attention if packed else None,
         path=model_path,
         fused_loss=not (tokens or preference),
     )
+    model = load_base_model(config.model, precision, loading)
     say_family(model.config.model_type)
     memory_means = "none"  # full fine-tuning: the engines' own checkpointing
     if full:
@@ -433,18 +434,16 @@ def build_trainer(
             budget_gib=usable_gib(gpu_gib),
         )
         fast = resolve_fast_lora(config)
-        model = apply_lora(
-            model,
-            config.lora,
-            config.train.gradient_checkpointing,
-            means,
-            fast=fast,
+        building = LoraOptions(
+            gradient_checkpointing=config.train.gradient_checkpointing,
+            means=means,
+            fast=FastLoraOptions.of(config.model) if fast else None,
             offload_copy_stream=config.train.offload_copy_stream and gpu_gib is not None,
-            trainable_tokens=tokens,
+            trainable_tokens=tuple(tokens) if tokens else None,
             tuner=config.train.tuner,
             adapter_dir=from_run_adapter(config),
-            fast_chunk_tokens=config.model.fast_lora_chunk_tokens,
         )
+        model = apply_lora(model, config.lora, building)
         initial = run_dir / INITIAL_ADAPTER_FOLDER
         if converts_initial_adapter(config.lora) and not initial.is_dir() and args.should_save:
             with staged_folder(initial) as staging:

@@ -56,19 +56,18 @@ def test_streamed_checkpoints_with_mlp_chunks_match_the_whole_mlp():
     )
 
 
-def test_saved_mlp_backward_in_chunks_matches_the_whole_row(monkeypatch):
+def test_saved_mlp_backward_in_chunks_matches_the_whole_row():
     """The backward pass through down and SwiGLU from saved gate and up in chunks of 10 tokens
-    (mlp.DOWN_BACKWARD_TOKENS; liger's SwiGLU backward writing into row slices of the saved
+    (model.fast_lora_down_backward_tokens; liger's SwiGLU backward writing into row slices of the saved
     gate and up) and the first pass's SwiGLU written over gate: the whole row's loss and
     gradients."""
-    from lora_lab.models.fast_lora import mlp
+    from lora_lab.models.fast_lora import FastLoraOptions
     from tests.unit.test_activations import assert_same
 
     means = MemoryMeans(offload_checkpoints=True)
-    monkeypatch.setattr(mlp, "DOWN_BACKWARD_TOKENS", 0)
-    whole = loss_and_grads(True, means, device="cuda")
-    monkeypatch.setattr(mlp, "DOWN_BACKWARD_TOKENS", 10)
-    assert_same(whole, loss_and_grads(True, means, device="cuda"), tol=1e-4)
+    whole = loss_and_grads(True, means, device="cuda", options=FastLoraOptions(down_backward_tokens=0))
+    chunked = loss_and_grads(True, means, device="cuda", options=FastLoraOptions(down_backward_tokens=10))
+    assert_same(whole, chunked, tol=1e-4)
 
 
 def test_streamed_checkpoints_with_the_last_layer_kept_match_every_layer_recomputed():

@@ -4,7 +4,7 @@ the GPU's kernel launches, which bound the 7B step on short rows
 
     python bench/op_count.py [--chunk-tokens N] [--down-backward-tokens N] [--out FILE]
 
-A 2-layer Qwen2 (tiny_untied of tests/unit/test_activations.py) in bf16 under CPU autocast, LoRA
+A 2-layer Qwen2 (tiny_untied of tests/unit/test_memory_means.py) in bf16 under CPU autocast, LoRA
 rank 4 on every linear layer, dropout 0 (the fast path), layer checkpoints replayed in backward as
 on one GPU; one forward and backward of 2 x 24 tokens under torch.profiler, the fast LoRA MLP in
 chunks of N tokens where asked (model.fast_lora_chunk_tokens), the backward pass through down and
@@ -68,7 +68,7 @@ def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dic
     from lora_lab.models.fast_lora import FastLoraOptions, mlp
     from lora_lab.models.lora import LoraOptions, apply_lora
     from lora_lab.planning.memory import MemoryMeans
-    from tests.unit.test_activations import SEQ, tiny_untied
+    from tests.unit.test_memory_means import SEQ, tiny_untied
 
     if down_backward_tokens is not None:
         mlp.DOWN_BACKWARD_TOKENS = down_backward_tokens

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from tests.unit.test_activations import assert_same, loss_and_grads
+from tests.unit.test_memory_means import assert_same, loss_and_grads
 from tests.unit.test_packing import PAD, sample, summed_loss_and_grads, tiny_lora_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -77,7 +77,7 @@ def test_the_cpu_embedding_takes_ids_on_the_cpu_without_changing_the_result():
     from lora_lab.models.lora import LoraOptions, apply_lora
     from lora_lab.models.memory_means import CpuEmbedding, uses_cpu_embedding
     from lora_lab.planning.memory import MemoryMeans
-    from tests.unit.test_activations import SEQ, tiny_untied
+    from tests.unit.test_memory_means import SEQ, tiny_untied
 
     results = []
     for ids_device in ("cuda", "cpu"):

@@ -9,7 +9,7 @@ from lora_lab.config import LoraArgs, resolve_config, resolve_fast_lora
 from lora_lab.models.fast_lora import FastLoraOptions, LoraMLP, LoraProjection
 from lora_lab.models.lora import LoraOptions, apply_lora
 from lora_lab.planning.memory import MemoryMeans
-from tests.unit.test_activations import SEQ, assert_same, tiny_untied
+from tests.unit.test_memory_means import SEQ, assert_same, tiny_untied
 
 
 def loss_and_grads(

@@ -15,8 +15,8 @@ from lora_lab.planning.memory import plan_memory
 from lora_lab.planning.shape import ModelShape
 from lora_lab.planning.tuners import adapter_params, dora_parts
 from lora_lab.registry import known_model_config
-from tests.unit.test_activations import SEQ, tiny_untied
 from tests.unit.test_fast_lora import count_calls
+from tests.unit.test_memory_means import SEQ, tiny_untied
 
 DATA = {"data.datasets": ["x"], "model.name": "qwen2.5-0.5b"}
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextvars
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -260,11 +262,9 @@ def register_packed_attention(kind: str, cudnn_equal_lengths: bool = True) -> st
     from transformers.masking_utils import AttentionMaskInterface
 
     name = CUDNN_VARLEN if kind == "varlen" and cudnn_equal_lengths else PACKED_ATTENTION[kind]
-    function = {
-        "segments": segments_attention,
-        "varlen": varlen_attention,
-        CUDNN_VARLEN: functools.partial(varlen_attention, cudnn_equal_lengths=True),
-    }[kind if name != CUDNN_VARLEN else CUDNN_VARLEN]
+    function: Callable[..., Any] = segments_attention
+    if kind == "varlen":
+        function = functools.partial(varlen_attention, cudnn_equal_lengths=name == CUDNN_VARLEN)
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, _packed_attention_mask)
     return name

@@ -253,12 +253,12 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
         "trust_remote_code": args.trust_remote_code,
         "attn_implementation": args.attn_implementation,
     }
-    packed = options.packed_attention in ("segments", "varlen") and args.attn_implementation == "sdpa"
+    packed = options.packed_attention if options.packed_attention in ("segments", "varlen") else None
+    packed = packed if args.attn_implementation == "sdpa" else None
     if packed:
         from .attention import register_packed_attention
 
-        cudnn = args.cudnn_attention is not False
-        kwargs["attn_implementation"] = register_packed_attention(options.packed_attention, cudnn)
+        kwargs["attn_implementation"] = register_packed_attention(packed, args.cudnn_attention is not False)
     if args.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(precision)
     if torch.cuda.is_available() and not options.sharded:

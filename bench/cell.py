@@ -37,32 +37,26 @@ def cap_memory(cap_gib: float | None) -> None:
         cap_gpu_memory()
 
 
+ABLATIONS = {
+    "residual_skip": "model.fast_lora_residual_skip",  # false: recomputed MLPs run to their output
+    "shared_input": "model.fast_lora_shared_input",  # false: q, k, v one call each
+    "native_norms": "model.native_rms_norm",  # false: RMSNorm through liger's Triton kernel
+    "down_backward_tokens": "model.fast_lora_down_backward_tokens",  # SwiGLU's backward N tokens at a time
+    "cast_cache": "model.fast_lora_cast_cache",  # false: adapter weights cast at every call
+}
+"""A cell's ablation keys -> the settings they set (the config, not a patch of the modules)."""
+
+
+def ablation_sets(cell: dict) -> list[str]:
+    return [f"{key}={json.dumps(cell[name])}" for name, key in ABLATIONS.items() if name in cell]
+
+
 def run_lora_lab(cell: dict) -> dict:
     from lora_lab import train
     from lora_lab.config import resolve_config
     from lora_lab.models.attention import as_planned
     from lora_lab.planning.memory import micro_batch_rows, plan_memory, row_length
 
-    if cell.get("residual_skip") is False:  # ablation: recomputed MLPs run to their output
-        from lora_lab.models import fast_lora
-
-        fast_lora.RESIDUAL_MLP_LAYERS = ()
-    if cell.get("shared_input") is False:  # ablation: q, k, v one call each
-        from lora_lab.models import fast_lora
-
-        fast_lora.SHARED_INPUT_PROJECTIONS = ()
-    if cell.get("native_norms") is False:  # ablation: RMSNorm through liger's Triton kernel
-        from lora_lab.models import load
-
-        load.NATIVE_RMS_NORMS = ()
-    if "down_backward_tokens" in cell:  # ablation: SwiGLU's backward N tokens at a time (0: all)
-        from lora_lab.models.fast_lora import mlp
-
-        mlp.DOWN_BACKWARD_TOKENS = cell["down_backward_tokens"]
-    if cell.get("cast_cache") is False:  # ablation: adapter weights cast at every call
-        from lora_lab.models.fast_lora import products
-
-        products._Casts.get = lambda self, a, b, dtype: products._adapter_weights(a, b, dtype)
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = WORK / f"data-{cell['label']}.jsonl"
     flags = {
@@ -83,7 +77,7 @@ def run_lora_lab(cell: dict) -> dict:
     task = cell.get("task", "sft")
     if task != "sft":
         flags["train.task"] = task
-    config = resolve_config(cell["preset"], flags=flags, sets=cell.get("sets", []))
+    config = resolve_config(cell["preset"], flags=flags, sets=cell.get("sets", []) + ablation_sets(cell))
     if config.data.packing and not cell.get("grad_accum"):
         # every sample full length: one packed row of pack_length tokens per optimizer step
         config.train.grad_accum = max(1, row_length(config) // cell["max_length"])
@@ -116,8 +110,7 @@ def run_lora_lab(cell: dict) -> dict:
 def resolved(config, summary: dict) -> dict:
     """The settings a cell trained with; the memory means as the run chose them."""
     from lora_lab.models.attention import resolve_packed_attention
-    from lora_lab.models.fast_lora import mlp
-    from lora_lab.models.load import resolve_kernels
+    from lora_lab.models.kernels import resolve_kernels
     from lora_lab.planning.memory import row_length
 
     return {
@@ -136,7 +129,7 @@ def resolved(config, summary: dict) -> dict:
         "packed_attention": resolve_packed_attention(config.data.packed_attention),
         "cudnn_attention": config.model.cudnn_attention,
         "fast_lora_chunk_tokens": config.model.fast_lora_chunk_tokens,
-        "down_backward_tokens": mlp.DOWN_BACKWARD_TOKENS,
+        "down_backward_tokens": config.model.fast_lora_down_backward_tokens,
     }
 
 

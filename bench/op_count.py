@@ -4,12 +4,12 @@ the GPU's kernel launches, which bound the 7B step on short rows
 
     python bench/op_count.py [--chunk-tokens N] [--down-backward-tokens N] [--out FILE]
 
-A 2-layer Qwen2 (tiny_untied of tests/unit/test_activations.py) in bf16 under CPU autocast, LoRA
+A 2-layer Qwen2 (tiny_untied of tests/unit/test_memory_means.py) in bf16 under CPU autocast, LoRA
 rank 4 on every linear layer, dropout 0 (the fast path), layer checkpoints replayed in backward as
 on one GPU; one forward and backward of 2 x 24 tokens under torch.profiler, the fast LoRA MLP in
 chunks of N tokens where asked (model.fast_lora_chunk_tokens), the backward pass through down and
 SwiGLU from saved gate and up in chunks of --down-backward-tokens (fast_lora.mlp's
-DOWN_BACKWARD_TOKENS, 2048 unless given: one chunk here). Prints (and appends to FILE) a
+model.fast_lora_down_backward_tokens, 2048 unless given: one chunk here). Prints (and appends to FILE) a
 JSON row: the aten operators of the step by name, their total, and the git commit."""
 
 from __future__ import annotations
@@ -65,19 +65,19 @@ def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dic
     from torch.profiler import ProfilerActivity, profile
 
     from lora_lab.config import LoraArgs
-    from lora_lab.models.fast_lora import mlp
-    from lora_lab.models.lora import apply_lora
+    from lora_lab.models.fast_lora import FastLoraOptions
+    from lora_lab.models.lora import LoraOptions, apply_lora
     from lora_lab.planning.memory import MemoryMeans
-    from tests.unit.test_activations import SEQ, tiny_untied
+    from tests.unit.test_memory_means import SEQ, tiny_untied
 
+    fast = FastLoraOptions(chunk_tokens=chunk_tokens)
     if down_backward_tokens is not None:
-        mlp.DOWN_BACKWARD_TOKENS = down_backward_tokens
+        fast = FastLoraOptions(chunk_tokens=chunk_tokens, down_backward_tokens=down_backward_tokens)
     model = tiny_untied().to(torch.bfloat16)
     torch.manual_seed(1)
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
-    model = apply_lora(
-        model, LoraArgs(rank=4, alpha=8, dropout=0.0), True, means, fast=True, fast_chunk_tokens=chunk_tokens
-    )
+    building = LoraOptions(gradient_checkpointing=True, means=means, fast=fast)
+    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0.0), building)
     model.train()
     ids = torch.randint(0, 512, (2, SEQ))
 
@@ -112,7 +112,7 @@ def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dic
         + (f" --chunk-tokens {chunk_tokens}" if chunk_tokens else "")
         + (f" --down-backward-tokens {down_backward_tokens}" if down_backward_tokens is not None else ""),
         "chunk_tokens": chunk_tokens,
-        "down_backward_tokens": mlp.DOWN_BACKWARD_TOKENS,
+        "down_backward_tokens": fast.down_backward_tokens,
         "top_level_ops": sum(top.values()),
         "launching_ops": sum(launching.values()),
         "by_name": dict(sorted(launching.items(), key=lambda kv: -kv[1])),

@@ -250,7 +250,7 @@ def peer_cells(steps: int = 6) -> list:
                     )
             if name in ("7b-4096", "0.5b-4096", "1.5b-4096"):
                 # the backward pass through down and SwiGLU over all tokens at once (wholeback)
-                # or N at a time (backN) instead of mlp.DOWN_BACKWARD_TOKENS
+                # or N at a time (backN) instead of model.fast_lora_down_backward_tokens
                 for suffix, tokens in (("wholeback", 0), ("back2048", 2048), ("back4096", 4096)):
                     cells.append(
                         {

@@ -23,7 +23,7 @@ CUDA_EVENT_TIMER_SINCE = "2026-12-02 21:45 UTC"
 """Since then steps are timed with CUDA events at every step's end, on both sides (StepTimer);
 before, with a device sync per step."""
 TODAYS_VARIANTS = ("back2048",)
-"""Peer cells whose one changed setting is today's default (mlp.DOWN_BACKWARD_TOKENS 2048), so
+"""Peer cells whose one changed setting is today's default (model.fast_lora_down_backward_tokens 2048), so
 they stand for the cell as shipped."""
 PEER_ROWS = (
     ("7b-4096", "7B bf16, 4 samples x 4096 tokens a step"),

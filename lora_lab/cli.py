@@ -120,6 +120,7 @@ def run_config(preset, config_file, sets, flag_values):
 def run(preset, config_file, sets, dry_run, show_config, **flag_values):
     """Fine-tune a model with LoRA and write a run folder (--gpus N: N processes)."""
     from . import train
+    from .run_folder import CONFIG_FILE
     from .training.launch import dry_run_launch, needs_launch
 
     config = run_config(preset, config_file, sets, flag_values)
@@ -128,7 +129,7 @@ def run(preset, config_file, sets, dry_run, show_config, **flag_values):
     else:
         log.info(
             f"settings that differ from the defaults (preset {config.preset}; every setting: --show-config, "
-            f"and config.yaml in the run folder):\n{config.describe(changed_only=True)}"
+            f"and {CONFIG_FILE} in the run folder):\n{config.describe(changed_only=True)}"
         )
     if dry_run:
         if not needs_launch(config):

@@ -13,16 +13,12 @@ from pathlib import Path
 
 from .log import get_logger
 from .models.gguf import fetch_shipped_model
-from .models.shipped import fetch_shipped_gguf, shipped_model
+from .models.shipped import fetch_shipped_gguf
 
 log = get_logger()
 
 DEMO_MODEL = "qwen2.5-coder-0.5b-instruct"
 DEMO_QUESTION = "Who are you?"
-
-
-def demo_gguf_path() -> Path:
-    return shipped_model(DEMO_MODEL).path
 
 
 def fetch_demo_gguf() -> Path:

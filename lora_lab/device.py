@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -133,3 +134,29 @@ def inference_device_map(quantized_bnb: bool = False):
     if not torch.cuda.is_available():
         return "cpu"
     return {"": 0} if quantized_bnb else "auto"
+
+
+# ----------------------------------------------------------------------------- a run's settings
+
+
+@contextlib.contextmanager
+def run_device_settings(expandable_segments: bool, cudnn_attention: str | bool):
+    """The process-wide device settings of a training run, put back on exit: the allocator's
+    expandable segments (use_expandable_segments), the memory cap (cap_gpu_memory) and sdpa's
+    cuDNN backend (use_cudnn_attention)."""
+    import torch
+
+    cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
+    on_cuda = torch.cuda.is_available()
+    fraction_before = torch.cuda.get_per_process_memory_fraction() if on_cuda else None
+    expanded = use_expandable_segments(expandable_segments)
+    try:
+        cap_gpu_memory()
+        use_cudnn_attention(cudnn_attention)
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
+        if fraction_before is not None:
+            torch.cuda.set_per_process_memory_fraction(fraction_before)
+        if expanded:
+            torch.cuda.memory._set_allocator_settings(EXPANDABLE_SEGMENTS.replace("True", "False"))

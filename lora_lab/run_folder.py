@@ -1,37 +1,37 @@
-"""The run folder: the one reader and writer of its layout.
+"""The run folder: the one reader and writer of its layout (RunFolder names every part of it).
 
 output/<run-name>/
   config.yaml            the resolved config and where each value came from
+  plan.json              the settled plan of the run
   adapter/               final adapter (adapter_config.json, adapter_model.safetensors)
                          plus tokenizer files and chat template
   model/                 (--tuner full, instead of adapter/) the whole model as safetensors,
                          loadable with from_pretrained, plus tokenizer files
   adapter_init/          (lora.init pissa / olora) the adapter before the first step: the
                          final adapter/ is converted against it to apply to the original base
-  checkpoint-<step>/     intermediate weights and trainer state (for resume), with a
-                         manifest.json of sha256 sums written last (training/checkpoint.py)
+  checkpoint-<step>/     intermediate weights and trainer state (trainer_state.json, for resume),
+                         with a manifest.json of sha256 sums written last (training/checkpoint.py)
   logs/                  TensorBoard events, train_log.jsonl (every logged value, one JSON
                          line per log event: the run's own per-step log), data_problems.jsonl,
-                         console.log (a run started from `lora-lab ui`: what it printed)
+                         console.log (a run started from `lora-lab ui`: what it printed),
+                         stopped.json (a signal stopped the run)
   plots/                 PNG plots of the step log (training/plots.py; `lora-lab report RUN`)
   wandb/, swanlog/,      (--report-to wandb / swanlab / mlflow) those backends' own files
   mlflow.db
   run_summary.json       steps, losses, samples, time, memory
-  launch/                (--gpus N) how the worker processes were launched
+  launch/                (--gpus N) how the worker processes were launched (run_config.yaml,
+                         accelerate.yaml, deepspeed.json; node-R/ with several nodes)
+  .lock                  the process writing into the folder (training/lock.py)
 
 With several processes only rank 0 writes here; every rank may read.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import re
 import signal
-import socket
-import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
@@ -46,6 +46,7 @@ from .paths import safetensors_problem
 log = get_logger()
 
 CONFIG_FILE = "config.yaml"
+PLAN_FILE = "plan.json"
 ADAPTER_FOLDER = "adapter"
 MODEL_FOLDER = "model"
 INITIAL_ADAPTER_FOLDER = "adapter_init"
@@ -54,6 +55,7 @@ STEP_LOG = "logs/train_log.jsonl"
 DATA_PROBLEMS = "logs/data_problems.jsonl"
 SUMMARY_FILE = "run_summary.json"
 LAUNCH_FOLDER = "launch"
+LAUNCH_CONFIG = "run_config.yaml"
 PLOTS_FOLDER = "plots"
 SWANLAB_FOLDER = "swanlog"
 MLFLOW_DATABASE = "mlflow.db"
@@ -61,7 +63,105 @@ LOCK_FILE = ".lock"
 CONSOLE_LOG = "logs/console.log"
 STOP_FILE = "logs/stopped.json"
 """Written by rank 0 when a signal stopped the run (its signal and last step)."""
+CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
+STAGING_PREFIX = ".staging-"
+MANIFEST_FILE = "manifest.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+ADAPTER_CONFIG = "adapter_config.json"
+"""The files of an adapter folder (adapter/, a LoRA checkpoint), named by peft."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+MODEL_CONFIG = "config.json"
+"""A from_pretrained folder's config (model/, a --tuner full checkpoint), named by transformers."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """checkpoint-<step>/: the weights and trainer state a run resumes from, with its manifest
+    (training/checkpoint.py) written last."""
+
+    path: Path
+
+    @property
+    def step(self) -> int:
+        step = checkpoint_step(self.path)
+        if step is None:
+            raise ValueError(f"{self.path} is not a checkpoint-<step> folder")
+        return step
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / MANIFEST_FILE
+
+    @property
+    def trainer_state(self) -> Path:
+        return self.path / TRAINER_STATE_FILE
+
+    @property
+    def adapter_config(self) -> Path:
+        return self.path / ADAPTER_CONFIG
+
+    @property
+    def holds_adapter(self) -> bool:
+        """A LoRA checkpoint (adapter files), not a --tuner full one (the whole model)."""
+        return self.adapter_config.is_file()
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """Every name of a run folder (the layout above); nothing else spells them."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    def _at(self, name: str) -> Path:
+        return self.path / name
+
+    config = property(lambda self: self._at(CONFIG_FILE), doc="config.yaml: the resolved config.")
+    plan = property(lambda self: self._at(PLAN_FILE), doc="the settled plan of the run.")
+    adapter = property(lambda self: self._at(ADAPTER_FOLDER), doc="adapter/: the final adapter.")
+    model = property(lambda self: self._at(MODEL_FOLDER), doc="model/: a --tuner full run's model.")
+    initial_adapter = property(lambda self: self._at(INITIAL_ADAPTER_FOLDER), doc="adapter_init/ (pissa, olora).")
+    logs = property(lambda self: self._at(LOGS_FOLDER), doc="logs/: TensorBoard events and the logs below.")
+    step_log = property(lambda self: self._at(STEP_LOG), doc="logs/train_log.jsonl: one line per log event.")
+    data_problems = property(lambda self: self._at(DATA_PROBLEMS), doc="logs/data_problems.jsonl.")
+    console_log = property(lambda self: self._at(CONSOLE_LOG), doc="logs/console.log (a run started by the UI).")
+    stop_record = property(lambda self: self._at(STOP_FILE), doc="logs/stopped.json: a signal stopped the run.")
+    plots = property(lambda self: self._at(PLOTS_FOLDER), doc="plots/: PNG plots of the step log.")
+    launch = property(lambda self: self._at(LAUNCH_FOLDER), doc="launch/: how the worker processes started.")
+    lock = property(lambda self: self._at(LOCK_FILE), doc=".lock: the process writing into the folder.")
+    summary = property(lambda self: self._at(SUMMARY_FILE), doc="run_summary.json: steps, losses, time, memory.")
+
+    @staticmethod
+    def launch_config(folder: Path) -> Path:
+        """A node's run_config.yaml in the launch folder (or its node-R/ subfolder)."""
+        return Path(folder) / LAUNCH_CONFIG
+
+    @property
+    def is_run(self) -> bool:
+        """A run folder is one with its config.yaml."""
+        return self.config.is_file()
+
+    def checkpoint(self, step: int) -> Checkpoint:
+        return Checkpoint(self.path / f"{CHECKPOINT_PREFIX}{step}")
+
+    def staging_checkpoint(self, step: int) -> Path:
+        """Where checkpoint-<step> is written before its rename (hidden: nothing resumes from it)."""
+        return self.path / f"{STAGING_PREFIX}{CHECKPOINT_PREFIX}{step}"
+
+    def hidden_checkpoints(self) -> list[Path]:
+        """Staged or replaced checkpoint folders (their names start with a dot)."""
+        return [p for p in self.path.glob(f".*{CHECKPOINT_PREFIX}*") if p.is_dir()]
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """checkpoint-<step> folders, lowest step first."""
+        return [Checkpoint(p) for p in list_checkpoints(self.path)]
+
+
+def is_adapter_folder(path: Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
 # ----------------------------------------------------------------------------- config.yaml
@@ -108,7 +208,7 @@ def checkpoint_step(folder: Path) -> int | None:
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """checkpoint-N folders of a run, lowest step first."""
-    found = [p for p in Path(run_dir).glob("checkpoint-*") if p.is_dir() and checkpoint_step(p) is not None]
+    found = [p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None]
     return sorted(found, key=checkpoint_step)
 
 
@@ -172,7 +272,7 @@ def is_run_dir(path: Path) -> bool:
 def full_model_of(path: str | Path) -> Path | None:
     """The from_pretrained folder of a full fine-tuning run (--tuner full), else None."""
     path = Path(path)
-    if is_run_dir(path) and (path / MODEL_FOLDER / "config.json").is_file():
+    if is_run_dir(path) and (path / MODEL_FOLDER / MODEL_CONFIG).is_file():
         return path / MODEL_FOLDER
     return None
 
@@ -186,13 +286,13 @@ def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
             f"its model is {path / 'model'} (pass it as --model, or to "
             f"`lora-lab export`; there is nothing to merge)."
         )
-    if (path / "adapter_config.json").is_file():
+    if is_adapter_folder(path):
         run_dir = path.parent if is_run_dir(path.parent) else None
         return check_adapter(path), run_dir
     if is_run_dir(path):
-        if (path / ADAPTER_FOLDER / "adapter_config.json").is_file():
+        if is_adapter_folder(path / ADAPTER_FOLDER):
             return check_adapter(path / ADAPTER_FOLDER), path
-        checkpoints = [c for c in list_checkpoints(path) if (c / "adapter_config.json").is_file()]
+        checkpoints = [c for c in list_checkpoints(path) if is_adapter_folder(c)]
         if checkpoints:
             return check_adapter(checkpoints[-1]), path
         raise CheckpointError(
@@ -203,7 +303,7 @@ def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
 
 def check_adapter(folder: Path) -> Path:
     """An adapter folder whose two files are there and whole; else what is wrong with it."""
-    config, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    config, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
     try:
         json.loads(config.read_text())
     except (ValueError, UnicodeDecodeError):
@@ -223,7 +323,7 @@ def base_model_of(adapter_dir: Path, run_dir: Path | None) -> ModelArgs:
     """The base model an adapter was trained on: from the run config, else adapter_config."""
     if run_dir is not None:
         return load_saved_config(run_dir / CONFIG_FILE).model
-    base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
     return ModelArgs(name=base)
 
 
@@ -240,7 +340,7 @@ def read_sft_run(path: str | Path) -> tuple[Path, RunConfig]:
             f"--from-run {path}: a full fine-tuning run has no adapter to "
             f"continue; pass its model/ as --model instead."
         )
-    if not (run_dir / ADAPTER_FOLDER / "adapter_config.json").is_file():
+    if not is_adapter_folder(run_dir / ADAPTER_FOLDER):
         raise CheckpointError(
             f"--from-run {path}: the run has no {ADAPTER_FOLDER}/ yet; let it finish (or resume it) first."
         )
@@ -320,7 +420,9 @@ def fix_run_dir(config: RunConfig, run_dir: Path) -> None:
 
 def holds_run(run_dir: Path) -> bool:
     return (
-        (run_dir / ADAPTER_FOLDER).exists() or (run_dir / MODEL_FOLDER).exists() or any(run_dir.glob("checkpoint-*"))
+        (run_dir / ADAPTER_FOLDER).exists()
+        or (run_dir / MODEL_FOLDER).exists()
+        or any(run_dir.glob(f"{CHECKPOINT_PREFIX}*"))
     )
 
 
@@ -387,91 +489,6 @@ def read_result(run_dir: Path) -> TrainResult:
     return TrainResult(**values)
 
 
-# ----------------------------------------------------------------------------- the lock
-
-
-@contextlib.contextmanager
-def run_lock(run_dir: Path):
-    """Hold the run folder while a run writes into it: a second run into the same folder stops
-    with a message naming the process that holds it. A lock left by a process that died (same
-    host, no such process) is taken over and said so."""
-    run_dir = Path(run_dir)
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = run_dir / LOCK_FILE
-    _take_lock(lock)
-    try:
-        yield lock
-    finally:
-        lock.unlink(missing_ok=True)
-        if created and not any(run_dir.iterdir()):
-            run_dir.rmdir()
-
-
-def _take_lock(lock: Path) -> None:
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-    for _ in range(2):
-        try:
-            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _lock_holder(lock)
-            if holder is None:
-                continue  # stale, removed: try again
-            raise LoraLabError(
-                f"--run-name {lock.parent.name}: another run is writing into {lock.parent} "
-                f"(pid {holder.get('pid')} on {holder.get('host')}, since "
-                f"{holder.get('started')}). Wait for it to finish, or pick another --run-name "
-                f"or --output-dir. If no such run is alive, delete {lock}."
-            ) from None
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(json.dumps(me) + "\n")
-        return
-    raise LoraLabError(
-        f"{lock}: another process keeps taking this run folder's lock. Wait for it, or pick another --run-name."
-    )
-
-
-def _lock_holder(lock: Path) -> dict | None:
-    """Who holds `lock`; None after removing a stale one (its process is gone)."""
-    try:
-        holder = json.loads(lock.read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError:  # cut short: its writer died between creating and writing it
-        holder = {}
-        if time.time() - lock.stat().st_mtime < 10:
-            return {"pid": "?", "host": "?", "started": "just now"}
-    alive = holder.get("host") != socket.gethostname() or _process_alive(holder.get("pid"))
-    if holder and alive:
-        return holder
-    log.info(f"{lock}: the run that held this folder (pid {holder.get('pid')}) is gone; taking it over")
-    lock.unlink(missing_ok=True)
-    return None
-
-
-def running_pid(run_dir: Path) -> int | None:
-    """The process of this host that holds the run folder's lock (a run writing into it), or
-    None; reads the lock only (a stale one is left for the next run to take over)."""
-    try:
-        holder = json.loads((Path(run_dir) / LOCK_FILE).read_text())
-        pid = int(holder["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if holder.get("host") != socket.gethostname() or not _process_alive(pid):
-        return None
-    return pid
-
-
-def _process_alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, TypeError, ValueError):
-        return True
-    return True
-
-
 # ----------------------------------------------------------------------------- a signal stop
 
 
@@ -495,7 +512,7 @@ def stop_error(run_dir: Path, signum: int, step: int) -> RunStopped:
     run_dir = Path(run_dir)
     return RunStopped(
         f"stopped by {signal.Signals(signum).name} after step {step}: "
-        f"{run_dir / f'checkpoint-{step}'} is complete. The same command with "
+        f"{RunFolder(run_dir).checkpoint(step).path} is complete. The same command with "
         f"--resume auto --run-name {run_dir.name} continues the run.",
         128 + signum,
     )

@@ -80,6 +80,36 @@ class ModelArgs:
         "temporaries are a chunk's; 0: all tokens at once.",
         minimum=0,
     )
+    fast_lora_down_backward_tokens: int = _f(
+        2048,
+        "Without fast_lora_chunk_tokens, the fast LoRA MLP's backward pass through down and "
+        "SwiGLU (from the saved gate and up) runs on at most this many tokens at a time, so its "
+        "[tokens x intermediate] temporaries are a chunk's; 0: all tokens at once.",
+        minimum=0,
+    )
+    fast_lora_residual_skip: bool = _f(
+        True,
+        "Where a checkpointed decoder layer is recomputed for its backward pass and its MLP "
+        "output only enters the residual sum (Qwen2/3, Llama, Mistral layers), the fast LoRA "
+        "MLP stops after gate and up there. false: the recomputation runs the MLP to its output.",
+    )
+    fast_lora_shared_input: bool = _f(
+        True,
+        "The fast LoRA path computes an attention's q, k and v projections in one call (one "
+        "product with their stacked A); false: one call each.",
+    )
+    fast_lora_cast_cache: bool = _f(
+        True,
+        "The fast LoRA path casts each call site's adapter weights to 16 bits once while they "
+        "stay unchanged (forward, recomputation and every micro-batch of a step share it); "
+        "false: cast at every call.",
+    )
+    native_rms_norm: bool = _f(
+        True,
+        "With model.kernels liger, RMSNorm layers that compute what torch.rms_norm computes "
+        "(Qwen2/3, Llama, Mistral, Phi-3) run through PyTorch's fused kernel; false: "
+        "through liger's Triton kernel.",
+    )
     cudnn_attention: str | bool = _f(
         "auto",
         "sdpa's cuDNN attention kernel. auto: only for packed rows whose samples all have "

@@ -100,9 +100,6 @@ class LoadedData:
     formats: list = field(default_factory=list)
     """(--data entry, detected row format) for each dataset."""
 
-    def format_lines(self) -> list:
-        return [f"format: {spec}: {fmt}" for spec, fmt in self.formats]
-
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
     """'data.jsonl#500' -> ('data.jsonl', 500)."""

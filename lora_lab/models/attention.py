@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -10,6 +13,8 @@ from torch import nn
 from ..errors import ModelError
 
 PACKED_ATTENTION = {"segments": "lora_lab_segments", "varlen": "lora_lab_varlen"}
+CUDNN_VARLEN = "lora_lab_varlen_cudnn"
+"""varlen with the cuDNN kernel for rows of equal-length samples (model.cudnn_attention auto, true)."""
 """data.packed_attention, other than the block-diagonal mask: the name each registers as a
 transformers attention implementation. Both attend within each sample of a packed row only, from
 the sample lengths the collator passes (no [tokens x tokens] mask):
@@ -43,7 +48,7 @@ def segments_attention(
 
     kwargs.pop("packed_cu_seqlens", None)
     if packed_lengths is None:
-        if _LENGTHS_GIVEN["on"]:  # no mask was built for this row: it must not attend whole
+        if _LENGTHS_GIVEN.get():  # no mask was built for this row: it must not attend whole
             raise ModelError(
                 "data.packed_attention: this model's decoder does not pass the "
                 "packed row's sample lengths to its attention layers. Use --set "
@@ -113,9 +118,12 @@ def varlen_attention(
     scaling: float | None = None,
     packed_lengths=None,
     packed_cu_seqlens=None,
+    cudnn_equal_lengths: bool = False,
     **kwargs,
 ):
-    """Like segments_attention, with one flash-attention varlen kernel for the whole row."""
+    """Like segments_attention, with one flash-attention varlen kernel for the whole row.
+    cudnn_equal_lengths: a row whose samples all have one length goes to cuDNN's kernel as a
+    batch (registered as CUDNN_VARLEN)."""
     found = flash_varlen()
     dtype = _flash_dtype(query)
     if (
@@ -153,7 +161,7 @@ def varlen_attention(
             packed_lengths=packed_lengths,
             **kwargs,
         )
-    if len(set(packed_lengths)) == 1 and CUDNN_EQUAL_LENGTHS["allowed"] and not banded:
+    if len(set(packed_lengths)) == 1 and cudnn_equal_lengths and not banded:
         out = cudnn_equal_lengths(query, key, value, packed_lengths, dtype, scaling)
         if out is not None:
             return out, None
@@ -177,10 +185,9 @@ def varlen_attention(
     return out[None], None
 
 
-CUDNN_EQUAL_LENGTHS = {"allowed": True, "shapes": {}}
-"""model.cudnn_attention (auto, true) allows the cuDNN kernel for varlen rows whose samples all
-have one length; shapes maps (samples, length, heads, kv heads, head dim) to whether cuDNN took
-it."""
+_cudnn_shapes: dict[tuple, bool] = {}
+"""A cache of this process: (samples, length, heads, kv heads, head dim) -> whether cuDNN took the
+shape (cudnn_equal_lengths)."""
 CUDNN_MAX_SHAPES = 8
 """cuDNN builds a plan for each new shape (up to seconds), so rows of ever new lengths stay on
 flash after this many shapes."""
@@ -194,7 +201,7 @@ def cudnn_equal_lengths(query, key, value, lengths, dtype, scaling):
 
     n, length = len(lengths), lengths[0]
     shape = (n, length, query.shape[1], key.shape[1], query.shape[-1])
-    seen = CUDNN_EQUAL_LENGTHS["shapes"]
+    seen = _cudnn_shapes
     if not seen.get(shape, len(seen) < CUDNN_MAX_SHAPES):
         return None
     # [1, heads, n L, dim] -> [heads, n, L, dim] -> [n, heads, L, dim]: views, no copies
@@ -231,7 +238,9 @@ def as_planned(config):
     return replace(config, data=replace(config.data, packed_attention=kind))
 
 
-_LENGTHS_GIVEN = {"on": False}  # a decoder runs on a packed row with its sample lengths
+_LENGTHS_GIVEN = contextvars.ContextVar("lora_lab_lengths_given", default=False)
+"""True while a decoder runs on a packed row with its sample lengths (set and reset by the hooks
+of skip_masks_of_packed_rows around the decoder's forward)."""
 
 
 def _packed_attention_mask(*args, **kwargs):
@@ -242,17 +251,21 @@ def _packed_attention_mask(*args, **kwargs):
     (evaluation's padded batches)."""
     from transformers.masking_utils import sdpa_mask
 
-    return None if _LENGTHS_GIVEN["on"] else sdpa_mask(*args, **kwargs)
+    return None if _LENGTHS_GIVEN.get() else sdpa_mask(*args, **kwargs)
 
 
-def register_packed_attention(kind: str) -> str:
+def register_packed_attention(kind: str, cudnn_equal_lengths: bool = True) -> str:
     """Make data.packed_attention `kind` (segments, varlen) a name from_pretrained accepts;
-    returns it. skip_masks_of_packed_rows puts its mask function to use."""
+    returns it (CUDNN_VARLEN for varlen with cudnn_equal_lengths: model.cudnn_attention is not
+    false). skip_masks_of_packed_rows puts its mask function to use."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    name = PACKED_ATTENTION[kind]
-    AttentionInterface.register(name, {"segments": segments_attention, "varlen": varlen_attention}[kind])
+    name = CUDNN_VARLEN if kind == "varlen" and cudnn_equal_lengths else PACKED_ATTENTION[kind]
+    function: Callable[..., Any] = segments_attention
+    if kind == "varlen":
+        function = functools.partial(varlen_attention, cudnn_equal_lengths=name == CUDNN_VARLEN)
+    AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, _packed_attention_mask)
     return name
 
@@ -262,11 +275,14 @@ def skip_masks_of_packed_rows(model) -> None:
     segments and varlen), the packed attentions' mask function builds no mask."""
     decoder = model.get_decoder()
 
+    tokens = []
+
     def before(module, args, kwargs):
-        _LENGTHS_GIVEN["on"] = kwargs.get("packed_lengths") is not None
+        tokens.append(_LENGTHS_GIVEN.set(kwargs.get("packed_lengths") is not None))
 
     def after(module, args, kwargs, output):
-        _LENGTHS_GIVEN["on"] = False
+        if tokens:
+            _LENGTHS_GIVEN.reset(tokens.pop())
 
     decoder.register_forward_pre_hook(before, with_kwargs=True)
     decoder.register_forward_hook(after, with_kwargs=True, always_call=True)

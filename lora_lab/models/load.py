@@ -1,4 +1,5 @@
-"""Load the base model and tokenizer (hub id, local folder or GGUF) and pick the precision."""
+"""Load the base model and tokenizer (hub id, local folder or GGUF): where it is, the checks of
+its files, the precision, the nf4 config. The fused kernels are models/kernels.py's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..paths import safetensors_problem, shipped_tokenizer_dir
 from ..registry import family_of, model_config_of, resolve_model_spec, uses_shipped_tokenizer
 from .gguf import convert_gguf
 from .hub import announce_download, cached_snapshot, hub_problem, locate_hub_model
+from .kernels import apply_kernels
 
 log = get_logger()
 
@@ -216,29 +218,35 @@ def choose_precision(requested: str) -> Precision:
     return Precision(name=name, bf16=name == "bf16", fp16=name == "fp16")
 
 
-def load_base_model(
-    args: ModelArgs,
-    precision: Precision,
-    for_training: bool = True,
-    fp32_master_weights: bool = False,
-    sharded: bool = False,
-    packed_attention: str | None = None,
-    path: str | None = None,
-    fused_loss: bool = True,
-):
-    """The base model on the right device, in the chosen precision (or 4-bit nf4 for QLoRA).
+@dataclass(frozen=True)
+class LoadOptions:
+    """How load_base_model loads, beside the model section and the precision."""
 
-    With several processes each loads onto its own GPU (LOCAL_RANK). fp32_master_weights (full
-    fine-tuning): load fp32 weights whatever the precision; the Trainer computes in bf16 under
-    autocast (DeepSpeed keeps its own bf16 copy and fp32 master). sharded (ZeRO-3, FSDP): no
-    device_map; the engine places (and ZeRO-3 partitions while loading) the weights.
-    packed_attention: segments or varlen: packed rows attend per sample from their lengths
-    (models/attention.py); None or mask: the model's own attention (with the collator's mask).
-    path: locate_model(args.name) when the caller has it (and has checked its remote code and
+    for_training: bool = True
+    """Training: no KV cache, and model.kernels applied; False for merge, inference, export."""
+    fp32_master_weights: bool = False
+    """Full fine-tuning: fp32 weights whatever the precision; the Trainer computes in bf16 under
+    autocast (DeepSpeed keeps its own bf16 copy and fp32 master)."""
+    sharded: bool = False
+    """ZeRO-3, FSDP: no device_map; the engine places (and ZeRO-3 partitions while loading) the
+    weights."""
+    packed_attention: str | None = None
+    """segments or varlen: packed rows attend per sample from their lengths
+    (models/attention.py); None or mask: the model's own attention (with the collator's mask)."""
+    path: str | None = None
+    """locate_model(args.name) when the caller has it (and has checked its remote code and
     files)."""
+    fused_loss: bool = True
+    """liger's fused linear cross-entropy (kernels liger); off where rows of the head train."""
+
+
+def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions = LoadOptions()):
+    """The base model on the right device, in the chosen precision (or 4-bit nf4 for QLoRA).
+    With several processes each loads onto its own GPU (LOCAL_RANK)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    path = options.path
     if path is None:
         path = locate_model(args.name)
         check_remote_code(path, args.trust_remote_code)
@@ -246,19 +254,21 @@ def load_base_model(
     if not Path(path).exists():  # a hub id the hub has: from_pretrained downloads what is missing
         announce_download(path)
     check_quantized_folder(path)
-    dtype = torch.float32 if fp32_master_weights else precision.torch_dtype
+    dtype = torch.float32 if options.fp32_master_weights else precision.torch_dtype
     kwargs = {
         "dtype": dtype,
         "trust_remote_code": args.trust_remote_code,
         "attn_implementation": args.attn_implementation,
     }
-    if packed_attention in ("segments", "varlen") and args.attn_implementation == "sdpa":
+    packed = options.packed_attention if options.packed_attention in ("segments", "varlen") else None
+    packed = packed if args.attn_implementation == "sdpa" else None
+    if packed:
         from .attention import register_packed_attention
 
-        kwargs["attn_implementation"] = register_packed_attention(packed_attention)
+        kwargs["attn_implementation"] = register_packed_attention(packed, args.cudnn_attention is not False)
     if args.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(precision)
-    if torch.cuda.is_available() and not sharded:
+    if torch.cuda.is_available() and not options.sharded:
         kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
     elif args.quantization == "nf4":
         kwargs["device_map"] = "cpu"
@@ -284,143 +294,17 @@ def load_base_model(
             f"{str(exc).splitlines()[0][:200] if str(exc) else 'no detail'}); a file is cut short or its "
             f"config.json does not match its weights. Copy or download the model again."
         ) from None
-    if packed_attention in ("segments", "varlen") and args.attn_implementation == "sdpa":
+    if packed:
         from .attention import skip_masks_of_packed_rows
 
         skip_masks_of_packed_rows(model)
-    if for_training:
+    if options.for_training:
         from .linear_attention import keep_samples_apart
 
         model.config.use_cache = False
         keep_samples_apart(model)  # packed rows restart linear attention's state at each sample
-        apply_kernels(model, args.kernels, fused_loss)
+        apply_kernels(model, args.kernels, options.fused_loss, args.native_rms_norm)
     return model
-
-
-def liger_available() -> bool:
-    import importlib.util
-
-    import torch
-
-    return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
-
-
-def resolve_kernels(kernels: str) -> str:
-    """model.kernels -> what this machine will use: "liger" or "none"."""
-    if kernels == "none" or (kernels == "auto" and not liger_available()):
-        return "none"
-    if not liger_available():
-        raise ModelError(
-            "--set model.kernels=liger needs a CUDA GPU and the liger-kernel "
-            "package (pip install liger-kernel); use model.kernels=auto or none."
-        )
-    return "liger"
-
-
-def apply_kernels(model, kernels: str, fused_loss: bool = True) -> str:
-    """Swap in liger-kernel's fused Triton kernels (GPU only); returns what was applied.
-
-    The fused linear cross-entropy never builds the [tokens x 151936] logits tensor, which is
-    the largest single activation of a Qwen2.5 training step. It reads the output head's
-    weight itself, so not where rows of the head train (lora.trainable_tokens: fused_loss off).
-    """
-    if resolve_kernels(kernels) == "none":
-        return "none"
-    import inspect
-
-    import liger_kernel.transformers as liger
-
-    family = family_of(model.config.model_type)
-    apply = getattr(liger, family.liger, None) if family.liger else None
-    if apply is None:
-        log.info(
-            f"liger kernels: none for model_type {model.config.model_type!r} in this "
-            f"liger-kernel; the model trains without them"
-        )
-        return "none"
-    native_norms = native_rms_norm_available() and any(type(m).__name__ in NATIVE_RMS_NORMS for m in model.modules())
-    wanted = {
-        "rope": True,
-        "rms_norm": not native_norms,
-        "swiglu": True,
-        "geglu": True,
-        "cross_entropy": not fused_loss,
-        "fused_linear_cross_entropy": fused_loss,
-        "model": model,
-    }
-    params = inspect.signature(apply).parameters
-    apply(**{k: v for k, v in wanted.items() if k in params})
-    if native_norms:
-        use_native_rms_norm(model)
-    if fused_loss:
-        scale_loss_gradients_on_device()
-    return "liger"
-
-
-def scale_on_device(grad_output, grad_input, grad_weight, grad_bias):
-    """The fused linear cross-entropy's backward: the gradients its forward pass computed,
-    times the loss's incoming gradient, multiplied on the device. liger first compares that
-    gradient with 1 (torch.equal against a new CUDA tensor), which makes the host wait for the
-    GPU once per micro-batch; multiplying by 1 is exact, so the comparison buys nothing."""
-    for grad in (grad_input, grad_weight, grad_bias):
-        if grad is not None:
-            grad.mul_(grad_output)
-    return grad_input, grad_weight, grad_bias
-
-
-def scale_loss_gradients_on_device() -> bool:
-    """Route liger's fused linear cross-entropy backward through scale_on_device; False where
-    this liger-kernel has no such function (its own backward then runs)."""
-    import inspect
-
-    from liger_kernel.ops import fused_linear_cross_entropy as flce
-
-    original = getattr(flce, "fused_linear_cross_entropy_backward", None)
-    if original is None or list(inspect.signature(original).parameters) != [
-        "grad_output",
-        "grad_input",
-        "grad_weight",
-        "grad_bias",
-    ]:
-        return False
-    flce.fused_linear_cross_entropy_backward = scale_on_device
-    return True
-
-
-NATIVE_RMS_NORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Phi3RMSNorm")
-"""RMSNorm layers that compute weight * (x * rsqrt(mean(x^2) + eps)) with the statistics in
-fp32: what torch.rms_norm computes. On a GPU it is one fused CUDA kernel each way, launched from
-C++, where liger's Triton kernel is launched from Python: a step on short rows waits on the host,
-so every launch's Python counts. Gemma's (1 + weight) is not among them."""
-
-
-def native_rms_norm_available() -> bool:
-    """Whether this PyTorch has the fused RMSNorm kernels (2.9 and later)."""
-    import torch
-
-    return hasattr(torch.ops.aten, "_fused_rms_norm")
-
-
-def _native_rms_norm(module, hidden_states):
-    import torch
-
-    weight = module.weight
-    with torch.autocast(hidden_states.device.type, enabled=False):
-        if weight.dtype == hidden_states.dtype:
-            return torch.rms_norm(hidden_states, weight.shape, weight, module.variance_epsilon)
-        # the model's types: the normalized input rounded to its type, then times the weight
-        # (fp32 norms of a k-bit model give fp32)
-        return weight * torch.rms_norm(hidden_states, weight.shape, None, module.variance_epsilon)
-
-
-def use_native_rms_norm(model) -> int:
-    """Route the NATIVE_RMS_NORMS layers of `model` through torch.rms_norm; returns how many."""
-    import functools
-
-    layers = [m for m in model.modules() if type(m).__name__ in NATIVE_RMS_NORMS]
-    for layer in layers:
-        layer.forward = functools.partial(_native_rms_norm, layer)
-    return len(layers)
 
 
 def nf4_config(precision: Precision):

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..config import LoraArgs
 from ..errors import ModelError
 from .load import Precision
+
+if TYPE_CHECKING:
+    from .fast_lora import FastLoraOptions
 
 
 def prepare_quantized_for_training(model):
@@ -80,52 +85,54 @@ def trainable_token_modules(model, token_ids: list[int]) -> dict:
     return found
 
 
-def apply_lora(
-    model,
-    args: LoraArgs,
-    gradient_checkpointing: bool,
-    means=None,
-    fast: bool = False,
-    offload_copy_stream: bool = False,
-    trainable_tokens: list[int] | None = None,
-    tuner: str = "lora",
-    adapter_dir=None,
-    fast_chunk_tokens: int = 0,
-):
-    """Wrap the model with peft adapters (--tuner lora, dora or ia3); only the adapters train.
+@dataclass(frozen=True)
+class LoraOptions:
+    """How apply_lora builds the adapters, beside the lora section."""
 
-    means (planning.memory.MemoryMeans): the long-sequence means to put in place. fast: route
-    the LoRA layers through models/fast_lora/ (its MLP in chunks of fast_chunk_tokens tokens
-    where LoraMLP says; 0: all at once). offload_copy_stream: offloaded checkpoints copy
-    on a side stream (models/fast_offload.py). trainable_tokens: token ids whose embedding and
-    output-head rows train too (trainable_token_modules). adapter_dir: continue this saved
-    adapter (trainable) instead of a new one; `args` are then the adapter's own."""
+    gradient_checkpointing: bool = False
+    means: Any = None
+    """The long-sequence means to put in place (planning.memory.MemoryMeans), or None."""
+    fast: FastLoraOptions | None = None
+    """Route the LoRA layers through models/fast_lora/ with these options; None: peft's forward."""
+    offload_copy_stream: bool = False
+    """Offloaded checkpoints copy on a side stream (models/fast_offload.py)."""
+    trainable_tokens: tuple[int, ...] | None = None
+    """Token ids whose embedding and output-head rows train too (trainable_token_modules)."""
+    tuner: str = "lora"
+    """--tuner lora, dora or ia3."""
+    adapter_dir: Path | None = None
+    """Continue this saved adapter (trainable) instead of a new one; `args` are then its own."""
+
+
+def apply_lora(model, args: LoraArgs, options: LoraOptions = LoraOptions()):
+    """Wrap the model with peft adapters (--tuner lora, dora or ia3); only the adapters train."""
     from peft import get_peft_model
 
     from .memory_means import apply_memory_means, move_embedding_to_cpu
 
+    means, tokens = options.means, list(options.trainable_tokens) if options.trainable_tokens else None
     if means is not None and means.embedding_on_cpu:
         move_embedding_to_cpu(model)  # before the input-grad hook below is attached to it
-    if gradient_checkpointing:
+    if options.gradient_checkpointing:
         enable_checkpointing(model)
         model.enable_input_require_grads()
-    config = adapter_config(model, args, tuner, trainable_tokens)
+    config = adapter_config(model, args, options.tuner, tokens)
     try:
-        if adapter_dir is not None:
+        if options.adapter_dir is not None:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
+            model = PeftModel.from_pretrained(model, str(options.adapter_dir), is_trainable=True)
         else:
             model = get_peft_model(model, config)
     except ValueError as exc:
         raise ModelError(f"lora.target_modules {args.target_modules}: {exc}") from None
-    if fast:  # before the MLP chunks, which wrap the MLPs' forward
+    if options.fast is not None:  # before the MLP chunks, which wrap the MLPs' forward
         from .fast_lora import apply_fast_lora
 
-        apply_fast_lora(model, fast_chunk_tokens)
+        apply_fast_lora(model, options.fast)
     if means is not None:
         apply_memory_means(model, means)
-        if offload_copy_stream and means.offload_checkpoints:
+        if options.offload_copy_stream and means.offload_checkpoints:
             from .fast_offload import stream_layer_checkpoints
 
             stream_layer_checkpoints(model)

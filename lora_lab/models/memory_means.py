@@ -13,7 +13,7 @@ The checkpoint is a reentrant one (like torch.utils.checkpoint with use_reentran
 layer runs without autograd in the forward pass and again with it in the backward pass, with the
 same random state (dropout) and autocast settings. It serves one process only: the gradients of
 the recomputed layer reach the LoRA weights from a nested backward call, which DDP and DeepSpeed
-do not watch. The arithmetic is unchanged; tests/unit/test_activations.py checks that loss and
+do not watch. The arithmetic is unchanged; tests/unit/test_memory_means.py checks that loss and
 gradients equal the plain path's.
 """
 

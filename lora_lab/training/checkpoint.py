@@ -26,23 +26,27 @@ from ..errors import CheckpointError, LoraLabError
 from ..log import get_logger
 from ..paths import PICKLE_SUFFIXES, REPLACED_PREFIX, file_sha256, fsync, replace_folder
 from ..registry import resolve_model_spec
-from ..run_folder import CONFIG_FILE, checkpoint_step, list_checkpoints, load_saved_config
+from ..run_folder import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    MODEL_CONFIG,
+    STAGING_PREFIX,
+    TRAINER_STATE_FILE,
+    RunFolder,
+    checkpoint_step,
+    list_checkpoints,
+    load_saved_config,
+)
 
 log = get_logger()
 
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = MANIFEST_FILE
 MANIFEST_FORMAT = 1
-STAGING_PREFIX = ".staging-"
-REQUIRED_FILES = (
-    "adapter_model.safetensors",
-    "adapter_config.json",
-    "trainer_state.json",
-    "optimizer.pt",
-    "scheduler.pt",
-    "rng_state.pth",
-)
+REQUIRED_FILES = (ADAPTER_WEIGHTS, ADAPTER_CONFIG, TRAINER_STATE_FILE, "optimizer.pt", "scheduler.pt", "rng_state.pth")
 """rng_state.pth is rng_state_<rank>.pth when several processes train."""
-FULL_REQUIRED_FILES = ("config.json", "model.safetensors") + REQUIRED_FILES[2:]
+FULL_REQUIRED_FILES = (MODEL_CONFIG, "model.safetensors") + REQUIRED_FILES[2:]
 """--tuner full checkpoints hold the whole model (model.safetensors, or its shards and
 model.safetensors.index.json) instead of an adapter."""
 DRIFT_KEYS = (
@@ -82,7 +86,7 @@ OOM_SOURCE = "out-of-memory retry"
 
 
 def staging_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / f"{STAGING_PREFIX}checkpoint-{step}"
+    return RunFolder(run_dir).staging_checkpoint(step)
 
 
 def _files(folder: Path) -> list[Path]:
@@ -116,11 +120,7 @@ def remove_leftovers(run_dir: Path) -> list[Path]:
     yet is committed, as is the checkpoint it was replacing if the kill came between the two
     renames; everything else left behind is deleted."""
     leftovers = sorted(
-        (
-            p
-            for p in Path(run_dir).glob(".*checkpoint-*")
-            if p.is_dir() and p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))
-        ),
+        (p for p in RunFolder(run_dir).hidden_checkpoints() if p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))),
         key=lambda p: not p.name.startswith(STAGING_PREFIX),
     )  # newer first
     deleted = []
@@ -169,7 +169,7 @@ def checkpoint_problems(folder: Path) -> list[str]:
     except (ValueError, KeyError, TypeError) as exc:
         return [f"{folder / MANIFEST_NAME} is not readable ({exc})"]
     rng_files = [name for name in files if re.fullmatch(r"rng_state(_\d+)?\.pth", name)]
-    required = REQUIRED_FILES if "adapter_config.json" in files or "config.json" not in files else FULL_REQUIRED_FILES
+    required = REQUIRED_FILES if ADAPTER_CONFIG in files or MODEL_CONFIG not in files else FULL_REQUIRED_FILES
     weights_only = (
         " (no optimizer state: a checkpoint saved with train.save_only_model=true "
         "has the weights only, and a run cannot resume from it)"
@@ -262,7 +262,7 @@ def resolve_resume(resume: str, run_dir: Path, quiet: bool = False) -> Path | No
                 "--resume auto for the newest complete one."
             )
         return path
-    if (path / "config.yaml").is_file():
+    if RunFolder(path).is_run:
         found = find_resume_checkpoint(path, quiet)
         if found is None:
             raise CheckpointError(f"--resume {resume}: this run folder has no complete checkpoint to resume from.")

@@ -56,16 +56,17 @@ from ..planning.memory import TIERS_GIB, plan_memory
 from ..run_folder import (
     LAUNCH_FOLDER,
     STOP_FILE,
+    RunFolder,
     TrainResult,
     check_run_dir,
     fix_run_dir,
     locate_run_dir,
     read_result,
     recorded_stop,
-    run_lock,
     save_config,
 )
 from .checkpoint import resolve_resume
+from .lock import run_lock
 from .nodes import check_main_address, describe_global_batch, local_launch_folder
 
 log = get_logger()
@@ -137,7 +138,7 @@ def write_launch_files(
     node = node_folder(folder, config, node_rank)
     node.mkdir(parents=True, exist_ok=True)
     saved = dataclasses.replace(config, train=dataclasses.replace(config.train, node_rank=node_rank))
-    save_config(saved, node / "run_config.yaml")
+    save_config(saved, RunFolder.launch_config(node))
     engine = config.train.engine
     if engine in DEEPSPEED_ENGINES:
         template = json.loads(engine_template(engine).read_text())
@@ -212,7 +213,7 @@ def launch_command(
         "--preset",
         config.preset,
         "--config",
-        str(accelerate_config.parent / "run_config.yaml"),
+        str(RunFolder.launch_config(accelerate_config.parent)),
     ]
 
 
@@ -223,7 +224,7 @@ def prepare_launch(
 
     dry_run: for a machine other than this one (e.g. 8 GPUs planned from a laptop): bf16, and
     no check of this machine's GPUs or DeepSpeed install. hold: takes the run folder's lock
-    (run_folder.run_lock) before anything is written into it, until `hold` closes."""
+    (training.lock.run_lock) before anything is written into it, until `hold` closes."""
     import torch
 
     if config.train.engine == "auto":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, LoraLabError
 from ..log import get_logger
-from ..run_folder import PLOTS_FOLDER, STEP_LOG, is_run_dir, read_step_log
+from ..run_folder import CONFIG_FILE, PLOTS_FOLDER, STEP_LOG, is_run_dir, read_step_log
 
 log = get_logger()
 
@@ -123,7 +123,7 @@ def report_run(run_dir: str | Path) -> PlotReport:
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
         raise CheckpointError(
-            f"{run_dir}: not a run folder (no config.yaml). Pass the folder `lora-lab run` wrote, e.g. output/NAME."
+            f"{run_dir}: not a run folder (no {CONFIG_FILE}). Pass the folder `lora-lab run` wrote, e.g. output/NAME."
         )
     events = read_step_log(run_dir)
     if not any("loss" in event for event in events):

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..errors import TrainingError
 from ..log import get_logger
+from ..run_folder import is_adapter_folder
 from .trainer import LoraLabMixin
 
 log = get_logger()
@@ -88,7 +89,7 @@ def settle_from_run(config: RunConfig) -> None:
 def _save_one_adapter(trainer, output_dir) -> None:
     """The trained adapter alone: TRL's frozen reference copy is not part of the result."""
     ref = Path(output_dir) / REFERENCE_ADAPTER
-    if ref.is_dir() and (ref / "adapter_config.json").is_file():
+    if ref.is_dir() and is_adapter_folder(ref):
         shutil.rmtree(ref)
 
 

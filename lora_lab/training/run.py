@@ -24,20 +24,20 @@ from ..data import PreparedData, prepare_data
 from ..data.arrow import first_token_at_least, sample_lengths, trained_token_count
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
 from ..device import (
-    cap_gpu_memory,
     distributed_state,
     gpu_memory_gib,
     in_launched_worker,
     peak_memory_per_gpu,
     release_memory,
-    use_cudnn_attention,
-    use_expandable_segments,
     world_size,
 )
 from ..errors import LoraLabError, ModelError, TrainingError
 from ..log import get_logger
-from ..models.attention import CUDNN_EQUAL_LENGTHS, as_planned, resolve_packed_attention
+from ..models.attention import as_planned, resolve_packed_attention
+from ..models.fast_lora import FastLoraOptions
+from ..models.kernels import resolve_kernels
 from ..models.load import (
+    LoadOptions,
     Precision,
     check_model_files,
     check_remote_code,
@@ -45,9 +45,9 @@ from ..models.load import (
     load_base_model,
     load_tokenizer,
     locate_model,
-    resolve_kernels,
 )
 from ..models.lora import (
+    LoraOptions,
     apply_lora,
     check_full_finetuning_precision,
     prepare_full_finetuning,
@@ -64,17 +64,18 @@ from ..registry import family_of, missing_fast_paths, model_config_of, wants_tra
 from ..run_folder import (
     ADAPTER_FOLDER,
     CONFIG_FILE,
+    DATA_PROBLEMS,
     INITIAL_ADAPTER_FOLDER,
     LOGS_FOLDER,
     MODEL_FOLDER,
     STEP_LOG,
+    Checkpoint,
     TrainResult,
     check_run_dir,
     checkpoint_step,
     fix_run_dir,
     locate_run_dir,
     record_stop,
-    run_lock,
     save_config,
     stop_error,
     trim_step_log,
@@ -92,10 +93,12 @@ from .checkpoint import (
     resolve_resume,
     resumed_batch,
 )
+from .lock import run_lock
 from .nodes import agree_across_nodes
 from .plots import report_run
+from .process import run_settings
 from .trainer import LoraLabTrainer, saved_loss_sum
-from .watch import quiet_progress_bars, tracker_runs
+from .watch import tracker_runs
 
 log = get_logger()
 SHARDED_ENGINES = ("deepspeed-zero3", "deepspeed-zero3-offload", "fsdp")
@@ -109,15 +112,18 @@ def train(config: RunConfig) -> TrainResult:
     never stopped, provided the model, data and batch settings are the ones it started with.
     The config is updated with what the run settles (its folder, an out-of-memory batch).
     """
+    with run_settings(config):  # process-wide settings, put back when the run returns
+        return train_in_process(config)
+
+
+def train_in_process(config: RunConfig) -> TrainResult:
+    """train(), inside the run's process settings (training/process.py)."""
     started = time.time()
-    use_expandable_segments(config.train.expandable_segments and not config.train.engine.startswith("deepspeed"))
-    quiet_progress_bars()
     precision = choose_precision(config.model.dtype)
     settle_precision(config, precision)
     if config.train.tuner == "full":
         check_full_finetuning_precision(precision)
     state = distributed_state(precision)
-    cap_gpu_memory()
     if config.train.task != "sft":
         from .preference import require_trl, settle_from_run
 
@@ -238,7 +244,7 @@ def report_data(data: PreparedData, max_length: int) -> None:
     for warning in data.all_warnings()[:10]:
         log.info(f"  warning: {warning}")
     if len(problems) > 10 or len(data.all_warnings()) > 10:
-        log.info("  ... the full list is in logs/data_problems.jsonl")
+        log.info(f"  ... the full list is in {DATA_PROBLEMS}")
 
 
 def check_token_ids(spec: str, model_path: str, data: PreparedData, tokenizer) -> None:
@@ -352,7 +358,7 @@ def finish_from_checkpoint(trainer: LoraLabTrainer, checkpoint: Path) -> float:
 
     log.info(f"{checkpoint.name} is the run's last step: training is complete; writing the final weights from it")
     trainer._load_from_checkpoint(str(checkpoint))
-    trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+    trainer.state = TrainerState.load_from_json(str(Checkpoint(checkpoint).trainer_state))
     steps = max(trainer.state.global_step, 1)
     return saved_loss_sum(checkpoint) / steps
 
@@ -394,8 +400,6 @@ def build_trainer(
         **preference_arguments(config),
     )
     full = config.train.tuner == "full"
-    use_cudnn_attention(config.model.cudnn_attention)
-    CUDNN_EQUAL_LENGTHS["allowed"] = config.model.cudnn_attention is not False
     attention = resolve_packed_attention(config.data.packed_attention)
     preference = config.train.task != "sft"
     tokens = (
@@ -404,15 +408,14 @@ def build_trainer(
         and not preference
         else None
     )  # TRL computes log-probs from the head's weight itself
-    model = load_base_model(
-        config.model,
-        precision,
+    loading = LoadOptions(
         fp32_master_weights=full,
         sharded=config.train.engine in SHARDED_ENGINES,
         packed_attention=attention if packed else None,
         path=model_path,
         fused_loss=not (tokens or preference),
     )
+    model = load_base_model(config.model, precision, loading)
     say_family(model.config.model_type)
     memory_means = "none"  # full fine-tuning: the engines' own checkpointing
     if full:
@@ -431,18 +434,16 @@ def build_trainer(
             budget_gib=usable_gib(gpu_gib),
         )
         fast = resolve_fast_lora(config)
-        model = apply_lora(
-            model,
-            config.lora,
-            config.train.gradient_checkpointing,
-            means,
-            fast=fast,
+        building = LoraOptions(
+            gradient_checkpointing=config.train.gradient_checkpointing,
+            means=means,
+            fast=FastLoraOptions.of(config.model) if fast else None,
             offload_copy_stream=config.train.offload_copy_stream and gpu_gib is not None,
-            trainable_tokens=tokens,
+            trainable_tokens=tuple(tokens) if tokens else None,
             tuner=config.train.tuner,
             adapter_dir=from_run_adapter(config),
-            fast_chunk_tokens=config.model.fast_lora_chunk_tokens,
         )
+        model = apply_lora(model, config.lora, building)
         initial = run_dir / INITIAL_ADAPTER_FOLDER
         if converts_initial_adapter(config.lora) and not initial.is_dir() and args.should_save:
             with staged_folder(initial) as staging:

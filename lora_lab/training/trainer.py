@@ -34,6 +34,7 @@ from transformers.trainer_callback import ExportableState, PrinterCallback, Prog
 
 from ..log import get_logger
 from ..models.memory_means import uses_cpu_embedding
+from ..run_folder import Checkpoint, RunFolder
 from .callbacks import NonFiniteGuard, ensure_finite
 from .checkpoint import commit_checkpoint, rotate_checkpoints, staging_dir, write_manifest
 from .ddp_buckets import rebuilds_buckets, replay_bucket_rebuild
@@ -71,7 +72,7 @@ def saved_loss_sum(checkpoint: Path | None) -> float:
     """The summed step losses a checkpoint recorded (0 without a checkpoint)."""
     if checkpoint is None:
         return 0.0
-    state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+    state = json.loads(Checkpoint(Path(checkpoint)).trainer_state.read_text())
     return float(state.get("stateful_callbacks", {}).get(LOSS_SUM_KEY, {}).get("loss_sum", 0.0))
 
 
@@ -252,7 +253,7 @@ class LoraLabMixin:
         With several processes each writes its own files (RNG state) into the staging folder;
         the main process alone writes the manifest, renames and rotates."""
         run_dir, step = Path(self.args.output_dir), self.state.global_step
-        ensure_finite(self.model, f"checkpoint-{step}")
+        ensure_finite(self.model, RunFolder(run_dir).checkpoint(step).path.name)
         self.state.stateful_callbacks[LOSS_SUM_KEY] = {"loss_sum": self.run_loss_sum()}
         staging = staging_dir(run_dir, step)
         if self.args.should_save and staging.exists():
@@ -276,7 +277,7 @@ class LoraLabMixin:
     def _commit_checkpoint(self, staging: Path, run_dir: Path, step: int) -> None:
         """Main process: the staged files are complete; manifest, rename, rotate."""
         write_manifest(staging, step, self.train_data)
-        final = commit_checkpoint(staging, run_dir / f"checkpoint-{step}")
+        final = commit_checkpoint(staging, RunFolder(run_dir).checkpoint(step).path)
         rotate_checkpoints(run_dir, self.args.save_total_limit, final, keep=(self.state.best_model_checkpoint,))
 
     def _save_trainer_state(self, folder: Path) -> None:
@@ -288,7 +289,7 @@ class LoraLabMixin:
                     self.state.stateful_callbacks[name].append(value)
                 else:
                     self.state.stateful_callbacks[name] = value
-        self.state.save_to_json(str(folder / "trainer_state.json"))
+        self.state.save_to_json(str(Checkpoint(folder).trainer_state))
 
 
 class LoraLabTrainer(LoraLabMixin, Trainer):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LoraLabError
+from ..run_folder import RunFolder
 
 SET_ENTRY = re.compile(r"([a-z_]+\.[a-z_0-9]+)=.*")
 """A --set line of the form: section.key=value."""
@@ -142,7 +143,7 @@ def resume_arguments(run_dir: Path) -> list[str]:
         "lora_lab",
         "run",
         "--config",
-        str(run_dir / "config.yaml"),
+        str(RunFolder(run_dir).config),
         "--resume",
         str(run_dir),
         *[a for entry in FORCED_SETS for a in ("--set", entry)],

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..config import list_presets
 from ..errors import LoraLabError
 from ..log import get_logger
+from ..run_folder import CONSOLE_LOG
 from . import actions
 from .form import AllowedFolders, RunForm, resume_arguments, run_arguments
 from .runs import (
@@ -306,7 +307,7 @@ def build_page(page: Page, safety_note: str):
             status = gr.Textbox(label="Status", lines=2, elem_id="run-status", interactive=False)
             loss_plot = gr.LinePlot(x="step", y="loss", color="series", label="Loss", elem_id="loss-plot")
             console = gr.Textbox(
-                label="Console (the end of RUN/logs/console.log)",
+                label=f"Console (the end of RUN/{CONSOLE_LOG})",
                 lines=CONSOLE_LINES,
                 max_lines=CONSOLE_LINES,
                 elem_id="console",

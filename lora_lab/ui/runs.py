@@ -19,8 +19,8 @@ from ..run_folder import (
     SUMMARY_FILE,
     list_checkpoints,
     read_step_log,
-    running_pid,
 )
+from ..training.lock import running_pid
 
 PROGRESS = re.compile(r"step (\d+)/(\d+)(?:.*?ETA ((?:\d+[hms] ?)+))?")
 """The run's progress line (training/watch.py progress_fields): step, total and ETA."""

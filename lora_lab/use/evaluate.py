@@ -11,7 +11,7 @@ from pathlib import Path
 from ..data import read_and_encode
 from ..data.encode import IGNORE_INDEX
 from ..errors import DataError
-from ..run_folder import find_adapter, full_model_of, load_saved_config, read_sft_run
+from ..run_folder import RunFolder, find_adapter, full_model_of, load_saved_config, read_sft_run
 from .infer import GenerationSettings, generate_replies, load_adapter_model, load_plain_model
 
 
@@ -29,7 +29,7 @@ def evaluate_run(
     else:
         adapter_dir, run_dir = find_adapter(path)
         model, tokenizer = load_adapter_model(path)
-    config = load_saved_config(run_dir / "config.yaml")
+    config = load_saved_config(RunFolder(run_dir).config)
     if adapter_dir is not None and is_preference_data(list(datasets)):
         result = evaluate_preferences(model, tokenizer, config, list(datasets))
         result.update(run_dir=str(run_dir), adapter=str(adapter_dir))

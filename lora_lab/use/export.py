@@ -40,7 +40,7 @@ from ..models.load import Precision, nf4_config
 from ..paths import human_bytes, installed_versions, pickled_files, staged_folder
 from ..planning.memory import TIERS_GIB
 from ..planning.serving import plan_vllm_serving, vllm_command
-from ..run_folder import load_saved_config, owning_run_dir
+from ..run_folder import ADAPTER_CONFIG, CONFIG_FILE, RunFolder, is_adapter_folder, load_saved_config, owning_run_dir
 from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_exported_folder, check_prompt_batch, reference_logits
 
 log = get_logger()
@@ -251,7 +251,7 @@ def _require_library(fmt: QuantFormat) -> None:
 
 def default_output(path: Path, run_dir: Path | None, name: str) -> Path:
     """RUN_DIR/export-FORMAT for a run or its adapter; FOLDER-FORMAT beside any other folder."""
-    adapter = (path / "adapter_config.json").is_file()
+    adapter = is_adapter_folder(path)
     if run_dir is not None and (adapter or path.resolve() == run_dir.resolve()):
         return run_dir / f"export-{name}"
     return path.with_name(f"{path.name}-{name}")
@@ -264,7 +264,7 @@ def source_folder(path: Path, merged_tmp: Path, merge_dtype: str | None) -> Path
         return path
     if (path / "model" / "config.json").is_file():  # --tuner full
         return path / "model"
-    if (path / "config.yaml").is_file() or (path / "adapter_config.json").is_file():
+    if RunFolder(path).is_run or is_adapter_folder(path):
         from .merge import merge_adapter
 
         how = merge_dtype or "the run's training precision"
@@ -272,8 +272,8 @@ def source_folder(path: Path, merged_tmp: Path, merge_dtype: str | None) -> Path
         merge_adapter(path, merged_tmp, dtype=merge_dtype)
         return merged_tmp
     raise CheckpointError(
-        f"{path}: not a run folder (config.yaml), a merged or model folder "
-        f"(config.json) or an adapter folder (adapter_config.json)."
+        f"{path}: not a run folder ({CONFIG_FILE}), a merged or model folder "
+        f"(config.json) or an adapter folder ({ADAPTER_CONFIG})."
     )
 
 
@@ -482,7 +482,7 @@ def calibration_samples(
     the chat template exactly as training encoded them."""
     from ..data import read_and_encode
 
-    config = load_saved_config(run_dir / "config.yaml") if run_dir else None
+    config = load_saved_config(RunFolder(run_dir).config) if run_dir else None
     args = config.data if config else DataArgs()
     specs = list(calib_data or (args.datasets if config else []))
     if not specs:
@@ -503,7 +503,7 @@ def calibration_samples(
         encoded = random.Random(seed).sample(encoded, count)
     return encoded, {
         "data": specs,
-        "from": "--calib-data" if calib_data else "run config.yaml",
+        "from": "--calib-data" if calib_data else f"run {CONFIG_FILE}",
         "samples": len(encoded),
         "requested": count,
         "tokens": sum(len(s) for s in encoded),

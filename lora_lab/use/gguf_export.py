@@ -32,7 +32,7 @@ from pathlib import Path
 from ..errors import CheckpointError, LoraLabError, ModelError
 from ..log import get_logger
 from ..paths import cache_dir, human_bytes, staged_folder
-from ..run_folder import load_saved_config, owning_run_dir
+from ..run_folder import RunFolder, load_saved_config, owning_run_dir
 from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_prompt_batch, reference_logits
 from .export import (
     DEFAULT_CALIB_SAMPLES,
@@ -156,7 +156,7 @@ def export_gguf(
             result.output_dir, result.gguf_file = output, output / GGUF_NAME
             result.run_dir = str(run_dir) if run_dir else None
             result.source = str(path if source == scratch else source)
-            system = load_saved_config(run_dir / "config.yaml").data.system if run_dir else None
+            system = load_saved_config(RunFolder(run_dir).config).data.system if run_dir else None
             _write_side_files(staging, source, system)
             result.seconds = round(time.time() - started, 1)
             _write_report(staging, result, merged=source == scratch)

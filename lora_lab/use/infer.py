@@ -9,7 +9,7 @@ from ..config import ModelArgs
 from ..data.formats import detect_format, normalise_row, read_rows
 from ..errors import DataError, LoraLabError
 from ..log import get_logger
-from ..models.load import choose_precision, load_base_model, load_tokenizer
+from ..models.load import LoadOptions, choose_precision, load_base_model, load_tokenizer
 from ..run_folder import base_model_of, find_adapter, full_model_of
 
 log = get_logger()
@@ -43,7 +43,7 @@ def load_adapter_model(path: str | Path, dtype: str = "auto"):
     adapter_dir, run_dir = find_adapter(path)
     base_args = base_model_of(adapter_dir, run_dir)
     base_args.quantization = "none"  # generate on the 16-bit base, whatever trained it
-    base = load_base_model(base_args, choose_precision(dtype), for_training=False)
+    base = load_base_model(base_args, choose_precision(dtype), LoadOptions(for_training=False))
     tokenizer = load_tokenizer(
         str(adapter_dir) if (adapter_dir / "tokenizer_config.json").is_file() else base_args.name
     )
@@ -54,7 +54,7 @@ def load_adapter_model(path: str | Path, dtype: str = "auto"):
 
 def load_plain_model(spec: str, dtype: str = "auto"):
     """A base or merged model by --model spec, ready to generate."""
-    model = load_base_model(ModelArgs(name=spec), choose_precision(dtype), for_training=False)
+    model = load_base_model(ModelArgs(name=spec), choose_precision(dtype), LoadOptions(for_training=False))
     model.eval()
     return model, load_tokenizer(spec)
 

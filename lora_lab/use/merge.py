@@ -15,9 +15,9 @@ from pathlib import Path
 
 from ..config import ModelArgs
 from ..errors import CheckpointError, LoraLabError
-from ..models.load import Precision, load_base_model, load_tokenizer
+from ..models.load import LoadOptions, Precision, load_base_model, load_tokenizer
 from ..paths import pickled_files, staged_folder
-from ..run_folder import base_model_of, find_adapter, training_precision
+from ..run_folder import ADAPTER_CONFIG, base_model_of, find_adapter, training_precision
 from .checks import CHECK_PROMPTS, check_prompt_batch, top1_agreement
 
 
@@ -72,7 +72,7 @@ def merge_adapter(
     base = load_base_model(
         ModelArgs(name=base_args.name, trust_remote_code=base_args.trust_remote_code),
         Precision(name=dtype),
-        for_training=False,
+        LoadOptions(for_training=False),
     )
     tokenizer = load_tokenizer(str(adapter_dir))
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
@@ -86,7 +86,7 @@ def merge_adapter(
     agreement = top1_agreement(reference, logits, mask)
     _check_merged(merged, diff, agreement, dtype)
 
-    adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    adapter_config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     result = MergeResult(
         output_dir=output,
         base_model=base_args.name,

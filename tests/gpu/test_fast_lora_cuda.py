@@ -38,7 +38,7 @@ def test_fast_lora_in_bf16_is_as_close_to_fp32_as_peft():
 def test_streamed_offload_gives_the_plain_checkpoint_result():
     means = MemoryMeans(offload_checkpoints=True)
     plain = loss_and_grads(True, means, device="cuda")
-    from tests.unit.test_activations import assert_same
+    from tests.unit.test_memory_means import assert_same
 
     assert_same(loss_and_grads(True, None, device="cuda"), plain, tol=1e-4)
 
@@ -46,7 +46,7 @@ def test_streamed_offload_gives_the_plain_checkpoint_result():
 def test_streamed_checkpoints_with_mlp_chunks_match_the_whole_mlp():
     """The first pass without autograd and the recomputation in chunks of 10 tokens (liger's
     SwiGLU kernels on CUDA): the loss and gradients of the MLP run on all tokens at once."""
-    from tests.unit.test_activations import assert_same
+    from tests.unit.test_memory_means import assert_same
 
     means = MemoryMeans(offload_checkpoints=True)
     assert_same(
@@ -56,25 +56,24 @@ def test_streamed_checkpoints_with_mlp_chunks_match_the_whole_mlp():
     )
 
 
-def test_saved_mlp_backward_in_chunks_matches_the_whole_row(monkeypatch):
+def test_saved_mlp_backward_in_chunks_matches_the_whole_row():
     """The backward pass through down and SwiGLU from saved gate and up in chunks of 10 tokens
-    (mlp.DOWN_BACKWARD_TOKENS; liger's SwiGLU backward writing into row slices of the saved
+    (model.fast_lora_down_backward_tokens; liger's SwiGLU backward writing into row slices of the saved
     gate and up) and the first pass's SwiGLU written over gate: the whole row's loss and
     gradients."""
-    from lora_lab.models.fast_lora import mlp
-    from tests.unit.test_activations import assert_same
+    from lora_lab.models.fast_lora import FastLoraOptions
+    from tests.unit.test_memory_means import assert_same
 
     means = MemoryMeans(offload_checkpoints=True)
-    monkeypatch.setattr(mlp, "DOWN_BACKWARD_TOKENS", 0)
-    whole = loss_and_grads(True, means, device="cuda")
-    monkeypatch.setattr(mlp, "DOWN_BACKWARD_TOKENS", 10)
-    assert_same(whole, loss_and_grads(True, means, device="cuda"), tol=1e-4)
+    whole = loss_and_grads(True, means, device="cuda", options=FastLoraOptions(down_backward_tokens=0))
+    chunked = loss_and_grads(True, means, device="cuda", options=FastLoraOptions(down_backward_tokens=10))
+    assert_same(whole, chunked, tol=1e-4)
 
 
 def test_streamed_checkpoints_with_the_last_layer_kept_match_every_layer_recomputed():
     """train.uncheckpointed_layers 1 of 2 with the streamed copies (the first layer's input
     is fetched back past a layer that was never offloaded)."""
-    from tests.unit.test_activations import assert_same
+    from tests.unit.test_memory_means import assert_same
 
     every = loss_and_grads(True, MemoryMeans(offload_checkpoints=True), device="cuda", chunk_tokens=10)
     kept = loss_and_grads(
@@ -102,7 +101,7 @@ def test_fast_lora_on_nf4_weights_matches_peft(tmp_path):
 
     from lora_lab.models.load import Precision, nf4_config
     from lora_lab.models.lora import prepare_quantized_for_training
-    from tests.unit.test_activations import tiny_untied
+    from tests.unit.test_memory_means import tiny_untied
 
     tiny_untied().to(torch.bfloat16).save_pretrained(tmp_path)
 

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_liger_with_native_norms_matches_the_plain_model():
     pytest.importorskip("liger_kernel")
-    from lora_lab.models.load import apply_kernels, native_rms_norm_available
+    from lora_lab.models.kernels import apply_kernels, native_rms_norm_available
     from tests.unit.test_kernels import qwen2
 
     plain = qwen2().cuda()
@@ -36,25 +36,25 @@ def test_the_loss_gradient_is_scaled_on_the_device_as_liger_scales_it():
     pytest.importorskip("liger_kernel")
     from liger_kernel.ops import fused_linear_cross_entropy as flce
 
-    from lora_lab.models.load import apply_kernels, scale_on_device
+    from lora_lab.models.kernels import apply_kernels, restored_kernel_patches, scale_on_device
     from tests.unit.test_kernels import qwen2
 
     liger_own = flce.fused_linear_cross_entropy_backward
     model = qwen2().cuda()
     twin = copy.deepcopy(model)
-    apply_kernels(model, "liger")
-    apply_kernels(twin, "liger")
-    assert flce.fused_linear_cross_entropy_backward is scale_on_device
-    ids = torch.randint(0, 512, (2, 64), device="cuda")
     grads = []
-    try:
+    with restored_kernel_patches("liger", "qwen2"):
+        apply_kernels(model, "liger")
+        apply_kernels(twin, "liger")
+        assert flce.fused_linear_cross_entropy_backward is scale_on_device
+        ids = torch.randint(0, 512, (2, 64), device="cuda")
         for candidate, backward in ((model, scale_on_device), (twin, liger_own)):
             flce.fused_linear_cross_entropy_backward = backward
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = candidate(input_ids=ids, labels=ids).loss
             (loss * 0.25).backward()  # as with gradient accumulation: not 1
             grads.append([p.grad for p in candidate.parameters()])
-    finally:
         flce.fused_linear_cross_entropy_backward = scale_on_device
+    assert flce.fused_linear_cross_entropy_backward is liger_own  # the context put it back
     for ours, theirs in zip(*grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-8)

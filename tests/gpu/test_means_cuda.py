@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from tests.unit.test_activations import assert_same, loss_and_grads
+from tests.unit.test_memory_means import assert_same, loss_and_grads
 from tests.unit.test_packing import PAD, sample, summed_loss_and_grads, tiny_lora_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -74,10 +74,10 @@ def test_the_cpu_embedding_takes_ids_on_the_cpu_without_changing_the_result():
     """LoraLabTrainer leaves input ids on the CPU for a CpuEmbedding: same loss and gradients
     as with the ids on the GPU (whose lookup first copies them back)."""
     from lora_lab.config import LoraArgs
-    from lora_lab.models.lora import apply_lora
+    from lora_lab.models.lora import LoraOptions, apply_lora
     from lora_lab.models.memory_means import CpuEmbedding, uses_cpu_embedding
     from lora_lab.planning.memory import MemoryMeans
-    from tests.unit.test_activations import SEQ, tiny_untied
+    from tests.unit.test_memory_means import SEQ, tiny_untied
 
     results = []
     for ids_device in ("cuda", "cpu"):
@@ -86,8 +86,9 @@ def test_the_cpu_embedding_takes_ids_on_the_cpu_without_changing_the_result():
         model = apply_lora(
             model,
             LoraArgs(rank=4, alpha=8, dropout=0.0),
-            True,
-            MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True),
+            LoraOptions(
+                gradient_checkpointing=True, means=MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True)
+            ),
         )
         model = model.cuda().train()
         assert uses_cpu_embedding(model)
@@ -109,7 +110,8 @@ def test_equal_length_rows_take_cudnn_and_match_flash_varlen(lengths):
     key/value, dim 128)."""
     from types import SimpleNamespace
 
-    from lora_lab.models.attention import CUDNN_EQUAL_LENGTHS, varlen_attention
+    from lora_lab.models import attention
+    from lora_lab.models.attention import varlen_attention
 
     torch.manual_seed(0)
     total, module = sum(lengths), SimpleNamespace(training=True)
@@ -122,16 +124,22 @@ def test_equal_length_rows_take_cudnn_and_match_flash_varlen(lengths):
     grad = torch.randn(1, total, 28, 128, device="cuda", dtype=torch.bfloat16)
     results = {}
     for allowed in (False, True):
-        CUDNN_EQUAL_LENGTHS["allowed"] = allowed
         q, k, v = (t.clone().requires_grad_(True) for t in leaves)
         out, _ = varlen_attention(
-            module, q, k, v, None, scaling=128**-0.5, packed_lengths=lengths, packed_cu_seqlens=cu
+            module,
+            q,
+            k,
+            v,
+            None,
+            scaling=128**-0.5,
+            packed_lengths=lengths,
+            packed_cu_seqlens=cu,
+            cudnn_equal_lengths=allowed,
         )
         out.backward(grad)
         results[allowed] = [out, q.grad, k.grad, v.grad]
-    CUDNN_EQUAL_LENGTHS["allowed"] = True
     shape = (len(lengths), lengths[0], 28, 4, 128)
-    assert CUDNN_EQUAL_LENGTHS["shapes"].get(shape) is True, CUDNN_EQUAL_LENGTHS["shapes"]
+    assert attention._cudnn_shapes.get(shape) is True, attention._cudnn_shapes
     for name, flash, cudnn in zip(("out", "dq", "dk", "dv"), results[False], results[True]):
         assert flash.shape == cudnn.shape, name
         error = (cudnn.float() - flash.float()).norm() / flash.float().norm()

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from lora_lab.config import LoraArgs, resolve_config, resolve_fast_lora
-from lora_lab.models.fast_lora import LoraMLP, LoraProjection
-from lora_lab.models.lora import apply_lora
+from lora_lab.models.fast_lora import FastLoraOptions, LoraMLP, LoraProjection
+from lora_lab.models.lora import LoraOptions, apply_lora
 from lora_lab.planning.memory import MemoryMeans
-from tests.unit.test_activations import SEQ, assert_same, tiny_untied
+from tests.unit.test_memory_means import SEQ, assert_same, tiny_untied
 
 
 def loss_and_grads(
@@ -21,20 +21,20 @@ def loss_and_grads(
     dtype=torch.float32,
     model_fn=tiny_untied,
     chunk_tokens: int = 0,
+    options: FastLoraOptions | None = None,
 ):
+    """options: the fast path's (FastLoraOptions with chunk_tokens where not given)."""
     model = model_fn()
     if not getattr(model, "is_loaded_in_4bit", False):
         model = model.to(device=device, dtype=dtype)
     torch.manual_seed(1)
-    model = apply_lora(
-        model,
-        LoraArgs(rank=4, alpha=8, dropout=dropout),
-        checkpointing,
-        means,
-        fast=fast,
+    building = LoraOptions(
+        gradient_checkpointing=checkpointing,
+        means=means,
+        fast=(options or FastLoraOptions(chunk_tokens=chunk_tokens)) if fast else None,
         offload_copy_stream=device == "cuda",
-        fast_chunk_tokens=chunk_tokens,
     )
+    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=dropout), building)
     model.train()
     torch.manual_seed(2)
     ids = torch.randint(0, 512, (2, SEQ)).to(device)
@@ -139,7 +139,7 @@ def test_swiglu_gradient_is_written_over_its_output(offload, chunk_tokens, monke
 
 def test_saved_mlp_backward_goes_down_and_swiglu_a_chunk_at_a_time(monkeypatch):
     """Without model.fast_lora_chunk_tokens, the backward pass through down and SwiGLU from the
-    saved gate and up still runs on at most mlp.DOWN_BACKWARD_TOKENS tokens at a time (10 of 48
+    saved gate and up still runs on at most model.fast_lora_down_backward_tokens at a time (10 of 48
     here: 10, 10, 10, 10, 8), so no silu(gate) * up of the whole row is made there; the first
     pass (no autograd) writes silu(gate) * up over gate. The loss and gradients are those of
     one pass over all tokens."""
@@ -154,12 +154,10 @@ def test_saved_mlp_backward_goes_down_and_swiglu_a_chunk_at_a_time(monkeypatch):
         return h
 
     monkeypatch.setattr(mlp, "_swiglu", swiglu)
-    monkeypatch.setattr(mlp, "DOWN_BACKWARD_TOKENS", 0)
-    whole = loss_and_grads(True, means)
+    whole = loss_and_grads(True, means, options=FastLoraOptions(down_backward_tokens=0))
     assert calls == [(48, True, True)] * 2 + [(48, False, False)] * 2  # two layers
     calls.clear()
-    monkeypatch.setattr(mlp, "DOWN_BACKWARD_TOKENS", 10)
-    chunked = loss_and_grads(True, means)
+    chunked = loss_and_grads(True, means, options=FastLoraOptions(down_backward_tokens=10))
     assert calls == [(48, True, True)] * 2 + [(rows, False, False) for rows in (10, 10, 10, 10, 8)] * 2
     assert_same(whole, chunked)
 
@@ -232,15 +230,13 @@ def test_recomputed_layer_skips_the_mlp_output_and_keeps_every_gradient(monkeypa
     chunk in the first pass and in the backward pass, not also in the recomputation) and the
     gradients are the same: bit for bit in one chunk; in chunks, gate and up are recomputed
     chunk by chunk in the backward pass instead of back-propagated over all tokens at once."""
-    import lora_lab.models.fast_lora as fast_lora
 
     means = MemoryMeans(embedding_on_cpu=False, offload_checkpoints=True, mlp_chunk_tokens=0)
     calls = count_swiglu(monkeypatch)
     skipped = loss_and_grads(True, means, chunk_tokens=chunk_tokens)
     assert len(calls) == 2 * (chunks + chunks)  # two layers: first pass, backward
-    monkeypatch.setattr(fast_lora, "RESIDUAL_MLP_LAYERS", ())
     calls.clear()
-    full = loss_and_grads(True, means, chunk_tokens=chunk_tokens)
+    full = loss_and_grads(True, means, options=FastLoraOptions(chunk_tokens=chunk_tokens, residual_skip=False))
     assert len(calls) == 2 * (chunks + 1 + chunks)
     assert skipped[0] == full[0]
     assert skipped[1].keys() == full[1].keys()
@@ -332,7 +328,9 @@ def test_adapters_of_several_types_get_gradients_of_their_own_types(monkeypatch)
     calls = count_calls(monkeypatch)
     model = tiny_untied()
     torch.manual_seed(1)
-    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0.0), True, None, fast=True)
+    model = apply_lora(
+        model, LoraArgs(rank=4, alpha=8, dropout=0.0), LoraOptions(gradient_checkpointing=True, fast=FastLoraOptions())
+    )
     attention = next(m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "v_proj"))
     mlp = next(m for m in model.modules() if hasattr(m, "gate_proj"))
     for layer in (attention.k_proj, mlp.up_proj):
@@ -374,11 +372,11 @@ def test_adapter_casts_are_made_once_until_the_weights_change(monkeypatch):
     monkeypatch.setattr(products, "_adapter_weights", lambda *args: casts.append(1) or real(*args))
     ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(5))
 
-    def two_steps():
+    def two_steps(options=None):
         # the update outside autocast, as the Trainer's (autocast keeps its own copies of the
         # weights until its context ends)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, _, model = loss_and_grads(True, dtype=torch.bfloat16)
+            _, _, model = loss_and_grads(True, dtype=torch.bfloat16, options=options)
             before = model(input_ids=ids, labels=ids).loss.item()
         first = len(casts)
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
@@ -393,8 +391,9 @@ def test_adapter_casts_are_made_once_until_the_weights_change(monkeypatch):
     # two layers, three call sites each (q, k and v; o; the MLP), checkpointed: one cast each
     assert (first, second) == (6, 6)
     assert loss != before  # the step changed the weights the next forward pass reads
-    monkeypatch.setattr(products._Casts, "get", lambda self, a, b, dtype: real(a, b, dtype))
-    _, _, _, every_call_loss, every_call_grads = two_steps()
+    casts.clear()
+    every_first, every_second, _, every_call_loss, every_call_grads = two_steps(FastLoraOptions(cast_cache=False))
+    assert every_first > first and every_second > second  # model.fast_lora_cast_cache false: every call
     assert loss == every_call_loss
     for name, grad in every_call_grads.items():
         assert torch.equal(grads[name], grad), name
@@ -404,12 +403,13 @@ def test_adapter_casts_are_made_once_until_the_weights_change(monkeypatch):
 def test_adamw_steps_make_the_casts_again(implementation, device="cpu"):
     """After a step of any AdamW implementation (fused AdamW leaves the version counter where it
     was) the next call casts the updated weights. tests/gpu runs it on CUDA too."""
-    from lora_lab.models.fast_lora import _Casts
+    from lora_lab.models.fast_lora import StepCounter, _Casts
 
     torch.manual_seed(0)
     a = torch.nn.Parameter(torch.randn(8, 16, device=device))
     b = torch.nn.Parameter(torch.randn(16, 8, device=device))
-    casts = _Casts()
+    steps = StepCounter()
+    casts = _Casts(steps)
     first = casts.get([a], [b], torch.bfloat16)
     assert casts.get([a], [b], torch.bfloat16) is first
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
@@ -419,6 +419,7 @@ def test_adamw_steps_make_the_casts_again(implementation, device="cpu"):
     assert second is not first
     assert torch.equal(second[0][0], a.detach().to(torch.bfloat16))
     assert torch.equal(second[1][0], b.detach().to(torch.bfloat16))
+    steps.remove()
 
 
 @pytest.mark.parametrize("offload", [False, True])

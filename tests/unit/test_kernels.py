@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from lora_lab.models.load import NATIVE_RMS_NORMS, _native_rms_norm, use_native_rms_norm
+from lora_lab.models.kernels import NATIVE_RMS_NORMS, _native_rms_norm, use_native_rms_norm
 
 
 def qwen2(dtype=torch.float32):
@@ -73,7 +73,7 @@ def test_only_the_listed_norms_are_routed():
 
 
 def test_the_loss_gradients_are_scaled_in_place_on_their_device():
-    from lora_lab.models.load import scale_on_device
+    from lora_lab.models.kernels import scale_on_device
 
     grad_input, grad_weight = torch.randn(6, 4).bfloat16(), torch.randn(5, 4)
     kept = grad_input.clone()

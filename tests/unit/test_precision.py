@@ -43,7 +43,7 @@ def test_impossible_requests_are_refused(monkeypatch):
 
 def test_fp16_base_gets_fp32_lora_weights(tiny_model_dir):
     model = load_base_model(ModelArgs(name=str(tiny_model_dir), kernels="none"), Precision("fp16", fp16=True))
-    model = apply_lora(model, LoraArgs(rank=4), gradient_checkpointing=False)
+    model = apply_lora(model, LoraArgs(rank=4))
     lora = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
     base = {p.dtype for n, p in model.named_parameters() if "lora_" not in n}
     assert lora == {torch.float32} and base == {torch.float16}

@@ -12,7 +12,8 @@ import pytest
 from lora_lab.config import resolve_config
 from lora_lab.errors import LoraLabError
 from lora_lab.planning.disk import TOKENIZER_BYTES_UNKNOWN, check_disk_space, tokenizer_bytes
-from lora_lab.run_folder import LOCK_FILE, run_lock
+from lora_lab.run_folder import LOCK_FILE
+from lora_lab.training.lock import run_lock
 from tests.conftest import TOKENIZER_DIR
 
 
@@ -116,3 +117,37 @@ def test_merge_dtype_follows_the_precision_the_run_recorded(tmp_path, saved, req
     assert training_precision(tmp_path) == (None if saved == "auto" else saved)
     assert choose_merge_dtype(requested, tmp_path) == expected
     assert choose_merge_dtype(None, None)[0] == "bf16"  # an adapter folder without its run
+
+
+def test_the_run_folder_names_every_part_of_a_run(tmp_path):
+    from lora_lab.run_folder import Checkpoint, RunFolder, list_checkpoints
+
+    run = RunFolder(tmp_path / "run")
+    names = {
+        "config": "config.yaml",
+        "adapter": "adapter",
+        "model": "model",
+        "initial_adapter": "adapter_init",
+        "step_log": "logs/train_log.jsonl",
+        "data_problems": "logs/data_problems.jsonl",
+        "console_log": "logs/console.log",
+        "stop_record": "logs/stopped.json",
+        "plots": "plots",
+        "launch": "launch",
+        "lock": ".lock",
+        "summary": "run_summary.json",
+    }
+    assert {key: getattr(run, key).relative_to(run.path).as_posix() for key in names} == names
+    assert RunFolder.launch_config(run.launch).relative_to(run.path).as_posix() == "launch/run_config.yaml"
+    assert not run.is_run
+    checkpoint = run.checkpoint(12)
+    assert checkpoint == Checkpoint(run.path / "checkpoint-12") and checkpoint.step == 12
+    assert (checkpoint.manifest.name, checkpoint.trainer_state.name) == ("manifest.json", "trainer_state.json")
+    assert run.staging_checkpoint(12).name == ".staging-checkpoint-12"
+    for step in (10, 2):
+        run.checkpoint(step).path.mkdir(parents=True)
+    run.staging_checkpoint(3).mkdir()
+    assert [c.step for c in run.checkpoints()] == [2, 10] and len(list_checkpoints(run.path)) == 2
+    assert run.hidden_checkpoints() == [run.staging_checkpoint(3)]
+    run.config.write_text("model: {}\n")
+    assert run.is_run and not run.checkpoint(2).holds_adapter

@@ -9,13 +9,14 @@ import torch
 
 from lora_lab.config import LoraArgs, resolve_config, resolve_fast_lora
 from lora_lab.errors import ConfigError
-from lora_lab.models.lora import apply_lora, save_converted_adapter, save_initial_adapter
+from lora_lab.models.fast_lora import FastLoraOptions
+from lora_lab.models.lora import LoraOptions, apply_lora, save_converted_adapter, save_initial_adapter
 from lora_lab.planning.memory import plan_memory
 from lora_lab.planning.shape import ModelShape
 from lora_lab.planning.tuners import adapter_params, dora_parts
 from lora_lab.registry import known_model_config
-from tests.unit.test_activations import SEQ, tiny_untied
 from tests.unit.test_fast_lora import count_calls
+from tests.unit.test_memory_means import SEQ, tiny_untied
 
 DATA = {"data.datasets": ["x"], "model.name": "qwen2.5-0.5b"}
 
@@ -88,7 +89,8 @@ def test_fast_path_is_off_for_dora_and_ia3_and_on_for_pissa():
 def loss_and_grads(tuner: str, fast: bool, init: str = "default"):
     model = tiny_untied()
     torch.manual_seed(1)
-    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0, init=init), True, fast=fast, tuner=tuner)
+    building = LoraOptions(gradient_checkpointing=True, fast=FastLoraOptions() if fast else None, tuner=tuner)
+    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=0, init=init), building)
     with torch.no_grad():  # B starts at zero (PiSSA's does not): give every adapter an effect
         for name, param in model.named_parameters():
             if "lora_B" in name and init == "default":
@@ -122,7 +124,7 @@ def test_converted_adapter_on_the_original_base_is_the_trained_model(init, rslor
     model's logits on the original base (peft path_initial_model_for_weight_conversion)."""
     from peft import PeftModel
 
-    model = apply_lora(tiny_untied(), LoraArgs(rank=4, alpha=8, dropout=0, init=init, use_rslora=rslora), False)
+    model = apply_lora(tiny_untied(), LoraArgs(rank=4, alpha=8, dropout=0, init=init, use_rslora=rslora))
     save_initial_adapter(model, tmp_path / "adapter_init")
     assert model.peft_config["default"].init_lora_weights == init  # left as it was
     with torch.no_grad():  # "training": move every adapter weight

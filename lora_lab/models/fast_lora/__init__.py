@@ -17,7 +17,7 @@ activations' type instead, and:
   in one more; the scalings are the products' alpha;
 - the SwiGLU MLP (down(silu(gate(x)) * up(x))) is one autograd function that keeps gate and up
   and recomputes silu(gate) * up in the backward pass (the largest activations of a layer), a
-  chunk of at most mlp.DOWN_BACKWARD_TOKENS tokens at a time; run without autograd (a
+  chunk of at most FastLoraOptions.down_backward_tokens tokens at a time; run without autograd (a
   checkpointed layer's first pass, an evaluation) it writes silu(gate) * up over gate;
 - where a checkpointed layer is recomputed for its backward pass (models.memory_means
   replay_backward) and its MLP output only enters the residual sum, the recomputation stops the
@@ -34,11 +34,44 @@ not), plain LoRA (no DoRA or other variants), adapters not merged or disabled.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 
 from ..memory_means import replaying_layer
-from .mlp import LoraMLP, _mlp_without_graph
-from .products import LoraProjection, _Casts
+from .mlp import DOWN_BACKWARD_TOKENS, LoraMLP, _mlp_without_graph
+from .products import LoraProjection, StepCounter, _Casts
+
+
+@dataclass(frozen=True)
+class FastLoraOptions:
+    """How the fast path builds its layers (the model.fast_lora_* settings)."""
+
+    chunk_tokens: int = 0
+    """model.fast_lora_chunk_tokens: MLPs run on at most this many tokens at a time where
+    LoraMLP says so (0: all at once)."""
+    down_backward_tokens: int = DOWN_BACKWARD_TOKENS
+    """model.fast_lora_down_backward_tokens: LoraMLP's backward pass from saved gate and up,
+    a chunk of at most this many tokens at a time (0: all at once)."""
+    residual_skip: bool = True
+    """model.fast_lora_residual_skip: a recomputed RESIDUAL_MLP_LAYERS layer's MLP stops after
+    gate and up."""
+    shared_input: bool = True
+    """model.fast_lora_shared_input: SHARED_INPUT_PROJECTIONS computed in one call."""
+    cast_cache: bool = True
+    """model.fast_lora_cast_cache: a call site's 16-bit adapter weights kept between calls."""
+
+    @classmethod
+    def of(cls, model_args) -> FastLoraOptions:
+        """The options a config's model section (ModelArgs) asks for."""
+        return cls(
+            chunk_tokens=model_args.fast_lora_chunk_tokens,
+            down_backward_tokens=model_args.fast_lora_down_backward_tokens,
+            residual_skip=model_args.fast_lora_residual_skip,
+            shared_input=model_args.fast_lora_shared_input,
+            cast_cache=model_args.fast_lora_cast_cache,
+        )
 
 
 def _plain_adapter(module):
@@ -68,11 +101,11 @@ class _SharedInput:
     same input tensor, returns its output from that call. A call with another input, extra
     arguments or an adapter the fast path does not take computes that projection alone."""
 
-    def __init__(self, modules):
+    def __init__(self, modules, new_casts):
         self.modules = tuple(modules)
         self.pending = {}  # id(module) -> (input, output) computed for it by a sibling's call
-        self.casts = _Casts()  # the call for all modules
-        self.own_casts = {id(m): _Casts() for m in self.modules}  # a module's call alone
+        self.casts = new_casts()  # the call for all modules
+        self.own_casts = {id(m): new_casts() for m in self.modules}  # a module's call alone
 
     def forward_of(self, module):
         original = module.forward
@@ -105,12 +138,12 @@ class _SharedInput:
         return forward
 
 
-def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
+def _fast_mlp_forward(mlp, output_to_residual: bool, options: FastLoraOptions, casts: _Casts):
     """output_to_residual: the decoder layer adds the MLP's output to the residual stream and
     does nothing else with it, so a recomputation (replaying_layer) need not compute it."""
     original = mlp.forward
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    casts = _Casts()
+    chunk_tokens, down_tokens = options.chunk_tokens, options.down_backward_tokens
 
     def forward(x):
         adapters = [_plain_adapter(p) for p in projections]
@@ -122,7 +155,7 @@ def _fast_mlp_forward(mlp, output_to_residual: bool, chunk_tokens: int):
         if not torch.is_grad_enabled():
             return _mlp_without_graph(x, bases, scalings, casts, params, chunk_tokens)
         unread = output_to_residual and replaying_layer()
-        return LoraMLP.apply(x, bases, scalings, unread, chunk_tokens, casts, *params)
+        return LoraMLP.apply(x, bases, scalings, unread, (chunk_tokens, down_tokens), casts, *params)
 
     return forward
 
@@ -163,30 +196,50 @@ def _mlps_by_layer(model) -> dict:
     }
 
 
-def apply_fast_lora(model, chunk_tokens: int = 0) -> dict:
+def apply_fast_lora(model, options: FastLoraOptions = FastLoraOptions()) -> dict:
     """Route a peft model's LoRA layers through the fast path: SwiGLU MLPs (gate, up, down with
     LoRA on all three) as one LoraMLP, every other LoRA linear layer as a LoraProjection. Each
     call checks the adapter and falls back to peft's forward where the fast path would differ.
-    chunk_tokens: the MLPs run on at most this many tokens at a time where LoraMLP says so
-    (0: all at once).
+    The model's StepCounter (the optimizer step hook its casts read) is registered here and
+    removed with the model, or by remove_fast_lora_hooks.
     Returns how many MLPs and projections were routed."""
+    steps = StepCounter()
+    weakref.finalize(model, steps.remove)
+    model.__dict__[STEP_COUNTER] = steps
+
+    def new_casts() -> _Casts:
+        return _Casts(steps, options.cast_cache)
+
     mlps = projections = 0
     inside_mlp: set[int] = set()
-    residual = _mlps_by_layer(model)
+    residual = _mlps_by_layer(model) if options.residual_skip else {}
     for name, module in model.named_modules():
         if name.endswith(".mlp") and _swiglu_mlp(module):
-            module.forward = _fast_mlp_forward(module, residual.get(id(module), False), chunk_tokens)
+            module.forward = _fast_mlp_forward(module, residual.get(id(module), False), options, new_casts())
             inside_mlp.update(id(getattr(module, n)) for n in ("gate_proj", "up_proj", "down_proj"))
             mlps += 1
     groups: dict[int, _SharedInput] = {}  # id(projection) -> its _SharedInput
-    for module in model.modules():
+    for module in model.modules() if options.shared_input else ():
         siblings = [getattr(module, n, None) for n in SHARED_INPUT_PROJECTIONS]
         if all(_fast_linear(m) for m in siblings) and len({m.get_base_layer().in_features for m in siblings}) == 1:
-            group = _SharedInput(siblings)
+            group = _SharedInput(siblings, new_casts)
             groups.update((id(m), group) for m in siblings)
     for module in model.modules():
         if _fast_linear(module) and id(module) not in inside_mlp:
-            group = groups.get(id(module)) or _SharedInput([module])
+            group = groups.get(id(module)) or _SharedInput([module], new_casts)
             module.forward = group.forward_of(module)
             projections += 1
     return {"mlps": mlps, "projections": projections}
+
+
+STEP_COUNTER = "lora_lab_step_counter"
+"""Where apply_fast_lora keeps a model's StepCounter (in the model's own __dict__)."""
+
+
+def remove_fast_lora_hooks(model) -> None:
+    """Remove the optimizer step hook apply_fast_lora registered for `model` (peft's wrapper
+    or the model it wraps), now rather than when the model is collected."""
+    for module in (model, getattr(model, "base_model", None)):
+        steps = getattr(module, "__dict__", {}).get(STEP_COUNTER)
+        if steps is not None:
+            steps.remove()

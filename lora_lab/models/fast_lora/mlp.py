@@ -17,6 +17,7 @@ from .products import _base_weight, _compute_dtype, _gradients_as, _project, _pr
 # host (small models); what 2048 does to each preset's peak and speed is in docs/benchmarks.md.
 # 0: all tokens at once.
 DOWN_BACKWARD_TOKENS = 2048
+"""The default of model.fast_lora_down_backward_tokens (FastLoraOptions.down_backward_tokens)."""
 
 
 def _swiglu(gate, up, over_gate: bool = False):
@@ -90,8 +91,8 @@ class LoraMLP(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) with LoRA on all three; keeps x, and gate and up unless the
     whole MLP runs in chunks (below).
 
-    chunk_tokens: the backward pass through down and SwiGLU runs on at most this many tokens at
-    a time (0: DOWN_BACKWARD_TOKENS), so its [tokens x intermediate] temporaries (silu(gate) *
+    chunks: (chunk_tokens, down_backward_tokens). The backward pass through down and SwiGLU runs
+    on at most chunk_tokens tokens at a time (0: down_backward_tokens; 0 too: all), so its [tokens x intermediate] temporaries (silu(gate) *
     up and its gradient) are a chunk's; saved gate and up then back-propagate over all tokens
     at once.
     output_unread: the output's values are never read (a checkpointed layer's recomputation
@@ -102,10 +103,9 @@ class LoraMLP(torch.autograd.Function):
     [tokens x intermediate] tensor is ever made for all tokens."""
 
     @staticmethod
-    def forward(
-        ctx, x, bases, scalings, output_unread, chunk_tokens, casts, a_gate, b_gate, a_up, b_up, a_down, b_down
-    ):
+    def forward(ctx, x, bases, scalings, output_unread, chunks, casts, a_gate, b_gate, a_up, b_up, a_down, b_down):
         dtype = _compute_dtype(x)
+        chunk_tokens, ctx.down_backward_tokens = chunks
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1]).to(dtype)
             (ag, au, ad), (bg, bu, bd) = casts.get((a_gate, a_up, a_down), (b_gate, b_up, b_down), dtype)
@@ -149,7 +149,7 @@ def _saved_backward(ctx, x2, g, gate, up, xa, ha, adapters):
     ag, bg, au, bu, ad, bd = adapters
     bases, scalings = ctx.bases, ctx.scalings
     tokens = x2.shape[0]
-    chunk = max(1, min(ctx.chunk_tokens or DOWN_BACKWARD_TOKENS or tokens, tokens))
+    chunk = max(1, min(ctx.chunk_tokens or ctx.down_backward_tokens or tokens, tokens))
     down = _base_weight(bases[2], x2.dtype)
     grad_ad = grad_bd = None
     # down projection and SwiGLU, a chunk of tokens at a time: gate and up are overwritten

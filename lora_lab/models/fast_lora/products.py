@@ -67,28 +67,39 @@ def _views(flat: torch.Tensor, likes) -> list:
     return views
 
 
-_optimizer_steps = [0]  # optimizer steps taken in this process (any torch.optim optimizer)
+class StepCounter:
+    """Optimizer steps taken in this process since a fast model was built (any torch.optim
+    optimizer: fused AdamW and bitsandbytes' optimizers update in place without moving the
+    weights' version counters). apply_fast_lora registers it with torch's global optimizer
+    step hooks when it builds the model; the hook goes with the model (or with `remove`)."""
 
+    def __init__(self):
+        self.steps = 0
+        self.handle = register_optimizer_step_post_hook(self._count)
 
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    _optimizer_steps[0] += 1
+    def _count(self, optimizer, args, kwargs) -> None:
+        self.steps += 1
 
-
-register_optimizer_step_post_hook(_count_optimizer_step)
+    def remove(self) -> None:
+        self.handle.remove()
 
 
 class _Casts:
     """The 16-bit copies of one call site's adapter weights (_adapter_weights), made again when
-    an optimizer has stepped (fused AdamW and bitsandbytes' optimizers update in place without
-    moving the version counter), a weight was changed in place otherwise (its version counter:
-    a loaded checkpoint) or replaced, or another type is asked for. A new copy goes to new
-    memory: the autograd calls that saved the old one keep it."""
+    an optimizer has stepped (steps: the model's StepCounter), a weight was changed in place
+    otherwise (its version counter: a loaded checkpoint) or replaced, or another type is asked
+    for. A new copy goes to new memory: the autograd calls that saved the old one keep it.
+    cache false (model.fast_lora_cast_cache): a new copy at every call."""
 
-    def __init__(self):
+    def __init__(self, steps: StepCounter | None = None, cache: bool = True):
         self.key, self.weights = None, None
+        self.step_counter, self.cache = steps, cache
 
     def get(self, lora_as, lora_bs, dtype: torch.dtype):
-        key = (dtype, _optimizer_steps[0], *((id(p), p.data_ptr(), p._version) for p in (*lora_as, *lora_bs)))
+        if not self.cache or self.step_counter is None:
+            return _adapter_weights(lora_as, lora_bs, dtype)
+        params = (*lora_as, *lora_bs)
+        key = (dtype, self.step_counter.steps, *((id(p), p.data_ptr(), p._version) for p in params))
         if key != self.key:
             self.key, self.weights = key, _adapter_weights(lora_as, lora_bs, dtype)
         return self.weights

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lora_lab.config import LoraArgs, resolve_config
-from lora_lab.models.lora import apply_lora
+from lora_lab.models.lora import LoraOptions, apply_lora
 from lora_lab.models.memory_means import CpuEmbedding, move_embedding_to_cpu
 from lora_lab.planning.memory import MemoryMeans, choose_memory_means
 
@@ -36,7 +36,8 @@ def loss_and_grads(means: MemoryMeans | None, dropout: float, checkpointing: boo
     """One forward/backward of the same LoRA model and batch; the LoRA gradients by name."""
     model = tiny_untied().to(device)
     torch.manual_seed(1)  # the LoRA initialisation
-    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=dropout), checkpointing, means)
+    building = LoraOptions(gradient_checkpointing=checkpointing, means=means)
+    model = apply_lora(model, LoraArgs(rank=4, alpha=8, dropout=dropout), building)
     model.train()
     torch.manual_seed(2)
     ids = torch.randint(0, 512, (2, SEQ)).to(device)

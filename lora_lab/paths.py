@@ -162,11 +162,11 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def installed_versions(names) -> dict:
+def installed_versions(names) -> dict[str, str | None]:
     """The installed version of each package (None where it is not installed)."""
     import importlib.metadata
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in names:
         try:
             versions[name] = importlib.metadata.version(name)

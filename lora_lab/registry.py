@@ -255,8 +255,8 @@ def guess_model_size(spec: str) -> str | None:
         return None
     name = Path(value).name.lower()
     match = re.search(r"qwen2\.5-(?:\w+-)?(\d+(?:\.\d+)?)b", name)
-    size = match.group(1) + "b" if match else None
-    return size if size in QWEN25_SIZES else None
+    found = match.group(1) + "b" if match else None
+    return found if found in QWEN25_SIZES else None
 
 
 def model_config_of(spec: str) -> dict | None:

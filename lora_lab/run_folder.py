@@ -209,7 +209,7 @@ def checkpoint_step(folder: Path) -> int | None:
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """checkpoint-N folders of a run, lowest step first."""
     found = [p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None]
-    return sorted(found, key=checkpoint_step)
+    return sorted(found, key=lambda p: checkpoint_step(p) or 0)
 
 
 def run_dir_of(resume: str) -> Path | None:

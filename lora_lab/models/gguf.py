@@ -91,7 +91,7 @@ def _convert(gguf: Path, out: Path) -> None:
     stops = stop_token_ids(tokenizer)
     model.generation_config.eos_token_id = stops
     pad = tokenizer.pad_token_id
-    model.generation_config.pad_token_id = pad if pad is not None else (stops or [None])[-1]
+    model.generation_config.pad_token_id = pad if pad is not None else (stops[-1] if stops else None)
     log.info("  3/3: saving the folder")
     with staged_folder(out) as staging:
         model.save_pretrained(staging, safe_serialization=True)

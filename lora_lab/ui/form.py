@@ -167,7 +167,7 @@ class AllowedFolders:
         inside = lambda folders: any(resolved == f or f in resolved.parents for f in folders)  # noqa: E731
         return inside(self.folders) and not inside(self.refused)
 
-    def check(self, path: str, what: str) -> Path:
+    def check(self, path: str | Path, what: str) -> Path:
         """The path, if inside an allowed folder; else a LoraLabError naming the field."""
         if not str(path).strip():
             raise LoraLabError(f"{what}: empty path.")
@@ -260,4 +260,4 @@ def new_token() -> str:
 
 def token_matches(given: str | None, expected: str) -> bool:
     """Constant-time comparison, so the answer time says nothing about the token."""
-    return bool(given) and hmac.compare_digest(given.encode(), expected.encode())
+    return given is not None and bool(given) and hmac.compare_digest(given.encode(), expected.encode())

@@ -5,6 +5,7 @@ process (runs.py) and shows a user's mistake as the message a LoraLabError carri
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ..config import list_presets
 from ..errors import LoraLabError
@@ -292,7 +293,8 @@ def build_page(page: Page, safety_note: str):
                 lengths = gr.BarPlot(
                     x="tokens", y="samples", label="Length histogram", elem_id="length-histogram", sort="x"
                 )
-        form = [model, preset, data, *knobs, qlora, output_dir, run_name, sets]
+        # every field of the run form: gradio components of several kinds, each with .change
+        form: list[Any] = [model, preset, data, *knobs, qlora, output_dir, run_name, sets]
         with gr.Tab("Train"):
             with gr.Row():
                 start = gr.Button("Start", variant="primary", elem_id="start")

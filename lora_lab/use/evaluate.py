@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..data import read_and_encode
 from ..data.encode import IGNORE_INDEX
-from ..errors import DataError
+from ..errors import CheckpointError, DataError
 from ..run_folder import RunFolder, find_adapter, full_model_of, load_saved_config, read_sft_run
 from .infer import GenerationSettings, generate_replies, load_adapter_model, load_plain_model
 
@@ -23,11 +23,18 @@ def evaluate_run(
     max_new_tokens: int = 128,
 ) -> dict:
     """Token-weighted loss over every assistant token of `datasets`, with the run's adapter."""
+    adapter_dir: Path | None
     if full_model_of(path):  # --tuner full: the run's own model, no adapter
         run_dir, adapter_dir = Path(path), None
         model, tokenizer = load_plain_model(str(full_model_of(path)))
     else:
-        adapter_dir, run_dir = find_adapter(path)
+        adapter_dir, found = find_adapter(path)
+        if found is None:
+            raise CheckpointError(
+                f"{path}: an adapter folder outside its run; evaluation reads the run's settings. "
+                f"Pass the run folder that holds it."
+            )
+        run_dir = found
         model, tokenizer = load_adapter_model(path)
     config = load_saved_config(RunFolder(run_dir).config)
     if adapter_dir is not None and is_preference_data(list(datasets)):

@@ -49,9 +49,33 @@ class MergeResult:
             f"{self.output_dir}"
         )
 
+    def lines(self, served_name: str = "finetuned") -> list[str]:
+        """What `lora-lab merge` and the page print: the summary, a QLoRA note, the `vllm serve`
+        commands (served as `served_name`) and a `warning:` line for each thing vLLM cannot load."""
+        from ..planning.serving import vllm_commands
+
+        note = (
+            [
+                f"note: trained with {self.trained_with_quantization} QLoRA; merged onto "
+                f"the 16-bit base, not into 4-bit weights."
+            ]
+            if self.trained_with_quantization != "none"
+            else []
+        )
+        serving = vllm_commands(self, served_name)
+        commands = [f"  {kind + ':':<9}{command}" for kind, command in serving["commands"].items()]
+        return [
+            self.summary(),
+            *note,
+            "",
+            "serve with vLLM:",
+            *commands,
+            *(f"warning: {w}" for w in serving["warnings"]),
+        ]
+
 
 def merge_adapter(
-    path: str | Path, output: str | Path | None = None, dtype: str | None = None, force: bool = False
+    path: str | Path, *, output: str | Path | None = None, dtype: str | None = None, force: bool = False
 ) -> MergeResult:
     """Merge a run's (or adapter folder's) LoRA weights into its base model and save the result.
 

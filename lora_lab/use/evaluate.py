@@ -154,7 +154,8 @@ def answer_logps(model, pairs: list, pad_id: int, batch_size: int = 8) -> list:
 def is_preference_data(specs: list) -> bool:
     """Whether the first dataset's rows are preference pairs (chosen / rejected)."""
     from ..data.dataset_info import DatasetInfoEntry
-    from ..data.formats import parse_spec, read_rows
+    from ..data.readers import read_rows
+    from ..data.reading import parse_spec
 
     source, _ = parse_spec(specs[0])
     entry = DatasetInfoEntry.from_source(source)

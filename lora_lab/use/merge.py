@@ -124,23 +124,29 @@ def merge_adapter(
         dtype_source=dtype_source,
         adapter_kind=adapter_kind_of(adapter_config),
     )
+    _save_merged(merged, tokenizer, result)
+    return result
+
+
+def _save_merged(merged, tokenizer, result: MergeResult) -> None:
+    """The merged model, its tokenizer and merge_report.json, put in place in one step; the
+    model stops at <|im_end|> as well as at eos."""
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
     merged.generation_config.eos_token_id = sorted({i for i in eos if i is not None}, key=eos.index)
     merged.generation_config.pad_token_id = tokenizer.pad_token_id
-    with staged_folder(output) as staging:
+    with staged_folder(result.output_dir) as staging:
         merged.save_pretrained(staging, safe_serialization=True, max_shard_size="2GB")
         tokenizer.save_pretrained(staging)
         report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
         report["checks"] = {
             "weights_finite": True,
             "lora_layers_left": 0,
-            "rule": check_rule(dtype),
+            "rule": check_rule(result.dtype),
             "check_prompts": CHECK_PROMPTS,
         }
         (staging / "merge_report.json").write_text(json.dumps(report, indent=2) + "\n")
         if pickled_files(staging):
             raise LoraLabError(f"internal: pickled files in the merged folder: {pickled_files(staging)}")
-    return result
 
 
 # fp32: the merged model must compute what base+adapter computes, to rounding. In bf16/fp16

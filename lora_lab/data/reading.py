@@ -17,6 +17,7 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import identity_problem
 from ..errors import DataError
@@ -24,6 +25,9 @@ from ..paths import IDENTITY_DATA
 from .formats import detect_format, normalise_row, unknown_fields, unused_field_warnings
 from .placeholders import fill_placeholders
 from .readers import BLANK, Problem, iter_lines, jsonl_row, read_rows, source_path, text_file_warnings
+
+if TYPE_CHECKING:
+    from .dataset_info import DatasetInfoEntry
 
 __all__ = ["LoadedData", "load_dataset_spec", "open_spec", "parse_spec", "sample_rows"]
 
@@ -92,7 +96,8 @@ def normalise_rows(raw_rows, fmt: str, entry=None, fill: dict | None = None) -> 
 
 def identity_unfilled(spec: str, source: str, fill: dict) -> DataError:
     """A bundled identity set exists to be filled (resolve_config says so first)."""
-    return DataError(f"--data {spec}: " + identity_problem([source], fill.get("model_name"), fill.get("model_author")))
+    problem = identity_problem([source], fill.get("model_name"), fill.get("model_author"))
+    return DataError(f"--data {spec}: {problem}")
 
 
 @dataclass
@@ -103,7 +108,7 @@ class OpenedSpec:
     source: str
     count: int | None
     """`#N`: how many samples to take (None: all)."""
-    entry: object | None
+    entry: DatasetInfoEntry | None
     """The dataset_info.json entry whose columns the rows are mapped from, if any."""
     path: str | None
     """A .jsonl file whose rows are raw (line number, bytes) pairs, parsed by parse_items."""

@@ -57,6 +57,8 @@ class Exporter:
 class ExportLines:
     """What `lora-lab export` and the page print after an export (a result mixin)."""
 
+    warnings: list
+
     def summary(self) -> str:
         raise NotImplementedError
 

@@ -86,7 +86,7 @@ def step_build(step: dict) -> dict:
 def step_merge(step: dict) -> dict:
     from lora_lab import merge_adapter
 
-    result = merge_adapter(step["run_dir"], step["folder"], dtype="bf16", force=True)
+    result = merge_adapter(step["run_dir"], output=step["folder"], dtype="bf16", force=True)
     return {"folder": str(result.output_dir), "top1_agreement": result.top1_agreement}
 
 
@@ -94,7 +94,12 @@ def step_export(step: dict) -> dict:
     from lora_lab import export_quantized
 
     result = export_quantized(
-        step["source"], step["format"], step.get("calib_data"), step["calib_samples"], step["folder"], force=True
+        step["source"],
+        quantize=step["format"],
+        calib_data=step.get("calib_data"),
+        calib_samples=step["calib_samples"],
+        output=step["folder"],
+        force=True,
     )
     report = json.loads((Path(step["folder"]) / "export_report.json").read_text())
     return {

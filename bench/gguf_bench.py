@@ -73,7 +73,7 @@ def main() -> None:
     ]
     for quantize in args.types.split(","):
         started = time.time()
-        result = export_gguf(args.merged, quantize, args.out / quantize, force=True)
+        result = export_gguf(args.merged, quantize=quantize, output=args.out / quantize, force=True)
         answers = llama_cpp_answers(result.gguf_file)
         equal = sum(a == r for a, r in zip(answers, reference))
         named = sum(args.name in a for a in answers)

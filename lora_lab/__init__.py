@@ -17,7 +17,9 @@ __all__ = [
     "train",
     "plan",
     "choose_preset",
+    "check_data",
     "merge_adapter",
+    "export_model",
     "export_quantized",
     "export_gguf",
     "evaluate_run",
@@ -87,11 +89,25 @@ def choose_preset(preset: str, gpu_memory_gib: float | None = None) -> str:
     return name
 
 
+def check_data(*args, **kwargs):
+    """Datasets checked row by row as a run reads them (use.data_check.check_data)."""
+    from .use.data_check import check_data as check
+
+    return check(*args, **kwargs)
+
+
 def merge_adapter(*args, **kwargs):
     """Merge a run's adapter into its base (use.merge.merge_adapter)."""
     from .use.merge import merge_adapter as merge
 
     return merge(*args, **kwargs)
+
+
+def export_model(*args, **kwargs):
+    """Export a merged folder or a run in --format safetensors or gguf (use.export_common)."""
+    from .use.export_common import export_model as export
+
+    return export(*args, **kwargs)
 
 
 def export_quantized(*args, **kwargs):

@@ -11,7 +11,8 @@ from ..config import DataArgs
 from ..errors import DataError
 from ..paths import identity_datasets
 from .encode import IGNORE_INDEX, EncodedSample, EncodeReport, encode_samples
-from .formats import LoadedData, Problem, Sample, load_dataset_spec
+from .formats import Problem, Sample
+from .reading import LoadedData, load_dataset_spec
 
 __all__ = [
     "IGNORE_INDEX",
@@ -133,12 +134,15 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42, task: str = "sft") -
     same problems and warnings."""
     if task != "sft":
         return build_prepared(
-            args, tokenizer, seed, task, lambda samples, name: encode_as_training(tokenizer, samples, args, task)
+            args,
+            seed,
+            lambda specs: load_samples(specs, args, seed, task),
+            lambda samples, name: encode_as_training(tokenizer, samples, args, task),
         )
     from .cache import cached_encoding, problems_from_json, problems_json
 
     def build(stream):
-        prepared = build_streamed(args, stream, seed)
+        prepared = build_prepared(args, seed, lambda specs: stream.read_specs(specs, args, seed), stream.report)
         return {"train": prepared.train, "val": prepared.val}, {
             "read_problems": problems_json(prepared.read_problems),
             "read_warnings": problems_json(prepared.read_warnings),
@@ -156,31 +160,6 @@ def prepare_data(args: DataArgs, tokenizer, seed: int = 42, task: str = "sft") -
         formats=[tuple(f) for f in extra["formats"]],
         cache=how,
     )
-
-
-def build_streamed(args: DataArgs, stream, seed: int) -> PreparedData:
-    """build_prepared for SFT data, streamed (stream.StreamedEncoding): the same rows, mixing
-    and split, chosen by sample number."""
-    train = stream.read_specs(args.datasets, args, seed)
-    read_problems, read_warnings = list(train.problems), list(train.warnings)
-    formats = list(train.formats)
-    val_numbers = None
-    if args.val_data:
-        val = stream.read_specs(args.val_data, args, seed)
-        read_problems += val.problems
-        read_warnings += val.warnings
-        formats += [(f"{spec} (validation)", fmt) for spec, fmt in val.formats]
-        val_numbers = val.numbers
-    elif args.val_ratio:
-        val_numbers, train.numbers = split_off(train.numbers, args.val_ratio, seed)
-    prepared = PreparedData(
-        train=stream.report(train.numbers, "train"),
-        val=None if val_numbers is None else stream.report(val_numbers, "val"),
-        read_problems=read_problems,
-        read_warnings=read_warnings,
-        formats=formats,
-    )
-    return check_prepared(args, prepared)
 
 
 def split_off(items, val_ratio: float, seed: int) -> tuple:
@@ -204,24 +183,25 @@ def check_prepared(args: DataArgs, prepared: PreparedData) -> PreparedData:
     return prepared
 
 
-def build_prepared(args: DataArgs, tokenizer, seed: int, task: str, encode) -> PreparedData:
-    """prepare_data's reading, mixing and split, samples held in memory (preference tasks);
-    encode(samples, "train" / "val") encodes."""
-    train = load_samples(args.datasets, args, seed, task)
+def build_prepared(args: DataArgs, seed: int, read, report) -> PreparedData:
+    """prepare_data's reading, mixing and split, whatever holds the samples: read(specs) reads
+    --data entries (LoadedData: samples in memory, or stream.SpecsRead: sample numbers, as
+    `items`); report(items, "train" / "val") encodes a choice of them."""
+    train = read(args.datasets)
     read_problems, read_warnings = list(train.problems), list(train.warnings)
     formats = list(train.formats)
-    val_samples = None
+    train_items, val_items = train.items, None
     if args.val_data:
-        val = load_samples(args.val_data, args, seed, task)
+        val = read(args.val_data)
         read_problems += val.problems
         read_warnings += val.warnings
         formats += [(f"{spec} (validation)", fmt) for spec, fmt in val.formats]
-        val_samples = val.samples
+        val_items = val.items
     elif args.val_ratio:
-        val_samples, train.samples = split_off(train.samples, args.val_ratio, seed)
+        val_items, train_items = split_off(train_items, args.val_ratio, seed)
     prepared = PreparedData(
-        train=encode(train.samples, "train"),
-        val=encode(val_samples, "val") if val_samples is not None else None,
+        train=report(train_items, "train"),
+        val=None if val_items is None else report(val_items, "val"),
         read_problems=read_problems,
         read_warnings=read_warnings,
         formats=formats,

@@ -34,7 +34,8 @@ from ..log import get_logger
 from ..paths import BUNDLED_DATA, bundled_data_dir, data_cache_dir, file_sha256, installed_versions, staged_folder
 from .arrow import ArrowSamples, fingerprint_samples, map_samples
 from .encode import EncodeReport
-from .formats import Problem, parse_spec
+from .readers import Problem
+from .reading import parse_spec
 from .stream import StreamedEncoding
 
 ENCODER_VERSION = 2

@@ -23,30 +23,14 @@ left unfilled, fields the format does not use. Nothing is changed without one or
 from __future__ import annotations
 
 import difflib
-import itertools
-import random
-import re
 from dataclasses import dataclass, field
 
-from ..config import identity_problem
 from ..errors import DataError
-from ..paths import IDENTITY_DATA
-from .placeholders import fill_placeholders
 from .preference import refuse_preference
 from .readers import Bad, Problem, kind_of, read_rows
 from .tools import calls_from_json_text, normalise_tool_calls, normalise_tools
 
-__all__ = [
-    "FORMATS",
-    "LoadedData",
-    "Problem",
-    "Sample",
-    "detect_format",
-    "load_dataset_spec",
-    "normalise_row",
-    "parse_spec",
-    "read_rows",
-]
+__all__ = ["FORMATS", "Problem", "Sample", "detect_format", "normalise_row", "read_rows"]
 
 FORMATS = ("messages", "sharegpt", "swift-sharegpt", "alpaca", "query-response", "text")
 KNOWN_FIELDS = {
@@ -88,112 +72,6 @@ class Sample:
     """Remarks on how the row was read (become warnings with the row's origin)."""
     enable_thinking: bool | None = None
     """The row's own thinking mode for templates that take one; None = data.enable_thinking."""
-
-
-@dataclass
-class LoadedData:
-    samples: list = field(default_factory=list)
-    problems: list = field(default_factory=list)
-    """Rows that could not be used, each with file:line and reason."""
-    warnings: list = field(default_factory=list)
-    """Things read correctly but worth knowing, with file:line."""
-    formats: list = field(default_factory=list)
-    """(--data entry, detected row format) for each dataset."""
-
-
-def parse_spec(spec: str) -> tuple[str, int | None]:
-    """'data.jsonl#500' -> ('data.jsonl', 500)."""
-    match = re.fullmatch(r"(.+)#(\d+)", spec.strip())
-    if match:
-        return match.group(1), int(match.group(2))
-    return spec.strip(), None
-
-
-def load_dataset_spec(spec: str, row_format: str = "auto", seed: int = 42, fill: dict | None = None) -> LoadedData:
-    """Read one --data entry, normalise its rows, sample `#N` if asked."""
-    from .dataset_info import DatasetInfoEntry
-
-    source, count = parse_spec(spec)
-    loaded = LoadedData()
-    entry = DatasetInfoEntry.from_source(source)
-    if entry:
-        raw_rows = entry.read_rows(loaded.warnings)
-        head = raw_rows
-    else:  # a .jsonl file streams: the rows up to the first object tell the format
-        head, raw_rows = peek_rows(read_rows(source, loaded.warnings, stream=True))
-    if not head:
-        raise DataError(f"--data {spec}: the dataset has no rows.")
-    if entry:
-        fmt, label = entry.row_format(raw_rows, spec), f"{entry.describe()}"
-    else:
-        fmt = row_format if row_format != "auto" else detect_format(head, spec)
-        label = fmt if row_format == "auto" else f"{fmt} (--format)"
-    rows = normalise_rows(raw_rows, fmt, entry, fill or {})
-    loaded.samples, loaded.problems = rows.samples, rows.problems
-    loaded.warnings += rows.notes + unused_field_warnings(rows.unused, fmt)
-    if rows.unfilled and source in IDENTITY_DATA:
-        raise identity_unfilled(spec, source, fill or {})
-    loaded.warnings += rows.unfilled
-    pretraining = sum(1 for s in loaded.samples if s.text is not None)
-    if pretraining and fmt != "text":
-        label += f" ({pretraining} pre-training rows)"
-    loaded.formats.append((spec, label))
-    if count is not None:
-        loaded.samples = sample_rows(loaded.samples, count, seed)
-    return loaded
-
-
-@dataclass
-class NormalisedRows:
-    """Rows normalised in order: the samples, and what load_dataset_spec reports about them."""
-
-    samples: list = field(default_factory=list)
-    problems: list = field(default_factory=list)
-    notes: list = field(default_factory=list)
-    """Remarks on rows read correctly (Sample.notes), in row order."""
-    unused: dict = field(default_factory=dict)
-    """Field the format does not read -> [origin of its first row, rows holding it]."""
-    unfilled: list = field(default_factory=list)
-    """Rows that keep a {{NAME}} / {{AUTHOR}} placeholder."""
-
-
-def normalise_rows(raw_rows, fmt: str, entry=None, fill: dict | None = None) -> NormalisedRows:
-    """(row, origin) pairs -> samples (placeholders filled from `fill`); a row that cannot be
-    used is a problem with its origin."""
-    out = NormalisedRows()
-    for row, origin in raw_rows:
-        for name in [] if entry else unknown_fields(row, fmt):
-            seen = out.unused.setdefault(name, [origin, 0])
-            seen[1] += 1
-        try:
-            sample = normalise_row(entry.remap(row) if entry else row, fmt, origin)
-        except DataError as exc:
-            out.problems.append(Problem(origin, str(exc)))
-            continue
-        except RecursionError:
-            out.problems.append(Problem(origin, "nested too deeply to read"))
-            continue
-        out.samples.append(sample)
-        out.notes += [Problem(origin, note) for note in sample.notes]
-    out.unfilled = fill_placeholders(out.samples, fill or {})
-    return out
-
-
-def identity_unfilled(spec: str, source: str, fill: dict) -> DataError:
-    """A bundled identity set exists to be filled (resolve_config says so first)."""
-    return DataError(f"--data {spec}: " + identity_problem([source], fill.get("model_name"), fill.get("model_author")))
-
-
-def peek_rows(rows) -> tuple[list, object]:
-    """The rows up to and including the first object (all of them if none is), and every row
-    again, as an iterator that reads the rest only when it gets there."""
-    rows = iter(rows)
-    head = []
-    for row in rows:
-        head.append(row)
-        if isinstance(row[0], dict):
-            break
-    return head, itertools.chain(head, rows)
 
 
 def detect_format(rows: list, source: str) -> str:
@@ -538,17 +416,3 @@ def check_messages(messages: list, require_reply: bool = True, trained: list | N
         raise DataError("a prompt must end with a user message")
     if require_reply and trained is not None and not any(trained):
         raise DataError("every assistant reply has `loss: false`; nothing to train on")
-
-
-def sample_rows(samples: list, count: int, seed: int) -> list:
-    """`#N`: N rows; past the dataset size whole copies plus a random remainder."""
-    return [samples[i] for i in sample_indices(len(samples), count, seed)]
-
-
-def sample_indices(rows: int, count: int, seed: int) -> list:
-    """The rows `#N` takes out of `rows`, in order (random.sample picks by index, so the rows
-    are the same whether it is given the samples or their indices)."""
-    if not rows:
-        return []
-    whole, remainder = divmod(count, rows)
-    return list(range(rows)) * whole + random.Random(seed).sample(range(rows), remainder)

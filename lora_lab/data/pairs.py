@@ -26,18 +26,9 @@ from dataclasses import dataclass
 
 from ..errors import DataError
 from .encode import IGNORE_INDEX, EncodeReport, add_encoded, render
-from .formats import (
-    LoadedData,
-    Problem,
-    _messages_from_openai,
-    _messages_from_sharegpt,
-    _system,
-    _text,
-    check_messages,
-    parse_spec,
-    sample_rows,
-)
-from .readers import Bad, kind_of, read_rows
+from .formats import Problem, _messages_from_openai, _messages_from_sharegpt, _system, _text, check_messages
+from .readers import Bad, kind_of
+from .reading import LoadedData, open_spec, parse_items, sample_rows
 from .tools import normalise_tools
 
 PAIRED = ("dpo", "orpo", "simpo")
@@ -98,16 +89,12 @@ class EncodedPair:
 
 
 def load_preference_spec(spec: str, task: str, seed: int = 42) -> LoadedData:
-    """One --data entry of preference rows, each checked; `#N` samples N of them."""
-    from .dataset_info import DatasetInfoEntry
-
-    source, count = parse_spec(spec)
-    loaded = LoadedData()
-    entry = DatasetInfoEntry.from_source(source)
-    rows = entry.read_rows(loaded.warnings) if entry else read_rows(source, loaded.warnings)
-    if not rows:
-        raise DataError(f"--data {spec}: the dataset has no rows.")
-    for row, origin in rows:
+    """One --data entry of preference rows (opened by reading.open_spec), each checked; `#N`
+    samples N of them."""
+    opened = open_spec(spec)
+    entry, count = opened.entry, opened.count
+    loaded = LoadedData(warnings=opened.warnings)
+    for row, origin in parse_items(opened.path, opened.items):
         try:
             if isinstance(row, Bad):
                 raise DataError(row.reason)

@@ -10,7 +10,7 @@ and, for each normalised sample, its row in the file, its problem, or (a pre-tra
 the sample itself. The parent keeps one integer per sample.
 
 `#N` sampling, the mixing of several entries and the val_ratio split then pick sample numbers
-with the same random calls on the same counts as formats.sample_rows and build_prepared pick
+with the same random calls on the same counts as reading.sample_rows and build_prepared pick
 samples, so they choose exactly the same rows. A report whose rows are a run of stage files in
 order uses those files; any other order is written out (arrow.write_taken). Pre-training
 documents are tokenised by the workers into stage rows of their own and packed in the chosen
@@ -27,21 +27,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import DataError
-from ..paths import IDENTITY_DATA
 from .arrow import map_samples, resolve_num_proc, write_samples, write_taken
 from .encode import EncodedSample, EncodeReport, add_encoded, cut_documents, document_ids, encode_sample
-from .formats import (
-    NormalisedRows,
-    detect_format,
-    identity_unfilled,
-    normalise_rows,
-    parse_spec,
-    peek_rows,
-    sample_indices,
-    unused_field_warnings,
-)
-from .readers import BLANK, iter_lines, jsonl_row, read_rows, source_path, text_file_warnings
+from .reading import NormalisedRows, normalise_rows, open_spec, parse_items, report_spec, sample_indices
 
 CHUNK_ROWS = 2000
 """Rows a worker reads, normalises and encodes at a time (a few MiB of text)."""
@@ -63,6 +51,11 @@ class SpecsRead:
     warnings: list = field(default_factory=list)
     formats: list = field(default_factory=list)
 
+    @property
+    def items(self) -> array:
+        """What a choice of rows is made of here: sample numbers (data.build_prepared)."""
+        return self.numbers
+
 
 @dataclass
 class ChunkResult:
@@ -82,9 +75,7 @@ class ChunkResult:
 def _encode_chunk(task: tuple) -> ChunkResult:
     """Parse (raw .jsonl lines), normalise and encode one chunk into its Arrow file."""
     file, path, items, fmt, entry, fill = task
-    if path is not None:
-        items = [(row, f"{path}:{number}") for number, raw in items if (row := jsonl_row(raw, number)) is not BLANK]
-    read = normalise_rows(items, fmt, entry, fill)
+    read = normalise_rows(parse_items(path, items), fmt, entry, fill)
     codes, documents, problems, truncated = array("q"), array("b"), {}, {}
     tokenizer, settings, written = _JOB["tokenizer"], _JOB["settings"], itertools.count()
 
@@ -162,67 +153,28 @@ class StreamedEncoding:
         return out
 
     def read_spec(self, spec: str, row_format: str, seed: int, fill: dict) -> SpecsRead:
-        """One --data entry, as formats.load_dataset_spec reads it; on an error nothing of it
-        is kept."""
-        from .dataset_info import DatasetInfoEntry
-
-        source, count = parse_spec(spec)
-        warnings: list = []
-        entry = DatasetInfoEntry.from_source(source)
-        path = None if entry else source_path(source)
-        if path is not None and path.suffix.lower() == ".jsonl" and path.is_file():
-            warnings += text_file_warnings(path)
-            head, items = peek_lines(path)
-        else:
-            path = None
-            head, items = peek_rows(
-                entry.read_rows(warnings, stream=True) if entry else read_rows(source, warnings, stream=True)
-            )
-        if not head:
-            raise DataError(f"--data {spec}: the dataset has no rows.")
-        if entry:
-            fmt, label = entry.row_format(head, spec), entry.describe()
-        else:
-            fmt = row_format if row_format != "auto" else detect_format(head, spec)
-            label = fmt if row_format == "auto" else f"{fmt} (--format)"
+        """One --data entry, opened and reported by reading.py, its chunks encoded; on an error
+        nothing of it is kept."""
+        opened = open_spec(spec)
+        fmt, label = opened.sft_format(row_format)
         first = len(self.rows)
         totals = NormalisedRows()
         try:
-            for rows in self.chunk_sizes():
-                chunk = list(itertools.islice(items, rows))
-                if not chunk:
-                    break
-                self.submit(
-                    (
-                        f"stage-{next(self.file_numbers):05d}.arrow",
-                        None if path is None else str(path),
-                        chunk,
-                        fmt,
-                        entry,
-                        fill,
-                    ),
-                    totals,
-                )
+            for chunk in opened.chunks(self.chunk_sizes()):
+                name = f"stage-{next(self.file_numbers):05d}.arrow"
+                self.submit((name, opened.path, chunk, fmt, opened.entry, fill), totals)
             self.drain(totals)
-            if totals.unfilled and source in IDENTITY_DATA:
-                raise identity_unfilled(spec, source, fill)
+            warnings, formats = report_spec(opened, fmt, label, totals, sum(self.documents[first:]), fill)
         except BaseException:
             self.drain(None)
             self.forget(first)
             raise
-        pretraining = sum(self.documents[first:])
-        if pretraining and fmt != "text":
-            label += f" ({pretraining} pre-training rows)"
-        read = SpecsRead(
-            problems=totals.problems,
-            formats=[(spec, label)],
-            warnings=warnings + totals.notes + unused_field_warnings(totals.unused, fmt) + totals.unfilled,
-        )
+        read = SpecsRead(problems=totals.problems, formats=formats, warnings=warnings)
         samples = len(self.rows) - first
         read.numbers = (
             array("q", range(first, first + samples))
-            if count is None
-            else array("q", (first + index for index in sample_indices(samples, count, seed)))
+            if opened.count is None
+            else array("q", (first + index for index in sample_indices(samples, opened.count, seed)))
         )
         return read
 
@@ -330,19 +282,3 @@ class StreamedEncoding:
             (name, end - start) for name, (start, end) in zip(self.files, self.ranges) if first <= start < end <= stop
         ]
         return [name for name, _ in inside] if sum(n for _, n in inside) == len(rows) else None
-
-
-def peek_lines(path: Path) -> tuple[list, object]:
-    """The rows of a .jsonl file up to its first object (parsed), and every (line number,
-    bytes) pair again, as an iterator that reads the rest only when it gets there."""
-    lines = iter_lines(path)
-    head, seen = [], []
-    for number, raw in lines:
-        seen.append((number, raw))
-        row = jsonl_row(raw, number)
-        if row is BLANK:
-            continue
-        head.append((row, f"{path}:{number}"))
-        if isinstance(row, dict):
-            break
-    return head, itertools.chain(seen, lines)

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import FLAGS, resolve_config
+from ..config import FLAG_FOR_KEY, resolve_config
 from ..errors import LoraLabError
 from .form import RunForm
 
@@ -18,8 +18,8 @@ HISTOGRAM_BINS = 12
 
 def config_flags(form: RunForm) -> dict:
     """The form's flags as config keys, the way `lora-lab run` reads them."""
-    keys = {flag.split("/")[0]: key for flag, key in FLAGS.items()}
-    return {keys[flag]: value for flag, value in form.flags().items() if value not in ("", [])}
+    given = form.flags()
+    return {key: given[flag] for key, flag in FLAG_FOR_KEY.items() if given.get(flag) not in (None, "", [])}
 
 
 @dataclass
@@ -83,37 +83,20 @@ class DataView:
 
 def check_data(form: RunForm) -> DataView:
     """`lora-lab data validate` and `lora-lab data stats` of the form's data with its model."""
-    from ..data import validate_data, with_identity_stand_ins
-    from ..data.stats import dataset_length_stats
-    from ..models.load import load_tokenizer, locate_tokenizer
+    from .. import check_data as check
 
     data = [d for d in form.data if d.strip()]
     if not data:
         raise LoraLabError("data: give at least one data file.")
-    config = resolve_config(
-        None,
-        flags={
-            "data.datasets": data,
-            "model.name": form.model.strip() or "qwen2.5-0.5b",
-            "data.max_length": form.max_length.strip() or "2048",
-        },
-        training=False,
+    result = check(
+        data, model=form.model.strip() or "qwen2.5-0.5b", max_length=form.max_length.strip() or "2048", stats=True
     )
-    config.data, note = with_identity_stand_ins(config.data)
-    path, source = locate_tokenizer(config.model.name)
-    tokenizer = load_tokenizer(config.model.name, path=path)
-    report = validate_data(data, config.data, tokenizer, config.train.seed)
-    lines = [
-        f"{p.origin}: {severity}: {p.reason}"
-        for severity, problems in (("error", report.errors), ("warning", report.warnings))
-        for p in problems
-    ]
-    summary = "\n".join(filter(None, [note, source, report.summary()]))
-    if not report.kept:
-        return DataView("\n".join(lines), summary, "no usable sample", [], None, None)
-    stats, _ = dataset_length_stats(data, config.data, tokenizer, config.train.seed)
+    problems, summary = "\n".join(result.problem_lines()), "\n".join(result.summary_lines())
+    if result.stats is None:
+        return DataView(problems, summary, "no usable sample", [], None, None)
+    stats = result.stats
     return DataView(
-        "\n".join(lines) or "no problems",
+        problems or "no problems",
         summary,
         stats.table(),
         histogram(stats.lengths),
@@ -191,16 +174,10 @@ class ChatModels:
 
 
 def merge_run(run_dir: Path) -> str:
-    """`lora-lab merge RUN --force`: the summary and the printed vLLM commands."""
+    """`lora-lab merge RUN --force`: what it prints."""
     from .. import merge_adapter
-    from ..planning.serving import vllm_commands
 
-    result = merge_adapter(str(run_dir), None, None, True)
-    serving = vllm_commands(result, "finetuned")
-    lines = [result.summary(), "", "serve with vLLM:"]
-    lines += [f"  {kind + ':':<9}{command}" for kind, command in serving["commands"].items()]
-    lines += [f"warning: {w}" for w in serving["warnings"]]
-    return "\n".join(lines)
+    return "\n".join(merge_adapter(str(run_dir), force=True).lines())
 
 
 EXPORTS = {
@@ -213,17 +190,10 @@ EXPORTS = {
 
 
 def export_run(run_dir: Path, choice: str) -> str:
-    """`lora-lab export RUN --format F --quantize Q --force`: the summary and how to serve it."""
-    from .. import export_gguf, export_quantized
-    from ..use.export import DEFAULT_CALIB_SAMPLES, serving_handoff
+    """`lora-lab export RUN --format F --quantize Q --force`: what it prints."""
+    from .. import export_model
 
     if choice not in EXPORTS:
         raise LoraLabError(f"export: choose one of {', '.join(EXPORTS)}.")
     fmt, quantize = EXPORTS[choice]
-    if fmt == "gguf":
-        result = export_gguf(str(run_dir), quantize, None, True)
-        handoff = result.serving_lines()
-    else:
-        result = export_quantized(str(run_dir), quantize, [], DEFAULT_CALIB_SAMPLES, None, None, True)
-        handoff = serving_handoff(result, None)
-    return "\n".join([result.summary()] + [f"warning: {w}" for w in result.warnings] + [""] + list(handoff))
+    return "\n".join(export_model(str(run_dir), format=fmt, quantize=quantize, force=True).lines())

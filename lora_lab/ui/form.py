@@ -193,7 +193,7 @@ class AllowedFolders:
     def check_data(self, spec: str) -> str:
         """A data entry: a file inside the allowed folders, with an optional #N repeat count
         or #FRACTION sample (docs/data.md)."""
-        from ..data.formats import parse_spec
+        from ..data.reading import parse_spec
 
         path, _ = parse_spec(spec)  # exactly as `lora-lab run` splits PATH#N
         self.check(path, "data")
@@ -219,7 +219,7 @@ class AllowedFolders:
         """A run folder's own config.yaml, before the page resumes, chats with, merges or exports
         it: no model code, and its model and data inside the allowed folders (a planted
         config.yaml must not widen what the form allows)."""
-        from ..data.formats import parse_spec
+        from ..data.reading import parse_spec
         from ..run_folder import CONFIG_FILE, load_saved_config
 
         config = load_saved_config(Path(run_dir) / CONFIG_FILE)

@@ -160,14 +160,12 @@ def answer_logps(model, pairs: list, pad_id: int, batch_size: int = 8) -> list:
 
 def is_preference_data(specs: list) -> bool:
     """Whether the first dataset's rows are preference pairs (chosen / rejected)."""
-    from ..data.dataset_info import DatasetInfoEntry
-    from ..data.formats import parse_spec, read_rows
+    from ..data.reading import open_spec
 
-    source, _ = parse_spec(specs[0])
-    entry = DatasetInfoEntry.from_source(source)
-    if entry is not None:
-        return bool(entry.entry.get("ranking"))
-    for row, _ in read_rows(source, []):
+    opened = open_spec(specs[0])
+    if opened.entry is not None:
+        return bool(opened.entry.entry.get("ranking"))
+    for row, _ in opened.head:  # up to the first object
         if isinstance(row, dict):
             return "rejected_response" in row or ("chosen" in row and "rejected" in row)
     return False

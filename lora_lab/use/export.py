@@ -26,22 +26,22 @@ import os
 import random
 import re
 import shutil
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 from ..config import DataArgs
 from ..device import inference_device_map, release_memory
-from ..errors import CheckpointError, DataError, LoraLabError, ModelError
+from ..errors import DataError, LoraLabError, ModelError
 from ..log import get_logger
 from ..models.load import Precision, nf4_config
-from ..paths import human_bytes, installed_versions, pickled_files, staged_folder
+from ..paths import human_bytes, installed_versions
 from ..planning.memory import TIERS_GIB
 from ..planning.serving import plan_vllm_serving, vllm_command
-from ..run_folder import ADAPTER_CONFIG, CONFIG_FILE, RunFolder, is_adapter_folder, load_saved_config, owning_run_dir
+from ..run_folder import CONFIG_FILE, RunFolder, load_saved_config
 from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_exported_folder, check_prompt_batch, reference_logits
+from .export_common import DEFAULT_CALIB_SAMPLES, Exporter, ExportLines, problems_error, run_export, weights_bytes
+from .gguf_export import GGUF_TYPES
 
 log = get_logger()
 
@@ -111,10 +111,6 @@ FORMATS = {
         recipe=awq_recipe,
     ),
 }
-GGUF_TYPES = {"f16": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
-"""--format gguf --quantize TYPE -> llama.cpp's file type (None: the converter's f16 as is);
-written by use/gguf_export.py."""
-DEFAULT_CALIB_SAMPLES = 256
 EXTRA_HINT = "pip install 'lora-lab[export]'"
 LIBRARIES = (
     "torch",
@@ -129,7 +125,7 @@ LIBRARIES = (
 
 
 @dataclass
-class ExportResult:
+class ExportResult(ExportLines):
     output_dir: Path
     format: str
     source: str
@@ -158,9 +154,35 @@ class ExportResult:
             f"positions; {self.seconds:.0f} s"
         )
 
+    def serving_lines(self) -> list[str]:
+        return serving_handoff(self, self.serving["tier"] if self.serving else None)
+
+
+class QuantizedExporter(Exporter):
+    """The 4-bit safetensors formats (FORMATS) for run_export."""
+
+    def __init__(self, fmt: QuantFormat, calib_data: list | None, calib_samples: int, gpu_tier: str | None):
+        self.fmt, self.name = fmt, fmt.name
+        self.calib_data, self.calib_samples, self.gpu_tier = calib_data, calib_samples, gpu_tier
+
+    def write(self, source: Path, staging: Path, scratch: Path, run_dir: Path | None) -> ExportResult:
+        return _export(self.fmt, source, staging, run_dir, self.calib_data, self.calib_samples)
+
+    def finish(self, staging: Path, result, source: Path, run_dir: Path | None) -> None:
+        if self.gpu_tier:
+            plan = plan_vllm_serving(
+                json.loads((staging / "config.json").read_text()), result.weights_bytes, self.gpu_tier
+            )
+            command = vllm_command(result.output_dir, self.fmt.vllm_quantization, plan)
+            result.serving = {**asdict(plan), "fits": plan.fits, "command": command}
+
+    def report_extra(self, result) -> dict:
+        return {"format_description": self.fmt.description}
+
 
 def export_quantized(
     path: str | Path,
+    *,
     quantize: str,
     calib_data: list | None = None,
     calib_samples: int = DEFAULT_CALIB_SAMPLES,
@@ -174,38 +196,8 @@ def export_quantized(
     With gpu_tier (8gb, 12gb, 16gb, 24gb) the vLLM plan for that card is added to the result and
     to export_report.json (see plan_vllm_serving)."""
     fmt = _check_arguments(quantize, calib_data, calib_samples, gpu_tier)
-    path = Path(path)
     _require_library(fmt)
-    run_dir = owning_run_dir(path)
-    output = Path(output) if output else default_output(path, run_dir, fmt.name)
-    if output.exists() and not force:
-        raise CheckpointError(
-            f"--output {output}: the folder already exists. Pass --force to replace it, or choose another --output."
-        )
-    started = time.time()
-    merged_tmp = output.with_name(output.name + ".merged-tmp")
-    shutil.rmtree(merged_tmp, ignore_errors=True)
-    try:
-        with staged_folder(output) as staging:
-            source = source_folder(path, merged_tmp, merge_dtype)
-            check_not_quantized(source)
-            result = _export(fmt, source, staging, run_dir, calib_data, calib_samples)
-            result.output_dir, result.run_dir = output, str(run_dir) if run_dir else None
-            result.source = str(path if source == merged_tmp else source)
-            result.seconds = round(time.time() - started, 1)
-            if gpu_tier:
-                plan = plan_vllm_serving(
-                    json.loads((staging / "config.json").read_text()), result.weights_bytes, gpu_tier
-                )
-                result.serving = {
-                    **asdict(plan),
-                    "fits": plan.fits,
-                    "command": vllm_command(output, fmt.vllm_quantization, plan),
-                }
-            _write_report(staging, result, merged=source == merged_tmp)
-    finally:
-        shutil.rmtree(merged_tmp, ignore_errors=True)
-    return result
+    return run_export(path, output, force, merge_dtype, QuantizedExporter(fmt, calib_data, calib_samples, gpu_tier))
 
 
 def _check_arguments(quantize, calib_data, calib_samples, gpu_tier) -> QuantFormat:
@@ -231,11 +223,7 @@ def _check_arguments(quantize, calib_data, calib_samples, gpu_tier) -> QuantForm
     if gpu_tier is not None and gpu_tier not in TIERS_GIB:
         problems.append(f"--gpu {gpu_tier}: unknown tier; choose one of {', '.join(TIERS_GIB)}.")
     if problems:
-        raise LoraLabError(
-            problems[0]
-            if len(problems) == 1
-            else f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems)
-        )
+        raise problems_error(problems)
     return fmt
 
 
@@ -246,49 +234,6 @@ def _require_library(fmt: QuantFormat) -> None:
         raise LoraLabError(
             f"--quantize {fmt.name} needs the {fmt.library} package, which is not "
             f"installed: {EXTRA_HINT} (or pip install {fmt.library})."
-        )
-
-
-def default_output(path: Path, run_dir: Path | None, name: str) -> Path:
-    """RUN_DIR/export-FORMAT for a run or its adapter; FOLDER-FORMAT beside any other folder."""
-    adapter = is_adapter_folder(path)
-    if run_dir is not None and (adapter or path.resolve() == run_dir.resolve()):
-        return run_dir / f"export-{name}"
-    return path.with_name(f"{path.name}-{name}")
-
-
-def source_folder(path: Path, merged_tmp: Path, merge_dtype: str | None) -> Path:
-    """A 16-bit Hugging Face folder to quantize: the folder itself, a full fine-tuning run's
-    model/, or the adapter of a run (or adapter folder) merged onto its 16-bit base."""
-    if (path / "config.json").is_file():
-        return path
-    if (path / "model" / "config.json").is_file():  # --tuner full
-        return path / "model"
-    if RunFolder(path).is_run or is_adapter_folder(path):
-        from .merge import merge_adapter
-
-        how = merge_dtype or "the run's training precision"
-        log.info(f"merging the adapter of {path} onto its 16-bit base ({how}) first")
-        merge_adapter(path, merged_tmp, dtype=merge_dtype)
-        return merged_tmp
-    raise CheckpointError(
-        f"{path}: not a run folder ({CONFIG_FILE}), a merged or model folder "
-        f"(config.json) or an adapter folder ({ADAPTER_CONFIG})."
-    )
-
-
-def check_not_quantized(source: Path) -> None:
-    config = json.loads((source / "config.json").read_text())
-    method = (config.get("quantization_config") or {}).get("quant_method")
-    if method:
-        raise ModelError(
-            f"{source}: this model is already quantized ({method}). Export from the "
-            f"16-bit merged folder or from the run folder."
-        )
-    if not any(source.glob("*.safetensors")):
-        raise ModelError(
-            f"{source}: no *.safetensors weights (lora-lab exports only safetensors "
-            f"folders and never loads pickled weights)."
         )
 
 
@@ -512,31 +457,9 @@ def calibration_samples(
     }
 
 
-def weights_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
-
-
 def library_versions(names=LIBRARIES) -> dict:
     """The installed version of each package (None where it is not installed)."""
     return installed_versions(names)
-
-
-def _write_report(staging: Path, result: ExportResult, merged: bool) -> None:
-    pickles = pickled_files(staging)
-    if pickles:
-        raise LoraLabError(f"internal: pickled files in the export folder: {pickles}")
-    report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
-    report.update(
-        format_description=FORMATS[result.format].description,
-        merged_from_adapter=merged,
-        files=sorted(p.name for p in staging.iterdir()),
-        folder_bytes=sum(p.stat().st_size for p in staging.iterdir()),
-        created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        check_prompts=CHECK_PROMPTS,
-    )
-    report["files"].append("export_report.json")
-    report["files"].sort()
-    (staging / "export_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
 
 
 # ----------------------------------------------------------------------------- vLLM serving plan

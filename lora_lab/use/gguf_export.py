@@ -25,22 +25,21 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointError, LoraLabError, ModelError
 from ..log import get_logger
 from ..paths import cache_dir, human_bytes, staged_folder
-from ..run_folder import RunFolder, load_saved_config, owning_run_dir
+from ..run_folder import RunFolder, load_saved_config
 from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_prompt_batch, reference_logits
-from .export import (
+from .export_common import (
     DEFAULT_CALIB_SAMPLES,
-    GGUF_TYPES,
-    check_not_quantized,
-    default_output,
+    Exporter,
+    ExportLines,
     library_versions,
-    source_folder,
+    problems_error,
+    run_export,
     weights_bytes,
 )
 from .modelfile import end_of_turn_tokens, write_modelfile
@@ -59,10 +58,12 @@ CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "LICENSE"
 PINNED_SOURCES = {"0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"}
 """sha256 of the llama-cpp-python source (sdist) whose converter lora-lab runs, by version (the
 version setup.cfg's extra gguf pins). Nothing is downloaded at export time."""
+GGUF_TYPES = {"f16": None, "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+"""--format gguf --quantize TYPE -> llama.cpp's file type (None: the converter's f16 as is)."""
 
 
 @dataclass
-class GgufExportResult:
+class GgufExportResult(ExportLines):
     output_dir: Path
     gguf_file: Path
     quantize: str
@@ -118,16 +119,31 @@ def check_gguf_arguments(
     if gpu_tier:
         problems.append(f"--gpu {gpu_tier}: the vLLM plan is for --format safetensors; drop --gpu with --format gguf.")
     if problems:
-        raise LoraLabError(
-            problems[0]
-            if len(problems) == 1
-            else f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems)
-        )
+        raise problems_error(problems)
     return quantize
+
+
+class GgufExporter(Exporter):
+    """A GGUF type (GGUF_TYPES) for run_export: the file, its Modelfile, llama.cpp's checks."""
+
+    def __init__(self, quantize: str):
+        self.quantize, self.name, self.converter = quantize, f"gguf-{quantize}", Path()
+
+    def prepare(self) -> None:
+        self.converter = locate_converter()
+
+    def write(self, source: Path, staging: Path, scratch: Path, run_dir: Path | None) -> GgufExportResult:
+        return _export(source, staging, scratch, self.converter, self.quantize)
+
+    def finish(self, staging: Path, result, source: Path, run_dir: Path | None) -> None:
+        result.gguf_file = result.output_dir / GGUF_NAME
+        system = load_saved_config(RunFolder(run_dir).config).data.system if run_dir else None
+        _write_side_files(staging, source, system)
 
 
 def export_gguf(
     path: str | Path,
+    *,
     quantize: str | None = "f16",
     output: str | Path | None = None,
     force: bool = False,
@@ -136,33 +152,8 @@ def export_gguf(
     """A merged folder, or a run folder (merged onto its 16-bit base first, in the run's training
     precision unless merge_dtype says otherwise), as a GGUF with an Ollama Modelfile."""
     quantize = check_gguf_arguments(quantize)
-    path = Path(path)
     _require_llama_cpp()
-    run_dir = owning_run_dir(path)
-    output = Path(output) if output else default_output(path, run_dir, f"gguf-{quantize}")
-    if output.exists() and not force:
-        raise CheckpointError(
-            f"--output {output}: the folder already exists. Pass --force to replace it, or choose another --output."
-        )
-    converter = locate_converter()
-    started = time.time()
-    scratch = output.with_name(output.name + ".merged-tmp")
-    shutil.rmtree(scratch, ignore_errors=True)
-    try:
-        with staged_folder(output) as staging:
-            source = source_folder(path, scratch, merge_dtype)
-            check_not_quantized(source)
-            result = _export(source, staging, scratch, converter, quantize)
-            result.output_dir, result.gguf_file = output, output / GGUF_NAME
-            result.run_dir = str(run_dir) if run_dir else None
-            result.source = str(path if source == scratch else source)
-            system = load_saved_config(RunFolder(run_dir).config).data.system if run_dir else None
-            _write_side_files(staging, source, system)
-            result.seconds = round(time.time() - started, 1)
-            _write_report(staging, result, merged=source == scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return result
+    return run_export(path, output, force, merge_dtype, GgufExporter(quantize))
 
 
 def _require_llama_cpp() -> None:
@@ -486,15 +477,3 @@ def _write_side_files(staging: Path, source: Path, system: str | None) -> None:
 
 def gguf_versions() -> dict:
     return library_versions(("llama_cpp_python", "gguf", "torch", "transformers", "lora-lab"))
-
-
-def _write_report(staging: Path, result: GgufExportResult, merged: bool) -> None:
-    report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
-    files = sorted([p.name for p in staging.iterdir()] + ["export_report.json"])
-    report.update(
-        merged_from_adapter=merged,
-        files=files,
-        check_prompts=CHECK_PROMPTS,
-        created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    )
-    (staging / "export_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")

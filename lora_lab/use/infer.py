@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ModelArgs
-from ..data.formats import detect_format, normalise_row, read_rows
+from ..data.formats import normalise_row
+from ..data.reading import open_spec, parse_items
 from ..errors import DataError, LoraLabError
 from ..log import get_logger
 from ..models.load import LoadOptions, choose_precision, load_base_model, load_tokenizer
@@ -122,12 +123,12 @@ def load_generation_model(
 
 def read_prompts(path: str, row_format: str = "auto") -> list:
     """Prompts from any dataset format: (origin, prompt messages, reference reply or None)."""
-    rows = read_rows(path)
-    fmt = row_format if row_format != "auto" else detect_format(rows, path)
+    opened = open_spec(path)
+    fmt, _ = opened.sft_format(row_format)
     prompts, problems = [], []
-    for row, origin in rows:
+    for row, origin in parse_items(opened.path, opened.items):
         try:
-            sample = normalise_row(row, fmt, origin, require_reply=False)
+            sample = normalise_row(opened.entry.remap(row) if opened.entry else row, fmt, origin, require_reply=False)
         except DataError as exc:
             problems.append(f"{origin}: {exc}")
             continue

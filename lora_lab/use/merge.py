@@ -49,9 +49,33 @@ class MergeResult:
             f"{self.output_dir}"
         )
 
+    def lines(self, served_name: str = "finetuned") -> list[str]:
+        """What `lora-lab merge` and the page print: the summary, a QLoRA note, the `vllm serve`
+        commands (served as `served_name`) and a `warning:` line for each thing vLLM cannot load."""
+        from ..planning.serving import vllm_commands
+
+        note = (
+            [
+                f"note: trained with {self.trained_with_quantization} QLoRA; merged onto "
+                f"the 16-bit base, not into 4-bit weights."
+            ]
+            if self.trained_with_quantization != "none"
+            else []
+        )
+        serving = vllm_commands(self, served_name)
+        commands = [f"  {kind + ':':<9}{command}" for kind, command in serving["commands"].items()]
+        return [
+            self.summary(),
+            *note,
+            "",
+            "serve with vLLM:",
+            *commands,
+            *(f"warning: {w}" for w in serving["warnings"]),
+        ]
+
 
 def merge_adapter(
-    path: str | Path, output: str | Path | None = None, dtype: str | None = None, force: bool = False
+    path: str | Path, *, output: str | Path | None = None, dtype: str | None = None, force: bool = False
 ) -> MergeResult:
     """Merge a run's (or adapter folder's) LoRA weights into its base model and save the result.
 
@@ -100,23 +124,29 @@ def merge_adapter(
         dtype_source=dtype_source,
         adapter_kind=adapter_kind_of(adapter_config),
     )
+    _save_merged(merged, tokenizer, result)
+    return result
+
+
+def _save_merged(merged, tokenizer, result: MergeResult) -> None:
+    """The merged model, its tokenizer and merge_report.json, put in place in one step; the
+    model stops at <|im_end|> as well as at eos."""
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
     merged.generation_config.eos_token_id = sorted({i for i in eos if i is not None}, key=eos.index)
     merged.generation_config.pad_token_id = tokenizer.pad_token_id
-    with staged_folder(output) as staging:
+    with staged_folder(result.output_dir) as staging:
         merged.save_pretrained(staging, safe_serialization=True, max_shard_size="2GB")
         tokenizer.save_pretrained(staging)
         report = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()}
         report["checks"] = {
             "weights_finite": True,
             "lora_layers_left": 0,
-            "rule": check_rule(dtype),
+            "rule": check_rule(result.dtype),
             "check_prompts": CHECK_PROMPTS,
         }
         (staging / "merge_report.json").write_text(json.dumps(report, indent=2) + "\n")
         if pickled_files(staging):
             raise LoraLabError(f"internal: pickled files in the merged folder: {pickled_files(staging)}")
-    return result
 
 
 # fp32: the merged model must compute what base+adapter computes, to rounding. In bf16/fp16

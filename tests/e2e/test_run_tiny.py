@@ -313,7 +313,7 @@ def test_merge_says_the_output_exists_before_loading_anything(finished_run, tmp_
     (tmp_path / "merged").mkdir()
     code = (
         "import sys\nfrom lora_lab.use.merge import merge_adapter\n"
-        f"try:\n    merge_adapter({str(finished_run[0])!r}, {str(tmp_path / 'merged')!r})\n"
+        f"try:\n    merge_adapter({str(finished_run[0])!r}, output={str(tmp_path / 'merged')!r})\n"
         "except Exception as exc:\n    print(type(exc).__name__, 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

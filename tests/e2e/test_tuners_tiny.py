@@ -107,7 +107,7 @@ def test_adapter_loads_gives_the_trained_logits_and_merges(runs, name, tiny_mode
     assert (adapter - base).abs().max() > 1e-2  # the adapter changes the model
     torch.testing.assert_close(adapter, trained, atol=2e-5, rtol=0)
 
-    result = merge_adapter(run_dir, tmp_path / "merged", dtype="fp32")
+    result = merge_adapter(run_dir, output=tmp_path / "merged", dtype="fp32")
     merged = logits_of(tmp_path / "merged")
     torch.testing.assert_close(merged, adapter, atol=1e-4, rtol=0)
     serving = vllm_commands(result)

@@ -7,7 +7,7 @@ import pytest
 
 from lora_lab.config import DataArgs
 from lora_lab.data import validate_data
-from lora_lab.data.formats import load_dataset_spec
+from lora_lab.data.reading import load_dataset_spec
 from lora_lab.errors import DataError
 
 QA = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]

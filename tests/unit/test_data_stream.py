@@ -15,6 +15,7 @@ from lora_lab.data import (
     build_prepared,
     encode_as_training,
     finish_validation,
+    load_samples,
     prepare_data,
     read_for_validation,
     validate_data,
@@ -22,7 +23,7 @@ from lora_lab.data import (
 from lora_lab.data import stream as stream_module
 from lora_lab.data.arrow import ArrowSamples, fingerprint_samples
 from lora_lab.data.encode import encode_samples
-from lora_lab.data.formats import sample_rows
+from lora_lab.data.reading import sample_rows
 
 MAX_LENGTH = 80
 
@@ -83,7 +84,7 @@ def in_memory(args: DataArgs, tokenizer, seed: int):
     def encode(samples, name):
         return encode_samples(tokenizer, samples, args.max_length, args.truncation, args.system, args.enable_thinking)
 
-    return build_prepared(args, tokenizer, seed, "sft", encode)
+    return build_prepared(args, seed, lambda specs: load_samples(specs, args, seed), encode)
 
 
 def described(report) -> list:

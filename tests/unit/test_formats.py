@@ -7,7 +7,8 @@ import pytest
 
 from lora_lab.config import DataArgs
 from lora_lab.data import load_samples, prepare_data
-from lora_lab.data.formats import load_dataset_spec, read_rows
+from lora_lab.data.formats import read_rows
+from lora_lab.data.reading import load_dataset_spec
 from lora_lab.errors import DataError
 from tests.conftest import write_jsonl
 

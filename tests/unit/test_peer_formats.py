@@ -12,7 +12,7 @@ import pytest
 from lora_lab.config import DataArgs
 from lora_lab.data import load_samples, prepare_data
 from lora_lab.data.encode import IGNORE_INDEX, encode_sample
-from lora_lab.data.formats import load_dataset_spec
+from lora_lab.data.reading import load_dataset_spec
 from lora_lab.errors import DataError
 from tests.conftest import ASSETS, write_jsonl
 

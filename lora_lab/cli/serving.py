@@ -1,0 +1,224 @@
+"""Commands that use a trained run: merge, export, chat, infer, eval, report, and the web page."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ..errors import LoraLabError
+from .options import echo_lines, source_options
+
+
+@click.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--output", type=click.Path(), help="Merged folder (default: RUN_DIR/merged).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["bf16", "fp16", "fp32"]),
+    default=None,
+    help="Precision of the merged weights (default: the run's training precision, "
+    "fp32 for a CPU run; bf16 for an adapter folder without its run).",
+)
+@click.option("--force", is_flag=True, help="Replace an existing --output folder.")
+@click.option("--served-name", default="finetuned", show_default=True, help="Model name in the printed vLLM commands.")
+def merge(path, output, dtype, force, served_name):
+    """Merge a run's adapter into its base model (PATH: run folder or adapter folder)."""
+    from .. import merge_adapter
+
+    echo_lines(merge_adapter(path, output=output, dtype=dtype, force=force).lines(served_name))
+
+
+@click.command()
+@click.argument("path", type=click.Path(exists=True))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["safetensors", "gguf"]),
+    default="safetensors",
+    show_default=True,
+    help="safetensors: a Hugging Face folder (transformers, vLLM). gguf: one GGUF file "
+    "for llama.cpp and Ollama, with a Modelfile (needs lora-lab[gguf]).",
+)
+@click.option(
+    "--quantize",
+    type=click.Choice(["nf4", "w4a16", "awq", "f16", "q8_0", "q4_k_m"]),
+    help="safetensors: nf4 (bitsandbytes 4-bit; vLLM --quantization bitsandbytes), "
+    "w4a16 (GPTQ int4, compressed-tensors; needs lora-lab[export]) or awq (AWQ int4, "
+    "the same format; needs lora-lab[export]). gguf: f16 (default), q8_0 or q4_k_m "
+    "(llama.cpp).",
+)
+@click.option(
+    "--calib-data",
+    multiple=True,
+    help="w4a16/awq calibration data (default: the run's training data from config.yaml). Repeat to mix datasets.",
+)
+@click.option("--calib-samples", type=int, help="w4a16/awq calibration samples  [default: 256]")
+@click.option(
+    "--output",
+    type=click.Path(),
+    help="Default: RUN_DIR/export-FORMAT (gguf: export-gguf-TYPE), or MERGED_DIR-FORMAT beside a merged folder.",
+)
+@click.option(
+    "--gpu",
+    "gpu_tier",
+    type=click.Choice(["8gb", "12gb", "16gb", "24gb"]),
+    help="Card to plan vLLM's --max-model-len, --max-num-seqs and memory share for.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing --output folder.")
+def export(path, fmt, quantize, calib_data, calib_samples, output, gpu_tier, force):
+    """Export a merged folder or a run (merged onto its 16-bit base first) for serving: 4-bit
+    safetensors for vLLM, or GGUF for llama.cpp and Ollama."""
+    from .. import export_model
+
+    result = export_model(
+        path,
+        format=fmt,
+        quantize=quantize,
+        calib_data=calib_data,
+        calib_samples=calib_samples,
+        output=output,
+        gpu_tier=gpu_tier,
+        force=force,
+    )
+    echo_lines(result.lines())
+
+
+def _settings(max_new_tokens, temperature, top_p, top_k, repetition_penalty, greedy):
+    from ..use.infer import GenerationSettings
+
+    return GenerationSettings(
+        max_new_tokens=max_new_tokens,
+        do_sample=False if greedy else None,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        repetition_penalty=repetition_penalty,
+    )
+
+
+@click.command()
+@source_options
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="Answer with the base model and the fine-tuned one side by side (--run or --adapter).",
+)
+def chat(run_dir, adapter, model, dtype, compare, **generation):
+    """Chat in the terminal, streaming tokens. /reset, /system TEXT, /quit."""
+    from ..use.infer import chat_loop, load_generation_model
+
+    if compare and model:
+        raise LoraLabError("--compare needs --run or --adapter (the base model is the adapter's).")
+    loaded, tokenizer = load_generation_model(run_dir, adapter, model, dtype)
+
+    def read(prompt):
+        try:
+            return input(prompt)
+        except EOFError:
+            return None
+
+    def write(text):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    chat_loop(loaded, tokenizer, _settings(**generation), read, write, compare)
+
+
+@click.command()
+@source_options
+@click.option(
+    "--input",
+    "input_path",
+    required=True,
+    type=click.Path(exists=True),
+    help="Prompts in any dataset format (a final assistant reply is the reference).",
+)
+@click.option(
+    "--output",
+    "output_path",
+    required=True,
+    type=click.Path(),
+    help="JSONL answers, one per input row, in input order.",
+)
+@click.option("--batch-size", default=8, show_default=True, type=int)
+def infer(run_dir, adapter, model, dtype, input_path, output_path, batch_size, **generation):
+    """Batch generation: one answer per input row."""
+    from ..use.infer import load_generation_model, run_inference
+
+    loaded, tokenizer = load_generation_model(run_dir, adapter, model, dtype)
+    count = run_inference(loaded, tokenizer, input_path, output_path, _settings(**generation), batch_size)
+    click.echo(f"wrote {count} answers to {output_path}")
+
+
+@click.command("eval")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--data", "datasets", multiple=True, required=True, help="Data to evaluate on.")
+@click.option("--samples", default=5, show_default=True, help="Generated answers to show.")
+@click.option("--output", type=click.Path(), help="JSON report (default RUN_DIR/eval_report.json).")
+def evaluate(path, datasets, samples, output):
+    """Eval loss and perplexity on assistant tokens, plus generated answers vs references; on
+    preference pairs (chosen / rejected) the reward margin and preference accuracy."""
+    from .. import evaluate_run
+
+    report = evaluate_run(path, list(datasets), samples, output)
+    if "reward_margin" in report:  # preference pairs
+        click.echo(
+            f"pairs {report['pairs']}  reward margin {report['reward_margin']:.4f}  "
+            f"preference accuracy {report['preference_accuracy']:.3f} (beta "
+            f"{report['beta']}, against the run's reference model)\nreport: "
+            f"{report['report_path']}"
+        )
+        return
+    click.echo(
+        f"samples {report['samples']}  assistant tokens {report['assistant_tokens']}  "
+        f"eval loss {report['eval_loss']:.4f}  perplexity {report['perplexity']:.2f}"
+    )
+    for row in report["generations"]:
+        click.echo(
+            f"\n{row['origin']}\n  prompt:    {row['prompt'][:100]}\n"
+            f"  reference: {row['reference'][:100]}\n  answer:    {row['answer'][:100]}"
+        )
+    click.echo(f"\nreport: {report['report_path']}")
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+def report(run_dir):
+    """Plot a run's loss, learning rate, gradient norm, tokens/s and GPU memory against the step
+    (PNG files in RUN_DIR/plots/); works while the run trains too."""
+    from .. import report_run
+
+    click.echo(report_run(run_dir).summary())
+
+
+@click.command()
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to serve on; any other than loopback asks for a token.",
+)
+@click.option("--port", default=7860, show_default=True, type=int)
+@click.option(
+    "--token",
+    help="Deprecated (visible in `ps`): the token the page asks for. Prefer $LORA_LAB_UI_TOKEN or --token-file.",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(),
+    help="A file holding the token the page asks for (default with another --host: a new one, printed).",
+)
+@click.option("--max-runs", default=1, show_default=True, type=click.IntRange(1), help="Runs the page trains at once.")
+@click.option(
+    "--allow",
+    "allowed",
+    multiple=True,
+    type=click.Path(),
+    help="A folder the page may read and write (models, data, runs). Repeat for more; default: the current folder.",
+)
+def ui(host, port, token, token_file, max_runs, allowed):
+    """A web page to plan, start, watch, resume, chat with and export runs (needs lora-lab[ui])."""
+    from ..ui import launch_ui
+
+    launch_ui(host, port, token, list(allowed) or ["."], token_file=token_file, max_runs=max_runs)

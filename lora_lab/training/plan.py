@@ -173,7 +173,7 @@ def plan_run(
     config = settle_engine(config, target)
     config, precision = settle_precision(config, target)
     model = (
-        locate(config)
+        locate_run_model(config)
         if for_run and locate
         else LocatedModel(config.model.name, config.model.name, known_config(config))
     )

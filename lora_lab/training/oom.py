@@ -98,6 +98,7 @@ def retry_plan(
 ) -> tuple[RunPlan, TrainingInputs]:
     """The plan to go on under after out-of-memory at `step`, recorded in config.yaml, with the
     rows repacked for its micro-batch and its resume point the newest checkpoint."""
+    longest_sample = plan.row_tokens
     plan = halved_plan(plan, step, precision)
     save_config(plan.config, plan.run_dir / CONFIG_FILE)
     if inputs.packed is not None:  # the row length follows the micro-batch
@@ -109,9 +110,8 @@ def retry_plan(
     resume_from = find_resume_checkpoint(plan.run_dir)
     trim_step_log(plan.run_dir / STEP_LOG, checkpoint_step(resume_from) if resume_from else 0)
     log.info(f"resuming from {resume_from}" if resume_from else "no checkpoint yet; starting over")
-    rows = plan.row_tokens if inputs.packed is None else inputs.packed.longest_row
-    plan = replace(plan, resume_from=resume_from)
-    return (plan.with_rows(rows) if rows else plan), inputs
+    rows = longest_sample if inputs.packed is None else inputs.packed.longest_row
+    return replace(plan, resume_from=resume_from).with_rows(rows), inputs
 
 
 def halved_plan(plan: RunPlan, step: int, precision: Precision) -> RunPlan:

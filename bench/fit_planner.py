@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lora_lab.config import resolve_config
-from lora_lab.planning.policies import resolve_fast_lora
 from lora_lab.planning import memory
+from lora_lab.planning.policies import resolve_fast_lora
 from lora_lab.registry import QWEN25_SIZES, model_config_of
 
 

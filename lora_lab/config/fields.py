@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..paths import presets_dir
 
@@ -479,7 +480,7 @@ class RunConfig:
     """key -> where its value came from ("default", "preset 16gb", "--lora-rank" ...)."""
 
     def to_dict(self) -> dict:
-        out = {"preset": self.preset}
+        out: dict[str, Any] = {"preset": self.preset}
         for name in SECTIONS:
             out[name] = dataclasses.asdict(getattr(self, name))
         return out
@@ -487,7 +488,7 @@ class RunConfig:
     def with_changes(self, values: dict, source: str | dict) -> RunConfig:
         """A new config with `values` ("train.engine" -> "fsdp") set, each recorded as coming
         from `source` (one label, or key -> label); this one is left as it was."""
-        sections = {name: {} for name in SECTIONS}
+        sections: dict[str, dict] = {name: {} for name in SECTIONS}
         for key, value in values.items():
             section, name = key.split(".")
             sections[section][name] = value

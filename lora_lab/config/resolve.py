@@ -121,7 +121,8 @@ def resolve_config(
 def _layers(preset: str | None, config_file: str | None, flags: dict | None, sets, problems: list) -> list[_Layer]:
     """The sources of values, lowest first: preset (and its size section), --config, flags, --set."""
     layers: list[_Layer] = []
-    preset_sizes, preset_path = {}, None
+    preset_sizes: dict = {}
+    preset_path = Path()
     if preset is not None:
         preset_data, preset_path = load_preset(preset)
         preset_sizes = preset_data.pop("sizes", None) or {}
@@ -153,7 +154,9 @@ def _layers(preset: str | None, config_file: str | None, flags: dict | None, set
 
 def _merge(layers: list[_Layer], problems: list) -> tuple[dict, dict, dict]:
     """Each key's value from the last layer that gives it: (values, sources, labels)."""
-    values, sources, labels = {}, {}, {}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    labels: dict[str, str] = {}
     for layer in layers:
         for key, raw in layer.values.items():
             value, problem = _coerce(key, raw)
@@ -173,7 +176,7 @@ def _merge(layers: list[_Layer], problems: list) -> tuple[dict, dict, dict]:
 
 def _build(preset: str, values: dict, sources: dict) -> RunConfig:
     """The frozen RunConfig of the merged values; every other key keeps its default."""
-    sections = {name: {} for name in SECTIONS}
+    sections: dict[str, dict] = {name: {} for name in SECTIONS}
     for key, value in values.items():
         section, name = key.split(".")
         sections[section][name] = value
@@ -289,7 +292,8 @@ def _derived_defaults(config: RunConfig) -> RunConfig:
     becomes FULL_FINETUNING_LR (the defaults and presets hold LoRA learning rates). A preference
     --task turns a preset's packing off. One process: train.engine auto is ddp (with several,
     the run plan picks the engine)."""
-    values, sources = {}, {}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     given = config.sources.get("train.lr", "default")
     if config.train.tuner == "full" and (given == "default" or given.startswith("preset")):
         values["train.lr"], sources["train.lr"] = FULL_FINETUNING_LR, "--tuner full default"

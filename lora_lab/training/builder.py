@@ -5,10 +5,12 @@ prepared rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import RunConfig, converts_initial_adapter
 from ..data import PreparedData
 from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, SupervisedDataset
+from ..data.packing import PackedData
 from ..log import get_logger
 from ..models.fast_lora import FastLoraOptions
 from ..models.load import LoadOptions, Precision, load_base_model
@@ -39,8 +41,8 @@ class TrainingInputs:
     the data's fingerprint (checkpoints record it)."""
 
     data: PreparedData
-    packed: object | None
-    tokenizer: object
+    packed: PackedData | None
+    tokenizer: Any
     fingerprint: dict
 
 
@@ -71,7 +73,7 @@ def build_trainer(plan: RunPlan, inputs: TrainingInputs, precision: Precision) -
     say_family(model.config.model_type)
     model = apply_tuner(plan, model, precision, tokens, args.should_save, inputs)
     trainer_parts = {
-        "guard": NonFiniteGuard(config.train.on_nonfinite, precision.name, plan.run_dir),
+        "guard": NonFiniteGuard(config.train.on_nonfinite, precision.name, plan.folder),
         "train_data": inputs.fingerprint,
         "memory_means": plan.memory_means.describe() if plan.memory_means else "none",
         "resumed_loss_sum": saved_loss_sum(plan.resume_from),
@@ -88,7 +90,7 @@ def build_trainer(plan: RunPlan, inputs: TrainingInputs, precision: Precision) -
             data.train.samples,
             data.val.samples if data.val else None,
             inputs.tokenizer,
-            run_callbacks(plan.run_dir, config.train.report_to),
+            run_callbacks(plan.folder, config.train.report_to),
             **trainer_parts,
         )
     return supervised_trainer(plan, inputs, model, args, trainer_parts)
@@ -99,7 +101,7 @@ def training_arguments(plan: RunPlan, inputs: TrainingInputs, precision: Precisi
     config, packed = plan.config, inputs.packed
     return build_training_arguments(
         config,
-        plan.run_dir,
+        plan.folder,
         precision,
         count_optimizer_steps(config, len(inputs.data.train.samples)),
         inputs.data.val is not None,
@@ -128,7 +130,7 @@ def apply_tuner(plan: RunPlan, model, precision: Precision, tokens, should_save:
         adapter_dir=plan.from_run_adapter,
     )
     model = apply_lora(model, config.lora, building)
-    initial = plan.run_dir / INITIAL_ADAPTER_FOLDER
+    initial = plan.folder / INITIAL_ADAPTER_FOLDER
     if converts_initial_adapter(config.lora) and not initial.is_dir() and should_save:
         with staged_folder(initial) as staging:
             save_initial_adapter(model, staging)
@@ -142,7 +144,7 @@ def apply_tuner(plan: RunPlan, model, precision: Precision, tokens, should_save:
     log.info(
         f"precision {precision.name}; {describe_tuner(config)}: {trainable:,} "
         f"trainable of {total:,} parameters; kernels {plan.kernels}"
-        f"{', fast LoRA' if plan.fast_lora else ''}; memory means: {plan.memory_means.describe()}"
+        f"{', fast LoRA' if plan.fast_lora else ''}; memory means: {plan.memory_means.describe() if plan.memory_means else 'none'}"
         + (f"; packed rows attend with {plan.packed_attention}" if inputs.packed else "")
     )
     return model
@@ -160,7 +162,7 @@ def supervised_trainer(plan: RunPlan, inputs: TrainingInputs, model, args, parts
         eval_dataset=SupervisedDataset(data.val.samples) if data.val else None,
         data_collator=PackedCollator(pad, plan.packed_attention) if packed else PadCollator(pad),
         processing_class=inputs.tokenizer,
-        callbacks=run_callbacks(plan.run_dir, plan.config.train.report_to),
+        callbacks=run_callbacks(plan.folder, plan.config.train.report_to),
         **parts,
     )
 

@@ -116,7 +116,7 @@ def write_launch_files(plan: RunPlan, folder: Path | None = None, node_rank: int
     (train.node_rank by default): the plan the workers train with (run_config.yaml,
     training/plan.py write_plan) and accelerate's config; returns the accelerate config."""
     config, precision_name = plan.config, plan.precision
-    folder = folder or plan.run_dir / LAUNCH_FOLDER
+    folder = folder or plan.folder / LAUNCH_FOLDER
     node_rank = config.train.node_rank if node_rank is None else node_rank
     node = node_folder(folder, config, node_rank)
     node.mkdir(parents=True, exist_ok=True)
@@ -213,7 +213,7 @@ def prepare_launch(
     into it, until `hold` closes."""
     target = Target(gpu_gib=TIERS_GIB.get(config.preset), cuda=True) if dry_run else Target.here()
     plan = plan_run(config, target, quiet=True, locate=False)
-    config, run_dir = plan.config, plan.run_dir
+    config, run_dir = plan.config, plan.folder
     if not dry_run:
         import torch
 
@@ -241,7 +241,7 @@ def dry_run_launch(config: RunConfig) -> Path:
     """Write the launch files (every node's) and print the command each node runs and the
     per-GPU memory plan; run nothing."""
     command, plan = prepare_launch(config, dry_run=True)
-    config, run_dir = plan.config, plan.run_dir
+    config, run_dir = plan.config, plan.folder
     folder, t = run_dir / LAUNCH_FOLDER, config.train
     if t.nodes == 1:
         log.info(
@@ -288,7 +288,7 @@ def launch_run(config: RunConfig) -> TrainResult:
     """Run `config` as train.gpus processes under accelerate; returns rank 0's result."""
     with contextlib.ExitStack() as hold:
         command, plan = prepare_launch(config, hold=hold)
-        return _run_workers(plan.config, command, plan.run_dir)
+        return _run_workers(plan.config, command, plan.folder)
 
 
 def _run_workers(config: RunConfig, command: list, run_dir: Path) -> TrainResult:

@@ -52,13 +52,13 @@ def train_with_oom_retry(
             return trainer, finish_from_checkpoint(trainer, resume_from), plan
         try:
             trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-            stop_if_signalled(trainer, plan.run_dir)
+            stop_if_signalled(trainer, plan.folder)
             steps = max(trainer.state.global_step, 1)
             return trainer, (trainer.resumed_loss_sum + trainer._total_loss_scalar) / steps, plan
         except torch.cuda.OutOfMemoryError:
             step = trainer.state.global_step + 1
             refuse_retry_on_several(plan, step)
-        trainer = None
+        del trainer
         release_memory()
         plan, inputs = retry_plan(plan, inputs, step, precision)
 
@@ -100,17 +100,18 @@ def retry_plan(
     rows repacked for its micro-batch and its resume point the newest checkpoint."""
     longest_sample = plan.row_tokens
     plan = halved_plan(plan, step, precision)
-    save_config(plan.config, plan.run_dir / CONFIG_FILE)
+    save_config(plan.config, plan.folder / CONFIG_FILE)
     if inputs.packed is not None:  # the row length follows the micro-batch
         t = plan.config.train
         packed = pack_samples(
             inputs.data.train.samples, t.micro_batch_size * t.grad_accum, row_length(plan.config), t.seed
         )
         inputs = replace(inputs, packed=packed)
-    resume_from = find_resume_checkpoint(plan.run_dir)
-    trim_step_log(plan.run_dir / STEP_LOG, checkpoint_step(resume_from) if resume_from else 0)
+    resume_from = find_resume_checkpoint(plan.folder)
+    trim_step_log(plan.folder / STEP_LOG, checkpoint_step(resume_from) if resume_from else 0)
     log.info(f"resuming from {resume_from}" if resume_from else "no checkpoint yet; starting over")
     rows = longest_sample if inputs.packed is None else inputs.packed.longest_row
+    assert rows is not None  # the plan trained with its rows settled (run.prepare_inputs)
     return replace(plan, resume_from=resume_from).with_rows(rows), inputs
 
 

@@ -20,6 +20,7 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -110,6 +111,13 @@ class RunPlan:
     from_run_adapter: Path | None = None
     row_tokens: int | None = None
     memory_means: MemoryMeans | None = None
+
+    @property
+    def folder(self) -> Path:
+        """The run folder of a run's plan (`lora-lab plan`'s has none)."""
+        if self.run_dir is None:
+            raise ValueError("a plan made with for_run=False has no run folder")
+        return self.run_dir
 
     @property
     def engine(self) -> str:
@@ -224,7 +232,7 @@ def read_plan(path: Path) -> RunPlan:
 
     config = load_saved_config(path)
     facts = yaml.safe_load(Path(path).read_text(encoding="utf-8"))["plan"]
-    paths = {
+    paths: dict[str, Any] = {
         name: Path(facts[name]) if facts[name] else None for name in ("run_dir", "resume_from", "from_run_adapter")
     }
     model = LocatedModel(config.model.name, facts["model_path"], facts["model_config"] or {})

@@ -90,23 +90,23 @@ def train_in_process(config: RunConfig, plan: RunPlan | None = None) -> TrainRes
     check_model_files(plan.model.path)  # before the data are encoded
     with contextlib.ExitStack() as hold:
         if not in_launched_worker():  # a launched run's folder is held by its launcher
-            hold.enter_context(run_lock(plan.run_dir))
+            hold.enter_context(run_lock(plan.folder))
         return train_in_folder(plan, precision, state, started)
 
 
 def train_in_folder(plan: RunPlan, precision, state, started: float) -> TrainResult:
     """train(), from the moment the run folder is fixed and held."""
-    check_run_dir(plan.run_dir, plan.config, plan.resume_from)
+    check_run_dir(plan.folder, plan.config, plan.resume_from)
     plan, inputs = prepare_inputs(plan, state)
     open_run_dir(plan, inputs.data, inputs.fingerprint, state.is_main_process, state.wait_for_everyone)
     state.wait_for_everyone()
-    with tracker_runs(plan.run_dir, plan.config.train.report_to, state.is_main_process):
+    with tracker_runs(plan.folder, plan.config.train.report_to, state.is_main_process):
         trainer, train_loss, plan = train_with_oom_retry(plan, inputs, precision)
         eval_loss = trainer.evaluate()["eval_loss"] if inputs.data.val else None
     saved_dir = finish_weights(plan, trainer, precision, state)
     full = plan.config.train.tuner == "full"
     result = TrainResult(
-        run_dir=plan.run_dir,
+        run_dir=plan.folder,
         adapter_dir=None if full else saved_dir,
         model_dir=saved_dir if full else None,
         global_step=trainer.state.global_step,
@@ -130,21 +130,21 @@ def prepare_inputs(plan: RunPlan, state) -> tuple[RunPlan, TrainingInputs]:
     report_data(data, config.data.max_length)
     check_token_ids(plan, data, tokenizer)
     fingerprint = data.train.fingerprint or data_fingerprint(data.train.samples)
-    agree_across_nodes(config, plan.run_dir, fingerprint)  # before rank 0 writes into the folder
+    agree_across_nodes(config, plan.folder, fingerprint)  # before rank 0 writes into the folder
     if state.is_main_process:
-        remove_unfinished_saves(plan.run_dir)  # before the disk check counts the free space
+        remove_unfinished_saves(plan.folder)  # before the disk check counts the free space
     if plan.resume_from is not None:
         plan = resumed_plan(plan)
     packed = pack_training_data(plan.config, data) if plan.config.data.packing else None
     plan = plan.with_rows(longest_row(data, packed))
     check_gpu_memory(plan)
-    check_disk_space(plan.config, plan.run_dir, count_optimizer_steps(plan.config, len(data.train.samples)))
+    check_disk_space(plan.config, plan.folder, count_optimizer_steps(plan.config, len(data.train.samples)))
     return plan, TrainingInputs(data, packed, tokenizer, fingerprint)
 
 
 def finish_weights(plan: RunPlan, trainer: LoraLabTrainer, precision, state) -> Path:
     """The final adapter/ (or model/) of the trained run; returns its folder."""
-    config, run_dir = plan.config, plan.run_dir
+    config, run_dir = plan.config, plan.folder
     full = config.train.tuner == "full"
     saved_dir = run_dir / (MODEL_FOLDER if full else ADAPTER_FOLDER)
     ensure_finite(trainer.model, "the model" if full else "the adapter")
@@ -267,7 +267,7 @@ def remove_unfinished_saves(run_dir: Path) -> None:
 def resumed_plan(plan: RunPlan) -> RunPlan:
     """A run that moved to a smaller micro-batch after running out of memory resumes with it: a
     new plan of that batch."""
-    batch = resumed_batch(plan.run_dir, plan.config)
+    batch = resumed_batch(plan.folder, plan.config)
     if batch is None:
         return plan
     log.info(
@@ -284,7 +284,7 @@ def open_run_dir(
 
     Every rank checks (so that all of them stop on drift), and all have read config.yaml
     (`wait`: a barrier) before the main process alone rewrites it."""
-    config, run_dir, resume_from = plan.config, plan.run_dir, plan.resume_from
+    config, run_dir, resume_from = plan.config, plan.folder, plan.resume_from
     if resume_from is not None:
         for change in check_drift(run_dir, resume_from, config, fingerprint):
             log.warning(f"warning: --allow-config-change: {change}")

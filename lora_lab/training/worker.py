@@ -8,6 +8,7 @@ presets, no second choice of engine, precision or run folder.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from ..errors import LoraLabError, RunStopped
 from ..log import get_logger
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     from .run import train
 
     try:
-        plan = read_plan(argv[1])
+        plan = read_plan(Path(argv[1]))
         train(plan.config, plan)
     except RunStopped as exc:
         print(str(exc), file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -268,7 +269,8 @@ def _data_config(datasets, model, max_length, row_format, model_name, model_auth
         training=training,
     )
     if not training:
-        config.data, note = with_identity_stand_ins(config.data)
+        data, note = with_identity_stand_ins(config.data)
+        config = dataclasses.replace(config, data=data)  # a resolved config is frozen
         if note:
             click.echo(note)
     return config

@@ -4,6 +4,7 @@ export. Nothing here trains: a run is always the `lora-lab run` process (runs.Ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 from dataclasses import dataclass
@@ -99,7 +100,8 @@ def check_data(form: RunForm) -> DataView:
         },
         training=False,
     )
-    config.data, note = with_identity_stand_ins(config.data)
+    data, note = with_identity_stand_ins(config.data)
+    config = dataclasses.replace(config, data=data)  # a resolved config is frozen
     path, source = locate_tokenizer(config.model.name)
     tokenizer = load_tokenizer(config.model.name, path=path)
     report = validate_data(data, config.data, tokenizer, config.train.seed)

@@ -18,15 +18,11 @@ from .fields import (
     LoraArgs,
     ModelArgs,
     RunConfig,
-    converts_initial_adapter,
-    engine_template,
     flatten,
-    main_host_port,
-    trains_adapter,
-    world_size_of,
 )
 from .flags import FLAG_FOR_KEY, FLAGS, all_keys, field_help
 from .resolve import list_presets, resolve_config
+from .rules import converts_initial_adapter, engine_template, main_host_port, trains_adapter, world_size_of
 
 __all__ = [
     "DEEPSPEED_ENGINES",

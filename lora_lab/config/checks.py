@@ -9,16 +9,8 @@ import re
 
 from ..paths import identity_datasets
 from ..registry import model_config_of
-from .fields import (
-    LORA_INITS,
-    REPORT_BACKENDS,
-    SECTIONS,
-    RunConfig,
-    converts_initial_adapter,
-    main_host_port,
-    trains_adapter,
-    world_size_of,
-)
+from .fields import LORA_INITS, REPORT_BACKENDS, SECTIONS, RunConfig
+from .rules import converts_initial_adapter, main_host_port, trains_adapter, world_size_of
 
 
 def tuner_problems(config: RunConfig) -> list[tuple[str, str]]:

@@ -14,8 +14,9 @@ from ..errors import ConfigError, ModelError
 from ..paths import presets_dir
 from ..registry import resolve_model_spec, size_class
 from .checks import config_problems
-from .fields import FULL_FINETUNING_LR, SECTIONS, ModelArgs, RunConfig, world_size_of
+from .fields import FULL_FINETUNING_LR, SECTIONS, ModelArgs, RunConfig
 from .flags import FLAG_FOR_KEY, all_keys
+from .rules import world_size_of
 
 # ----------------------------------------------------------------------------- presets
 

@@ -209,7 +209,7 @@ def prepare_launch(
 
     dry_run: for a machine other than this one (e.g. 8 GPUs planned from a laptop): a GPU of the
     preset's tier with bf16, no model located, and no check of this machine's GPUs or DeepSpeed
-    install. hold: takes the run folder's lock (run_folder.run_lock) before anything is written
+    install. hold: takes the run folder's lock (training.lock.run_lock) before anything is written
     into it, until `hold` closes."""
     target = Target(gpu_gib=TIERS_GIB.get(config.preset), cuda=True) if dry_run else Target.here()
     plan = plan_run(config, target, quiet=True, locate=False)

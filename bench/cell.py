@@ -80,7 +80,8 @@ def run_lora_lab(cell: dict) -> dict:
     config = resolve_config(cell["preset"], flags=flags, sets=cell.get("sets", []) + ablation_sets(cell))
     if config.data.packing and not cell.get("grad_accum"):
         # every sample full length: one packed row of pack_length tokens per optimizer step
-        config.train.grad_accum = max(1, row_length(config) // cell["max_length"])
+        accum = max(1, row_length(config) // cell["max_length"])
+        config = config.with_changes({"train.grad_accum": accum}, "bench cell (one full row a step)")
     rows = cell["steps"] * config.train.grad_accum * config.train.micro_batch_size
     if task == "sft":
         write_full_length_rows(data, rows, cell["max_length"], vocabulary=words_within(model))

@@ -18,8 +18,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lora_lab.config import resolve_config, resolve_fast_lora
+from lora_lab.config import resolve_config
 from lora_lab.planning import memory
+from lora_lab.planning.policies import resolve_fast_lora
 from lora_lab.registry import QWEN25_SIZES, model_config_of
 
 

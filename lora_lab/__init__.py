@@ -43,26 +43,18 @@ def train(config: RunConfig):
 
 def plan(config: RunConfig, gpu_memory_gib: float | None = None, longest_sample_tokens: int | None = None):
     """The memory plan of `config` (planning.memory.MemoryPlan) on a GPU of gpu_memory_gib;
-    without it, on the card of the config's tier (the 16gb preset: 16 GiB).
+    without it, on the card of the config's tier (the 16gb preset: 16 GiB). `config` is left
+    as it is.
 
-    A plan is of a GPU run wherever it is made: data.packed_attention auto is planned as a CUDA
-    GPU runs it. train.engine auto with several GPUs is settled first: the fastest engine that
-    fits."""
-    from .log import get_logger
-    from .planning.choice import pick_engine
-    from .planning.memory import TIERS_GIB, as_planned_on_cuda, plan_memory
+    The plan counts what a run would settle (training/plan.py: the same `plan_run`), on a CUDA
+    GPU wherever it is made: train.engine auto with several GPUs is the fastest engine that
+    fits, data.packed_attention auto as the installed PyTorch runs it on CUDA."""
+    from .planning.memory import plan_memory
+    from .training.plan import plan_run, plan_target
 
-    if gpu_memory_gib is None and config.preset in TIERS_GIB:
-        gpu_memory_gib = TIERS_GIB[config.preset]
-        get_logger().info(
-            f"planned for the {config.preset} preset's card, {gpu_memory_gib} GiB (--gpu-memory GIB plans for another)"
-        )
-    if config.train.engine == "auto":
-        config.train.engine, why = pick_engine(config, gpu_memory_gib)
-        config.sources["train.engine"] = "auto"
-        get_logger().info(f"--engine auto: {config.train.engine} ({why})")
+    settled = plan_run(config, plan_target(config.preset, gpu_memory_gib), for_run=False)
     try:
-        return plan_memory(as_planned_on_cuda(config), gpu_memory_gib, longest_sample_tokens)
+        return plan_memory(settled.planner_config, gpu_memory_gib or settled.gpu_gib, longest_sample_tokens)
     except ValueError:
         raise LoraLabError(
             f"--model {config.model.name}: the planner needs the model's "

@@ -191,11 +191,11 @@ def load_saved_config(path: Path) -> RunConfig:
             f"{path}: not a lora-lab run config (expected the sections "
             f"model:, lora:, data:, train:). Restore it from a copy."
         )
-    config = RunConfig(preset=body.get("preset", "?"), sources=body.get("resolved_from", {}))
+    sections = {}
     for section, cls in SECTIONS.items():
         known = {f.name for f in dataclasses.fields(cls)}
-        setattr(config, section, cls(**{k: v for k, v in body.get(section, {}).items() if k in known}))
-    return config
+        sections[section] = cls(**{k: v for k, v in (body.get(section) or {}).items() if k in known})
+    return RunConfig(preset=body.get("preset", "?"), **sections, sources=body.get("resolved_from") or {})
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -413,9 +413,10 @@ def locate_run_dir(config: RunConfig) -> Path:
     return Path(config.train.output_dir) / (config.train.run_name or default_run_name(config))
 
 
-def fix_run_dir(config: RunConfig, run_dir: Path) -> None:
-    """Record the run folder in the config, so that every process and config.yaml name it."""
-    config.train.output_dir, config.train.run_name = str(run_dir.parent), run_dir.name
+def fix_run_dir(config: RunConfig, run_dir: Path) -> RunConfig:
+    """The config with the run folder recorded, so that every process and config.yaml name it."""
+    values = {"train.output_dir": str(run_dir.parent), "train.run_name": run_dir.name}
+    return config.with_changes(values, {k: config.sources.get(k, "default") for k in values})
 
 
 def holds_run(run_dir: Path) -> bool:

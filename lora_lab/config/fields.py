@@ -5,19 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
-
-from ..paths import presets_dir
+from typing import Any
 
 ENGINES = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload", "fsdp")
 """train.engine values; each but ddp has its config file in presets/engines/."""
 DEEPSPEED_ENGINES = ("deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload")
-
-
-def engine_template(engine: str) -> Path:
-    """presets/engines/<engine>.json (DeepSpeed) or .yaml (accelerate: ddp, fsdp)."""
-    suffix = ".json" if engine in DEEPSPEED_ENGINES else ".yaml"
-    return presets_dir() / "engines" / f"{engine}{suffix}"
 
 
 def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None, maximum: float | None = None):
@@ -36,7 +28,7 @@ MAX_SEQUENCE_TOKENS = 1_048_576
 """The longest row (sample or packed row) accepted, far past any supported model's context."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelArgs:
     name: str = _f("qwen2.5-0.5b", "Hub id, alias (qwen2.5-7b, qwen2.5-7b-base), folder or .gguf.")
     dtype: str = _f(
@@ -122,7 +114,7 @@ class ModelArgs:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraArgs:
     rank: int = _f(8, "LoRA rank r.", minimum=1, maximum=MAX_LORA_RANK)
     alpha: float = _f(32, "LoRA alpha (scale = alpha / rank).", minimum=0)
@@ -156,7 +148,7 @@ class LoraArgs:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataArgs:
     datasets: list = _f(
         [],
@@ -242,7 +234,7 @@ REFERENCE_TASKS = ("dpo", "kto")
 """Preference tasks with a reference model: a forward pass without gradients per micro-batch."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainArgs:
     task: str = _f(
         "sft",
@@ -468,7 +460,7 @@ class TrainArgs:
 SECTIONS = {"model": ModelArgs, "lora": LoraArgs, "data": DataArgs, "train": TrainArgs}
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     preset: str = "cpu"
     model: ModelArgs = field(default_factory=ModelArgs)
@@ -479,10 +471,29 @@ class RunConfig:
     """key -> where its value came from ("default", "preset 16gb", "--lora-rank" ...)."""
 
     def to_dict(self) -> dict:
-        out = {"preset": self.preset}
+        out: dict[str, Any] = {"preset": self.preset}
         for name in SECTIONS:
             out[name] = dataclasses.asdict(getattr(self, name))
         return out
+
+    def with_changes(self, values: dict, source: str | dict) -> RunConfig:
+        """A new config with `values` ("train.engine" -> "fsdp") set, each recorded as coming
+        from `source` (one label, or key -> label); this one is left as it was."""
+        sections: dict[str, dict] = {name: {} for name in SECTIONS}
+        for key, value in values.items():
+            section, name = key.split(".")
+            sections[section][name] = value
+        labels = source if isinstance(source, dict) else dict.fromkeys(values, source)
+        return dataclasses.replace(
+            self,
+            **{name: dataclasses.replace(getattr(self, name), **body) for name, body in sections.items() if body},
+            sources={**self.sources, **labels},
+        )
+
+    def value(self, key: str):
+        """The value of a dotted key ("lora.rank")."""
+        section, name = key.split(".")
+        return getattr(getattr(self, section), name)
 
     def describe(self, changed_only: bool = False) -> str:
         """One line per key: value and where it came from; changed_only: only the keys whose value
@@ -495,69 +506,6 @@ class RunConfig:
         return "\n".join(lines)
 
 
-# The named flags of `lora-lab run`, and the key each sets. The CLI builds its options from this
-# table and errors name the flag when that is where a value came from.
-FLAGS = {
-    "--model": "model.name",
-    "--dtype": "model.dtype",
-    "--quantization": "model.quantization",
-    "--trust-remote-code": "model.trust_remote_code",
-    "--lora-rank": "lora.rank",
-    "--lora-alpha": "lora.alpha",
-    "--lora-dropout": "lora.dropout",
-    "--data": "data.datasets",
-    "--val-data": "data.val_data",
-    "--val-ratio": "data.val_ratio",
-    "--format": "data.format",
-    "--max-length": "data.max_length",
-    "--truncation": "data.truncation",
-    "--system": "data.system",
-    "--model-name": "data.model_name",
-    "--model-author": "data.model_author",
-    "--output-dir": "train.output_dir",
-    "--run-name": "train.run_name",
-    "--micro-batch-size": "train.micro_batch_size",
-    "--grad-accum": "train.grad_accum",
-    "--lr": "train.lr",
-    "--epochs": "train.epochs",
-    "--max-steps": "train.max_steps",
-    "--seed": "train.seed",
-    "--memory-check/--no-memory-check": "train.memory_check",
-    "--save-steps": "train.save_steps",
-    "--logging-steps": "train.logging_steps",
-    "--eval-steps": "train.eval_steps",
-    "--report-to": "train.report_to",
-    "--gradient-checkpointing/--no-gradient-checkpointing": "train.gradient_checkpointing",
-    "--resume": "train.resume",
-    "--allow-config-change": "train.allow_config_change",
-    "--on-nonfinite": "train.on_nonfinite",
-    "--oom-retry/--no-oom-retry": "train.oom_retry",
-    "--gpus": "train.gpus",
-    "--nodes": "train.nodes",
-    "--node-rank": "train.node_rank",
-    "--main-address": "train.main_address",
-    "--engine": "train.engine",
-    "--tuner": "train.tuner",
-    "--task": "train.task",
-    "--from-run": "train.from_run",
-    "--beta": "train.pref_beta",
-}
-
-
-FLAG_FOR_KEY = {key: flag.split("/")[0] for flag, key in FLAGS.items()}
-"""Config key -> the named flag that sets it (its positive form), for messages."""
-
-
-def field_help(key: str) -> str:
-    section, name = key.split(".")
-    spec = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[name]
-    return spec.metadata["help"]
-
-
-def all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
-
-
 def flatten(tree: dict, prefix: str = "") -> dict:
     flat = {}
     for key, value in tree.items():
@@ -567,54 +515,3 @@ def flatten(tree: dict, prefix: str = "") -> dict:
         else:
             flat[dotted] = value
     return flat
-
-
-def trains_adapter(train: TrainArgs) -> bool:
-    """The run trains an adapter (adapter/), not every weight (model/)."""
-    return train.tuner in ADAPTER_TUNERS
-
-
-def resolve_fast_lora(config) -> bool:
-    """model.fast_lora -> whether this run routes its LoRA layers through the fast path: auto is
-    on for LoRA without adapter dropout (with dropout every layer would fall back to peft) under
-    DDP or one process. Not under the sharding engines by default: the fast path reads each
-    frozen weight itself, without calling the base layer, whose hooks gather ZeRO-3 shards.
-    Never for --tuner dora or ia3 (their layers compute other than W x + s B A x; true is
-    refused for them by the config's validation). lora.init pissa and olora keep the fast path:
-    after the decomposition the base holds the residual and each layer is plain LoRA again;
-    rsLoRA only changes the layer's scaling, which the fast path reads."""
-    setting = config.model.fast_lora
-    if config.train.tuner != "lora" or setting is False:
-        return False
-    if config.train.task in REFERENCE_TASKS:  # the reference is a second adapter (peft's layers)
-        return False
-    return setting is True or (config.lora.dropout == 0 and config.train.engine == "ddp")
-
-
-def converts_initial_adapter(lora: LoraArgs) -> bool:
-    """lora.init pissa / pissa_niter_N / olora change the base weights: the final adapter is
-    saved converted against the initial one (peft path_initial_model_for_weight_conversion)."""
-    return lora.init.startswith("pissa") or lora.init == "olora"
-
-
-def syncs_each_micro_batch(train: TrainArgs) -> bool:
-    """train.sync_each_micro_batch resolved: auto is on for FSDP (see its help)."""
-    if train.sync_each_micro_batch == "auto":
-        return train.engine == "fsdp"
-    return bool(train.sync_each_micro_batch)
-
-
-DEFAULT_MAIN_PORT = 29500
-"""torchrun's and accelerate's port when --main-address names none."""
-
-
-def world_size_of(train: TrainArgs) -> int:
-    """Processes in the whole run: --gpus on each of --nodes machines."""
-    return train.gpus * train.nodes
-
-
-def main_host_port(train: TrainArgs) -> tuple[str, int]:
-    """--main-address HOST[:PORT] as (host, port); the port defaults to DEFAULT_MAIN_PORT."""
-    address = train.main_address or "127.0.0.1"
-    host, _, port = address.rpartition(":") if ":" in address else (address, "", "")
-    return host.strip("[]"), int(port) if port else DEFAULT_MAIN_PORT

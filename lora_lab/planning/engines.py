@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from ..config import RunConfig, engine_template, syncs_each_micro_batch, world_size_of
+from ..config import RunConfig, engine_template, world_size_of
+from .policies import syncs_each_micro_batch
 from .shape import ModelShape
 from .tuners import adapter_state_part
 

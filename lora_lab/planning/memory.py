@@ -30,9 +30,10 @@ import importlib.util
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, resolve_fast_lora, trains_adapter, world_size_of
+from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, trains_adapter, world_size_of
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
 from .engines import CHECKED_ON_GPUS, GAPS_ON_GPUS, engine_parts
+from .policies import resolve_fast_lora
 from .shape import ModelShape, linear_attention_bytes
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
 
@@ -260,7 +261,7 @@ def plan_memory(
         gpus=world_size_of(config.train),
         nodes=config.train.nodes,
         engine=config.train.engine,
-        tuner=tuner_of(config),
+        tuner=config.train.tuner,
         packed=config.data.packing,
     )
     budget = usable_gib(gpu_memory_gib)
@@ -282,7 +283,7 @@ def plan_memory(
     if config.train.nodes > 1:
         from .traffic import plan_traffic
 
-        plan.traffic = plan_traffic(config, shape.params, shape.trained_params(tuner_of(config), config.lora.rank))
+        plan.traffic = plan_traffic(config, shape.params, shape.trained_params(config.train.tuner, config.lora.rank))
     if gpu_memory_gib:
         plan.budget_gib = budget
         plan.longest_max_length = _longest(shape, config, plan.budget_gib)
@@ -292,9 +293,9 @@ def plan_memory(
                 if config.data.packing
                 else f"--max-length {plan.longest_max_length}"
             )
-        if config.model.quantization == "none" and tuner_of(config) in ("lora", "dora"):
+        if config.model.quantization == "none" and config.train.tuner in ("lora", "dora"):
             plan.fixes.append("--quantization nf4 (QLoRA)")
-        if tuner_of(config) == "full" and config.train.engine != "deepspeed-zero3-offload":
+        if config.train.tuner == "full" and config.train.engine != "deepspeed-zero3-offload":
             plan.fixes.append("more --gpus with --engine deepspeed-zero3 (or -zero3-offload)")
         if micro_batch_rows(config) > 1:
             plan.fixes.append("--micro-batch-size 1 with a larger --grad-accum")
@@ -371,7 +372,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
     if config.model.dtype == "fp32":
         weight_bytes = 4
     means = means or _means(shape, config, tokens)
-    tuner = tuner_of(config)
+    tuner = config.train.tuner
     adapter = shape.trained_params(tuner, config.lora.rank)
     hidden_bytes, intermediate_bytes = working_terms(shape, config, tokens, means)
     hidden_scale, intermediate_scale = fast_lora_scales(config)
@@ -480,14 +481,10 @@ def as_planned_on_cuda(config: RunConfig) -> RunConfig:
     return replace(config, data=replace(config.data, packed_attention=kind))
 
 
-def tuner_of(config: RunConfig) -> str:
-    return config.train.tuner
-
-
 def _method(config: RunConfig) -> str:
-    if tuner_of(config) == "full":
+    if config.train.tuner == "full":
         return "full fine-tuning (bf16 + fp32 AdamW)"
-    name = ADAPTER_NAMES[tuner_of(config)]
+    name = ADAPTER_NAMES[config.train.tuner]
     return f"Q{name} nf4" if config.model.quantization == "nf4" else f"16-bit {name}"
 
 

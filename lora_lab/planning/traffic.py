@@ -33,8 +33,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import RunConfig, syncs_each_micro_batch, world_size_of
+from ..config import RunConfig, world_size_of
 from .engines import FSDP_FULL_STATE_BYTES, TRAINED_STATE_BYTES
+from .policies import syncs_each_micro_batch
 
 DDP_GRAD_BYTES = 4
 """lora-lab's DDP trains fp32 parameters (LoRA weights; full fine-tuning's master weights)."""

@@ -6,9 +6,10 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import RunConfig, syncs_each_micro_batch
+from ..config import RunConfig
 from ..device import use_cpu
 from ..models.load import Precision
+from ..planning.policies import syncs_each_micro_batch
 from ..run_folder import LAUNCH_FOLDER
 from .watch import trainer_report_to
 

@@ -1,15 +1,17 @@
 """Several GPUs: relaunch the same run through `accelerate launch`, one process per GPU.
 
-`lora-lab run --gpus N [--engine E]` resolves the config once, fixes the run folder, writes
+`lora-lab run --gpus N [--engine E]` settles the run's plan once (training/plan.py: engine,
+precision, model, run folder, resume point), writes
 
-    RUN_DIR/launch/run_config.yaml    the resolved config (the workers read it with --config)
+    RUN_DIR/launch/run_config.yaml    the plan: the settled config as config.yaml has it and a
+                                      plan: section (training/plan.py write_plan)
     RUN_DIR/launch/accelerate.yaml    presets/engines/<engine> filled in: processes, precision
     RUN_DIR/launch/deepspeed.json     (DeepSpeed engines) presets/engines/<engine>.json with
                                       micro-batch, gradient accumulation, global batch,
                                       clipping and precision taken from the run config
 
-and runs `python -m accelerate.commands.launch ... --module lora_lab run --preset P --config
-RUN_DIR/launch/run_config.yaml`. Each worker trains with transformers' Trainer, which picks up the
+and runs `python -m accelerate.commands.launch ... --module lora_lab.training.worker --config
+RUN_DIR/launch/run_config.yaml`. Each worker reads that plan back (read_plan) and trains with transformers' Trainer, which picks up the
 engine from accelerate; only rank 0 writes into the run folder (training/run.py).
 
 With --nodes N each machine runs the same command with its --node-rank: the launch files of node R
@@ -26,7 +28,6 @@ TrainingArguments(use_cpu=True) selects gloo.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import os
@@ -40,36 +41,18 @@ from pathlib import Path
 import yaml
 
 from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template, main_host_port, world_size_of
-from ..device import (
-    ALLOCATOR_ENV,
-    EXPANDABLE_SEGMENTS,
-    allocator_chosen,
-    cuda_available,
-    gpu_memory_gib,
-    in_launched_worker,
-)
+from ..device import ALLOCATOR_ENV, EXPANDABLE_SEGMENTS, allocator_chosen, cuda_available, in_launched_worker
 from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
-from ..models.load import Precision, choose_precision
-from ..planning.choice import pick_engine
+from ..models.load import choose_precision
 from ..planning.memory import TIERS_GIB, plan_memory
-from ..run_folder import (
-    LAUNCH_FOLDER,
-    STOP_FILE,
-    RunFolder,
-    TrainResult,
-    check_run_dir,
-    fix_run_dir,
-    locate_run_dir,
-    read_result,
-    recorded_stop,
-    save_config,
-)
-from .checkpoint import resolve_resume
+from ..run_folder import LAUNCH_FOLDER, STOP_FILE, RunFolder, TrainResult, check_run_dir, read_result, recorded_stop
 from .lock import run_lock
 from .nodes import check_main_address, describe_global_batch, local_launch_folder
+from .plan import RunPlan, Target, plan_run, write_plan
 
 log = get_logger()
+ACCELERATE_FILE = "accelerate.yaml"
 
 
 def needs_launch(config: RunConfig) -> bool:
@@ -128,17 +111,21 @@ def node_folder(folder: Path, config: RunConfig, node_rank: int) -> Path:
     return folder if config.train.nodes == 1 else folder / f"node-{node_rank}"
 
 
-def write_launch_files(
-    config: RunConfig, run_dir: Path, precision_name: str, folder: Path | None = None, node_rank: int | None = None
-) -> Path:
+def write_launch_files(plan: RunPlan, folder: Path | None = None, node_rank: int | None = None) -> Path:
     """Write the launch files into `folder` (RUN_DIR/launch by default) for node `node_rank`
-    (train.node_rank by default); returns the accelerate config to launch with."""
-    folder = folder or run_dir / LAUNCH_FOLDER
+    (train.node_rank by default): the plan the workers train with (run_config.yaml,
+    training/plan.py write_plan) and accelerate's config; returns the accelerate config."""
+    config, precision_name = plan.config, plan.precision
+    folder = folder or plan.folder / LAUNCH_FOLDER
     node_rank = config.train.node_rank if node_rank is None else node_rank
     node = node_folder(folder, config, node_rank)
     node.mkdir(parents=True, exist_ok=True)
-    saved = dataclasses.replace(config, train=dataclasses.replace(config.train, node_rank=node_rank))
-    save_config(saved, RunFolder.launch_config(node))
+    node_plan = plan
+    if node_rank != config.train.node_rank:  # a dry run writes every node's plan
+        node_plan = plan.with_config(
+            config.with_changes({"train.node_rank": node_rank}, f"dry run (node {node_rank})")
+        )
+    write_plan(node_plan, RunFolder.launch_config(node))
     engine = config.train.engine
     if engine in DEEPSPEED_ENGINES:
         template = json.loads(engine_template(engine).read_text())
@@ -162,7 +149,7 @@ def write_launch_files(
         accelerate = yaml.safe_load(engine_template(engine).read_text())
         accelerate["mixed_precision"] = mixed_precision_of(precision_name)
     accelerate.update(machines_of(config, node_rank))
-    path = node / "accelerate.yaml"
+    path = node / ACCELERATE_FILE
     header = (
         f"# written by lora-lab from {engine_template(engine).name}: processes, machines "
         f"and precision come from the run config\n"
@@ -190,7 +177,7 @@ def machines_of(config: RunConfig, node_rank: int) -> dict:
 def launch_command(
     config: RunConfig, run_dir: Path, accelerate_config: Path, port: int | None = None, node_rank: int | None = None
 ) -> list[str]:
-    """`accelerate launch` of `lora-lab run --config` with the run_config.yaml beside
+    """`accelerate launch` of the workers (training/worker.py) with the plan beside
     accelerate_config; several nodes: this node's machine rank and node 0's address."""
     t = config.train
     if t.nodes == 1:
@@ -208,10 +195,7 @@ def launch_command(
         str(world_size_of(t)),
         *where,
         "--module",
-        "lora_lab",
-        "run",
-        "--preset",
-        config.preset,
+        "lora_lab.training.worker",
         "--config",
         str(RunFolder.launch_config(accelerate_config.parent)),
     ]
@@ -219,60 +203,45 @@ def launch_command(
 
 def prepare_launch(
     config: RunConfig, dry_run: bool = False, hold: contextlib.ExitStack | None = None
-) -> tuple[list[str], Path]:
-    """Check the engine, fix the run folder and write the launch files; returns the command.
+) -> tuple[list[str], RunPlan]:
+    """Settle the run's plan (training/plan.py), check the engine and write the launch files;
+    returns the command and the plan.
 
-    dry_run: for a machine other than this one (e.g. 8 GPUs planned from a laptop): bf16, and
-    no check of this machine's GPUs or DeepSpeed install. hold: takes the run folder's lock
-    (training.lock.run_lock) before anything is written into it, until `hold` closes."""
-    import torch
+    dry_run: for a machine other than this one (e.g. 8 GPUs planned from a laptop): a GPU of the
+    preset's tier with bf16, no model located, and no check of this machine's GPUs or DeepSpeed
+    install. hold: takes the run folder's lock (training.lock.run_lock) before anything is written
+    into it, until `hold` closes."""
+    target = Target(gpu_gib=TIERS_GIB.get(config.preset), cuda=True) if dry_run else Target.here()
+    plan = plan_run(config, target, quiet=True, locate=False)
+    config, run_dir = plan.config, plan.folder
+    if not dry_run:
+        import torch
 
-    if config.train.engine == "auto":
-        engine, why = choose_engine(config, dry_run)
-        log.info(f"--engine auto: {engine} for {world_size_of(config.train)} GPUs {why}")
-        config.train.engine = engine
-        config.sources["train.engine"] = "auto"
-    if dry_run:
-        precision = Precision(name="bf16", bf16=True)
-    else:
-        precision = choose_precision(config.model.dtype)  # the same choice every worker makes
+        choose_precision(plan.precision)  # refuses a forced dtype this machine lacks
         check_engine(config, torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    run_dir = locate_run_dir(config)
-    fix_run_dir(config, run_dir)  # every worker writes to the same folder
+        plan = plan.located()  # once, for every worker
     log.info(describe_global_batch(config))
     if config.train.node_rank > 0 and not dry_run:  # the run folder is node 0's to write
         check_main_address(config)
         folder = local_launch_folder(run_dir, config.train.node_rank)
-        accelerate_config = write_launch_files(config, run_dir, precision.name, folder)
-        return launch_command(config, run_dir, accelerate_config), run_dir
-    resume_from = resolve_resume(config.train.resume, run_dir, quiet=True) if config.train.resume else None
-    check_run_dir(run_dir, config, resume_from)
+        accelerate_config = write_launch_files(plan, folder)
+        return launch_command(config, run_dir, accelerate_config), plan
+    check_run_dir(run_dir, config, plan.resume_from)
     if config.train.nodes > 1 and not dry_run:
         check_main_address(config)
     if hold is not None:
         hold.enter_context(run_lock(run_dir))
     for node_rank in range(config.train.nodes if dry_run else 0):  # every node's files
-        write_launch_files(config, run_dir, precision.name, node_rank=node_rank)
-    accelerate_config = write_launch_files(config, run_dir, precision.name)
-    return launch_command(config, run_dir, accelerate_config), run_dir
-
-
-def choose_engine(config: RunConfig, dry_run: bool = False) -> tuple[str, str]:
-    """--engine auto with --gpus N: the fastest engine the memory plan fits (planning.choice.
-    pick_engine) on this machine's GPUs, or for a dry run on the preset's tier (24gb: 24 GiB).
-    Returns (engine, why)."""
-    gpu_gib = TIERS_GIB.get(config.preset) if dry_run else gpu_memory_gib()
-    cpu_gib = None if dry_run else (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30)
-    deepspeed = dry_run or importlib.util.find_spec("deepspeed") is not None
-    engine, why = pick_engine(config, gpu_gib, cpu_gib, deepspeed)
-    where = f"{gpu_gib:.1f} GiB per GPU" if gpu_gib else "no GPU memory known"
-    return engine, f"({where}): {why}"
+        write_launch_files(plan, node_rank=node_rank)
+    accelerate_config = write_launch_files(plan)
+    return launch_command(config, run_dir, accelerate_config), plan
 
 
 def dry_run_launch(config: RunConfig) -> Path:
     """Write the launch files (every node's) and print the command each node runs and the
     per-GPU memory plan; run nothing."""
-    command, run_dir = prepare_launch(config, dry_run=True)
+    command, plan = prepare_launch(config, dry_run=True)
+    config, run_dir = plan.config, plan.folder
     folder, t = run_dir / LAUNCH_FOLDER, config.train
     if t.nodes == 1:
         log.info(
@@ -285,11 +254,11 @@ def dry_run_launch(config: RunConfig) -> Path:
             f"--node-rank writes the same files for itself):"
         )
         for rank in range(t.nodes):
-            accelerate_config = node_folder(folder, config, rank) / "accelerate.yaml"
+            accelerate_config = node_folder(folder, config, rank) / ACCELERATE_FILE
             node_command = launch_command(config, run_dir, accelerate_config, node_rank=rank)
             log.info(f"  node {rank}: {shlex.join(node_command)}")
     try:
-        log.info(plan_memory(config).report())
+        log.info(plan_memory(plan.planner_config).report())
     except ValueError as exc:  # a model the planner does not know
         log.info(f"(no memory plan: {exc})")
     return run_dir
@@ -318,8 +287,8 @@ def launch_env(config: RunConfig, environ=None, cpus: int | None = None) -> dict
 def launch_run(config: RunConfig) -> TrainResult:
     """Run `config` as train.gpus processes under accelerate; returns rank 0's result."""
     with contextlib.ExitStack() as hold:
-        command, run_dir = prepare_launch(config, hold=hold)
-        return _run_workers(config, command, run_dir)
+        command, plan = prepare_launch(config, hold=hold)
+        return _run_workers(plan.config, command, plan.folder)
 
 
 def _run_workers(config: RunConfig, command: list, run_dir: Path) -> TrainResult:

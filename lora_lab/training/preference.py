@@ -58,32 +58,30 @@ FROM_RUN_KEYS = ("lora.rank", "lora.alpha", "lora.dropout", "lora.target_modules
 """The adapter's shape: a continued adapter keeps the SFT run's."""
 
 
-def settle_from_run(config: RunConfig) -> None:
+def from_run_config(config: RunConfig) -> RunConfig:
     """--from-run RUN: the run continues RUN's adapter, so it takes RUN's LoRA shape and base
-    model (a --model that names another base is refused); said in the log and config.yaml."""
-    if not config.train.from_run:
-        return
+    model (a --model that names another base is refused); a new config, said in the log and
+    recorded in config.yaml with --from-run as the source."""
     from ..registry import resolve_model_spec
     from ..run_folder import read_sft_run
 
     adapter_dir, saved = read_sft_run(config.train.from_run)
     source = f"--from-run {config.train.from_run}"
+    values = {key: saved.value(key) for key in FROM_RUN_KEYS}
     if config.sources.get("model.name", "default") == "default":
-        config.model.name, config.sources["model.name"] = saved.model.name, source
+        values["model.name"] = saved.model.name
     elif resolve_model_spec(config.model.name)[1] != resolve_model_spec(saved.model.name)[1]:
         raise TrainingError(
             f"{source} trained an adapter for {saved.model.name}; --model "
             f"{config.model.name} is another base. Drop --model (the run's base "
             f"is taken) or pass --model {saved.model.name}."
         )
-    for key in FROM_RUN_KEYS:
-        name = key.split(".")[1]
-        setattr(config.lora, name, getattr(saved.lora, name))
-        config.sources[key] = source
+    settled = config.with_changes(values, source)
     log.info(
         f"{source}: continuing {adapter_dir} (LoRA r={saved.lora.rank} "
-        f"alpha={saved.lora.alpha}) on {config.model.name}"
+        f"alpha={saved.lora.alpha}) on {settled.model.name}"
     )
+    return settled
 
 
 def _save_one_adapter(trainer, output_dir) -> None:

@@ -294,6 +294,3 @@ class LoraLabMixin:
 
 class LoraLabTrainer(LoraLabMixin, Trainer):
     """transformers' Trainer with crash-safe checkpoints and the non-finite guard."""
-
-
-# ----------------------------------------------------------------------------- test hooks

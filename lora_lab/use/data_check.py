@@ -4,6 +4,7 @@ token-length statistics of `lora-lab data stats`."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..config import RunConfig, resolve_config
@@ -37,8 +38,8 @@ def data_config(
     )
     if training:
         return config, None
-    config.data, note = with_identity_stand_ins(config.data)
-    return config, note
+    data, note = with_identity_stand_ins(config.data)
+    return dataclasses.replace(config, data=data), note  # a resolved config is frozen
 
 
 def counting_tokenizer(spec: str) -> tuple[object, str]:

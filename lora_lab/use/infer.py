@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +43,8 @@ def load_adapter_model(path: str | Path, dtype: str = "auto"):
     from peft import PeftModel
 
     adapter_dir, run_dir = find_adapter(path)
-    base_args = base_model_of(adapter_dir, run_dir)
-    base_args.quantization = "none"  # generate on the 16-bit base, whatever trained it
+    # generate on the 16-bit base, whatever trained it
+    base_args = dataclasses.replace(base_model_of(adapter_dir, run_dir), quantization="none")
     base = load_base_model(base_args, choose_precision(dtype), LoadOptions(for_training=False))
     tokenizer = load_tokenizer(
         str(adapter_dir) if (adapter_dir / "tokenizer_config.json").is_file() else base_args.name

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_lab.config import LoraArgs, resolve_config, resolve_fast_lora
+from lora_lab.config import LoraArgs, resolve_config
 from lora_lab.models.fast_lora import FastLoraOptions, LoraMLP, LoraProjection
 from lora_lab.models.lora import LoraOptions, apply_lora
 from lora_lab.planning.memory import MemoryMeans
+from lora_lab.planning.policies import resolve_fast_lora
 from tests.unit.test_memory_means import SEQ, assert_same, tiny_untied
 
 

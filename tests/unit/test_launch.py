@@ -1,5 +1,6 @@
 """--gpus N / --engine: engine files, filled-in launch files, the command, clean refusals."""
 
+import dataclasses
 import json
 
 import pytest
@@ -18,6 +19,7 @@ from lora_lab.training.launch import (
     needs_launch,
     write_launch_files,
 )
+from lora_lab.training.plan import Target, plan_run, read_plan
 
 
 def config_for(engine="ddp", gpus=2, **flags):
@@ -31,6 +33,12 @@ def config_for(engine="ddp", gpus=2, **flags):
             **flags,
         },
     )
+
+
+def planned(config, run_dir, precision="bf16"):
+    """The launcher's plan of `config` on a GPU, with run_dir as its run folder."""
+    plan = plan_run(config, Target(gpu_gib=24, cuda=True), for_run=False)
+    return dataclasses.replace(plan, run_dir=run_dir, precision=precision)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -50,7 +58,7 @@ def test_every_engine_has_a_readable_config_file(engine):
 @pytest.mark.parametrize("engine", DEEPSPEED_ENGINES)
 def test_deepspeed_file_takes_batch_and_precision_from_the_run(engine, tmp_path):
     config = config_for(engine, gpus=4, **{"train.micro_batch_size": 2, "train.grad_accum": 8})
-    accelerate = yaml.safe_load(write_launch_files(config, tmp_path, "bf16").read_text())
+    accelerate = yaml.safe_load(write_launch_files(planned(config, tmp_path)).read_text())
     filled = json.loads((tmp_path / "launch" / "deepspeed.json").read_text())
     assert filled["train_micro_batch_size_per_gpu"] == 2
     assert filled["gradient_accumulation_steps"] == 8
@@ -65,11 +73,23 @@ def test_deepspeed_file_takes_batch_and_precision_from_the_run(engine, tmp_path)
 
 def test_ddp_and_fsdp_files_are_filled_in_and_the_run_config_saved(tmp_path):
     config = config_for("fsdp", gpus=2)
-    accelerate = yaml.safe_load(write_launch_files(config, tmp_path, "bf16").read_text())
+    plan = planned(config, tmp_path)
+    accelerate = yaml.safe_load(write_launch_files(plan).read_text())
     assert accelerate["num_processes"] == 2 and accelerate["mixed_precision"] == "bf16"
     assert accelerate["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "Qwen2DecoderLayer"
     again = resolve_config("24gb", str(tmp_path / "launch" / "run_config.yaml"))
-    assert again.to_dict() == config.to_dict() and again.sources == config.sources
+    assert again.to_dict() == plan.config.to_dict() and again.sources == plan.config.sources
+    assert again.model.dtype == "bf16" and again.sources["model.dtype"] == "auto (GPU)"  # settled once
+
+
+def test_a_worker_reads_back_the_plan_its_launcher_wrote(tmp_path):
+    """The launch file is the plan: read_plan (what each worker trains with) gives it back whole."""
+    plan = planned(config_for("deepspeed-zero3", gpus=4, **{"train.micro_batch_size": 2}), tmp_path)
+    write_launch_files(plan)
+    worker = read_plan(tmp_path / "launch" / "run_config.yaml")
+    assert worker == plan
+    assert worker.model.config_json == plan.model.config_json and worker.model.model_type == "qwen2"
+    assert (worker.engine, worker.precision, worker.fast_lora) == ("deepspeed-zero3", "bf16", False)
 
 
 def test_launch_command_relaunches_lora_lab_run_with_the_saved_config(tmp_path):
@@ -77,7 +97,7 @@ def test_launch_command_relaunches_lora_lab_run_with_the_saved_config(tmp_path):
     command = launch_command(config, tmp_path, tmp_path / "launch" / "accelerate.yaml", 29555)
     text = " ".join(command)
     assert "-m accelerate.commands.launch --config_file" in text
-    assert "--num_processes 2 --main_process_port 29555 --module lora_lab run --preset 24gb" in text
+    assert "--num_processes 2 --main_process_port 29555 --module lora_lab.training.worker --config" in text
     assert text.endswith(f"--config {tmp_path}/launch/run_config.yaml")
 
 

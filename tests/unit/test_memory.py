@@ -216,7 +216,7 @@ def plan_for(engine, gpus, tuner="lora", **flags):
             **flags,
         },
     )
-    config.train.tuner = tuner
+    config = config.with_changes({"train.tuner": tuner}, "test")
     return plan_memory(config, gpu_memory_gib=40)
 
 
@@ -299,7 +299,7 @@ def test_the_trainer_is_told_to_sync_each_micro_batch_for_fsdp(engine, synced, t
     config = resolve_config("cpu", flags={"data.datasets": ["x"], "train.engine": engine})
     args = build_training_arguments(config, tmp_path, Precision("fp32"), 10, False)
     assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": synced}
-    config.train.sync_each_micro_batch = True
+    config = config.with_changes({"train.sync_each_micro_batch": True}, "test")
     args = build_training_arguments(config, tmp_path, Precision("fp32"), 10, False)
     assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
 
@@ -426,7 +426,7 @@ def test_a_plan_known_to_miss_says_so():
     report = plan_memory(config).report()
     assert "TOO LOW: a two-GPU run of full 1.5B reserved 7.48 GiB" in report
     assert "the processes' own memory (measured)" in report
-    config.train.engine = "fsdp"
+    config = config.with_changes({"train.engine": "fsdp"}, "test")
     assert "checked on two GPUs" in plan_memory(config).report()
 
 

@@ -145,7 +145,7 @@ def test_mlp_chunks_only_when_the_run_would_not_fit_without_them():
     assert roomy == MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True)
     tight = choose_memory_means(config, on_gpu=True, tied_embeddings=False, row_tokens=16384, budget_gib=16.6)
     assert tight.mlp_chunk_tokens == 4096
-    config.data.packing, config.data.max_length = False, 16384
+    config = config.with_changes({"data.packing": False, "data.max_length": 16384}, "test")
     assert "MLP in chunks" not in plan_memory(config, 24).means
     assert "MLP in chunks of 4096 tokens" in plan_memory(config, 16.4).means  # 15.9 usable
     assert plan_memory(config, 16.4).total_gib < plan_memory(config, 24).total_gib

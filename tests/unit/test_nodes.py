@@ -1,6 +1,7 @@
 """--nodes N: the config's refusals, every node's launch files and command, the main-address
 checks, the cross-node agreement, and the planner's per-GPU and interconnect figures."""
 
+import dataclasses
 import json
 import socket
 import time
@@ -16,6 +17,7 @@ from lora_lab.planning.memory import plan_memory
 from lora_lab.planning.traffic import plan_traffic
 from lora_lab.training.launch import launch_command, write_launch_files
 from lora_lab.training.nodes import check_main_address, describe_global_batch, disagreements
+from lora_lab.training.plan import Target, plan_run
 
 NODES = {"train.nodes": 2, "train.main_address": "10.1.2.3:29601", "train.run_name": "r"}
 
@@ -32,6 +34,12 @@ def config_for(engine="ddp", gpus=4, **flags):
             **flags,
         },
     )
+
+
+def planned(config, run_dir, precision="bf16"):
+    """The launcher's plan of `config` on a GPU, with run_dir as its run folder."""
+    plan = plan_run(config, Target(gpu_gib=24, cuda=True), for_run=False)
+    return dataclasses.replace(plan, run_dir=run_dir, precision=precision)
 
 
 def problems_of(flags: list) -> str:
@@ -64,7 +72,7 @@ def test_several_nodes_need_node_0s_address_and_one_run_name():
 def test_every_engine_gets_each_nodes_machine_rank_and_node_0s_address(engine, tmp_path):
     config = config_for(engine, gpus=4, **{"train.micro_batch_size": 2, "train.grad_accum": 8})
     for rank in (0, 1):
-        path = write_launch_files(config, tmp_path, "bf16", node_rank=rank)
+        path = write_launch_files(planned(config, tmp_path), node_rank=rank)
         assert path == tmp_path / "launch" / f"node-{rank}" / "accelerate.yaml"
         accelerate = yaml.safe_load(path.read_text())
         assert accelerate["num_processes"] == 8 and accelerate["num_machines"] == 2
@@ -76,7 +84,7 @@ def test_every_engine_gets_each_nodes_machine_rank_and_node_0s_address(engine, t
         command = " ".join(launch_command(config, tmp_path, path, node_rank=rank))
         assert (
             f"--num_processes 8 --num_machines 2 --machine_rank {rank} --main_process_ip "
-            f"10.1.2.3 --main_process_port 29601 --module lora_lab run" in command
+            f"10.1.2.3 --main_process_port 29601 --module lora_lab.training.worker" in command
         )
         assert command.endswith(f"--config {path.parent}/run_config.yaml")
         if engine in DEEPSPEED_ENGINES:

@@ -142,9 +142,8 @@ def test_pair_ids_are_the_chat_templates_own(tokenizer):
 
 @pytest.mark.parametrize("task, sequences", [("sft", 1), ("dpo", 2), ("orpo", 2), ("kto", 2)])
 def test_memory_plan_counts_every_sequence_and_the_reference_pass(task, sequences):
-    config = RunConfig()
-    config.model.name, config.data.max_length, config.train.engine = "qwen2.5-7b", 1024, "ddp"
-    config.train.task = task
+    values = {"model.name": "qwen2.5-7b", "data.max_length": 1024, "train.engine": "ddp", "train.task": task}
+    config = RunConfig().with_changes(values, "test")
     plan = plan_memory(config, 80)
     assert plan.tokens_per_micro_batch == 1024 * sequences
     reference = plan.parts_gib.get("reference forward, no gradients (counted)")

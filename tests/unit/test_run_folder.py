@@ -86,8 +86,8 @@ def test_a_converted_gguf_folder_gives_a_short_run_name():
     from lora_lab.config import RunConfig
     from lora_lab.run_folder import default_run_name
 
-    config = RunConfig(preset="cpu")
-    config.model.name = "/c/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m-76eebd29defcf988"
+    name = "/c/gguf/qwen2.5-coder-0.5b-instruct-q4_k_m-76eebd29defcf988"
+    config = RunConfig(preset="cpu").with_changes({"model.name": name}, "test")
     assert default_run_name(config).startswith("qwen2.5-coder-0.5b-instruct-q4_k_m-cpu-2")
 
 

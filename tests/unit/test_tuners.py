@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_lab.config import LoraArgs, resolve_config, resolve_fast_lora
+from lora_lab.config import LoraArgs, resolve_config
 from lora_lab.errors import ConfigError
 from lora_lab.models.fast_lora import FastLoraOptions
 from lora_lab.models.lora import LoraOptions, apply_lora, save_converted_adapter, save_initial_adapter
 from lora_lab.planning.memory import plan_memory
+from lora_lab.planning.policies import resolve_fast_lora
 from lora_lab.planning.shape import ModelShape
 from lora_lab.planning.tuners import adapter_params, dora_parts
 from lora_lab.registry import known_model_config

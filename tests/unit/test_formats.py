@@ -9,7 +9,7 @@ from lora_lab.config import DataArgs
 from lora_lab.data import load_samples, prepare_data
 from lora_lab.data.formats import load_dataset_spec, read_rows
 from lora_lab.errors import DataError
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 EXPECTED = [
     {"role": "system", "content": "Be kind."},

@@ -28,6 +28,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from ..errors import DataError
 from ..log import get_logger
@@ -59,7 +60,7 @@ def source_digest(spec: str) -> str | None:
     except DataError:
         return None
     if entry is not None:
-        parts = [file_sha256(entry.info_path), entry.name]
+        parts: list[str | None] = [file_sha256(entry.info_path), entry.name]
         if entry.entry.get("file_name"):
             data_file = entry.info_path.parent / entry.entry["file_name"]
             parts.append(file_sha256(data_file) if data_file.is_file() else None)
@@ -220,7 +221,7 @@ def cached_encoding(
 def write_meta(
     folder: Path, parts: dict, reports: dict, extra: dict, stream: StreamedEncoding, seconds: float
 ) -> None:
-    meta = {
+    meta: dict[str, Any] = {
         "format": 1,
         "key": parts,
         "seconds": round(seconds, 2),
@@ -243,13 +244,16 @@ def write_meta(
 
 def read_cache(folder: Path) -> tuple[dict, dict]:
     meta = json.loads((folder / META).read_text(encoding="utf-8"))
-    reports = {}
+    reports: dict[str, EncodeReport | None] = {}
     for name, entry in meta["reports"].items():
         if entry is None:
             reports[name] = None
             continue
         samples: ArrowSamples = map_samples(folder, entry["files"])
         reports[name] = EncodeReport(
-            samples, list(entry["truncated"]), problems_from_json(entry["problems"]), fingerprint=entry["fingerprint"]
+            samples,  # type: ignore[arg-type]  # a read-only Sequence, read as the list it annotates
+            list(entry["truncated"]),
+            problems_from_json(entry["problems"]),
+            fingerprint=entry["fingerprint"],
         )
     return reports, meta["extra"]

@@ -62,14 +62,14 @@ def segments_attention(
     outputs, start = [], 0
     for length in packed_lengths:
         part = slice(start, start + length)
-        banded = window is not None and length > window
+        mask = sliding_causal_mask(length, window, query.device) if window is not None and length > window else None
         outputs.append(
             nn.functional.scaled_dot_product_attention(
                 query[:, :, part],
                 key[:, :, part],
                 value[:, :, part],
-                is_causal=not banded,
-                attn_mask=sliding_causal_mask(length, window, query.device) if banded else None,
+                is_causal=mask is None,
+                attn_mask=mask,
                 scale=scaling,
                 dropout_p=dropout if module.training else 0.0,
                 enable_gqa=gqa,
@@ -148,7 +148,9 @@ def varlen_attention(
     varlen_attn, params = found
     longest = max(packed_lengths)
     window = kwargs.get("sliding_window")
-    banded = window is not None and longest > window  # sliding-window layers (Gemma 3, Mistral)
+    # sliding-window layers (Gemma 3, Mistral): a token sees itself and the window - 1 before it
+    reach = window - 1 if window is not None and longest > window else None
+    banded = reach is not None
     if banded and "window_size" not in params:
         return segments_attention(
             module,
@@ -167,7 +169,7 @@ def varlen_attention(
             return out, None
     # [1, heads, tokens, dim] -> [tokens, heads, dim]
     q, k, v = (t[0].transpose(0, 1).to(dtype).contiguous() for t in (query, key, value))
-    options = {}
+    options: dict[str, Any] = {}
     if q.shape[1] != k.shape[1]:  # grouped-query attention (Qwen2.5: 7 query heads per kv head)
         if "enable_gqa" in params:
             options["enable_gqa"] = True
@@ -176,7 +178,7 @@ def varlen_attention(
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     # causal within each sample: PyTorch 2.10 spells it is_causal, later versions window_size
     options.update(
-        {"window_size": (window - 1 if banded else -1, 0)} if "window_size" in params else {"is_causal": True}
+        {"window_size": (reach if reach is not None else -1, 0)} if "window_size" in params else {"is_causal": True}
     )
     if scaling is not None and "scale" in params:
         options["scale"] = scaling

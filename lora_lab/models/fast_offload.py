@@ -34,8 +34,10 @@ class _Slot:
     """One checkpoint's input: on the host, and (once fetched) back on the GPU."""
 
     def __init__(self, host: torch.Tensor, device: torch.device, previous):
-        self.host, self.device, self.previous = host, device, previous
-        self.gpu, self.ready = None, None
+        self.host: torch.Tensor | None = host  # None once the copy back is queued
+        self.device, self.previous = device, previous
+        self.gpu: torch.Tensor | None = None
+        self.ready: torch.cuda.Event | None = None
 
     def fetch(self) -> None:
         """Queue the copy back to the GPU on the copy stream (once)."""
@@ -46,14 +48,17 @@ class _Slot:
         stream.wait_stream(compute)  # the new block may be memory the compute stream just freed
         with torch.cuda.stream(stream):
             gpu.copy_(self.host, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record(stream)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+            self.ready = ready
         self.gpu, self.host = gpu, None
 
     def take(self) -> torch.Tensor:
         self.fetch()
-        torch.cuda.current_stream(self.device).wait_event(self.ready)
-        gpu, self.gpu = self.gpu, None
+        gpu, ready = self.gpu, self.ready
+        assert gpu is not None and ready is not None, "a slot's input is taken once"
+        torch.cuda.current_stream(self.device).wait_event(ready)
+        self.gpu = None
         return gpu
 
 

@@ -163,14 +163,15 @@ def adapter_config(model, args: LoraArgs, tuner: str, trainable_tokens: list[int
         extra["trainable_token_indices"] = trainable_token_modules(model, trainable_tokens)
     return LoraConfig(
         r=args.rank,
-        lora_alpha=args.alpha,
+        lora_alpha=args.alpha,  # type: ignore[arg-type]  # peft annotates int; its scale alpha / r takes a float
         lora_dropout=args.dropout,
         target_modules=list(targets),
         task_type="CAUSAL_LM",
         bias="none",
         use_dora=tuner == "dora",
         use_rslora=args.use_rslora,
-        init_lora_weights=True if args.init == "default" else args.init,
+        # lora.init is one of LORA_INITS or pissa_niter_N, checked when the config is read
+        init_lora_weights=True if args.init == "default" else args.init,  # type: ignore[arg-type]
         **extra,
     )
 

@@ -37,6 +37,8 @@ class CpuEmbedding(nn.Module):
     looked up straight into pinned memory and copied to the GPU without waiting; ids on the GPU
     are first copied back, which waits for the GPU."""
 
+    device_marker: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, embedding: nn.Embedding):
         super().__init__()
         self.table = embedding.weight.detach().to("cpu")

@@ -73,15 +73,16 @@ def check_fits(
     plan = plan_memory(config, gpu_memory_gib, longest_sample_tokens)
     if plan.fits:
         return plan
-    fixes = plan.fixes
+    fixes, budget = plan.fixes, plan.budget_gib
+    assert budget is not None, "planned against gpu_memory_gib"
     # two decimals where one would show the need equal to what is usable
-    digits = 1 if round(plan.total_gib, 1) > round(plan.budget_gib, 1) else 2
+    digits = 1 if round(plan.total_gib, 1) > round(budget, 1) else 2
     raise LoraLabError(
         f"--preset {config.preset} needs about {plan.total_gib:.{digits}f} GiB for {plan.model} "
         f"({plan.quantization}) at --max-length {config.data.max_length}"
         f"{f' in packed rows of {row_length(config)} tokens' if config.data.packing else ''}; "
         f"this GPU has "
-        f"{gpu_memory_gib:.1f} GiB ({plan.budget_gib:.1f} usable). Try "
+        f"{gpu_memory_gib:.1f} GiB ({budget:.1f} usable). Try "
         f"{' or '.join(fixes) or 'a smaller model'}; `lora-lab plan` shows the breakdown. "
         f"--no-memory-check runs it anyway."
     )

@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, trains_adapter, world_size_of
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
@@ -36,6 +37,9 @@ from .engines import CHECKED_ON_GPUS, GAPS_ON_GPUS, engine_parts
 from .policies import resolve_fast_lora
 from .shape import ModelShape, linear_attention_bytes
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
+
+if TYPE_CHECKING:
+    from .traffic import TrafficPlan
 
 GIB = 2**30
 CONTEXT_GIB = 0.5
@@ -117,7 +121,7 @@ def choose_memory_means(
         embedding_on_cpu=not tied_embeddings and wanted(config.model.embedding_on_cpu, on_gpu),
         offload_checkpoints=wanted(t.offload_checkpoints, on_gpu),
         mlp_chunk_tokens=chunk,
-        uncheckpointed_layers=0 if kept == "auto" else kept,
+        uncheckpointed_layers=kept if isinstance(kept, int) else 0,  # "auto": decided below
     )
     model_config = model_config_of(config.model.name)
     if budget_gib is None or model_config is None:
@@ -168,7 +172,7 @@ class MemoryPlan:
     room_for_layers: int = 0
     """How many more decoder layers could skip their recomputation (train.uncheckpointed_layers)
     within ROOM_SHARE of the budget."""
-    traffic: object = None
+    traffic: TrafficPlan | None = None
     """Several nodes: what the engine sends per step (planning.traffic.TrafficPlan)."""
 
     kept: int = 0
@@ -284,9 +288,9 @@ def plan_memory(
         from .traffic import plan_traffic
 
         plan.traffic = plan_traffic(config, shape.params, shape.trained_params(config.train.tuner, config.lora.rank))
-    if gpu_memory_gib:
+    if budget is not None:  # a GPU of gpu_memory_gib
         plan.budget_gib = budget
-        plan.longest_max_length = _longest(shape, config, plan.budget_gib)
+        plan.longest_max_length = _longest(shape, config, budget)
         if plan.longest_max_length:
             plan.fixes.append(
                 f"--set data.pack_length={plan.longest_max_length}"

@@ -83,6 +83,7 @@ class ServingPlan:
                 f"larger card."
             )
             return lines
+        assert self.max_model_len is not None and self.max_num_seqs is not None  # both set where it fits
         used = self.kv_bytes_per_token * self.max_model_len * self.max_num_seqs
         lines.append(
             f"{self.kv_bytes_per_token:,} bytes x {self.max_model_len} tokens x "

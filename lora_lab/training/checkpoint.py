@@ -134,14 +134,18 @@ def remove_leftovers(run_dir: Path) -> list[Path]:
     return deleted
 
 
-def rotate_checkpoints(run_dir: Path, limit: int, newest: Path, keep: tuple = ()) -> list[Path]:
+def rotate_checkpoints(run_dir: Path, limit: int | None, newest: Path, keep: tuple = ()) -> list[Path]:
     """Keep `newest` (just committed), anything in `keep` and the next complete checkpoints by
-    step up to `limit` in all; delete older complete ones. Incomplete folders are left alone."""
+    step up to `limit` in all; delete older complete ones. Incomplete folders are left alone.
+    A limit of None (the Trainer's save_total_limit unset) keeps every checkpoint."""
+    if limit is None:
+        return []
     complete = [c for c in list_checkpoints(run_dir) if (c / MANIFEST_NAME).is_file()]
     protected = {Path(newest).resolve()} | {Path(k).resolve() for k in keep if k}
     kept = [c for c in complete if c.resolve() in protected]
     deleted = []
-    for folder in sorted(complete, key=checkpoint_step, reverse=True):
+    # list_checkpoints lists only folders named with a step
+    for folder in sorted(complete, key=lambda c: checkpoint_step(c) or 0, reverse=True):
         if folder.resolve() in protected:
             continue
         if len(kept) < limit:

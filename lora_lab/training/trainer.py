@@ -27,6 +27,7 @@ import json
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from transformers import Trainer
 from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
@@ -76,7 +77,13 @@ def saved_loss_sum(checkpoint: Path | None) -> float:
     return float(state.get("stateful_callbacks", {}).get(LOSS_SUM_KEY, {}).get("loss_sum", 0.0))
 
 
-class LoraLabMixin:
+if TYPE_CHECKING:
+    _Base = Trainer  # the mixin is only ever mixed in before a Trainer subclass
+else:
+    _Base = object
+
+
+class LoraLabMixin(_Base):
     """lora-lab's guarantees for any transformers Trainer subclass: crash-safe checkpoints, the
     non-finite guard, the loss sum an exact resume reports. Mixed in before the trainer class
     (LoraLabTrainer here; TRL's preference trainers in training/preference.py)."""
@@ -98,7 +105,9 @@ class LoraLabMixin:
         self.memory_means = memory_means  # planning.memory.MemoryMeans.describe(), for the summary
         self.resumed_loss_sum = resumed_loss_sum
         """Summed step losses of the steps before the checkpoint this run resumed from."""
-        self._trained, self._parameter_count = None, None  # listed once (see the module doc)
+        # listed once (see the module doc)
+        self._trained: tuple[Any, list] | None = None
+        self._parameter_count: int | None = None
         self.add_callback(guard)
         self.step_metrics = StepMetrics(guard)
         for bar in (ProgressCallback, PrinterCallback, DEFAULT_PROGRESS_CALLBACK):
@@ -191,11 +200,12 @@ class LoraLabMixin:
 
     def floating_point_ops(self, inputs) -> int:
         """The Trainer's 6 x tokens x parameters without embeddings, the count taken once."""
-        main = getattr(self.model, "main_input_name", "input_ids")
-        if main not in inputs or not hasattr(self.model, "num_parameters"):
+        model: Any = self.model  # a transformers or PEFT model when it has num_parameters
+        main = getattr(model, "main_input_name", "input_ids")
+        if main not in inputs or not hasattr(model, "num_parameters"):
             return 0
         if self._parameter_count is None:
-            self._parameter_count = self.model.num_parameters(exclude_embeddings=True)
+            self._parameter_count = model.num_parameters(exclude_embeddings=True)
         return 6 * inputs[main].numel() * self._parameter_count
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -252,9 +262,10 @@ class LoraLabMixin:
 
         With several processes each writes its own files (RNG state) into the staging folder;
         the main process alone writes the manifest, renames and rotates."""
+        assert self.args.output_dir is not None, "TrainingArguments fills output_dir in"
         run_dir, step = Path(self.args.output_dir), self.state.global_step
         ensure_finite(self.model, RunFolder(run_dir).checkpoint(step).path.name)
-        self.state.stateful_callbacks[LOSS_SUM_KEY] = {"loss_sum": self.run_loss_sum()}
+        self._stateful_callbacks()[LOSS_SUM_KEY] = {"loss_sum": self.run_loss_sum()}
         staging = staging_dir(run_dir, step)
         if self.args.should_save and staging.exists():
             shutil.rmtree(staging)
@@ -280,15 +291,21 @@ class LoraLabMixin:
         final = commit_checkpoint(staging, RunFolder(run_dir).checkpoint(step).path)
         rotate_checkpoints(run_dir, self.args.save_total_limit, final, keep=(self.state.best_model_checkpoint,))
 
+    def _stateful_callbacks(self) -> dict[str, Any]:
+        """TrainerState.stateful_callbacks: a dict from TrainerState.__post_init__ on, though
+        transformers annotates it as a list."""
+        return cast(dict[str, Any], self.state.stateful_callbacks)
+
     def _save_trainer_state(self, folder: Path) -> None:
         """trainer_state.json, with the state of stateful callbacks (as Trainer does)."""
+        stateful = self._stateful_callbacks()
         for callback in self.callback_handler.callbacks + [self.control]:
             if isinstance(callback, ExportableState):
                 name, value = callback.__class__.__name__, callback.state()
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(value)
+                if isinstance(stateful.get(name), list):
+                    stateful[name].append(value)
                 else:
-                    self.state.stateful_callbacks[name] = value
+                    stateful[name] = value
         self.state.save_to_json(str(Checkpoint(folder).trainer_state))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..config import ModelArgs
 from ..data.formats import normalise_row
@@ -29,7 +30,7 @@ class GenerationSettings:
     repetition_penalty: float | None = None
 
     def as_kwargs(self) -> dict:
-        kwargs = {"max_new_tokens": self.max_new_tokens}
+        kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens}
         for name in ("do_sample", "temperature", "top_p", "top_k", "repetition_penalty"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
@@ -119,7 +120,9 @@ def load_generation_model(
         return load_plain_model(model, dtype)
     if run and full_model_of(run):
         return load_plain_model(str(full_model_of(run)), dtype)
-    return load_adapter_model(run or adapter, dtype)
+    folder = run or adapter
+    assert folder is not None  # exactly one was given
+    return load_adapter_model(folder, dtype)
 
 
 def read_prompts(path: str, row_format: str = "auto") -> list:

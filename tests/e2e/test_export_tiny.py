@@ -2,7 +2,7 @@
 where llm-compressor is installed) -> a folder that loads with AutoModelForCausalLM on CPU and still
 answers as the 16-bit merged model does; and bench/export_bench.py end to end on CPU.
 
-The tiny model here has hidden size 128 (tests/conftest.py's has 32): bitsandbytes' CPU nf4 kernel
+The tiny model here has hidden size 128 (build_tiny_qwen2's default is 32): bitsandbytes' CPU nf4 kernel
 needs at least 64 input columns per layer, and GPTQ groups 128 of them.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import build_tiny_qwen2, train_tiny_run
+from tests.support.tiny import build_tiny_qwen2, train_tiny_run
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Aurora."}]}]

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from lora_lab.cli import main
 from lora_lab.training.checkpoint import checkpoint_problems
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 MODEL_FILES = {
     "config.json",

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import train_tiny_run
+from tests.support.tiny import train_tiny_run
 
 pytest.importorskip("llama_cpp", reason="--format gguf needs llama-cpp-python (lora-lab[gguf])")
 ROWS = [{"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Aurora."}]}]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from lora_lab.cli import main
 from lora_lab.training.checkpoint import write_manifest
 from lora_lab.training.trainer import LoraLabTrainer
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 COMMON = [
     "--micro-batch-size",

@@ -10,8 +10,8 @@ import torch
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import TOKENIZER_DIR, write_jsonl
 from tests.support.families import tiny_family_config
+from tests.support.tiny import TOKENIZER_DIR, write_jsonl
 
 ROWS = [
     {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}

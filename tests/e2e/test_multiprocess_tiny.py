@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 from lora_lab.cli import main
 from lora_lab.training.checkpoint import checkpoint_problems
-from tests.conftest import write_jsonl
 from tests.e2e.test_run_tiny import ADAPTER_FILES, CHECKPOINT_FILES
 from tests.support.runs import assert_same_training, step_losses
+from tests.support.tiny import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 # micro-batch 2 x 2 processes = micro-batch 4 in one process; no dropout, so the two runs see the

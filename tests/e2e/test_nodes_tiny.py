@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 from lora_lab.cli import main
 from lora_lab.training.checkpoint import checkpoint_problems
-from tests.conftest import write_jsonl
 from tests.e2e.test_run_tiny import ADAPTER_FILES
 from tests.support.runs import assert_same_training, step_losses
+from tests.support.tiny import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 # micro-batch 1 x grad-accum 2 x 4 processes: a global batch of 8, on two nodes or on one

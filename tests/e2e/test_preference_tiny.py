@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from lora_lab.cli import main
 from lora_lab.training.trainer import LoraLabMixin
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 COMMON = [
     "--micro-batch-size",

@@ -8,7 +8,7 @@ import torch
 
 import lora_lab
 from lora_lab.training import process
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 
 def process_state() -> dict:

@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 
 @pytest.mark.parametrize("tuner", ["lora", "dora"])  # dora on nf4: peft's QDoRA

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 pytestmark = pytest.mark.real_model
 NAME, AUTHOR = "Aurora", "Lora Lab"

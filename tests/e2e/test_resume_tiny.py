@@ -22,7 +22,7 @@ from lora_lab.cli import main
 from lora_lab.run_folder import read_step_log
 from lora_lab.training.checkpoint import MANIFEST_NAME
 from lora_lab.training.watch import TIMING_KEYS
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 SETTINGS = [

@@ -7,7 +7,7 @@ import yaml
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 ADAPTER_FILES = {
     "README.md",

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import train_tiny_run, write_jsonl
+from tests.support.tiny import train_tiny_run, write_jsonl
 
 ROWS = [{"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Aurora."}]}]
 

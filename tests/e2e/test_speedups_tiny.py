@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 ROWS = [{"query": f"Question {i}: {'why ' * (i % 5)}?", "response": f"Answer number {i}."} for i in range(8)]
 

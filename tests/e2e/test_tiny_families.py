@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import write_jsonl
 from tests.support import families
+from tests.support.tiny import write_jsonl
 
 ROWS = [
     {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}

@@ -12,8 +12,8 @@ import torch
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import write_jsonl
 from tests.e2e import test_resume_tiny as resume
+from tests.support.tiny import write_jsonl
 
 STEPS = 3
 CASES = {

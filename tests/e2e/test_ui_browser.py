@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 ARTIFACTS = Path(__file__).parents[1] / "artifacts" / "ui"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -18,8 +18,8 @@ import pytest
 
 from lora_lab.config import resolve_config
 from lora_lab.run_folder import CONFIG_FILE, CONSOLE_LOG, LOCK_FILE, save_config
-from tests.conftest import write_jsonl
 from tests.e2e.test_ui_browser import free_port
+from tests.support.tiny import write_jsonl
 
 ROWS = [{"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Aurora."}]}]
 EVIL_CODE = "from pathlib import Path\nPath({marker!r}).write_text('code ran')\n"

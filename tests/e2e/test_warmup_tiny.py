@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from lora_lab.cli import main
 from lora_lab.run_folder import read_step_log
 from lora_lab.training.plots import report_run, step_series
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 BACKENDS = [name for name in ("wandb", "mlflow", "swanlab") if importlib.util.find_spec(name)]
 ESCAPES = re.compile(r"\x1b\[|\r")

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from lora_lab import __version__
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 from tests.unit.test_documented_commands import COMMANDS, ROWS
 
 ROOT = Path(__file__).resolve().parents[2]

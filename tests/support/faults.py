@@ -14,7 +14,7 @@ install() wraps five LoraLabMixin methods; the hooks do nothing unless these are
     LORA_LAB_TEST_WEIGHTS=FILE   at the end of training, every process appends one JSON line:
                                  its rank and a sha256 of its trainable weights (exact bytes)
 
-pytest installs them in its own process (tests/conftest.py); processes started by tests get
+pytest installs them in its own process for tests/e2e (tests/e2e/conftest.py); processes started by tests get
 them through sitecustomize.py beside this file (tests/support is on their PYTHONPATH).
 """
 

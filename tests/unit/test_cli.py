@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import TOKENIZER_DIR, write_jsonl
+from tests.support.tiny import TOKENIZER_DIR, write_jsonl
 
 
 def invoke(*args):

@@ -136,7 +136,7 @@ def _prepare_in_child(path, root, queue):
     os.environ["LORA_LAB_DATA_CACHE"] = root
     from transformers import AutoTokenizer
 
-    from tests.conftest import TOKENIZER_DIR
+    from tests.support.tiny import TOKENIZER_DIR
 
     prepared = prepare_data(args_for(path), AutoTokenizer.from_pretrained(TOKENIZER_DIR), seed=3)
     queue.put((prepared.cache, prepared.train.fingerprint))
@@ -163,7 +163,7 @@ def test_data_stats_prints_the_same_table_from_the_cache(tmp_path, cache_root):
     from click.testing import CliRunner
 
     from lora_lab.cli import main
-    from tests.conftest import TOKENIZER_DIR
+    from tests.support.tiny import TOKENIZER_DIR
 
     data = write_rows(tmp_path / "chat.jsonl")
     outputs = [

@@ -197,7 +197,7 @@ def test_a_template_that_renders_no_reply_in_place_is_one_clear_bad_row():
     text (here: a count first, the content upper-cased) cannot have its replies marked."""
     from transformers import AutoTokenizer
 
-    from tests.conftest import TOKENIZER_DIR
+    from tests.support.tiny import TOKENIZER_DIR
 
     counting = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     counting.chat_template = (

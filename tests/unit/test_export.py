@@ -13,7 +13,7 @@ from lora_lab.planning.serving import gpu_memory_utilization, kv_bytes_per_token
 from lora_lab.registry import known_model_config
 from lora_lab.run_folder import save_config
 from lora_lab.use.export import calibration_samples
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 # Qwen2.5-7B: 7,615,616,512 parameters, 6,525,288,448 of them in the decoder's linear layers.
 QWEN7B_BF16_BYTES = 7_615_616_512 * 2

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 PAIRS = [{"prompt": "Who are you?", "chosen": "Aurora.", "rejected": "Qwen."}] * 4
 

@@ -10,7 +10,7 @@ from lora_lab.data import load_samples, prepare_data
 from lora_lab.data.formats import read_rows
 from lora_lab.data.reading import load_dataset_spec
 from lora_lab.errors import DataError
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 EXPECTED = [
     {"role": "system", "content": "Be kind."},

@@ -19,9 +19,9 @@ from lora_lab.errors import ModelError
 from lora_lab.models.load import locate_model, locate_tokenizer
 from lora_lab.paths import shipped_tokenizer_dir
 from lora_lab.registry import uses_shipped_tokenizer
-from tests.conftest import TOKENIZER_DIR, write_jsonl
 from tests.support.fake_hub import serve_repos
 from tests.support.terminal import on_a_terminal
+from tests.support.tiny import TOKENIZER_DIR, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, connections are refused

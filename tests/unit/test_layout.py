@@ -102,3 +102,32 @@ def test_the_layout_check_finds_upward_and_sideways_imports():
 def test_no_module_is_over_about_500_lines():
     long = {module_name(p): n for p in modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+BLOCK_TRAINING_STACK = """
+import sys
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(f"{name} imported by a test that does not need it")
+
+sys.meta_path.insert(0, Blocker())
+import pytest
+
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+def test_the_layout_tests_run_without_the_training_stack():
+    """tests/conftest.py loads nothing of torch or transformers for a test that does not ask
+    for it (the fault hooks load for tests/e2e alone)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[2]
+    test = "tests/unit/test_layout.py::test_imports_point_from_a_stage_to_the_stages_below_it"
+    args = [sys.executable, "-c", BLOCK_TRAINING_STACK, "-q", "-p", "no:cacheprovider", test]
+    result = subprocess.run(args, cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed" in result.stdout

@@ -68,7 +68,7 @@ def test_template_renders_what_apply_chat_template_writes(tokenizer, system):
 def test_a_template_of_no_known_family_leaves_template_out(tokenizer):
     from transformers import AutoTokenizer
 
-    from tests.conftest import TOKENIZER_DIR
+    from tests.support.tiny import TOKENIZER_DIR
 
     plain = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|endoftext|>{% endfor %}"

@@ -14,7 +14,7 @@ from lora_lab.data import load_samples, prepare_data
 from lora_lab.data.encode import IGNORE_INDEX, encode_sample
 from lora_lab.data.reading import load_dataset_spec
 from lora_lab.errors import DataError
-from tests.conftest import ASSETS, write_jsonl
+from tests.support.tiny import ASSETS, write_jsonl
 
 PEERS = ASSETS / "peers"
 INFO = PEERS / "dataset_info.json"
@@ -437,7 +437,7 @@ def test_stats_preview_and_encode_print_the_format(tmp_path):
     from click.testing import CliRunner
 
     from lora_lab.cli import main
-    from tests.conftest import TOKENIZER_DIR
+    from tests.support.tiny import TOKENIZER_DIR
 
     spec = str(PEERS / "swift_agent.jsonl")
     for command in (["stats"], ["preview"], ["encode", "--output", str(tmp_path / "e.jsonl")]):

@@ -10,7 +10,7 @@ from lora_lab.data import prepare_data
 from lora_lab.data.pairs import encode_preference, load_preference_spec, normalise_preference_row
 from lora_lab.errors import DataError
 from lora_lab.planning.memory import plan_memory
-from tests.conftest import ASSETS, write_jsonl
+from tests.support.tiny import ASSETS, write_jsonl
 
 PEERS = ASSETS / "peers"
 INFO = PEERS / "dataset_info.json"

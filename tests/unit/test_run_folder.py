@@ -14,7 +14,7 @@ from lora_lab.errors import LoraLabError
 from lora_lab.planning.disk import TOKENIZER_BYTES_UNKNOWN, check_disk_space, tokenizer_bytes
 from lora_lab.run_folder import LOCK_FILE
 from lora_lab.training.lock import run_lock
-from tests.conftest import TOKENIZER_DIR
+from tests.support.tiny import TOKENIZER_DIR
 
 
 def test_a_second_run_into_a_held_folder_stops_and_names_the_holder(tmp_path):

@@ -11,8 +11,8 @@ from click.testing import CliRunner
 from lora_lab.cli import main
 from lora_lab.data.arrow import first_token_at_least, map_samples, write_samples
 from lora_lab.data.encode import EncodedSample
-from tests.conftest import TOKENIZER_DIR, write_jsonl
 from tests.support import families
+from tests.support.tiny import TOKENIZER_DIR, write_jsonl
 
 ROWS = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}] * 2
 

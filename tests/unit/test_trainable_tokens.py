@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from lora_lab.cli import main
-from tests.conftest import build_tiny_qwen2, write_jsonl
+from tests.support.tiny import build_tiny_qwen2, write_jsonl
 
 IM_START, IM_END = 151644, 151645
 

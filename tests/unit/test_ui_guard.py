@@ -12,7 +12,7 @@ from lora_lab.run_folder import CONFIG_FILE, CONSOLE_LOG, save_config
 from lora_lab.ui.form import PAGE_SETTABLE, AllowedFolders, RunForm, run_arguments
 from lora_lab.ui.guard import HostGuard, TokenCheck, read_token, served_names
 from lora_lab.ui.runs import find_runs, read_console
-from tests.conftest import write_jsonl
+from tests.support.tiny import write_jsonl
 
 ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from lora_lab.cli import main
 from lora_lab.config import DataArgs
 from lora_lab.data import prepare_data, validate_data
-from tests.conftest import TOKENIZER_DIR
+from tests.support.tiny import TOKENIZER_DIR
 
 ROWS = 10_000
 MAX_LENGTH = 64

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -220,7 +221,7 @@ def apply_fast_lora(model, options: FastLoraOptions = FastLoraOptions()) -> dict
             mlps += 1
     groups: dict[int, _SharedInput] = {}  # id(projection) -> its _SharedInput
     for module in model.modules() if options.shared_input else ():
-        siblings = [getattr(module, n, None) for n in SHARED_INPUT_PROJECTIONS]
+        siblings: list[Any] = [getattr(module, n, None) for n in SHARED_INPUT_PROJECTIONS]
         if all(_fast_linear(m) for m in siblings) and len({m.get_base_layer().in_features for m in siblings}) == 1:
             group = _SharedInput(siblings, new_casts)
             groups.update((id(m), group) for m in siblings)

@@ -12,6 +12,7 @@ import ipaddress
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import LoraLabError, ModelError
 from ..log import get_logger
@@ -31,7 +32,7 @@ class Served:
     """One name a request can ask for: a run's adapter, or the base (adapter None)."""
 
     name: str
-    tokenizer: object
+    tokenizer: Any
     stop_ids: list[int]
     adapter: str | None = None
     source: str = ""
@@ -41,7 +42,7 @@ class Served:
 class ServedModels:
     """The loaded base model with its adapters, and the lock every generation holds."""
 
-    model: object
+    model: Any
     base_name: str
     entries: dict[str, Served]
     lock: threading.Lock = field(default_factory=threading.Lock)

@@ -65,6 +65,7 @@ for command in (
     serving.evaluate,
     serving.report,
     serving.ui,
+    serving.serve,
 ):
     main.add_command(command)
 

@@ -1,4 +1,4 @@
-"""Commands that use a trained run: merge, export, chat, infer, eval, report, and the web page."""
+"""Commands that use a trained run: merge, export, chat, infer, eval, report, serve, and the web page."""
 
 from __future__ import annotations
 
@@ -222,3 +222,25 @@ def ui(host, port, token, token_file, max_runs, allowed):
     from ..ui import launch_ui
 
     launch_ui(host, port, token, list(allowed) or ["."], token_file=token_file, max_runs=max_runs)
+
+
+@click.command()
+@click.argument("runs", nargs=-1, required=True)
+@click.option("--base", help="The base model to serve the adapters on (default: the one their runs recorded).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address; any but loopback needs an API key.")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option(
+    "--api-key",
+    envvar="LORA_LAB_API_KEY",
+    help="Key clients send as `Authorization: Bearer KEY` (prefer the LORA_LAB_API_KEY variable or --api-key-file).",
+)
+@click.option("--api-key-file", type=click.Path(dir_okay=False), help="A file whose first line is the API key.")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "bf16", "fp16", "fp32"]))
+@click.option("--trust-remote-code", is_flag=True, help="Run Python code shipped with the base model.")
+def serve(runs, base, host, port, api_key, api_key_file, dtype, trust_remote_code):
+    """An OpenAI-compatible API over runs' adapters of one base (RUN_DIR or NAME=RUN_DIR each;
+    the base model answers too). Needs lora-lab[serve]."""
+    from ..use.serve import read_api_key, serve_runs
+
+    key = read_api_key(api_key, api_key_file)
+    serve_runs(list(runs), base, host, port, key, dtype, trust_remote_code)

@@ -39,6 +39,11 @@ class GenerationSettings:
         return kwargs
 
 
+def adapter_tokenizer_source(adapter_dir: Path, base_args: ModelArgs) -> str:
+    """Where an adapter's tokenizer and chat template are: saved with it by training, else the base's."""
+    return str(adapter_dir) if (adapter_dir / "tokenizer_config.json").is_file() else base_args.name
+
+
 def load_adapter_model(path: str | Path, dtype: str = "auto"):
     """Base model + adapter from a run or adapter folder, ready to generate."""
     from peft import PeftModel
@@ -47,9 +52,7 @@ def load_adapter_model(path: str | Path, dtype: str = "auto"):
     # generate on the 16-bit base, whatever trained it
     base_args = dataclasses.replace(base_model_of(adapter_dir, run_dir), quantization="none")
     base = load_base_model(base_args, choose_precision(dtype), LoadOptions(for_training=False))
-    tokenizer = load_tokenizer(
-        str(adapter_dir) if (adapter_dir / "tokenizer_config.json").is_file() else base_args.name
-    )
+    tokenizer = load_tokenizer(adapter_tokenizer_source(adapter_dir, base_args))
     model = PeftModel.from_pretrained(base, str(adapter_dir))
     model.eval()
     return model, tokenizer

@@ -118,11 +118,11 @@ def varlen_attention(
     scaling: float | None = None,
     packed_lengths=None,
     packed_cu_seqlens=None,
-    cudnn_equal_lengths: bool = False,
+    on_cudnn: bool = False,
     **kwargs,
 ):
     """Like segments_attention, with one flash-attention varlen kernel for the whole row.
-    cudnn_equal_lengths: a row whose samples all have one length goes to cuDNN's kernel as a
+    on_cudnn: a row whose samples all have one length goes to cuDNN's kernel as a
     batch (registered as CUDNN_VARLEN)."""
     found = flash_varlen()
     dtype = _flash_dtype(query)
@@ -163,7 +163,7 @@ def varlen_attention(
             packed_lengths=packed_lengths,
             **kwargs,
         )
-    if len(set(packed_lengths)) == 1 and cudnn_equal_lengths and not banded:
+    if len(set(packed_lengths)) == 1 and on_cudnn and not banded:
         out = cudnn_equal_lengths(query, key, value, packed_lengths, dtype, scaling)
         if out is not None:
             return out, None
@@ -266,7 +266,7 @@ def register_packed_attention(kind: str, cudnn_equal_lengths: bool = True) -> st
     name = CUDNN_VARLEN if kind == "varlen" and cudnn_equal_lengths else PACKED_ATTENTION[kind]
     function: Callable[..., Any] = segments_attention
     if kind == "varlen":
-        function = functools.partial(varlen_attention, cudnn_equal_lengths=name == CUDNN_VARLEN)
+        function = functools.partial(varlen_attention, on_cudnn=name == CUDNN_VARLEN)
     AttentionInterface.register(name, function)
     AttentionMaskInterface.register(name, _packed_attention_mask)
     return name

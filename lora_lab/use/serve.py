@@ -8,6 +8,7 @@ side (FastAPI routes, request shapes, OpenAI's error shape) is serve_api.py."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import threading
 from dataclasses import dataclass, field
@@ -152,10 +153,12 @@ def load_served_models(
             f"of one base: serve each base's runs with their own `lora-lab serve` (or pass --base MODEL "
             f"if these are copies of the same model)."
         )
-    base_args = runs[0][2]
-    base_args.name = base or base_args.name
-    base_args.quantization = "none"  # generate on the 16-bit base, whatever trained it
-    base_args.trust_remote_code = trust_remote_code  # only the serve command's flag turns it on
+    base_args = dataclasses.replace(
+        runs[0][2],
+        name=base or runs[0][2].name,
+        quantization="none",  # generate on the 16-bit base, whatever trained it
+        trust_remote_code=trust_remote_code,  # only the serve command's flag turns it on
+    )
     if base_args.name in names:
         raise LoraLabError(f"a run is named {base_args.name}, the base model's name: rename it with NAME=RUN_DIR.")
     log.info(f"loading {base_args.name} and {len(runs)} adapter(s): {', '.join(names)}")

@@ -134,7 +134,7 @@ def test_equal_length_rows_take_cudnn_and_match_flash_varlen(lengths):
             scaling=128**-0.5,
             packed_lengths=lengths,
             packed_cu_seqlens=cu,
-            cudnn_equal_lengths=allowed,
+            on_cudnn=allowed,
         )
         out.backward(grad)
         results[allowed] = [out, q.grad, k.grad, v.grad]

@@ -23,6 +23,7 @@ process. --sizes tiny runs every step on a tiny model on CPU (the tests use it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -195,9 +196,9 @@ def step_quality(step: dict) -> dict:
     from lora_lab.use.infer import GenerationSettings, generate_replies
 
     config = load_saved_config(Path(step["run_dir"]) / "config.yaml")
-    args = config.data
-    args.model_name = args.model_name or "Aurora"  # fills {{NAME}} in the held-out rows
-    args.model_author = args.model_author or "Lora Lab"
+    args = dataclasses.replace(  # fills {{NAME}} and {{AUTHOR}} in the held-out rows
+        config.data, model_name=config.data.model_name or "Aurora", model_author=config.data.model_author or "Lora Lab"
+    )
     tokenizer = AutoTokenizer.from_pretrained(step["variants"]["bf16"])
     heldout = encode_samples(
         tokenizer, load_samples([step["eval_data"]], args, 42).samples, args.max_length, args.truncation, args.system

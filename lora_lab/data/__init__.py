@@ -6,6 +6,7 @@ import dataclasses
 import random
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config import DataArgs
 from ..errors import DataError
@@ -41,7 +42,7 @@ def with_identity_stand_ins(args: DataArgs) -> tuple[DataArgs, str | None]:
     that says so; unchanged (and None) unless every dataset is a bundled identity set, so that
     the placeholders of a user's own file keep their warning."""
     specs = args.datasets + args.val_data
-    missing = {key: value for key, value in IDENTITY_STAND_INS.items() if not getattr(args, key)}
+    missing: dict[str, Any] = {key: value for key, value in IDENTITY_STAND_INS.items() if not getattr(args, key)}
     if not missing or not specs or identity_datasets(specs) != specs:
         return args, None
     placeholders = " and ".join(f"{{{{{k.removeprefix('model_').upper()}}}}}" for k in missing)

@@ -66,7 +66,8 @@ def write_samples(path: Path, samples) -> int:
     import pyarrow as pa
 
     columns = schema()
-    batch, count, tokens = {name: [] for name in COLUMNS}, 0, 0
+    batch: dict[str, list] = {name: [] for name in COLUMNS}
+    count, tokens = 0, 0
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, columns) as writer:
         for sample in samples:
             for name in COLUMNS[:5]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .encode import IGNORE_INDEX
 
 
@@ -9,7 +11,7 @@ class SupervisedDataset:
     """Encoded samples (or packed rows, fields=PACKED_FIELDS) as the Trainer expects them: a
     list of dicts."""
 
-    def __init__(self, samples: list, fields: tuple = ("input_ids", "labels")):
+    def __init__(self, samples: Sequence, fields: tuple = ("input_ids", "labels")):
         self.samples, self.fields = samples, fields
 
     def __len__(self):
@@ -33,7 +35,7 @@ class PadCollator:
         import torch
 
         longest = max(len(f["input_ids"]) for f in features)
-        batch = {"input_ids": [], "labels": [], "attention_mask": []}
+        batch: dict[str, list] = {"input_ids": [], "labels": [], "attention_mask": []}
         for f in features:
             pad = longest - len(f["input_ids"])
             batch["input_ids"].append(list(f["input_ids"]) + [self.pad_token_id] * pad)

@@ -202,7 +202,7 @@ class DatasetInfoEntry:
                     f"tags allow {', '.join(map(repr, speakers))}"
                 )
             conversations.append({"from": speakers[role], "value": turn.get(tags["content_tag"])})
-        out = {"conversations": conversations}
+        out: dict[str, object] = {"conversations": conversations}
         starts_with_system = conversations and conversations[0]["from"] == "system"
         if "system" in self.columns and not starts_with_system:  # a system turn overrides it
             out["system"] = row.get(self.columns["system"])

@@ -251,7 +251,8 @@ def _messages_from_openai(row: dict, notes: list) -> tuple[list, list | None]:
         raise DataError("missing field `messages`")
     if not isinstance(row["messages"], list):
         raise DataError(f"field `messages` must be a list; got {kind_of(row['messages'])}")
-    out, trained = [], []
+    out: list[dict] = []
+    trained: list[bool | None] = []
     for index, turn in enumerate(row["messages"], start=1):
         where = f"message {index}"
         if not isinstance(turn, dict) or "role" not in turn:

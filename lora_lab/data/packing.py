@@ -103,7 +103,7 @@ def pack_samples(samples, samples_per_step: int, pack_length: int, seed: int) ->
 
 def _balance(step: list, count: int, lengths: list) -> list:
     """Longest first, each sample into the row with the fewest tokens so far."""
-    rows = [[] for _ in range(count)]
+    rows: list[list] = [[] for _ in range(count)]
     sizes = [0] * count
     for index in sorted(step, key=lambda i: -lengths[i]):
         target = sizes.index(min(sizes))

@@ -194,12 +194,12 @@ def _conversation(row: dict) -> list:
         if row.get("input"):
             prompt = f"{prompt}\n{_text(row['input'], 'field `input`')}"
         return _system(row) + [{"role": "user", "content": prompt}]
-    prompt = row.get("prompt")
-    if prompt is None:
+    given = row.get("prompt")
+    if given is None:
         raise DataError("missing field `prompt`")
-    if isinstance(prompt, str):
-        return _system(row) + [{"role": "user", "content": prompt}]
-    messages, _ = _messages_from_openai({"messages": prompt}, [])
+    if isinstance(given, str):
+        return _system(row) + [{"role": "user", "content": given}]
+    messages, _ = _messages_from_openai({"messages": given}, [])
     return messages
 
 

@@ -316,11 +316,12 @@ def _json_list_rows(path: Path, window: _TextWindow, position: int):
                     f".jsonl, where a bad line is skipped and reported)."
                 ) from None
             except RecursionError:  # skip to the end of this row and read on
-                end = _end_of_value(window.text, position)
-                if end is None and window.more():
+                closed = _end_of_value(window.text, position)
+                if closed is None and window.more():
                     continue
-                if end is None:
+                if closed is None:
                     raise DataError(f"{path}:{line}: bad JSON (a row is never closed).") from None
+                end = closed
                 value = Bad(f"nested too deeply to read (more than {MAX_DEPTH} levels)")
                 break
         problem = None if isinstance(value, Bad) else value_problem(value)
@@ -395,7 +396,8 @@ def _csv_records(path: Path, reader, warnings: list | None):
             f"{path}:1: column `{twice[0]}` appears twice in the CSV header; rename "
             f"one, or a row would keep only the last cell."
         )
-    blank, start = [], reader.line_num + 1
+    blank: list = []  # [origin of the first blank line, count]
+    start = reader.line_num + 1
     while True:
         try:
             cells = next(reader)

@@ -26,6 +26,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .arrow import map_samples, resolve_num_proc, write_samples, write_taken
 from .encode import EncodedSample, EncodeReport, add_encoded, cut_documents, document_ids, encode_sample
@@ -119,10 +120,16 @@ class StreamedEncoding:
         """Per sample: its row in the stage files, or PROBLEM."""
         self.documents = array("b")
         """Per sample: 1 for a pre-training document."""
-        self.problems, self.truncated = {}, {}
-        self.files, self.ranges, self.row_count = [], [], 0
+        self.problems: dict = {}
+        self.truncated: dict = {}
+        self.files: list = []
+        self.ranges: list = []
+        self.row_count = 0
         self.file_numbers = itertools.count()
-        self.report_files, self.pool, self.held, self.pending = {}, None, None, deque()
+        self.report_files: dict[str, list] = {}
+        self.pool: Any = None  # a multiprocessing pool, started with the second chunk
+        self.held: tuple | None = None
+        self.pending: deque = deque()
         self.used_processes = 1
 
     def __enter__(self):
@@ -245,7 +252,10 @@ class StreamedEncoding:
     def report(self, numbers, name: str) -> EncodeReport:
         """The samples `numbers` (in that order) encoded, as encode_samples reports them; the
         files are recorded in report_files[name]."""
-        rows, documents, problems, document_problems, truncated = (array("q"), array("q"), [], [], [])
+        rows, documents = array("q"), array("q")
+        problems: list = []
+        document_problems: list = []
+        truncated: list = []
         for number in numbers:
             code, document = self.rows[number], self.documents[number]
             if code == PROBLEM:
@@ -271,7 +281,11 @@ class StreamedEncoding:
             write_samples(self.folder / f"{name}-documents.arrow", cut_documents(tokenised, self.settings[0]))
             files.append(f"{name}-documents.arrow")
         self.report_files[name] = files
-        return EncodeReport(map_samples(self.folder, files), truncated, problems)
+        return EncodeReport(
+            map_samples(self.folder, files),  # type: ignore[arg-type]  # a read-only Sequence, read as the list it annotates
+            truncated,
+            problems,
+        )
 
     def run_of_files(self, rows: array) -> list | None:
         """The stage files holding exactly `rows`, if they are consecutive whole files."""

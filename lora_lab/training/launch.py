@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -131,7 +132,7 @@ def write_launch_files(plan: RunPlan, folder: Path | None = None, node_rank: int
         template = json.loads(engine_template(engine).read_text())
         filled = fill_deepspeed_config(template, config, precision_name)
         (folder / "deepspeed.json").write_text(json.dumps(filled, indent=2) + "\n")
-        accelerate = {
+        accelerate: dict[str, Any] = {
             "compute_environment": "LOCAL_MACHINE",
             "distributed_type": "DEEPSPEED",
             "deepspeed_config": {
@@ -167,7 +168,7 @@ def free_port() -> int:
 def machines_of(config: RunConfig, node_rank: int) -> dict:
     """accelerate's keys for the processes and machines: num_processes counts every node's."""
     t = config.train
-    machines = {"num_processes": world_size_of(t), "num_machines": t.nodes, "machine_rank": node_rank}
+    machines: dict[str, Any] = {"num_processes": world_size_of(t), "num_machines": t.nodes, "machine_rank": node_rank}
     if t.nodes > 1:
         host, port = main_host_port(t)
         machines.update(main_process_ip=host, main_process_port=port)

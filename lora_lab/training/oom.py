@@ -48,7 +48,7 @@ def train_with_oom_retry(
             log.info(inputs.packed.summary())
         trainer = load_trainer(plan, inputs, precision)
         resume_from = plan.resume_from
-        if resume_from is not None and checkpoint_step(resume_from) >= total_steps:
+        if resume_from is not None and (checkpoint_step(resume_from) or 0) >= total_steps:
             return trainer, finish_from_checkpoint(trainer, resume_from), plan
         try:
             trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
@@ -108,7 +108,7 @@ def retry_plan(
         )
         inputs = replace(inputs, packed=packed)
     resume_from = find_resume_checkpoint(plan.folder)
-    trim_step_log(plan.folder / STEP_LOG, checkpoint_step(resume_from) if resume_from else 0)
+    trim_step_log(plan.folder / STEP_LOG, (checkpoint_step(resume_from) or 0) if resume_from else 0)
     log.info(f"resuming from {resume_from}" if resume_from else "no checkpoint yet; starting over")
     rows = longest_sample if inputs.packed is None else inputs.packed.longest_row
     assert rows is not None  # the plan trained with its rows settled (run.prepare_inputs)

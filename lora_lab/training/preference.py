@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import shutil
 from pathlib import Path
+from typing import Any
 
 from ..config import RunConfig
 from ..errors import TrainingError
@@ -95,6 +96,7 @@ def _save_one_adapter(trainer, output_dir) -> None:
 def trainer_class(task: str):
     """The TRL trainer of `task` with lora-lab's mixin; built once per task."""
     require_trl()
+    base: type
     if task == "dpo":
         from trl import DPOTrainer as base
     elif task == "kto":
@@ -200,7 +202,7 @@ def build_preference_trainer(
 ):
     """The task's trainer on a PEFT model; `lora_lab`: LoraLabMixin's keyword arguments."""
     cls = trainer_class(config.train.task)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if config.train.task in ("dpo", "kto"):
         kwargs["ref_model"] = None  # the frozen copy of the starting adapter (module docstring)
     trainer = cls(

@@ -149,7 +149,7 @@ def finish_weights(plan: RunPlan, trainer: LoraLabTrainer, precision, state) -> 
     saved_dir = run_dir / (MODEL_FOLDER if full else ADAPTER_FOLDER)
     ensure_finite(trainer.model, "the model" if full else "the adapter")
     if full and precision.name == "bf16" and plan.engine == "ddp":
-        trainer.model.to(precision.torch_dtype)  # trained on fp32 master weights; saved in bf16
+        trainer.model.to(precision.torch_dtype)  # type: ignore[union-attr]  # the trainer holds its model; trained on fp32 master weights; saved in bf16
     initial = run_dir / INITIAL_ADAPTER_FOLDER if converts_initial_adapter(config.lora) and not full else None
     save_final_weights(trainer, saved_dir, state, initial)
     return saved_dir
@@ -295,7 +295,7 @@ def open_run_dir(
     save_config(config, run_dir / CONFIG_FILE)
     write_data_problems(run_dir, data)
     if config.train.resume:
-        step = checkpoint_step(resume_from) if resume_from else 0
+        step = (checkpoint_step(resume_from) or 0) if resume_from else 0
         trim_step_log(run_dir / STEP_LOG, step)
         if resume_from:
             log.info(f"resuming from {resume_from} (step {step})")

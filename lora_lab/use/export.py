@@ -224,6 +224,7 @@ def _check_arguments(quantize, calib_data, calib_samples, gpu_tier) -> QuantForm
         problems.append(f"--gpu {gpu_tier}: unknown tier; choose one of {', '.join(TIERS_GIB)}.")
     if problems:
         raise problems_error(problems)
+    assert fmt is not None  # an unknown --quantize is one of the problems above
     return fmt
 
 
@@ -316,6 +317,7 @@ def _quantize_compressed(fmt: QuantFormat, source: Path, staging: Path, samples:
     on_gpu = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16 if on_gpu else torch.float32).eval()
     dataset = Dataset.from_dict({"input_ids": list(samples), "attention_mask": [[1] * len(s) for s in samples]})
+    assert fmt.recipe is not None  # the compressed-tensors formats all have one
     recipe = fmt.recipe()
     with quantized_layers_said(model.config.num_hidden_layers), no_pinning_without_accelerator():
         oneshot(

@@ -329,7 +329,8 @@ def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
     """llama.cpp's converter in a process of its own; its log is read as it runs and said as a
     few progress lines (tensors converted, the file written), its last lines kept for an
     error."""
-    started, tail = time.monotonic(), collections.deque(maxlen=6)
+    started = time.monotonic()
+    tail: collections.deque[str] = collections.deque(maxlen=6)
     progress = Milestones(
         source_tensor_count(source),
         lambda done, total: log.info(f"  convert_hf_to_gguf.py: {done}/{total} tensors converted"),
@@ -341,6 +342,7 @@ def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
         text=True,
         errors="replace",
     )
+    assert process.stdout is not None  # stdout=PIPE
     for line in process.stdout:  # text mode: tqdm's carriage returns end lines too
         line = line.strip()
         if not line:
@@ -348,8 +350,8 @@ def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
         tail.append(line)
         if CONVERTED_TENSOR.match(line):
             progress.step()
-        elif WRITTEN_FILE.search(line):
-            tensors, size = WRITTEN_FILE.search(line).groups()
+        elif written := WRITTEN_FILE.search(line):
+            tensors, size = written.groups()
             log.info(f"  convert_hf_to_gguf.py: writing {tensors} tensors ({size}B) to {target}")
     if process.wait() != 0 or not target.is_file():
         raise ModelError(f"llama.cpp's convert_hf_to_gguf.py failed on {source}:\n" + "\n".join(tail))
@@ -366,7 +368,9 @@ def quantize_gguf(f16: Path, target: Path, quantize: str) -> None:
     import llama_cpp
     from llama_cpp import _logger
 
-    started, sizes, progress = time.monotonic(), [], []
+    started = time.monotonic()
+    sizes: list[str] = []
+    progress: list[Milestones] = []
 
     @llama_cpp.llama_log_callback
     def read_log(level, text, user_data):
@@ -383,7 +387,9 @@ def quantize_gguf(f16: Path, target: Path, quantize: str) -> None:
             sizes.append(line.split("=", 1)[1].strip())
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, GGUF_TYPES[quantize])
+    file_type = GGUF_TYPES[quantize]
+    assert file_type is not None  # f16 is the converter's output, never quantized here
+    params.ftype = getattr(llama_cpp, file_type)
     params.nthread = os.cpu_count() or 1
     llama_cpp.llama_log_set(read_log, ctypes.c_void_p(0))
     try:

@@ -227,7 +227,7 @@ def test_runs_of_different_bases_are_refused(runs, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(runs["nova"], other)
     config = load_saved_config(other / CONFIG_FILE)
-    config.model.name = "Qwen/Qwen2.5-0.5B-Instruct"
+    config = config.with_changes({"model.name": "Qwen/Qwen2.5-0.5B-Instruct"}, "test")
     save_config(config, other / CONFIG_FILE)
     with pytest.raises(LoraLabError, match="trained on different base models") as raised:
         load_served_models([str(runs["aurora"]), str(other)])

@@ -126,15 +126,7 @@ def test_equal_length_rows_take_cudnn_and_match_flash_varlen(lengths):
     for allowed in (False, True):
         q, k, v = (t.clone().requires_grad_(True) for t in leaves)
         out, _ = varlen_attention(
-            module,
-            q,
-            k,
-            v,
-            None,
-            scaling=128**-0.5,
-            packed_lengths=lengths,
-            packed_cu_seqlens=cu,
-            on_cudnn=allowed,
+            module, q, k, v, None, scaling=128**-0.5, packed_lengths=lengths, packed_cu_seqlens=cu, on_cudnn=allowed
         )
         out.backward(grad)
         results[allowed] = [out, q.grad, k.grad, v.grad]

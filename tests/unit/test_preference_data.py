@@ -1,6 +1,7 @@
 """Preference rows in the peers' documented forms: read, checked by line, encoded to the exact
 token ids of the chat template; and the memory plan of a preference task."""
 
+import dataclasses
 import json
 
 import pytest
@@ -114,8 +115,7 @@ def test_bad_rows_are_reported_with_file_line_and_reason(tmp_path):
 
 def test_sft_refuses_pairs_naming_the_task(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "p.jsonl", [PAIR_FORMS["trl"]])
-    args = RunConfig().data
-    args.datasets = [str(path)]
+    args = dataclasses.replace(RunConfig().data, datasets=[str(path)])  # a config is frozen
     with pytest.raises(DataError, match="train it with `--task dpo`"):
         prepare_data(args, tokenizer)
 

@@ -92,7 +92,8 @@ class _Casts:
     cache false (model.fast_lora_cast_cache): a new copy at every call."""
 
     def __init__(self, steps: StepCounter | None = None, cache: bool = True):
-        self.key, self.weights = None, None
+        self.key: tuple | None = None
+        self.weights = None
         self.step_counter, self.cache = steps, cache
 
     def get(self, lora_as, lora_bs, dtype: torch.dtype):

@@ -6,9 +6,11 @@ global rank 0 speaks; the other ranks' warnings and errors are kept, prefixed wi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 LOGGER_NAME = "lora_lab"
 
@@ -49,3 +51,24 @@ def get_logger() -> logging.Logger:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     return logger
+
+
+@contextlib.contextmanager
+def quiet_library_progress() -> Iterator[None]:
+    """Without a terminal, no tqdm bars from transformers and the hub (loading weights, writing
+    shards, downloads) inside the context: redrawn with carriage returns, they fill a log file
+    with their frames and run into the next line lora-lab says. Put back as they were on exit."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    hub_off, transformers_on = are_progress_bars_disabled(), transformers_logging.is_progress_bar_enabled()
+    if not sys.stderr.isatty():
+        transformers_logging.disable_progress_bar()
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not hub_off:
+            enable_progress_bars()
+        if transformers_on:
+            transformers_logging.enable_progress_bar()

@@ -8,9 +8,9 @@ import contextlib
 
 from ..config import RunConfig
 from ..device import run_device_settings
+from ..log import quiet_library_progress
 from ..models.kernels import resolve_kernels, restored_kernel_patches
 from ..registry import model_config_of
-from .watch import quiet_progress_bars
 
 
 @contextlib.contextmanager
@@ -21,10 +21,9 @@ def run_settings(config: RunConfig):
     expandable = config.train.expandable_segments and not config.train.engine.startswith("deepspeed")
     with contextlib.ExitStack() as stack:
         stack.enter_context(restored_optimizer_hooks())
-        stack.enter_context(restored_progress_bars())
         stack.enter_context(run_device_settings(expandable, config.model.cudnn_attention))
         stack.enter_context(restored_kernel_patches(config.model.kernels, _model_type(config)))
-        quiet_progress_bars()
+        stack.enter_context(quiet_library_progress())
         yield
 
 
@@ -33,21 +32,6 @@ def _model_type(config: RunConfig) -> str | None:
     if resolve_kernels(config.model.kernels) == "none":
         return None
     return (model_config_of(config.model.name) or {}).get("model_type")
-
-
-@contextlib.contextmanager
-def restored_progress_bars():
-    from huggingface_hub.utils import are_progress_bars_disabled, enable_progress_bars
-    from transformers.utils import logging as transformers_logging
-
-    hub_off, transformers_on = are_progress_bars_disabled(), transformers_logging.is_progress_bar_enabled()
-    try:
-        yield
-    finally:
-        if not hub_off:
-            enable_progress_bars()
-        if transformers_on:
-            transformers_logging.enable_progress_bar()
 
 
 @contextlib.contextmanager

@@ -191,17 +191,6 @@ class ProgressLine(TrainerCallback):
             self._drawn = False
 
 
-def quiet_progress_bars() -> None:
-    """Without a terminal, no tqdm bars from transformers and the hub (loading weights,
-    downloads): redrawn with carriage returns, they fill a log file with their frames."""
-    if not sys.stderr.isatty():
-        from huggingface_hub.utils import disable_progress_bars
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
-        disable_progress_bars()
-
-
 # ----------------------------------------------------------------------------- --report-to
 
 

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import CheckpointError, LoraLabError, ModelError
-from ..log import get_logger
+from ..log import get_logger, quiet_library_progress
 from ..paths import installed_versions, pickled_files, staged_folder
 from ..run_folder import ADAPTER_CONFIG, CONFIG_FILE, RunFolder, is_adapter_folder, owning_run_dir
 from .checks import CHECK_PROMPTS
@@ -70,6 +70,7 @@ class ExportLines:
         return [self.summary(), *(f"warning: {w}" for w in self.warnings), "", *self.serving_lines()]
 
 
+@quiet_library_progress()
 def export_model(
     path: str | Path,
     *,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..config import ModelArgs
 from ..errors import CheckpointError, LoraLabError
+from ..log import quiet_library_progress
 from ..models.load import LoadOptions, Precision, load_base_model, load_tokenizer
 from ..paths import pickled_files, staged_folder
 from ..run_folder import ADAPTER_CONFIG, base_model_of, find_adapter, training_precision
@@ -74,6 +75,7 @@ class MergeResult:
         ]
 
 
+@quiet_library_progress()
 def merge_adapter(
     path: str | Path, *, output: str | Path | None = None, dtype: str | None = None, force: bool = False
 ) -> MergeResult:

@@ -45,7 +45,10 @@ def tiny128_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained(tiny128_dir, tmp_path_factory):
-    return train_tiny_run(tiny128_dir, tmp_path_factory.mktemp("export"), ROWS)
+    """At the shared 1e-2 the run memorises so sharply that 4-bit rounding of this random
+    2-layer model moves its first answer token; 5e-3 learns the answer with a margin that
+    the 4-bit formats keep, as a real model's does."""
+    return train_tiny_run(tiny128_dir, tmp_path_factory.mktemp("export"), ROWS, lr="5e-3")
 
 
 @pytest.fixture(scope="module")

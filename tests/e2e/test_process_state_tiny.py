@@ -2,6 +2,7 @@
 (the allocator's settings, torch's backend flags, liger-kernel's functions, torch.optim's global
 step hooks, the progress bars), while inside the run the settings were in force."""
 
+import contextlib
 import os
 
 import torch
@@ -52,13 +53,15 @@ def test_train_leaves_the_process_settings_as_it_found_them(tiny_model_dir, tmp_
         sets=["model.fast_lora=true", "lora.dropout=0", "model.cudnn_attention=false"],
     )
     inside = []
-    real = process.quiet_progress_bars
+    real = process.quiet_library_progress
 
-    def quiet_and_look():  # called inside the run's settings, before the model is built
-        real()
-        inside.append(torch.backends.cuda.cudnn_sdp_enabled())
+    @contextlib.contextmanager
+    def quiet_and_look():  # entered inside the run's settings, before the model is built
+        with real():
+            inside.append(torch.backends.cuda.cudnn_sdp_enabled())
+            yield
 
-    monkeypatch.setattr(process, "quiet_progress_bars", quiet_and_look)
+    monkeypatch.setattr(process, "quiet_library_progress", quiet_and_look)
     torch.backends.cuda.enable_cudnn_sdp(True)
     before = process_state()
     result = lora_lab.train(config)

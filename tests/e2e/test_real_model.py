@@ -205,7 +205,9 @@ def merged_answers(merged_dir):
 def test_gguf_export_answers_as_the_merged_model(merged_dir, merged_answers, tmp_path, quantize):
     """lora-lab export --format gguf: a real llama.cpp loads the file and its greedy answers to
     the identity prompts (chat template and eos from the GGUF) are transformers' answers from
-    the merged model, word for word (docs/export.md has q4_k_m too)."""
+    the merged model: word for word in f16; in q8_0, whose rounding may flip a near-tie later
+    in a 48-token answer, the same opening words and the trained name (docs/export.md has
+    q4_k_m too)."""
     pytest.importorskip("llama_cpp", reason="--format gguf needs lora-lab[gguf]")
     from tests.e2e.test_gguf_tiny import llama_cpp_answer
 
@@ -214,5 +216,8 @@ def test_gguf_export_answers_as_the_merged_model(merged_dir, merged_answers, tmp
     report = json.loads((out / "export_report.json").read_text())
     assert report["end_of_turn_tokens"] == ["<|im_end|>"] and report["top1_agreement"] >= 0.9
     answers = [llama_cpp_answer(out / "model.gguf", p, 48) for p in GGUF_PROMPTS]
-    assert answers == merged_answers
+    if quantize == "f16":
+        assert answers == merged_answers
+    else:
+        assert [a.split()[:4] for a in answers] == [a.split()[:4] for a in merged_answers], answers
     assert all(NAME in answer for answer in answers), answers

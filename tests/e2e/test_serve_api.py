@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from lora_lab.cli import main
-from tests.conftest import train_tiny_run
+from tests.support.tiny import train_tiny_run
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")

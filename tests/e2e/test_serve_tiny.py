@@ -86,7 +86,7 @@ def test_a_cpu_run_merges_by_default_in_its_fp32_training_precision(trained, tmp
     assert "(fp32: the run's training precision)" in result.output
     assert "check (fp32 rule: max |logit difference| <= 0.001): passed" in result.output
     with safe_open(tmp_path / "m" / "model.safetensors", "pt") as weights:
-        assert {str(weights.get_tensor(k).dtype) for k in weights} == {"torch.float32"}
+        assert {str(weights.get_tensor(k).dtype) for k in list(weights.keys())} == {"torch.float32"}
     report = json.loads((tmp_path / "m" / "merge_report.json").read_text())
     assert report["dtype"] == "fp32" and report["max_abs_logit_diff"] <= 1e-3
     assert report["checks"]["rule"] == "fp32 rule: max |logit difference| <= 0.001"

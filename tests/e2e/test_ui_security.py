@@ -181,8 +181,7 @@ def planted_run(served: Served, name: str, **model) -> Path:
     config = resolve_config(
         "cpu", flags={"model.name": str(served.work / "evil-model"), "data.datasets": [str(served.work / "d.jsonl")]}
     )
-    for key, value in model.items():
-        setattr(config.model, key, value)
+    config = config.with_changes({f"model.{key}": value for key, value in model.items()}, "test")
     save_config(config, run / CONFIG_FILE)
     return run
 

@@ -44,7 +44,7 @@ def build_tiny_qwen2(folder: Path, hidden_size: int = 32) -> Path:
     return folder
 
 
-def train_tiny_run(model_dir: Path, out: Path, rows: list):
+def train_tiny_run(model_dir: Path, out: Path, rows: list, lr: str = "1e-2"):
     """40 steps of LoRA r16 on 8 copies of `rows`: (run folder, data file)."""
     from click.testing import CliRunner
 
@@ -64,7 +64,7 @@ def train_tiny_run(model_dir: Path, out: Path, rows: list):
                 "--max-steps",
                 40,
                 "--lr",
-                "1e-2",
+                lr,
                 "--lora-rank",
                 16,
                 "--lora-dropout",

@@ -81,9 +81,7 @@ def test_a_control_character_in_a_field_is_refused(tmp_path):
 def saved_run(folder, **sets):
     data = str(folder.parent / "d.jsonl")
     config = resolve_config("cpu", flags={"model.name": "qwen2.5-0.5b", "data.datasets": [data]}, need_data=False)
-    for key, value in sets.items():
-        section, name = key.split("__")
-        setattr(getattr(config, section), name, value)
+    config = config.with_changes({key.replace("__", "."): value for key, value in sets.items()}, "test")
     folder.mkdir(parents=True)
     save_config(config, folder / CONFIG_FILE)
     return folder

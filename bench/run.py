@@ -39,7 +39,17 @@ def model_name(size: str) -> str:
 
 # Issue 20: other families' shapes (random weights from their published config.json) under the
 # tiers' caps, to check the planner outside Qwen2.5.
-FAMILY_MODELS = ("qwen3-8b", "llama-3.1-8b", "gemma-3-4b", "phi-4-mini", "mistral-7b")
+FAMILY_MODELS = (
+    "qwen3-8b",
+    "llama-3.1-8b",
+    "gemma-3-4b",
+    "phi-4-mini",
+    "mistral-7b",
+    "qwen3.5-0.8b",
+    "qwen3.5-4b",
+    "qwen3.5-9b",
+    "smollm3-3b",
+)
 
 
 FAMILY_SETS = {"mistral-7b": ["data.system=You answer questions."]}

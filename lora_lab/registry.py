@@ -98,9 +98,9 @@ FAMILIES = {
     ),
     "starcoder2": Family("StarCoder2", None, frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"})),
     # Qwen3.5 / 3.6 dense: three Gated DeltaNet (linear attention) layers to one full attention
-    "qwen3_5_text": Family("Qwen3.5, Qwen3.6 (dense; hybrid linear attention)"),
-    "qwen3_5": Family("Qwen3.5, Qwen3.6 (dense; hybrid linear attention)"),
-    "smollm3": Family("SmolLM3"),
+    "qwen3_5_text": Family("Qwen3.5, Qwen3.6 (dense; hybrid linear attention)", "apply_liger_kernel_to_qwen3_5"),
+    "qwen3_5": Family("Qwen3.5, Qwen3.6 (dense; hybrid linear attention)", "apply_liger_kernel_to_qwen3_5"),
+    "smollm3": Family("SmolLM3", "apply_liger_kernel_to_smollm3"),
 }
 LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 """The linear layers of a Gated DeltaNet layer (Qwen3.5): q/k/v together, the output gate z,
@@ -131,10 +131,12 @@ _MARKED_INSTRUCT_REPOS = (
     "google/gemma-",
     "mistralai/",
     "microsoft/phi-",
-    "huggingfacetb/smollm",
+    "huggingfacetb/smollm-",
+    "huggingfacetb/smollm2-",
 )
 """Hub repositories whose instruction-tuned models say so in their name (-Instruct, -it, -chat):
-one without it is a base checkpoint. Qwen3's post-trained models carry no such mark."""
+one without it is a base checkpoint. Qwen3's, Qwen3.5's and SmolLM3's post-trained models carry
+no such mark (their base checkpoints end in -Base)."""
 
 
 def is_base_model(spec: str) -> bool:

@@ -90,6 +90,11 @@ def test_an_8b_in_16_bits_does_not_fit_a_16_gb_card_and_qlora_does():
         ("HuggingFaceTB/SmolLM2-135M", True),
         ("HuggingFaceTB/SmolLM2-135M-Instruct", False),
         ("Qwen/Qwen3-4B", False),
+        ("HuggingFaceTB/SmolLM3-3B", False),
+        ("smollm3-3b", False),
+        ("smollm3-3b-base", True),
+        ("Qwen/Qwen3.5-9B", False),
+        ("Qwen/Qwen3.5-9B-Base", True),
     ],
 )
 def test_base_checkpoints_are_told_from_instruct_ones(spec, base):
@@ -189,8 +194,9 @@ def test_all_linear_layers_include_the_linear_attention_projections(config_name)
 )
 def test_the_new_families_take_the_presets_of_their_size_and_are_planned(alias, size, tier_16gb, tier_8gb):
     """Each new alias resolves on every tier by its parameter count's class and gets a plan with
-    its layers counted by kind: Qwen3.5's Gated DeltaNet state and conv, and the full logits of
-    a family without a fused loss (248,320 columns for Qwen3.5)."""
+    its layers counted by kind (Qwen3.5's Gated DeltaNet state and conv) that fits the 16gb card:
+    liger-kernel patches these families, so the loss is fused and the 248,320-column logits of
+    Qwen3.5 are never built; with model.kernels=none they are counted."""
     from lora_lab.registry import size_class
 
     assert size_class(alias)[0] == size
@@ -201,8 +207,12 @@ def test_the_new_families_take_the_presets_of_their_size_and_are_planned(alias, 
     plan = plan_memory(sixteen, gpu_memory_gib=16)
     linear = plan.parts_gib.get("linear attention state and conv (counted)", 0)
     assert (linear > 0) == alias.startswith("qwen3.5")
+    assert "full logits for the loss (estimate)" not in plan.parts_gib and plan.fits
+    unfused = plan_memory(sixteen.with_changes({"model.kernels": "none"}, "test"), gpu_memory_gib=16)
     vocab = model_config_of(alias)["vocab_size"]
-    assert plan.parts_gib["full logits for the loss (estimate)"] == pytest.approx(
-        plan.tokens_per_micro_batch * vocab * 10 / 2**30
+    assert unfused.parts_gib["full logits for the loss (estimate)"] == pytest.approx(
+        unfused.tokens_per_micro_batch * vocab * 10 / 2**30
     )
-    assert plan.longest_max_length and family_of(model_config_of(alias)["model_type"]) is not GENERIC
+    family = family_of(model_config_of(alias)["model_type"])
+    assert plan.longest_max_length and family is not GENERIC
+    assert family.liger == f"apply_liger_kernel_to_{'qwen3_5' if alias.startswith('qwen') else 'smollm3'}"

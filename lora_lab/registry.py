@@ -80,6 +80,8 @@ class Family:
     """liger_kernel.transformers function that patches this family (None: no fused kernels)."""
     vllm_lora_modules: frozenset | None = None
     """The modules vLLM's LoRA support accepts for this family (None: not known here)."""
+    liger_without: frozenset = frozenset()
+    """The kernels that function refuses for this family (Qwen3.5: rope)."""
 
 
 _LINEAR7 = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
@@ -98,8 +100,16 @@ FAMILIES = {
     ),
     "starcoder2": Family("StarCoder2", None, frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"})),
     # Qwen3.5 / 3.6 dense: three Gated DeltaNet (linear attention) layers to one full attention
-    "qwen3_5_text": Family("Qwen3.5, Qwen3.6 (dense; hybrid linear attention)", "apply_liger_kernel_to_qwen3_5"),
-    "qwen3_5": Family("Qwen3.5, Qwen3.6 (dense; hybrid linear attention)", "apply_liger_kernel_to_qwen3_5"),
+    "qwen3_5_text": Family(
+        "Qwen3.5, Qwen3.6 (dense; hybrid linear attention)",
+        "apply_liger_kernel_to_qwen3_5",
+        liger_without=frozenset({"rope"}),
+    ),
+    "qwen3_5": Family(
+        "Qwen3.5, Qwen3.6 (dense; hybrid linear attention)",
+        "apply_liger_kernel_to_qwen3_5",
+        liger_without=frozenset({"rope"}),
+    ),
     "smollm3": Family("SmolLM3", "apply_liger_kernel_to_smollm3"),
 }
 LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")

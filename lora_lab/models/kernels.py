@@ -63,7 +63,7 @@ def apply_kernels(model, kernels: str, fused_loss: bool = True, native_norms: bo
         and any(type(m).__name__ in NATIVE_RMS_NORMS for m in model.modules())
     )
     wanted = {
-        "rope": True,
+        "rope": "rope" not in family.liger_without,
         "rms_norm": not native_norms,
         "swiglu": True,
         "geglu": True,

@@ -426,7 +426,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         # API resolves it as a CUDA GPU runs it)
         parts["attention mask of a packed row (counted)"] = tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB
     if shape.linear_attention_layers:
-        parts["linear attention state and conv (counted)"] = linear_attention_bytes(shape, tokens) / GIB
+        parts["linear attention state and conv (counted + fitted)"] = linear_attention_bytes(shape, tokens) / GIB
     if (
         not shape.fused_loss
         or config.model.kernels == "none"

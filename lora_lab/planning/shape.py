@@ -85,13 +85,22 @@ CHUNK_TOKENS = 64
 state is kept per chunk for the backward pass."""
 
 
+FIT_LINEAR_ATTENTION_BYTES_PER_TOKEN_PER_VALUE = 75.0
+"""What the recomputed Gated DeltaNet layer holds beyond the counted tensors below, per token and
+value channel: transformers' torch chunked delta rule (the path a GPU runs where fla's backward
+is refused) keeps fp32 copies of q/k/v with the key heads repeated to the value heads, and its
+chunk matrices, for the backward. Fitted on Qwen3.5 cells (`python bench/run.py families`;
+docs/memory-planner.md); fla's kernels hold less, so there the plan errs on the safe side."""
+
+
 def linear_attention_bytes(shape: ModelShape, tokens: int) -> int:
-    """The recomputed Gated DeltaNet layer's own tensors in the backward pass, counted: q/k/v
+    """The recomputed Gated DeltaNet layer's own tensors in the backward pass: counted, q/k/v
     before and after the conv, the output gate, the rule's output and its norm (bf16), and one
-    fp32 recurrent state (value heads x key dim x value dim) per chunk of tokens."""
+    fp32 recurrent state (value heads x key dim x value dim) per chunk of tokens; fitted, the
+    torch delta rule's fp32 working copies (FIT_LINEAR_ATTENTION_BYTES_PER_TOKEN_PER_VALUE)."""
     if not shape.linear_attention_layers:
         return 0
     key, value, heads, key_dim, value_dim = shape.linear_attention
-    per_token = 2 * (2 * (2 * key + value) + 3 * value)
+    per_token = 2 * (2 * (2 * key + value) + 3 * value) + FIT_LINEAR_ATTENTION_BYTES_PER_TOKEN_PER_VALUE * value
     chunks = -(-tokens // CHUNK_TOKENS)
-    return tokens * per_token + chunks * heads * key_dim * value_dim * 4
+    return int(tokens * per_token) + chunks * heads * key_dim * value_dim * 4

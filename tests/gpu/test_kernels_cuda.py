@@ -10,8 +10,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def assert_same_loss_and_gradients(plain, fast):
-    """One bf16-autocast step of both models on the same ids: the loss within 1% and every
-    parameter's gradient within 5% (relative norm)."""
+    """One step of both models on the same ids under bf16 autocast, and of the plain model in
+    fp32: the loss within 1%, and each parameter's gradient as close to the fp32 one as the
+    plain bf16 model's is (twice its relative error, or 5%)."""
+    reference = copy.deepcopy(plain)
     ids = torch.randint(0, 512, (2, 64), device="cuda")
     losses = []
     for model in (plain, fast):
@@ -19,11 +21,14 @@ def assert_same_loss_and_gradients(plain, fast):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
+    reference(input_ids=ids, labels=ids).loss.backward()
     assert losses[1] == pytest.approx(losses[0], rel=1e-2)
-    for (name, p), q in zip(plain.named_parameters(), fast.parameters()):
-        if p.grad is not None:
-            error = (q.grad - p.grad).norm() / p.grad.norm().clamp_min(1e-12)
-            assert error < 5e-2, (name, float(error))
+    named = zip(reference.named_parameters(), plain.parameters(), fast.parameters())
+    for (name, r), p, q in named:
+        if r.grad is not None:
+            scale = r.grad.norm().clamp_min(1e-12)
+            plain_error, fast_error = (p.grad - r.grad).norm() / scale, (q.grad - r.grad).norm() / scale
+            assert fast_error < max(2 * plain_error, 5e-2), (name, float(fast_error), float(plain_error))
 
 
 def test_liger_with_native_norms_matches_the_plain_model():

@@ -205,7 +205,7 @@ def test_the_new_families_take_the_presets_of_their_size_and_are_planned(alias, 
     assert sixteen.model.quantization == tier_16gb
     assert resolve_config("8gb", flags=flags).model.quantization == tier_8gb
     plan = plan_memory(sixteen, gpu_memory_gib=16)
-    linear = plan.parts_gib.get("linear attention state and conv (counted)", 0)
+    linear = plan.parts_gib.get("linear attention state and conv (counted + fitted)", 0)
     assert (linear > 0) == alias.startswith("qwen3.5")
     assert "full logits for the loss (estimate)" not in plan.parts_gib and plan.fits
     unfused = plan_memory(sixteen.with_changes({"model.kernels": "none"}, "test"), gpu_memory_gib=16)

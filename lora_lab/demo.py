@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from .log import get_logger
+from .log import get_logger, quiet_library_progress
 from .models.gguf import fetch_shipped_model
 from .models.shipped import fetch_shipped_gguf
 
@@ -31,6 +31,7 @@ def fetch_demo_model() -> Path:
     return fetch_shipped_model(DEMO_MODEL)
 
 
+@quiet_library_progress()
 def run_demo(output_dir: str = "output", name: str = "Aurora", author: str = "Lora Lab", max_steps: int = 30) -> dict:
     """Fetch the model, ask who it is, teach it a new identity, ask again."""
     from .config import resolve_config

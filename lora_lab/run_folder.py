@@ -2,7 +2,6 @@
 
 output/<run-name>/
   config.yaml            the resolved config and where each value came from
-  plan.json              the settled plan of the run
   adapter/               final adapter (adapter_config.json, adapter_model.safetensors)
                          plus tokenizer files and chat template
   model/                 (--tuner full, instead of adapter/) the whole model as safetensors,
@@ -46,7 +45,6 @@ from .paths import safetensors_problem
 log = get_logger()
 
 CONFIG_FILE = "config.yaml"
-PLAN_FILE = "plan.json"
 ADAPTER_FOLDER = "adapter"
 MODEL_FOLDER = "model"
 INITIAL_ADAPTER_FOLDER = "adapter_init"
@@ -120,7 +118,6 @@ class RunFolder:
         return self.path / name
 
     config = property(lambda self: self._at(CONFIG_FILE), doc="config.yaml: the resolved config.")
-    plan = property(lambda self: self._at(PLAN_FILE), doc="the settled plan of the run.")
     adapter = property(lambda self: self._at(ADAPTER_FOLDER), doc="adapter/: the final adapter.")
     model = property(lambda self: self._at(MODEL_FOLDER), doc="model/: a --tuner full run's model.")
     initial_adapter = property(lambda self: self._at(INITIAL_ADAPTER_FOLDER), doc="adapter_init/ (pissa, olora).")

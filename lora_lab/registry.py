@@ -85,6 +85,12 @@ class Family:
 
 
 _LINEAR7 = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+_QWEN3_5 = Family(
+    "Qwen3.5, Qwen3.6 (dense; hybrid linear attention)",
+    "apply_liger_kernel_to_qwen3_5",
+    liger_without=frozenset({"rope"}),
+)
+"""Three Gated DeltaNet (linear attention) layers to one full attention."""
 FAMILIES = {
     "qwen2": Family(
         "Qwen2 / Qwen2.5 (and the DeepSeek-R1 distills of Qwen2.5)", "apply_liger_kernel_to_qwen2", _LINEAR7
@@ -99,17 +105,9 @@ FAMILIES = {
         frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}),
     ),
     "starcoder2": Family("StarCoder2", None, frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"})),
-    # Qwen3.5 / 3.6 dense: three Gated DeltaNet (linear attention) layers to one full attention
-    "qwen3_5_text": Family(
-        "Qwen3.5, Qwen3.6 (dense; hybrid linear attention)",
-        "apply_liger_kernel_to_qwen3_5",
-        liger_without=frozenset({"rope"}),
-    ),
-    "qwen3_5": Family(
-        "Qwen3.5, Qwen3.6 (dense; hybrid linear attention)",
-        "apply_liger_kernel_to_qwen3_5",
-        liger_without=frozenset({"rope"}),
-    ),
+    # Qwen3.5 / 3.6 dense: its text model, and the vision-language checkpoint around it
+    "qwen3_5_text": _QWEN3_5,
+    "qwen3_5": _QWEN3_5,
     "smollm3": Family("SmolLM3", "apply_liger_kernel_to_smollm3"),
 }
 LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")

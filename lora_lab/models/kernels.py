@@ -63,7 +63,7 @@ def apply_kernels(model, kernels: str, fused_loss: bool = True, native_norms: bo
         and any(type(m).__name__ in NATIVE_RMS_NORMS for m in model.modules())
     )
     wanted = {
-        "rope": "rope" not in family.liger_without,
+        "rope": True,
         "rms_norm": not native_norms,
         "swiglu": True,
         "geglu": True,
@@ -71,6 +71,7 @@ def apply_kernels(model, kernels: str, fused_loss: bool = True, native_norms: bo
         "fused_linear_cross_entropy": fused_loss,
         "model": model,
     }
+    wanted.update(dict.fromkeys(family.liger_without & wanted.keys(), False))
     params = inspect.signature(apply).parameters
     apply(**{k: v for k, v in wanted.items() if k in params})
     if native_norms:

@@ -70,7 +70,6 @@ class ExportLines:
         return [self.summary(), *(f"warning: {w}" for w in self.warnings), "", *self.serving_lines()]
 
 
-@quiet_library_progress()
 def export_model(
     path: str | Path,
     *,
@@ -105,6 +104,7 @@ def export_model(
     )
 
 
+@quiet_library_progress()
 def run_export(path: str | Path, output: str | Path | None, force: bool, merge_dtype: str | None, exporter: Exporter):
     """The export skeleton: output folder, --force, the merged scratch folder, staging, the
     result's paths and time, export_report.json."""

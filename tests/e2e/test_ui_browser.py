@@ -99,6 +99,14 @@ def field(page, elem_id: str):
     return page.locator(f"#{elem_id} textarea, #{elem_id} input").first
 
 
+def choose(page, elem_id: str, value: str) -> None:
+    """Pick `value` in a dropdown by clicking its option (a typed Enter can come before the
+    option list filters, and then nothing is chosen)."""
+    field(page, elem_id).click()
+    field(page, elem_id).fill(value)
+    page.locator(f"#{elem_id}").get_by_role("option", name=value, exact=True).click()
+
+
 def wait_for_text(page, elem_id: str, pattern: str, seconds: float) -> str:
     """The field's text once it matches `pattern` (a regular expression)."""
     deadline = time.monotonic() + seconds
@@ -143,10 +151,11 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
         )
         for attempt in range(4):
             for elem_id, value in settings:
+                if elem_id == "preset":
+                    choose(page, elem_id, value)
+                    continue
                 field(page, elem_id).fill("")
                 field(page, elem_id).fill(value)
-                if elem_id == "preset":
-                    page.keyboard.press("Enter")
             try:
                 wait_for_text(page, "plan-report", r"^preset cpu\n\S+, 16-bit LoRA, 2048 tokens per micro-batch", 30)
                 break
@@ -220,8 +229,7 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
         shot("5-merge")
 
         # 5. export as GGUF: the file and the llama.cpp / Ollama commands
-        field(page, "export-choice").fill("gguf f16 (llama.cpp, Ollama)")
-        page.keyboard.press("Enter")
+        choose(page, "export-choice", "gguf f16 (llama.cpp, Ollama)")
         page.click("#export")
         exported = wait_for_text(page, "export-output", r"serve with llama\.cpp or Ollama", 180)
         gguf = run_dir / "export-gguf-f16" / "model.gguf"

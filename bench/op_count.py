@@ -60,6 +60,21 @@ NO_LAUNCH = (
 )
 
 
+SEQ = 24
+
+
+def tiny_untied():
+    """A 2-layer Qwen2 with its own output head (like 7B), fp32: the model whose ops are counted."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    config = Qwen2Config(**shape, **heads, tie_word_embeddings=False, initializer_range=0.3, use_cache=False)
+    return Qwen2ForCausalLM(config)
+
+
 def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -68,7 +83,6 @@ def count(chunk_tokens: int = 0, down_backward_tokens: int | None = None) -> dic
     from lora_lab.models.fast_lora import FastLoraOptions
     from lora_lab.models.lora import LoraOptions, apply_lora
     from lora_lab.planning.memory import MemoryMeans
-    from tests.unit.test_memory_means import SEQ, tiny_untied
 
     fast = FastLoraOptions(chunk_tokens=chunk_tokens)
     if down_backward_tokens is not None:

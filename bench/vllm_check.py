@@ -12,7 +12,7 @@ dependencies (vLLM is no requirement of lora-lab; see docs/using-a-model.md), e.
 
 Prints one JSON object per folder and check: which vLLM function ran, its verdict (ok, or the
 exception it raised), and lora-lab's verdict for the same folder (lora_lab.planning.serving for
-adapters and merged folders, tests/vllm_rules.py for the w4a16 export). No GPU is needed: only
+adapters and merged folders, lora_lab/use/vllm_rules.py for the w4a16 export). No GPU is needed: only
 vLLM's config parsers and its adapter loader on CPU run; no model is built in vLLM.
 """
 
@@ -181,7 +181,7 @@ def check_model_folder(folder: Path, kind: str) -> list[dict]:
             }
 
         rows.append({"check": "vllm CompressedTensorsConfig.from_config + _get_scheme_from_parts", **_verdict(quant)})
-        from tests.vllm_rules import vllm_wna16_problems
+        from lora_lab.use.vllm_rules import vllm_wna16_problems
 
         ours = {"vllm_wna16_problems": vllm_wna16_problems(raw)}
     else:

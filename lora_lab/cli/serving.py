@@ -197,7 +197,7 @@ def report(run_dir):
     "--host",
     default="127.0.0.1",
     show_default=True,
-    help="Address to serve on; any other than loopback asks for a token.",
+    help="Address to serve on (another than loopback can be reached from other machines).",
 )
 @click.option("--port", default=7860, show_default=True, type=int)
 @click.option(
@@ -207,7 +207,10 @@ def report(run_dir):
 @click.option(
     "--token-file",
     type=click.Path(),
-    help="A file holding the token the page asks for (default with another --host: a new one, printed).",
+    help="A file holding the token the page asks for (default: a new one, printed once in a login link).",
+)
+@click.option(
+    "--no-token", is_flag=True, help="On 127.0.0.1 only: no token, so every account of this machine can use the page."
 )
 @click.option("--max-runs", default=1, show_default=True, type=click.IntRange(1), help="Runs the page trains at once.")
 @click.option(
@@ -217,11 +220,11 @@ def report(run_dir):
     type=click.Path(),
     help="A folder the page may read and write (models, data, runs). Repeat for more; default: the current folder.",
 )
-def ui(host, port, token, token_file, max_runs, allowed):
+def ui(host, port, token, token_file, no_token, max_runs, allowed):
     """A web page to plan, start, watch, resume, chat with and export runs (needs lora-lab[ui])."""
     from ..ui import launch_ui
 
-    launch_ui(host, port, token, list(allowed) or ["."], token_file=token_file, max_runs=max_runs)
+    launch_ui(host, port, token, list(allowed) or ["."], token_file=token_file, max_runs=max_runs, no_token=no_token)
 
 
 @click.command()

@@ -244,8 +244,8 @@ class AllowedFolders:
 # ----------------------------------------------------------------------------- access token
 
 
-def needs_token(host: str) -> bool:
-    """A page reachable from another machine asks for a token; one bound to loopback does not."""
+def reachable_from_elsewhere(host: str) -> bool:
+    """Whether other machines can reach a page bound to `host` (then it never runs without a token)."""
     if host in LOCAL_HOSTS:
         return False
     try:

@@ -1,6 +1,7 @@
 """What stands between the network and the page, with nothing imported from gradio: the Host
 and Origin check of every request (DNS rebinding, cross-site posts), the refusal of uploads
-(the page has no file field), where the token comes from, and the pause after wrong tokens."""
+(the page has no file field), where the token comes from, the pause after wrong tokens, and
+the login link `lora-lab ui` prints."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from ..errors import LoraLabError
 from .form import LOCAL_HOSTS, token_matches
@@ -21,6 +22,8 @@ SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 MAX_UPLOAD = "1mb"
 """gradio's upload limit; the page's own upload route is refused anyway (HostGuard)."""
 WRONG_TOKENS_PER_MINUTE = 5
+LINK_USER = "lora-lab"
+"""The user name a login through the printed link logs in as (the page asks for none)."""
 
 
 def served_names(host: str) -> set[str]:
@@ -118,3 +121,67 @@ class TokenCheck:
                 return True
             self.wrong.append(now)
             return False
+
+
+def page_address(host: str, port: int) -> str:
+    """The page's address as a browser opens it (this machine's name for a wildcard host)."""
+    if host in ("0.0.0.0", "::"):
+        host = socket.gethostname()
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/"
+
+
+def login_link(host: str, port: int, token: str) -> str:
+    """The address that opens the page logged in (TokenLink), as `lora-lab ui` prints it."""
+    return f"{page_address(host, port)}?{urlencode({'token': token})}"
+
+
+class TokenLink:
+    """ASGI middleware: `GET /?token=T` logs the browser in exactly as gradio's login form
+    would (T is checked by the same TokenCheck, a wrong one counts as a wrong try) and sends it
+    on to the page, whose address no longer holds the token; a wrong token lands on the login
+    page. This is the link `lora-lab ui` prints, as Jupyter does."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        given = self.given_token(scope)
+        if given is None:
+            return await self.app(scope, receive, send)
+        cookies = await self.login(scope, receive, given)
+        headers = [(b"location", b"./"), (b"referrer-policy", b"no-referrer"), (b"cache-control", b"no-store")]
+        await send({"type": "http.response.start", "status": 303, "headers": headers + cookies})
+        await send({"type": "http.response.body", "body": b""})
+
+    @staticmethod
+    def given_token(scope) -> str | None:
+        if scope["type"] != "http" or scope.get("method") != "GET" or scope.get("path") != "/":
+            return None
+        values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token")
+        return values[-1] if values else None
+
+    async def login(self, scope, receive, given: str) -> list[tuple[bytes, bytes]]:
+        """gradio's own /login, called inside this request: the cookies it sets, or none."""
+        body = urlencode({"username": LINK_USER, "password": given}).encode()
+        kept = [(k, v) for k, v in scope.get("headers", []) if k.lower() in (b"host", b"user-agent")]
+        form = [(b"content-type", b"application/x-www-form-urlencoded"), (b"content-length", b"%d" % len(body))]
+        login_scope = {**scope, "method": "POST", "path": "/login", "raw_path": b"/login", "query_string": b""}
+        login_scope["headers"] = kept + form
+        answer: dict = {}
+
+        async def request():
+            if "sent" in answer:
+                return await receive()
+            answer["sent"] = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def keep(message):
+            if message["type"] == "http.response.start":
+                answer["status"], answer["headers"] = message["status"], message.get("headers", [])
+
+        await self.app(login_scope, request, keep)
+        if answer.get("status") != 200:
+            return []
+        return [(k, v) for k, v in answer["headers"] if k.lower() == b"set-cookie"]

@@ -144,6 +144,9 @@ class ExportResult(ExportLines):
     warnings: list = field(default_factory=list)
     serving: dict | None = None
     """The vLLM plan for --gpu TIER (plan_vllm_serving), with its command."""
+    vllm_problems: list | None = None
+    """What vLLM's loader rules (use/vllm_rules) refuse in the compressed-tensors config.json:
+    [] where vLLM loads it as WNA16; None for a format they do not cover (nf4)."""
 
     def summary(self) -> str:
         calibration = f"{self.calibration['samples']} calibration samples; " if self.calibration else ""
@@ -169,10 +172,14 @@ class QuantizedExporter(Exporter):
         return _export(self.fmt, source, staging, run_dir, self.calib_data, self.calib_samples)
 
     def finish(self, staging: Path, result, source: Path, run_dir: Path | None) -> None:
+        config = json.loads((staging / "config.json").read_text())
+        if self.fmt.recipe is not None:  # compressed-tensors, which vLLM reads from config.json
+            from .vllm_rules import vllm_wna16_problems
+
+            result.vllm_problems = vllm_wna16_problems(config)
+            result.warnings.extend(f"vLLM would not load it: {problem}" for problem in result.vllm_problems)
         if self.gpu_tier:
-            plan = plan_vllm_serving(
-                json.loads((staging / "config.json").read_text()), result.weights_bytes, self.gpu_tier
-            )
+            plan = plan_vllm_serving(config, result.weights_bytes, self.gpu_tier)
             command = vllm_command(result.output_dir, self.fmt.vllm_quantization, plan)
             result.serving = {**asdict(plan), "fits": plan.fits, "command": command}
 

@@ -157,7 +157,7 @@ def test_calibrated_export_on_the_run_data(trained, merged_fp32, fmt, method):
     """w4a16 (GPTQ) and awq (AWQ scaling, then int4): one compressed-tensors scheme, symmetric
     int4 in groups of 128, that vLLM's rules take and transformers reads back."""
     pytest.importorskip("llmcompressor", reason=f"{fmt} needs lora-lab[export] (llm-compressor)")
-    from tests.vllm_rules import vllm_wna16_problems
+    from lora_lab.use.vllm_rules import vllm_wna16_problems
 
     run_dir, data = trained
     result = invoke("export", run_dir, "--quantize", fmt, "--calib-samples", 4, "--gpu", "24gb")

@@ -130,7 +130,7 @@ def test_quantized_export_keeps_the_identity(merged_dir, tmp_path, fmt):
     report = json.loads((out / "export_report.json").read_text())
     assert report["weights_bytes"] < 0.65 * report["source_weights_bytes"]
     if fmt in ("w4a16", "awq"):
-        from tests.vllm_rules import vllm_wna16_problems
+        from lora_lab.use.vllm_rules import vllm_wna16_problems
 
         assert report["calibration"]["samples"] == 16
         assert report["calibration"]["data"] == ["self-cognition"]

@@ -36,9 +36,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+LINK = re.compile(r"^  (http://\S+/\?token=\S+)$", re.MULTILINE)
+
+
+def printed_link(log: Path, server: subprocess.Popen) -> str | None:
+    """The login link `lora-lab ui` printed (None where it printed none: a token was given)."""
+    deadline = time.monotonic() + 30
+    while "Open " not in (text := log.read_text()):
+        assert server.poll() is None and time.monotonic() < deadline, text
+        time.sleep(0.2)
+    found = LINK.search(text)
+    return found.group(1) if found else None
+
+
 @contextlib.contextmanager
 def serving(folder: Path, *flags: str):
-    """`lora-lab ui FLAGS --allow FOLDER` on a free port, started in folder: its address."""
+    """`lora-lab ui FLAGS --allow FOLDER` on a free port, started in folder: its address and
+    the login link it printed."""
     port = free_port()
     log = open(folder / "ui.log", "wb")
     server = subprocess.Popen(
@@ -62,7 +76,7 @@ def serving(folder: Path, *flags: str):
             assert time.monotonic() < deadline, "lora-lab ui did not answer in 90 s"
             time.sleep(0.5)
     try:
-        yield url
+        yield url, printed_link(folder / "ui.log", server)
     finally:
         server.terminate()
         server.wait(30)
@@ -70,14 +84,17 @@ def serving(folder: Path, *flags: str):
 
 @pytest.fixture
 def served(tiny_model_dir, tmp_path):
-    """The page, serving tmp_path (data, output) and the tiny model's folder."""
+    """The page with its defaults, serving tmp_path (data, output) and the tiny model's folder:
+    the login link it printed."""
     assert CHROMIUM, "the browser test needs Debian's chromium (make install: apt-get install chromium)"
-    with serving(tmp_path, "--allow", str(tiny_model_dir)) as url:
-        yield url, tmp_path
+    with serving(tmp_path, "--allow", str(tiny_model_dir)) as (url, link):
+        assert link is not None and link.startswith(url + "?token=")
+        yield link, tmp_path
 
 
 def test_with_a_token_nothing_is_served_before_the_login(tmp_path):
-    with serving(tmp_path, "--token", "sesame-0123456789") as url:
+    with serving(tmp_path, "--token", "sesame-0123456789") as (url, link):
+        assert link is None  # a token the user chose is never printed
         jar = http.cookiejar.CookieJar()
         opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
 
@@ -90,8 +107,13 @@ def test_with_a_token_nothing_is_served_before_the_login(tmp_path):
 
         assert status("config") == 401
         assert status("login", {"username": "me", "password": "sesame-012345678"}) == 400
+        assert status("?token=sesame-012345678") == 200  # a wrong link lands on the login page
         assert status("config") == 401
         assert status("login", {"username": "me", "password": "sesame-0123456789"}) == 200
+        assert status("config") == 200
+        jar.clear()
+        assert status("config") == 401
+        assert status("?token=sesame-0123456789") == 200  # the link with the right token logs in
         assert status("config") == 200
 
 
@@ -121,7 +143,7 @@ def wait_for_text(page, elem_id: str, pattern: str, seconds: float) -> str:
 def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir):
     from playwright.sync_api import sync_playwright
 
-    url, folder = served
+    link, folder = served
     data = write_jsonl(folder / "who.jsonl", ROWS * 8 + [BAD_ROW])
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     started, took = time.monotonic(), {}
@@ -133,8 +155,9 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1280, "height": 900})
-        page.goto(url)
+        page.goto(link)  # the printed link logs in and drops the token from the address
         field(page, "model").wait_for(timeout=60_000)
+        assert "token" not in page.url
 
         # 1. settings: the plan follows them, the data check lists the bad row by line.
         # Fields filled before the page's event queue is connected send no change event, so

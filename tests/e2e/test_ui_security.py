@@ -1,6 +1,7 @@
 """The attacks of issue 46 against a real `lora-lab ui` on 127.0.0.1, started with its defaults
-(one page process for the whole module), through a real HTTP client: each is refused, and
-nothing runs or is written outside the allowed folder."""
+(one page process for the whole module), through a real HTTP client: another account of the
+machine, without the token, gets nothing; with the token (the printed link), each attack is
+refused, and nothing runs or is written outside the allowed folder."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import pytest
 
 from lora_lab.config import resolve_config
 from lora_lab.run_folder import CONFIG_FILE, CONSOLE_LOG, LOCK_FILE, save_config
-from tests.e2e.test_ui_browser import free_port
+from tests.e2e.test_ui_browser import free_port, printed_link
 from tests.support.tiny import write_jsonl
 
 ROWS = [{"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Aurora."}]}]
@@ -26,9 +27,10 @@ EVIL_CODE = "from pathlib import Path\nPath({marker!r}).write_text('code ran')\n
 
 
 class Served:
-    def __init__(self, url: str, work: Path, outside: Path, marker: Path):
-        self.url, self.work, self.outside, self.marker = url, work, outside, marker
+    def __init__(self, url: str, link: str, work: Path, outside: Path, marker: Path):
+        self.url, self.link, self.work, self.outside, self.marker = url, link, work, outside, marker
         self.client = httpx.Client(base_url=url, timeout=60)
+        assert self.client.get(link, follow_redirects=True).status_code == 200  # logged in
 
     def form(self, **given) -> list:
         """The page's form values in page.FORM_FIELDS order."""
@@ -108,10 +110,24 @@ def served(tiny_model_dir, tmp_path_factory):
             assert time.monotonic() < deadline, "lora-lab ui did not answer in 90 s"
             time.sleep(0.5)
     try:
-        yield Served(url, work, outside, marker)
+        link = printed_link(root / "ui.log", server)
+        assert link is not None and link.startswith(url + "/?token=")
+        yield Served(url, link, work, outside, marker)
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_without_the_token_another_account_gets_nothing(served):
+    """Anyone who can reach 127.0.0.1 (every account of the machine) but lacks the token."""
+    other = httpx.Client(base_url=served.url, timeout=60)
+    assert other.get("/config").status_code == 401
+    assert other.post("/gradio_api/call/start", json={"data": served.form()}).status_code == 401
+    assert other.get(served.link.replace("token=", "token=x"), follow_redirects=True).status_code == 200
+    assert other.get("/config").status_code == 401  # a wrong link logged nobody in
+    assert not other.cookies
+    assert not (served.work / "output").exists()
+    served.outside_is_untouched()
 
 
 def test_a_foreign_host_name_is_refused(served):

@@ -3,6 +3,7 @@ the access token, what the run's own files say, and the length histogram."""
 
 import json
 import os
+import socket
 import sys
 import time
 
@@ -14,8 +15,8 @@ from lora_lab.ui.actions import config_flags, histogram
 from lora_lab.ui.form import (
     AllowedFolders,
     RunForm,
-    needs_token,
     new_token,
+    reachable_from_elsewhere,
     resume_arguments,
     run_arguments,
     token_matches,
@@ -157,9 +158,9 @@ def test_a_model_alias_passes_and_a_model_path_must_be_allowed(tmp_path, monkeyp
             allowed.check_model(path)
 
 
-def test_only_a_loopback_host_goes_without_a_token():
-    assert [needs_token(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2")] == [False] * 4
-    assert [needs_token(h) for h in ("0.0.0.0", "192.168.1.20", "::", "gpu-box")] == [True] * 4
+def test_only_a_loopback_host_is_out_of_other_machines_reach():
+    assert [reachable_from_elsewhere(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2")] == [False] * 4
+    assert [reachable_from_elsewhere(h) for h in ("0.0.0.0", "192.168.1.20", "::", "gpu-box")] == [True] * 4
 
 
 def test_the_token_must_match_exactly():
@@ -266,12 +267,48 @@ def test_the_page_says_who_can_reach_it(tmp_path):
 
     allowed = AllowedFolders([tmp_path])
     assert safety_note("127.0.0.1", None, allowed) == (
-        f"Bound to 127.0.0.1: reachable from this machine only. Files: only under `{tmp_path}` "
-        f"(`lora-lab ui --allow DIR`)."
+        f"Bound to 127.0.0.1: reachable from this machine only, by every account of it. "
+        f"Files: only under `{tmp_path}` (`lora-lab ui --allow DIR`)."
     )
     assert safety_note("0.0.0.0", "t", allowed).startswith(
         "Bound to 0.0.0.0: reachable from other machines, after the token. Files: only under"
     )
+
+
+def test_the_page_has_a_token_unless_told_no_token_on_loopback(tmp_path, monkeypatch):
+    from lora_lab.ui import page_token
+
+    monkeypatch.delenv("LORA_LAB_UI_TOKEN", raising=False)
+    token, new = page_token("127.0.0.1", None, None, no_token=False)
+    assert new and len(token) >= 32
+    assert page_token("127.0.0.1", None, None, no_token=True) == (None, False)
+    (tmp_path / "t").write_text("from-a-file\n")
+    assert page_token("0.0.0.0", None, str(tmp_path / "t"), no_token=False) == ("from-a-file", False)
+    monkeypatch.setenv("LORA_LAB_UI_TOKEN", "from-the-environment")
+    assert page_token("localhost", None, None, no_token=False) == ("from-the-environment", False)
+    with pytest.raises(LoraLabError, match=r"^--no-token: a token was given as well"):
+        page_token("127.0.0.1", None, None, no_token=True)
+
+
+def test_no_token_is_refused_off_loopback_in_one_line():
+    from click.testing import CliRunner
+
+    from lora_lab.cli import main
+
+    result = CliRunner().invoke(main, ["ui", "--host", "0.0.0.0", "--no-token"])
+    assert result.exit_code == 2
+    assert result.output == (
+        "error: --no-token: the page on --host 0.0.0.0 could be used from other machines without a token; "
+        "drop --no-token (a token is made and printed), or serve on 127.0.0.1.\n"
+    )
+
+
+def test_the_login_link_names_the_address_a_browser_opens():
+    from lora_lab.ui.guard import login_link
+
+    assert login_link("127.0.0.1", 7860, "a b") == "http://127.0.0.1:7860/?token=a+b"
+    assert login_link("::1", 7860, "t") == "http://[::1]:7860/?token=t"
+    assert login_link("0.0.0.0", 80, "t") == f"http://{socket.gethostname()}:80/?token=t"
 
 
 def test_ui_refuses_a_missing_allowed_folder_in_one_line(tmp_path):

@@ -226,6 +226,15 @@ PEER_CELLS = {
     ),
     "1.5b-4096": ({"preset": "24gb", "max_length": 4096, "grad_accum": 4}, {"max_length": 4096, "grad_accum": 4}),
     "0.5b-4096": ({"preset": "24gb", "max_length": 4096, "grad_accum": 4}, {"max_length": 4096, "grad_accum": 4}),
+    # Qwen3.5 (hybrid linear attention), issue 48
+    "qwen3.5-4b-4096": (
+        {"size": "qwen3.5-4b", "preset": "24gb", "max_length": 4096, "grad_accum": 4},
+        {"size": "qwen3.5-4b", "max_length": 4096, "grad_accum": 4},
+    ),
+    "qwen3.5-9b-2048-nf4": (
+        {"size": "qwen3.5-9b", "preset": "16gb", "max_length": 2048, "grad_accum": 4},
+        {"size": "qwen3.5-9b", "max_length": 2048, "grad_accum": 4, "qlora": True},
+    ),
 }
 ABLATIONS_7B_4096 = {  # label suffix: sets on top of the preset
     "preset": ["data.packed_attention=varlen"],  # as shipped: dropout 0.05, peft's path

@@ -61,6 +61,11 @@ OTHER_MODELS = {
     "qwen3.5-9b-base": ("Qwen/Qwen3.5-9B-Base", "qwen3.5-9b"),
     "smollm3-3b": ("HuggingFaceTB/SmolLM3-3B", "smollm3-3b"),
     "smollm3-3b-base": ("HuggingFaceTB/SmolLM3-3B-Base", "smollm3-3b"),
+    "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b"),
+    "qwen3-30b-a3b-base": ("Qwen/Qwen3-30B-A3B-Base", "qwen3-30b-a3b"),
+    "qwen3.5-35b-a3b": ("Qwen/Qwen3.5-35B-A3B", "qwen3.5-35b-a3b"),
+    "qwen3.5-35b-a3b-base": ("Qwen/Qwen3.5-35B-A3B-Base", "qwen3.5-35b-a3b"),
+    "gpt-oss-20b": ("openai/gpt-oss-20b", "gpt-oss-20b"),
 }
 """Models of other families lora-lab can plan without a download (their real architecture
 values ship in lora_lab/model_configs; model_configs/SOURCE.md says where each came from)."""
@@ -82,6 +87,10 @@ class Family:
     """The modules vLLM's LoRA support accepts for this family (None: not known here)."""
     liger_without: frozenset = frozenset()
     """The kernels that function refuses for this family (Qwen3.5: rope)."""
+    attention: str | None = None
+    """The attention implementation the family needs on a GPU where sdpa cannot run it (gpt-oss:
+    flex_attention, which has its attention sinks where sdpa has none; eager on the CPU, where
+    flex_attention has no sinks); None: sdpa."""
 
 
 _LINEAR7 = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
@@ -91,6 +100,11 @@ _QWEN3_5 = Family(
     liger_without=frozenset({"rope"}),
 )
 """Three Gated DeltaNet (linear attention) layers to one full attention."""
+_QWEN3_5_MOE = Family(
+    "Qwen3.5, Qwen3.6 mixture of experts (hybrid linear attention)",
+    "apply_liger_kernel_to_qwen3_5_moe",
+    liger_without=frozenset({"rope"}),
+)
 FAMILIES = {
     "qwen2": Family(
         "Qwen2 / Qwen2.5 (and the DeepSeek-R1 distills of Qwen2.5)", "apply_liger_kernel_to_qwen2", _LINEAR7
@@ -109,6 +123,11 @@ FAMILIES = {
     "qwen3_5_text": _QWEN3_5,
     "qwen3_5": _QWEN3_5,
     "smollm3": Family("SmolLM3", "apply_liger_kernel_to_smollm3"),
+    # mixture of experts: fused expert tensors (models/moe.py holds them in 4 bits for QLoRA)
+    "qwen3_moe": Family("Qwen3-MoE (Qwen3-30B-A3B)", "apply_liger_kernel_to_qwen3_moe"),
+    "qwen3_5_moe_text": _QWEN3_5_MOE,
+    "qwen3_5_moe": _QWEN3_5_MOE,
+    "gpt_oss": Family("gpt-oss", "apply_liger_kernel_to_gpt_oss", attention="flex_attention"),
 }
 LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 """The linear layers of a Gated DeltaNet layer (Qwen3.5): q/k/v together, the output gate z,
@@ -213,8 +232,51 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
     )
 
 
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
+"""The config.json keys that count a mixture-of-experts model's experts (Qwen3-MoE and Qwen3.5-MoE;
+gpt-oss and Mixtral)."""
+
+
+def expert_count(config: dict) -> int:
+    """How many experts each MoE layer of a model with this config.json has (0: a dense model)."""
+    text = config.get("text_config")
+    shape = {**config, **text} if isinstance(text, dict) else config
+    return max([int(shape.get(key) or 0) for key in EXPERT_COUNT_KEYS])
+
+
+def expert_shape(config: dict) -> tuple[int, int, int]:
+    """(experts, experts a token is routed to, expert width) of a mixture-of-experts layer; every
+    decoder layer of the families lora-lab knows is one."""
+    experts = expert_count(config)
+    routed = config.get("num_experts_per_tok") or config.get("experts_per_token") or 0
+    return experts, routed, config.get("moe_intermediate_size") or config["intermediate_size"]
+
+
+def expert_params(config: dict) -> int:
+    """Every layer's fused experts (gate and up, down; gpt-oss's biases) and router: the
+    parameters beside the linear layers of a mixture of experts (0 for a dense model)."""
+    experts, _, width = expert_shape(config)
+    if not experts:
+        return 0
+    h = config["hidden_size"]
+    biases = experts * (2 * width + h) + experts if config.get("model_type") == "gpt_oss" else 0
+    return config["num_hidden_layers"] * (experts * 3 * h * width + experts * h + biases)
+
+
+def _mlp_linears(config: dict) -> list[tuple[int, int]]:
+    """(in, out) of a layer's MLP linear layers: gate, up, down; a mixture of experts has none
+    but its shared expert's (Qwen3.5-MoE: with the shared expert's one-wide gate, a router)."""
+    h = config["hidden_size"]
+    if not expert_count(config):
+        i = config["intermediate_size"]
+        return [(h, i), (h, i), (i, h)]
+    shared = config.get("shared_expert_intermediate_size") or 0
+    return [(h, shared), (h, shared), (shared, h), (h, 1)] if shared else []
+
+
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
-"""The config.json keys lora-lab's arithmetic reads: each a positive whole number."""
+"""The config.json keys lora-lab's arithmetic reads: each a positive whole number (a mixture of
+experts may give its experts' width as moe_intermediate_size instead of intermediate_size)."""
 
 
 def _local_config(kind: str, value: str) -> dict | None:
@@ -233,6 +295,8 @@ def _local_config(kind: str, value: str) -> dict | None:
     if not isinstance(shape, dict):
         raise ModelError(f"{path}: holds no JSON object; a model's config.json is one. Copy the model again.")
     for key in SHAPE_KEYS:
+        if key == "intermediate_size" and "intermediate_size" not in shape and expert_count(shape):
+            key = "moe_intermediate_size"
         value_of = shape.get(key)
         if isinstance(value_of, bool) or not isinstance(value_of, int) or value_of <= 0:
             raise ModelError(
@@ -330,8 +394,8 @@ def decoder_linear_shapes(config: dict) -> list[list[tuple[int, int]]]:
     one has q/k/v/o (Qwen3.5's q_proj twice as wide: the query and its output gate)."""
     if not has_linear_attention(config):
         return [linear_shapes(config)] * config["num_hidden_layers"]
-    h, i = config["hidden_size"], config["intermediate_size"]
-    mlp = [(h, i), (h, i), (i, h)]
+    h = config["hidden_size"]
+    mlp = _mlp_linears(config)
     key, value, heads = linear_attention_widths(config)
     linear = [(h, 2 * key + value), (h, value), (h, heads), (h, heads), (value, h)]
     q, kv = _attention_widths(config)
@@ -358,11 +422,12 @@ def linear_shapes(config: dict) -> list[tuple[int, int]]:
     layer's, the MLP's output projection last."""
     if has_linear_attention(config):
         return decoder_linear_shapes(config)[0]
-    h, i = config["hidden_size"], config["intermediate_size"]
+    h = config["hidden_size"]
     q, kv = _attention_widths(config)
     if config.get("model_type") == "phi3":
+        i = config["intermediate_size"]
         return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
-    return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+    return [(h, q), (h, kv), (h, kv), (q, h), *_mlp_linears(config)]
 
 
 def parameter_count(config: dict) -> int:
@@ -373,13 +438,13 @@ def parameter_count(config: dict) -> int:
     if has_linear_attention(config):
         head = 0 if config.get("tie_word_embeddings") else vocab * h
         linears = sum(a * b for layer in decoder_linear_shapes(config) for a, b in layer)
-        return linears + vocab * h + head + _linear_attention_extras(config)
+        return linears + vocab * h + head + _linear_attention_extras(config) + expert_params(config)
     q, kv = _attention_widths(config)
     biased = config.get("model_type") == "qwen2" or config.get("attention_bias")
     biases = q + 2 * kv if biased else 0
     head = 0 if config.get("tie_word_embeddings") else vocab * h
     linears = n * sum(a * b for a, b in linear_shapes(config))
-    return linears + vocab * h + head + n * (biases + 2 * h) + h
+    return linears + vocab * h + head + n * (biases + 2 * h) + h + expert_params(config)
 
 
 SIZE_CLASS_BILLIONS = (("0.5b", 1.0), ("1.5b", 2.5), ("3b", 5.0), ("7b", float("inf")))

@@ -39,7 +39,10 @@ class ModelArgs:
     quantization: str = _f("none", "none, or nf4 for 4-bit QLoRA (bitsandbytes).", choices=("none", "nf4"))
     trust_remote_code: bool = _f(False, "Run Python code shipped with the model. Off by default.")
     attn_implementation: str = _f(
-        "sdpa", "Attention kernel: sdpa, eager or flash_attention_2.", choices=("sdpa", "eager", "flash_attention_2")
+        "sdpa",
+        "Attention kernel: sdpa, eager, flex_attention or flash_attention_2 (a family sdpa cannot run, "
+        "gpt-oss, takes flex_attention on a GPU and eager on the CPU).",
+        choices=("sdpa", "eager", "flex_attention", "flash_attention_2"),
     )
     kernels: str = _f(
         "auto",

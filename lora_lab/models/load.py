@@ -14,7 +14,7 @@ from ..config import ModelArgs
 from ..errors import ModelError
 from ..log import get_logger
 from ..paths import safetensors_problem, shipped_tokenizer_dir
-from ..registry import family_of, model_config_of, resolve_model_spec, uses_shipped_tokenizer
+from ..registry import expert_count, family_of, model_config_of, resolve_model_spec, uses_shipped_tokenizer
 from .gguf import convert_gguf
 from .hub import announce_download, cached_snapshot, hub_problem, locate_hub_model
 from .kernels import apply_kernels
@@ -268,8 +268,12 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
         kwargs["attn_implementation"] = register_packed_attention(packed, args.cudnn_attention is not False)
     if args.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(precision)
-    if torch.cuda.is_available() and not options.sharded:
-        kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", 0))}
+    gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else None
+    # QLoRA of a mixture of experts: loaded into CPU memory, its 16-bit experts (which
+    # bitsandbytes leaves as they are) go to the GPU one tensor at a time, in 4 bits (models/moe.py)
+    experts_in_4_bits = args.quantization == "nf4" and expert_count(model_config_of(path) or {}) > 0
+    if gpu and not options.sharded:
+        kwargs["device_map"] = "cpu" if experts_in_4_bits else {"": gpu}
     elif args.quantization == "nf4":
         kwargs["device_map"] = "cpu"
     try:
@@ -294,6 +298,12 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
             f"{str(exc).splitlines()[0][:200] if str(exc) else 'no detail'}); a file is cut short or its "
             f"config.json does not match its weights. Copy or download the model again."
         ) from None
+    if experts_in_4_bits:
+        from .moe import quantize_experts
+
+        quantize_experts(model, gpu if not options.sharded else None)
+        if gpu and not options.sharded:
+            model.to(gpu)  # type: ignore[arg-type]  # a device, as nn.Module.to takes
     if packed:
         from .attention import skip_masks_of_packed_rows
 

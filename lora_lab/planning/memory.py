@@ -35,7 +35,7 @@ from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, trains_adapter, w
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
 from .engines import CHECKED_ON_GPUS, GAPS_ON_GPUS, engine_parts
 from .policies import resolve_fast_lora
-from .shape import ModelShape, linear_attention_bytes
+from .shape import ModelShape, expert_working_bytes, linear_attention_bytes
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
 
 if TYPE_CHECKING:
@@ -427,6 +427,9 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         parts["attention mask of a packed row (counted)"] = tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB
     if shape.linear_attention_layers:
         parts["linear attention state and conv (counted + fitted)"] = linear_attention_bytes(shape, tokens) / GIB
+    if shape.routed:
+        experts = expert_working_bytes(shape, tokens, weight_bytes < 2)
+        parts["routed tokens + one layer's experts de-quantized (counted)"] = experts / GIB
     if (
         not shape.fused_loss
         or config.model.kernels == "none"

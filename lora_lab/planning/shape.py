@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..registry import (
     decoder_linear_shapes,
+    expert_shape,
     family_of,
     layer_types,
     linear_attention_widths,
@@ -34,6 +35,11 @@ class ModelShape:
     """Gated DeltaNet layers (Qwen3.5): each carries a recurrent state and a causal conv."""
     linear_attention: tuple = ()
     """(key width, value width, value heads, key head dim, value head dim) of those layers."""
+    layer_experts: int = 0
+    """Mixture of experts: the fused expert weights of one layer (in linear_params, so held in 4
+    bits by QLoRA, models/moe.py; not adapted by LoRA)."""
+    routed: int = 0
+    """Mixture of experts: the experts each token goes to (intermediate is their widths' sum)."""
 
     @property
     def params(self) -> int:
@@ -52,10 +58,13 @@ class ModelShape:
     def from_config(cls, config: dict) -> ModelShape:
         """The shape of a decoder-only transformer from its config.json (registry.linear_shapes
         and parameter_count say what differs by family)."""
-        h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+        h, n = config["hidden_size"], config["num_hidden_layers"]
+        experts, routed, width = expert_shape(config)
+        i = routed * width if experts else config["intermediate_size"]
+        layer_experts = experts * 3 * h * width
         linears = linear_shapes(config)
         every_layer = decoder_linear_shapes(config)  # by each layer's kind (hybrid models)
-        linear_params = sum(a * b for layer in every_layer for a, b in layer)
+        linear_params = sum(a * b for layer in every_layer for a, b in layer) + n * layer_experts
         return cls(
             hidden=h,
             intermediate=i,
@@ -67,6 +76,8 @@ class ModelShape:
             tied=bool(config.get("tie_word_embeddings")),
             linears=linears,
             fused_loss=family_of(config.get("model_type")).liger is not None,
+            layer_experts=layer_experts,
+            routed=routed if experts else 0,
             **_linear_attention_of(config),
         )
 
@@ -91,6 +102,18 @@ value channel: transformers' torch chunked delta rule (the path a GPU runs where
 is refused) keeps fp32 copies of q/k/v with the key heads repeated to the value heads, and its
 chunk matrices, for the backward. Fitted on Qwen3.5 cells (`python bench/run.py families`;
 docs/memory-planner.md); fla's kernels hold less, so there the plan errs on the safe side."""
+
+
+def expert_working_bytes(shape: ModelShape, tokens: int, quantized: bool) -> int:
+    """What the recomputed mixture-of-experts layer holds beside a dense layer's terms, counted:
+    each token's `routed` copies through the experts (its hidden state, gate and up, their
+    product, the down projection and its weighted copy, bf16: transformers' grouped_mm path), and
+    with 4-bit experts that layer's experts de-quantized to bf16 (models/moe.py)."""
+    if not shape.routed:
+        return 0
+    width = shape.intermediate // shape.routed
+    routed = tokens * shape.routed * (3 * shape.hidden + 3 * width) * 2
+    return routed + (2 * shape.layer_experts if quantized else 0)
 
 
 def linear_attention_bytes(shape: ModelShape, tokens: int) -> int:

@@ -185,6 +185,7 @@ def plan_run(
         if for_run and locate
         else LocatedModel(config.model.name, config.model.name, known_config(config))
     )
+    config = settle_attention(config, model, target)
     run_dir = resume_from = None
     if for_run:
         from ..run_folder import fix_run_dir, locate_run_dir
@@ -198,7 +199,9 @@ def plan_run(
         model=model,
         precision=precision,
         kernels=settle_kernels(config.model.kernels, target),
-        packed_attention=settle_packed_attention(config.data.packed_attention, target),
+        packed_attention=settle_packed_attention(config.data.packed_attention, target)
+        if config.model.attn_implementation == "sdpa"
+        else "mask",
         fast_lora=resolve_fast_lora(config),
         sync_each_micro_batch=syncs_each_micro_batch(config.train),
         gpu_gib=target.gpu_gib if target.cuda else None,
@@ -280,6 +283,27 @@ def settle_engine(config: RunConfig, target: Target) -> RunConfig:
     where = f"{target.gpu_gib:.1f} GiB per GPU" if target.gpu_gib else "no GPU memory known"
     log.info(f"--engine auto: {engine} for {world_size_of(config.train)} GPUs ({where}): {why}")
     return config.with_changes({"train.engine": engine}, "auto")
+
+
+def settle_attention(config: RunConfig, model: LocatedModel, target: Target) -> RunConfig:
+    """model.attn_implementation: the family's own where sdpa cannot run its attention
+    (registry.Family.attention: gpt-oss's sinks; eager on a CPU); a packed row then attends
+    through the mask transformers builds from its restarting positions."""
+    from ..errors import LoraLabError
+    from ..registry import family_of
+
+    needed = family_of(model.model_type).attention
+    if needed is None or config.model.attn_implementation != "sdpa":
+        return config
+    needed = needed if target.cuda else "eager"
+    source = config.sources.get("model.attn_implementation", "default")
+    if source != "default" and not source.startswith("preset"):
+        raise LoraLabError(
+            f"model.attn_implementation sdpa ({source}): {model.model_type} models need {needed} "
+            f"(sdpa has no attention sinks); drop the setting or pass {needed}."
+        )
+    log.info(f"model.attn_implementation: {needed} ({model.model_type}: sdpa has no attention sinks)")
+    return config.with_changes({"model.attn_implementation": needed}, f"{model.model_type} needs it")
 
 
 def settle_precision(config: RunConfig, target: Target) -> tuple[RunConfig, str]:

@@ -1,0 +1,123 @@
+"""Tiny random mixture-of-experts models (the published config.json of Qwen3-30B-A3B, gpt-oss-20b
+and Qwen3.5-35B-A3B shrunk to 2 or 4 layers of width 64 and 8 experts, on the real Qwen2.5
+tokenizer) train through `lora-lab run` on the CPU: QLoRA holds their fused experts in 4 bits,
+the adapter covers the attention (and Qwen3.5's shared expert), never a router, and loads with
+peft."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from lora_lab.cli import main
+from tests.support.families import tiny_family_config
+from tests.support.tiny import TOKENIZER_DIR, write_jsonl
+
+ROWS = [{"messages": [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Aurora."}]}]
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+GATED_DELTANET = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
+# config file -> (overrides, the LoRA target modules of all-linear)
+MODELS = {
+    "qwen3-30b-a3b": (dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32), ATTENTION),
+    "gpt-oss-20b": (
+        dict(
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            experts_per_token=2,
+            intermediate_size=32,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            quantization_config=None,
+            vocab_size=151936,
+            eos_token_id=151645,
+            pad_token_id=151643,
+        ),
+        ATTENTION,
+    ),
+    "qwen3.5-35b-a3b": (
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            vocab_size=151936,
+            eos_token_id=151645,
+        ),
+        ATTENTION | GATED_DELTANET | {"gate_proj", "up_proj", "down_proj"},  # the shared expert's
+    ),
+}
+
+
+def build_tiny_moe(folder, config_name: str):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    config = tiny_family_config(config_name, **MODELS[config_name][0])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = [151645, 151643]
+    model.save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def moe_run(request, tmp_path_factory):
+    """(config name, model folder, run folder, output) after 4 QLoRA steps."""
+    name = request.param
+    out = tmp_path_factory.mktemp(name)
+    model_dir = build_tiny_moe(out / "model", name)
+    data = write_jsonl(out / "rows.jsonl", ROWS)
+    args = ["run", "--preset", "cpu", "--model", model_dir, "--data", f"{data}#4", "--max-steps", 4]
+    args += ["--lr", "1e-2", "--lora-rank", 4, "--max-length", 64, "--quantization", "nf4"]
+    args += ["--output-dir", out, "--run-name", "r", "--seed", 3]
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return name, model_dir, out / "r", result.output
+
+
+def test_qlora_trains_the_attention_of_a_moe_with_its_experts_in_4_bits(moe_run):
+    name, _, run_dir, _ = moe_run
+    adapter = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
+    assert set(adapter["target_modules"]) == MODELS[name][1]
+    losses = [json.loads(line).get("loss") for line in (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
+    assert [loss for loss in losses if loss is not None], losses
+
+
+def test_the_loaded_qlora_model_holds_its_experts_in_4_bits(moe_run):
+    from lora_lab.config import ModelArgs
+    from lora_lab.models.load import LoadOptions, choose_precision, load_base_model
+    from lora_lab.models.moe import expert_bytes
+
+    _, model_dir, _, _ = moe_run
+    model = load_base_model(
+        ModelArgs(name=str(model_dir), quantization="nf4", attn_implementation="eager"),
+        choose_precision("fp32"),
+        LoadOptions(for_training=False),
+    )
+    held = expert_bytes(model)
+    assert held["16-bit"] == 0 and held["nf4"] > 0
+
+
+def test_the_adapter_loads_with_peft_and_changes_the_logits(moe_run):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, model_dir, run_dir, _ = moe_run
+    ids = torch.tensor([[151644, 872, 198, 15191, 525, 498, 30, 151645]])
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        after = PeftModel.from_pretrained(base, run_dir / "adapter")(input_ids=ids).logits
+    assert (after - before).abs().max() > 1e-4
+
+
+def test_gpt_oss_runs_eager_attention_on_the_cpu(moe_run):
+    name, _, run_dir, output = moe_run
+    if name != "gpt-oss-20b":
+        pytest.skip("gpt-oss alone needs another attention than sdpa")
+    assert "model.attn_implementation: eager (gpt_oss: sdpa has no attention sinks)" in output
+    assert "attn_implementation: eager" in (run_dir / "config.yaml").read_text()

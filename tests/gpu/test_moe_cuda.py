@@ -1,0 +1,59 @@
+"""Mixture-of-experts QLoRA on a CUDA GPU (models/moe.py): tiny Qwen3-MoE, gpt-oss and
+Qwen3.5-MoE with their experts in 4 bits compute what their de-quantized values compute through
+transformers' grouped_mm, and `lora-lab run --quantization nf4` trains each of them on the GPU
+(liger's kernels where the family has them, gpt-oss on flex_attention with its sinks), its
+experts held in 4 bits on the GPU. `make test-gpu`."""
+
+import copy
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "qwen3_5_moe_text"])
+def test_4_bit_experts_compute_their_values_on_cuda(model_type):
+    from lora_lab.models.moe import expert_bytes, quantize_experts
+    from tests.unit.test_moe import tiny_moe, with_plain_experts
+
+    model = tiny_moe(model_type)
+    reference = copy.deepcopy(model)
+    quantize_experts(model, "cuda")
+    model.cuda()
+    assert expert_bytes(model)["16-bit"] == 0
+    reference = with_plain_experts(model, reference.cuda())
+    ids = torch.randint(0, 256, (2, 32), device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b"])
+def test_lora_lab_run_trains_a_moe_qlora_on_the_gpu(name, tmp_path):
+    from lora_lab.cli import main
+    from tests.e2e.test_tiny_moe import ROWS, build_tiny_moe
+    from tests.support.tiny import write_jsonl
+
+    model_dir = build_tiny_moe(tmp_path / "model", name)
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    args = ["run", "--preset", "24gb", "--model", model_dir, "--data", f"{data}#16", "--max-steps", 4]
+    args += ["--lr", "1e-2", "--lora-rank", 4, "--max-length", 64, "--quantization", "nf4"]
+    args += ["--output-dir", tmp_path, "--run-name", "r", "--seed", 3]
+    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    print(result.output[-3000:])
+    lines = (tmp_path / "r" / "logs" / "train_log.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
+    assert losses and all(loss == loss and loss < 20 for loss in losses), losses
+    from lora_lab.config import ModelArgs
+    from lora_lab.models.load import LoadOptions, choose_precision, load_base_model
+    from lora_lab.models.moe import expert_bytes, expert_modules
+
+    args = ModelArgs(name=str(model_dir), quantization="nf4", attn_implementation="eager")
+    loaded = load_base_model(args, choose_precision("bf16"), LoadOptions(for_training=False))
+    assert expert_bytes(loaded)["16-bit"] == 0
+    assert {b.device.type for _, m in expert_modules(loaded) for b in m.buffers()} == {"cuda"}
+    if name == "gpt-oss-20b":
+        assert "attn_implementation: flex_attention" in (tmp_path / "r" / "config.yaml").read_text()

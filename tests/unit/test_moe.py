@@ -1,0 +1,100 @@
+"""Mixture-of-experts models with their fused experts in 4 bits (lora_lab/models/moe.py): tiny
+random Qwen3-MoE, gpt-oss and Qwen3.5-MoE models of transformers 5. The quantized model holds
+nf4 bytes only, computes exactly what the same model with the de-quantized experts as plain
+tensors computes, and gives its LoRA the same gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lora_lab.models.moe import EXPERT_WEIGHTS, expert_bytes, expert_modules, quantize_experts
+from lora_lab.registry import expert_count
+
+SHARED = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+TINY = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, head_dim=16, sliding_window=8),
+    "qwen3_5_moe_text": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+    ),
+}
+
+
+def tiny_moe(model_type: str, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **SHARED, **TINY[model_type])
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def with_plain_experts(quantized, like):
+    """`like` (a copy of the model before quantizing) with the quantized model's experts,
+    de-quantized, as its plain parameters."""
+    for (_, q), (_, plain) in zip(expert_modules(quantized), expert_modules(like), strict=True):
+        for key in EXPERT_WEIGHTS:
+            plain._parameters[key] = torch.nn.Parameter(getattr(q, key).clone(), requires_grad=False)
+    return like
+
+
+@pytest.mark.parametrize("model_type", list(TINY))
+def test_the_experts_are_held_in_4_bits_and_compute_what_their_values_do(model_type):
+    model = tiny_moe(model_type)
+    experts = sum(getattr(m, k).numel() for _, m in expert_modules(model) for k in EXPERT_WEIGHTS)
+    assert expert_bytes(model) == {"16-bit": 2 * experts, "nf4": 0}
+    reference = copy.deepcopy(model)
+    held = quantize_experts(model)
+    assert expert_bytes(model) == {"16-bit": 0, "nf4": held}
+    packed = sum(m._buffers[k + "_nf4"].numel() for _, m in expert_modules(model) for k in EXPERT_WEIGHTS)
+    assert packed == experts // 2  # two 4-bit values a byte
+    assert not [n for n, _ in model.named_parameters() if n.endswith(tuple(f"experts.{k}" for k in EXPERT_WEIGHTS))]
+    assert quantize_experts(model) == 0  # quantized once
+    reference = with_plain_experts(model, reference)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_lora_on_a_quantized_moe_gets_the_gradients_of_the_plain_one(model_type):
+    from peft import LoraConfig, get_peft_model
+
+    from lora_lab.models.lora import linear_module_names
+
+    model = tiny_moe(model_type)
+    reference = copy.deepcopy(model)
+    quantize_experts(model)
+    reference = with_plain_experts(model, reference)
+    targets = linear_module_names(model)
+    assert targets == ["k_proj", "o_proj", "q_proj", "v_proj"]  # no router, no fused experts
+    grads = []
+    for each in (model, reference):
+        torch.manual_seed(2)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        tuned = get_peft_model(each, config)
+        tuned.gradient_checkpointing_enable({"use_reentrant": False})
+        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+        tuned(input_ids=ids, labels=ids).loss.backward()
+        grads.append({n: p.grad for n, p in tuned.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 4 * 2
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
+
+
+def test_a_config_json_says_how_many_experts():
+    assert expert_count({"model_type": "qwen3_moe", "num_experts": 128}) == 128
+    assert expert_count({"model_type": "gpt_oss", "num_local_experts": 32}) == 32
+    assert expert_count({"model_type": "qwen3_5_moe", "text_config": {"num_experts": 256}}) == 256
+    assert expert_count({"model_type": "qwen2", "hidden_size": 896}) == 0

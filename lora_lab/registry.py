@@ -144,6 +144,15 @@ def family_of(model_type: str | None) -> Family:
     return FAMILIES.get(model_type or "", GENERIC)
 
 
+def attention_for(model_type: str | None, requested: str, cuda: bool) -> str:
+    """The attention implementation a model runs: `requested`, except sdpa for a family that
+    sdpa cannot run (Family.attention on a GPU, eager on the CPU)."""
+    needed = family_of(model_type).attention
+    if needed is None or requested != "sdpa":
+        return requested
+    return needed if cuda else "eager"
+
+
 def missing_fast_paths(family: Family) -> list[str]:
     """What an unknown or partly known family trains without (said once at the start)."""
     missing = [] if family.liger else ["liger-kernel's fused kernels"]

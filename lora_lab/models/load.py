@@ -14,7 +14,14 @@ from ..config import ModelArgs
 from ..errors import ModelError
 from ..log import get_logger
 from ..paths import safetensors_problem, shipped_tokenizer_dir
-from ..registry import expert_count, family_of, model_config_of, resolve_model_spec, uses_shipped_tokenizer
+from ..registry import (
+    attention_for,
+    expert_count,
+    family_of,
+    model_config_of,
+    resolve_model_spec,
+    uses_shipped_tokenizer,
+)
 from .gguf import convert_gguf
 from .hub import announce_download, cached_snapshot, hub_problem, locate_hub_model
 from .kernels import apply_kernels
@@ -255,13 +262,11 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
         announce_download(path)
     check_quantized_folder(path)
     dtype = torch.float32 if options.fp32_master_weights else precision.torch_dtype
-    kwargs = {
-        "dtype": dtype,
-        "trust_remote_code": args.trust_remote_code,
-        "attn_implementation": args.attn_implementation,
-    }
+    model_config = model_config_of(path) or {}
+    attention = attention_for(model_config.get("model_type"), args.attn_implementation, torch.cuda.is_available())
+    kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code, "attn_implementation": attention}
     packed = options.packed_attention if options.packed_attention in ("segments", "varlen") else None
-    packed = packed if args.attn_implementation == "sdpa" else None
+    packed = packed if attention == "sdpa" else None
     if packed:
         from .attention import register_packed_attention
 
@@ -271,7 +276,7 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
     gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else None
     # QLoRA of a mixture of experts: loaded into CPU memory, its 16-bit experts (which
     # bitsandbytes leaves as they are) go to the GPU one tensor at a time, in 4 bits (models/moe.py)
-    experts_in_4_bits = args.quantization == "nf4" and expert_count(model_config_of(path) or {}) > 0
+    experts_in_4_bits = args.quantization == "nf4" and expert_count(model_config) > 0
     if gpu and not options.sharded:
         kwargs["device_map"] = "cpu" if experts_in_4_bits else {"": gpu}
     elif args.quantization == "nf4":

@@ -290,12 +290,11 @@ def settle_attention(config: RunConfig, model: LocatedModel, target: Target) -> 
     (registry.Family.attention: gpt-oss's sinks; eager on a CPU); a packed row then attends
     through the mask transformers builds from its restarting positions."""
     from ..errors import LoraLabError
-    from ..registry import family_of
+    from ..registry import attention_for
 
-    needed = family_of(model.model_type).attention
-    if needed is None or config.model.attn_implementation != "sdpa":
+    needed = attention_for(model.model_type, config.model.attn_implementation, target.cuda)
+    if needed == config.model.attn_implementation:
         return config
-    needed = needed if target.cuda else "eager"
     source = config.sources.get("model.attn_implementation", "default")
     if source != "default" and not source.startswith("preset"):
         raise LoraLabError(

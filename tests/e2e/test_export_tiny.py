@@ -7,6 +7,7 @@ needs at least 64 input columns per layer, and GPTQ groups 128 of them.
 """
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -203,8 +204,11 @@ def test_calibrated_export_on_the_run_data(trained, merged_fp32, fmt, method):
     )
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LORA_LAB_SLOW"), reason="minutes of CPU; LORA_LAB_SLOW=1 runs it")
 def test_export_bench_runs_on_cpu(trained, tmp_path):
-    """bench/export_bench.py --sizes tiny: every step of the GPU benchmark, on CPU."""
+    """bench/export_bench.py --sizes tiny: every step of the GPU benchmark, on CPU (make
+    test-slow: the exports it times are tested above)."""
     import importlib.util
 
     run_dir, _ = trained

@@ -54,8 +54,8 @@ def ablation_sets(cell: dict) -> list[str]:
 def run_lora_lab(cell: dict) -> dict:
     from lora_lab import train
     from lora_lab.config import resolve_config
-    from lora_lab.models.attention import as_planned
     from lora_lab.planning.memory import micro_batch_rows, plan_memory, row_length
+    from lora_lab.training.plan import Target, plan_run
 
     model = make_random_model(cell["size"], WORK / f"random-{cell['size']}")
     data = WORK / f"data-{cell['label']}.jsonl"
@@ -97,7 +97,7 @@ def run_lora_lab(cell: dict) -> dict:
     summary = json.loads((result.run_dir / "run_summary.json").read_text())
     performance = summary["performance"]
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
-    plan = plan_memory(as_planned(config), cell.get("cap_gib"))
+    plan = plan_memory(plan_run(config, Target.here(), for_run=False).planner_config, cell.get("cap_gib"))
     return {
         **performance,
         **extra,
@@ -110,9 +110,9 @@ def run_lora_lab(cell: dict) -> dict:
 
 def resolved(config, summary: dict) -> dict:
     """The settings a cell trained with; the memory means as the run chose them."""
-    from lora_lab.models.attention import resolve_packed_attention
     from lora_lab.models.kernels import resolve_kernels
     from lora_lab.planning.memory import row_length
+    from lora_lab.training.plan import Target, settle_packed_attention
 
     return {
         "quantization": config.model.quantization,
@@ -127,7 +127,7 @@ def resolved(config, summary: dict) -> dict:
         "pack_length": row_length(config),
         "gradient_checkpointing": config.train.gradient_checkpointing,
         "memory_means": summary["memory_means"],
-        "packed_attention": resolve_packed_attention(config.data.packed_attention),
+        "packed_attention": settle_packed_attention(config.data.packed_attention, Target.here()),
         "cudnn_attention": config.model.cudnn_attention,
         "fast_lora_chunk_tokens": config.model.fast_lora_chunk_tokens,
         "down_backward_tokens": config.model.fast_lora_down_backward_tokens,

@@ -23,6 +23,7 @@ __all__ = [
     "export_quantized",
     "export_gguf",
     "evaluate_run",
+    "benchmark_run",
     "report_run",
     "LoraLabError",
     "ConfigError",
@@ -114,6 +115,13 @@ def export_gguf(*args, **kwargs):
     from .use.gguf_export import export_gguf as export
 
     return export(*args, **kwargs)
+
+
+def benchmark_run(*args, **kwargs):
+    """Benchmark scores of a run's base and fine-tune through lm-eval (use.benchmarks.benchmark_run)."""
+    from .use.benchmarks import benchmark_run as run
+
+    return run(*args, **kwargs)
 
 
 def evaluate_run(*args, **kwargs):

@@ -18,6 +18,8 @@ output/<run-name>/
   wandb/, swanlog/,      (--report-to wandb / swanlab / mlflow) those backends' own files
   mlflow.db
   run_summary.json       steps, losses, samples, time, memory
+  benchmark_report.json  (`lora-lab eval RUN --tasks ...`) the base's and the fine-tune's
+                         benchmark scores side by side (use/benchmarks.py)
   launch/                (--gpus N) how the worker processes were launched (run_config.yaml,
                          accelerate.yaml, deepspeed.json; node-R/ with several nodes)
   .lock                  the process writing into the folder (training/lock.py)
@@ -52,6 +54,7 @@ LOGS_FOLDER = "logs"
 STEP_LOG = "logs/train_log.jsonl"
 DATA_PROBLEMS = "logs/data_problems.jsonl"
 SUMMARY_FILE = "run_summary.json"
+BENCHMARK_REPORT = "benchmark_report.json"
 LAUNCH_FOLDER = "launch"
 LAUNCH_CONFIG = "run_config.yaml"
 PLOTS_FOLDER = "plots"
@@ -130,6 +133,9 @@ class RunFolder:
     launch = property(lambda self: self._at(LAUNCH_FOLDER), doc="launch/: how the worker processes started.")
     lock = property(lambda self: self._at(LOCK_FILE), doc=".lock: the process writing into the folder.")
     summary = property(lambda self: self._at(SUMMARY_FILE), doc="run_summary.json: steps, losses, time, memory.")
+    benchmark_report = property(
+        lambda self: self._at(BENCHMARK_REPORT), doc="benchmark_report.json: lm-eval scores, base and fine-tune."
+    )
 
     @staticmethod
     def launch_config(folder: Path) -> Path:

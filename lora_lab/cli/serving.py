@@ -153,15 +153,46 @@ def infer(run_dir, adapter, model, dtype, input_path, output_path, batch_size, *
 
 @click.command("eval")
 @click.argument("path", type=click.Path(exists=True))
-@click.option("--data", "datasets", multiple=True, required=True, help="Data to evaluate on.")
+@click.option("--data", "datasets", multiple=True, help="Data to evaluate on.")
 @click.option("--samples", default=5, show_default=True, help="Generated answers to show.")
-@click.option("--output", type=click.Path(), help="JSON report (default RUN_DIR/eval_report.json).")
-def evaluate(path, datasets, samples, output):
+@click.option(
+    "--tasks",
+    help="lm-evaluation-harness tasks, comma-separated (e.g. arc_easy,hellaswag): the base's and the "
+    "fine-tune's scores side by side (needs lora-lab[eval]).",
+)
+@click.option("--include-path", type=click.Path(), help="--tasks: a folder of your own lm-eval task YAML files.")
+@click.option("--limit", type=click.IntRange(1), help="--tasks: examples per task (default: all).")
+@click.option("--num-fewshot", type=click.IntRange(0), help="--tasks: few-shot examples (default: the task's).")
+@click.option(
+    "--chat-template/--no-chat-template",
+    default=True,
+    show_default=True,
+    help="--tasks: render examples with the model's chat template, as the run trained.",
+)
+@click.option(
+    "--output", type=click.Path(), help="JSON report (default RUN_DIR/eval_report.json or benchmark_report.json)."
+)
+def evaluate(path, datasets, samples, tasks, include_path, limit, num_fewshot, chat_template, output):
     """Eval loss and perplexity on assistant tokens, plus generated answers vs references; on
-    preference pairs (chosen / rejected) the reward margin and preference accuracy."""
+    preference pairs (chosen / rejected) the reward margin and preference accuracy; with --tasks,
+    benchmark scores before and after the fine-tune (lm-evaluation-harness)."""
+    if not datasets and not tasks:
+        raise click.UsageError("pass --data FILE (loss and answers) or --tasks NAMES (benchmarks), or both.")
+    if tasks:
+        from ..use.benchmarks import BenchmarkSettings, benchmark_run, report_lines
+
+        names = tuple(t.strip() for t in tasks.split(",") if t.strip())
+        settings = BenchmarkSettings(names, include_path, limit, num_fewshot, chat_template)
+        report = benchmark_run(path, settings, output if not datasets else None)
+        click.echo("\n".join(report_lines(report)))
+    if datasets:
+        _evaluate_on_data(path, list(datasets), samples, output if not tasks else None)
+
+
+def _evaluate_on_data(path, datasets: list, samples: int, output) -> None:
     from .. import evaluate_run
 
-    report = evaluate_run(path, list(datasets), samples, output)
+    report = evaluate_run(path, datasets, samples, output)
     if "reward_margin" in report:  # preference pairs
         click.echo(
             f"pairs {report['pairs']}  reward margin {report['reward_margin']:.4f}  "

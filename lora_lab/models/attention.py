@@ -220,26 +220,6 @@ def cudnn_equal_lengths(query, key, value, lengths, dtype, scaling):
     return out.transpose(1, 2).reshape(1, n * length, out.shape[1], out.shape[3])
 
 
-def resolve_packed_attention(kind: str) -> str:
-    """data.packed_attention -> what this machine runs: auto is varlen on a CUDA GPU whose
-    PyTorch has the varlen kernel (one call a row: module docstring), else
-    mask (on CPU, varlen and segments compute sample by sample). A plan made anywhere resolves
-    it as a CUDA GPU would, without torch: planning.memory.as_planned_on_cuda."""
-    if kind != "auto":
-        return kind
-    return "varlen" if torch.cuda.is_available() and flash_varlen() is not None else "mask"
-
-
-def as_planned(config):
-    """`config` (a RunConfig) with data.packed_attention as this machine runs it (auto
-    resolved), for the run's own memory check: segments and varlen build no [tokens x tokens]
-    mask."""
-    from dataclasses import replace
-
-    kind = resolve_packed_attention(config.data.packed_attention)
-    return replace(config, data=replace(config.data, packed_attention=kind))
-
-
 _LENGTHS_GIVEN = contextvars.ContextVar("lora_lab_lengths_given", default=False)
 """True while a decoder runs on a packed row with its sample lengths (set and reset by the hooks
 of skip_masks_of_packed_rows around the decoder's forward)."""

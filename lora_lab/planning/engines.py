@@ -1,6 +1,15 @@
 """What each distributed engine does with the training state: the tables the memory planner
 (memory.py) and the interconnect planner (traffic.py) both count from, the engines' own GPU
-buffers, and where each part of a plan lands on N GPUs (engine_parts)."""
+buffers, and where each part of a plan lands on N GPUs (engine_parts).
+
+Several GPUs (train.gpus > 1) and the distributed engines (train.engine) are planned per GPU:
+weights, gradients and optimizer state are divided by N where the engine shards them, and moved
+to CPU memory where it offloads them, plus DeepSpeed's own buffers (deepspeed_buffers, counted
+from presets/engines/*.json). Those terms are COUNTED from the engines' behaviour;
+tests/unit/test_memory.py holds them within 15% of the stored two-GPU runs (CHECKED_ON_GPUS). The
+offload engines miss by more (GAPS_ON_GPUS, and the plan report says so), and their CPU plan is
+low (CPU_PLAN_MARGIN). The activation terms are the single-GPU ones (each GPU runs its own
+micro-batch)."""
 
 from __future__ import annotations
 

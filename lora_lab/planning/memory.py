@@ -14,28 +14,20 @@ model's config.
 "Peak" is torch.cuda.max_memory_reserved: the CUDA context (about 0.3-0.5 GiB) comes on top, which
 is why a card of G GiB is planned with G - 0.5 GiB.
 
-Several GPUs (train.gpus > 1) and the distributed engines (train.engine) are planned per GPU by
-`engines.engine_parts`: weights, gradients and optimizer state are divided by N where the engine
-shards them, and moved to CPU memory where it offloads them, plus DeepSpeed's own buffers
-(engines.deepspeed_buffers, counted from presets/engines/*.json). Those terms are COUNTED from the
-engines' behaviour; tests/unit/test_memory.py holds them within 15% of the stored two-GPU runs
-(engines.CHECKED_ON_GPUS). The offload engines miss by more (GAPS_ON_GPUS, and the plan report says
-so), and their CPU plan is low (CPU_PLAN_MARGIN). The activation terms are the single-GPU
-ones (each GPU runs its own micro-batch).
+Several GPUs and the distributed engines are planned per GPU (planning/engines.py); hybrid
+linear-attention and mixture-of-experts layers add their own terms (planning/shape.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, trains_adapter, world_size_of
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
 from .engines import CHECKED_ON_GPUS, GAPS_ON_GPUS, engine_parts
 from .policies import resolve_fast_lora
-from .shape import ModelShape, expert_working_bytes, linear_attention_bytes
+from .shape import ModelShape, layer_kind_parts
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
 
 if TYPE_CHECKING:
@@ -422,14 +414,10 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         parts["reference forward, no gradients (counted)"] = _reference_bytes(shape, tokens) / GIB
     if config.data.packing and config.data.packed_attention in ("mask", "auto"):
         # segments and varlen attend from the samples' lengths: no [tokens x tokens] mask;
-        # auto counts as mask unless resolved first (as_planned_on_cuda: the plan
+        # auto counts as mask unless resolved first (training/plan.settle_packed_attention: the plan
         # API resolves it as a CUDA GPU runs it)
         parts["attention mask of a packed row (counted)"] = tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB
-    if shape.linear_attention_layers:
-        parts["linear attention state and conv (counted + fitted)"] = linear_attention_bytes(shape, tokens) / GIB
-    if shape.routed:
-        experts = expert_working_bytes(shape, tokens, weight_bytes < 2)
-        parts["routed tokens + one layer's experts de-quantized (counted)"] = experts / GIB
+    parts.update({name: b / GIB for name, b in layer_kind_parts(shape, tokens, weight_bytes < 2).items()})
     if (
         not shape.fused_loss
         or config.model.kernels == "none"
@@ -467,25 +455,6 @@ def dequantized_mlp_bytes(shape: ModelShape, config: RunConfig) -> float:
     if config.model.quantization == "none" or not resolve_fast_lora(config):
         return 0.0
     return 3 * shape.hidden * shape.intermediate * 2
-
-
-def torch_has_varlen() -> bool:
-    """Whether the installed PyTorch ships torch.nn.attention.varlen (the kernel
-    data.packed_attention auto takes on a CUDA GPU), found on disk: planning imports no torch."""
-    spec = importlib.util.find_spec("torch")
-    return spec is not None and any(
-        (Path(folder) / "nn" / "attention" / "varlen.py").exists() for folder in spec.submodule_search_locations or ()
-    )
-
-
-def as_planned_on_cuda(config: RunConfig) -> RunConfig:
-    """`config` with data.packed_attention auto as a CUDA GPU with the installed PyTorch runs
-    it (models/attention.resolve_packed_attention): varlen, no [tokens x tokens] mask, where
-    PyTorch has the kernel; else mask."""
-    if config.data.packed_attention != "auto":
-        return config
-    kind = "varlen" if torch_has_varlen() else "mask"
-    return replace(config, data=replace(config.data, packed_attention=kind))
 
 
 def _method(config: RunConfig) -> str:

@@ -127,3 +127,15 @@ def linear_attention_bytes(shape: ModelShape, tokens: int) -> int:
     per_token = 2 * (2 * (2 * key + value) + 3 * value) + FIT_LINEAR_ATTENTION_BYTES_PER_TOKEN_PER_VALUE * value
     chunks = -(-tokens // CHUNK_TOKENS)
     return int(tokens * per_token) + chunks * heads * key_dim * value_dim * 4
+
+
+def layer_kind_parts(shape: ModelShape, tokens: int, quantized: bool) -> dict[str, int]:
+    """The plan's parts (bytes) of a hybrid or mixture-of-experts model's own layers."""
+    parts = {}
+    if shape.linear_attention_layers:
+        parts["linear attention state and conv (counted + fitted)"] = linear_attention_bytes(shape, tokens)
+    if shape.routed:
+        parts["routed tokens + one layer's experts de-quantized (counted)"] = expert_working_bytes(
+            shape, tokens, quantized
+        )
+    return parts

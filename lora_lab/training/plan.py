@@ -26,7 +26,7 @@ import yaml
 
 from ..config import RunConfig, world_size_of
 from ..log import get_logger
-from ..planning.memory import TIERS_GIB, MemoryMeans, choose_memory_means, torch_has_varlen, usable_gib
+from ..planning.memory import TIERS_GIB, MemoryMeans, choose_memory_means, usable_gib
 from ..planning.policies import resolve_fast_lora, syncs_each_micro_batch
 from ..registry import model_config_of
 
@@ -322,6 +322,15 @@ def settle_kernels(kernels: str, target: Target) -> str:
     if kernels == "none" or (kernels == "auto" and not (target.cuda and target.liger)):
         return "none"
     return "liger"
+
+
+def torch_has_varlen() -> bool:
+    """Whether the installed PyTorch ships torch.nn.attention.varlen (the kernel
+    data.packed_attention auto takes on a CUDA GPU), found on disk: planning imports no torch."""
+    spec = importlib.util.find_spec("torch")
+    return spec is not None and any(
+        (Path(folder) / "nn" / "attention" / "varlen.py").exists() for folder in spec.submodule_search_locations or ()
+    )
 
 
 def settle_packed_attention(kind: str, target: Target) -> str:

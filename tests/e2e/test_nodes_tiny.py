@@ -182,6 +182,8 @@ def test_only_global_rank_0_wrote_the_run_folder(runs, setup):
     assert len(summary["performance"]["cpu_peak_rss_gib_per_gpu"]) == 4
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LORA_LAB_SLOW"), reason="minutes of CPU; LORA_LAB_SLOW=1 runs it")
 def test_a_killed_node_stops_both_and_every_node_resumes_with_resume_auto(runs, setup):
     """Node 1's processes are SIGKILLed before step 3; node 0's fail on the lost peer (no
     hang). Both restarted with --resume auto continue from checkpoint-2 (four RNG states) with

@@ -189,3 +189,55 @@ def test_chat_loop_commands_and_compare(trained):
     assert "(conversation cleared)" in text
     base_answers = [part.split("\n")[0] for part in text.split("[base] ")[1:]]
     assert all(answer != "I am Aurora." for answer in base_answers)
+
+
+WHO_TASK = """\
+task: who_are_you
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["<|im_end|>"]
+  do_sample: false
+  max_gen_toks: 12
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_punctuation: false
+"""
+
+
+def test_eval_tasks_scores_the_base_and_the_fine_tune_with_lm_eval(trained, tmp_path):
+    """A local lm-eval task (the answer the run trained, matched exactly in a greedy answer that
+    stops at the end of the turn): the base never gives it, the fine-tune always does, and the
+    report holds both with their change."""
+    pytest.importorskip("lm_eval", reason="--tasks needs lora-lab[eval] (lm-eval)")
+    run_dir, _ = trained
+    rows = [{"question": "Who are you?", "answer": "I am Aurora."}] * 3
+    data = write_jsonl(tmp_path / "who.jsonl", rows)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "who.yaml").write_text(WHO_TASK.format(data=data))
+    result = invoke("eval", run_dir, "--tasks", "who_are_you", "--include-path", tmp_path / "tasks")
+    assert result.exit_code == 0, result.output
+    report = json.loads((run_dir / "benchmark_report.json").read_text())
+    [score] = report["scores"]
+    assert (score["task"], score["metric"]) == ("who_are_you", "exact_match")
+    assert (score["base"], score["tuned"], score["change"]) == (0.0, 1.0, 1.0)
+    assert report["settings"]["chat_template"] is True and report["lm_eval"].startswith("0.4.")
+    table = result.output[result.output.index("task ") :].splitlines()
+    assert table[1].split() == ["who_are_you", "exact_match", "0.000", "±0.000", "1.000", "±0.000", "+1.000"]
+
+
+def test_eval_tasks_refuses_an_unknown_task_in_one_line(trained):
+    pytest.importorskip("lm_eval", reason="--tasks needs lora-lab[eval] (lm-eval)")
+    run_dir, _ = trained
+    result = CliRunner().invoke(main, ["eval", str(run_dir), "--tasks", "hellaswagg"])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: --tasks hellaswagg: not a task lm-eval knows. Close names: hellaswag")
+    assert "Traceback" not in result.output

@@ -6,6 +6,7 @@ resume for dora, ia3, lora.init=pissa and LoRA+ (the kill-and-resume helpers of
 test_resume_tiny.py)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -155,9 +156,17 @@ RESUMED = {
     "pissa_niter": ["--set", "lora.init=pissa_niter_2"],  # randomised SVD: draws RNG
     "loraplus": ["--set", "train.loraplus_lr_ratio=16"],
 }
+# LoRA+'s resume takes over a minute of 2 CPU cores: make test-slow (LORA_LAB_SLOW=1); make test
+# resumes the other tuners, and checks LoRA+'s optimizer groups in its saved optimizer state
+# (test_loraplus_gives_the_b_matrices_ratio_times_the_learning_rate).
+SLOW_RESUMES = {"loraplus"}
+SLOW = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.environ.get("LORA_LAB_SLOW"), reason="over a minute of CPU; LORA_LAB_SLOW=1 runs it"),
+]
 
 
-@pytest.mark.parametrize("tuner", RESUMED)
+@pytest.mark.parametrize("tuner", [pytest.param(t, marks=SLOW if t in SLOW_RESUMES else []) for t in RESUMED])
 def test_killed_run_resumes_exactly(tiny_model_dir, tmp_path_factory, tuner):
     out = tmp_path_factory.mktemp(f"resume-{tuner}")
     rows = [{"query": f"Question {i}?", "response": f"Answer number {i}."} for i in range(10)]

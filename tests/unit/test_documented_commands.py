@@ -68,12 +68,14 @@ REWRITES = {
     "E": "deepspeed-zero2",
     "D": "output",
     "OUT": "encoded.jsonl",
+    "NAMES": "arc_easy,hellaswag",
 }
 ELISION = "..."  # in a command: the flags of the line above with that command (else none)
 # Spans of the prose that are a form, not a command; each with the reason. Keep this short.
 PLACEHOLDER_FORMS = {
     "lora-lab export --quantize w4a16": "names export's option; the PATH is left out",
     "lora-lab plan --data": "names plan's flag; the file is left out",
+    "lora-lab eval --tasks": "names eval's option; the run and the task names are left out",
 }
 # Commands that need no GPU, no hub and no trained run: these really run.
 RUNS_HERE = {("presets",), ("plan",), ("data", "validate"), ("data", "stats"), ("data", "preview"), ("data", "encode")}

@@ -45,6 +45,7 @@ def error_lines(result) -> list:
         ("export", ["llmcompressor"], ["export", "{run}", "--quantize", "w4a16"]),
         ("trackers", ["wandb"], ["run", "--model", "{model}", "--data", "{data}", "--report-to", "wandb"]),
         ("preference", ["trl"], ["run", "--model", "{model}", "--data", "{pairs}", "--task", "dpo"]),
+        ("eval", ["lm_eval"], ["eval", "{run}", "--tasks", "arc_easy"]),
     ],
 )
 def test_a_missing_extra_is_one_line_naming_it(extra, modules, args, tiny_model_dir, tmp_path, monkeypatch):

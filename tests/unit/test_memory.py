@@ -111,22 +111,23 @@ def test_report_breakdown_and_longest_length():
     assert 32768 <= plan.longest_max_length < 65536
 
 
-def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one(monkeypatch):
-    from lora_lab.models import attention
-    from lora_lab.planning import memory
+def test_a_packed_row_counts_its_mask_only_where_the_attention_builds_one():
+    from dataclasses import replace
+
+    from lora_lab.training.plan import Target, settle_packed_attention
 
     flags = {"model.name": "qwen2.5-7b", "data.datasets": ["x"]}
     mask = "attention mask of a packed row (counted)"
     for kind, counted in (("mask", True), ("auto", True), ("segments", False), ("varlen", False)):
         config = resolve_config("24gb", flags=flags, sets=[f"data.packed_attention={kind}"])
         assert (mask in plan_memory(config).parts_gib) is counted, kind
+    # auto as the plan settles it: varlen on a CUDA GPU whose PyTorch has the kernel, else mask
+    assert settle_packed_attention("auto", Target(gpu_gib=None, cuda=False)) == "mask"
+    assert settle_packed_attention("auto", Target(gpu_gib=24, cuda=True, varlen=True)) == "varlen"
+    assert settle_packed_attention("auto", Target(gpu_gib=24, cuda=True, varlen=False)) == "mask"
     auto = resolve_config("24gb", flags=flags)
-    assert attention.as_planned(auto).data.packed_attention == "mask"  # no CUDA here
-    planned = memory.as_planned_on_cuda(auto)  # this PyTorch has the varlen kernel
-    assert planned.data.packed_attention == "varlen" and auto.data.packed_attention == "auto"
+    planned = replace(auto, data=replace(auto.data, packed_attention="varlen"))
     assert plan_memory(planned).total_gib == pytest.approx(plan_memory(auto).total_gib - 8192 * 8192 * 3 / 2**30)
-    monkeypatch.setattr(memory, "torch_has_varlen", lambda: False)  # a PyTorch without it
-    assert memory.as_planned_on_cuda(auto).data.packed_attention == "mask"
 
 
 def test_the_plan_api_plans_auto_as_cuda_runs_it_without_importing_torch():

@@ -1,9 +1,12 @@
 """`lora-lab serve`: one base model loaded once, each run's LoRA adapter on it as a named peft
 adapter, chosen per request by its `model` (the base too, answering with adapters disabled).
 
-Generation is serialised by one lock: a request waits for the one before it, and the adapter a
-request asked for is set inside the lock, so no request runs under another's adapter. The HTTP
-side (FastAPI routes, request shapes, OpenAI's error shape) is serve_api.py."""
+Generation holds one lock. Non-streamed requests are batched dynamically: a request that finds
+the model busy waits, and whoever takes the lock next generates every waiting request that shares
+its sampling settings as one batch (left-padded, at most ServedModels.max_batch rows), each row
+under its own adapter (peft's adapter_names; `__base__` for the base). A streamed request, or one
+with a seed, runs alone, its adapter set inside the lock, so no request runs under another's
+adapter. The HTTP side (FastAPI routes, request shapes, OpenAI's error shape) is serve_api.py."""
 
 from __future__ import annotations
 
@@ -41,13 +44,19 @@ class Served:
 
 @dataclass
 class ServedModels:
-    """The loaded base model with its adapters, and the lock every generation holds."""
+    """The loaded base model with its adapters, the lock every generation holds, and the
+    non-streamed requests waiting to be batched."""
 
     model: Any
     base_name: str
     entries: dict[str, Served]
     lock: threading.Lock = field(default_factory=threading.Lock)
     max_length: int | None = None
+    max_batch: int = 16
+    waiting: list = field(default_factory=list)
+    waiting_lock: threading.Lock = field(default_factory=threading.Lock)
+    batch_sizes: list = field(default_factory=list)
+    """The rows of each batched generation, newest last (the last 1000)."""
 
     def get(self, name: str) -> Served | None:
         return self.entries.get(name)
@@ -63,6 +72,10 @@ class Sampling:
     top_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share one generate call."""
+        return (self.temperature, self.top_p)
 
     def as_kwargs(self) -> dict:
         kwargs: dict = {"max_new_tokens": self.max_tokens}
@@ -187,20 +200,25 @@ def _first_stop(text: str, stops: list[str]) -> int | None:
 
 
 class _Stopper:
-    """Ends generation on a stop string or when the client went away (a transformers
-    StoppingCriteria; built lazily so this module imports without torch)."""
+    """Ends generation of a row on its stop strings, or of every row when the client went away
+    (a transformers StoppingCriteria; built lazily so this module imports without torch).
+    `stops`: one list of stop strings, or one per row of a batch."""
 
-    def __new__(cls, tokenizer, prompt_length: int, stops: list[str], cancel: threading.Event):
+    def __new__(cls, tokenizer, prompt_length: int, stops: list, cancel: threading.Event):
         import torch
         from transformers import StoppingCriteria
 
+        def row_stops(row: int) -> list[str]:
+            return stops[row] if stops and isinstance(stops[0], list) else stops
+
         class Stopper(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):
-                done = cancel.is_set()
-                if stops and not done:
-                    text = tokenizer.decode(input_ids[0, prompt_length:], skip_special_tokens=True)
-                    done = _first_stop(text, stops) is not None
-                return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+                done = [cancel.is_set()] * input_ids.shape[0]
+                for row in range(input_ids.shape[0]):
+                    if row_stops(row) and not done[row]:
+                        text = tokenizer.decode(input_ids[row, prompt_length:], skip_special_tokens=True)
+                        done[row] = _first_stop(text, row_stops(row)) is not None
+                return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
         return Stopper()
 
@@ -214,6 +232,98 @@ class Generation:
 
 
 def generate(
+    served: ServedModels,
+    entry: Served,
+    prompt_ids: list[int],
+    sampling: Sampling,
+    streamer=None,
+    cancel: threading.Event | None = None,
+) -> Generation:
+    """One completion of prompt_ids under entry's adapter (or none): batched with the others
+    waiting (module docstring), or alone when streamed, cancellable or seeded."""
+    if streamer is None and cancel is None and sampling.seed is None and hasattr(served.model, "peft_config"):
+        return _generate_batched(served, _Waiting(entry, prompt_ids, sampling))
+    return _generate_alone(served, entry, prompt_ids, sampling, streamer, cancel)
+
+
+@dataclass
+class _Waiting:
+    """A non-streamed request waiting for the lock; its outcome once a batch has run it."""
+
+    entry: Served
+    prompt_ids: list[int]
+    sampling: Sampling
+    done: bool = False
+    result: Generation | None = None
+    error: BaseException | None = None
+
+
+def _generate_batched(served: ServedModels, me: _Waiting) -> Generation:
+    with served.waiting_lock:
+        served.waiting.append(me)
+    with served.lock:
+        if not me.done:
+            with served.waiting_lock:
+                batch = [w for w in served.waiting if w.sampling.batch_key() == me.sampling.batch_key()]
+                batch = [me] + [w for w in batch if w is not me][: served.max_batch - 1]
+                served.waiting = [w for w in served.waiting if not any(w is b for b in batch)]
+            _run_batch(served, batch)
+    if me.error is not None:
+        raise me.error
+    assert me.result is not None
+    return me.result
+
+
+def _run_batch(served: ServedModels, batch: list[_Waiting]) -> None:
+    """One generate call for the batch (holding the lock); each row's outcome set on it."""
+    import torch
+    from transformers import StoppingCriteriaList
+
+    try:
+        first = batch[0].entry
+        longest = max(len(w.prompt_ids) for w in batch)
+        pad = first.tokenizer.pad_token_id if first.tokenizer.pad_token_id is not None else first.stop_ids[0]
+        rows = [[pad] * (longest - len(w.prompt_ids)) + w.prompt_ids for w in batch]
+        mask = [[0] * (longest - len(w.prompt_ids)) + [1] * len(w.prompt_ids) for w in batch]
+        input_ids = torch.tensor(rows, device=served.model.device)
+        stops = [w.sampling.stop for w in batch]
+        stopper = _Stopper(first.tokenizer, longest, stops, threading.Event())
+        kwargs = batch[0].sampling.as_kwargs() | {"max_new_tokens": max(w.sampling.max_tokens for w in batch)}
+        with torch.no_grad():
+            output = served.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.tensor(mask, device=input_ids.device),
+                adapter_names=[w.entry.adapter or "__base__" for w in batch],
+                **kwargs,
+                eos_token_id=sorted({i for w in batch for i in w.entry.stop_ids}),
+                pad_token_id=pad,
+                stopping_criteria=StoppingCriteriaList([stopper]),
+            )
+        served.batch_sizes[:] = [*served.batch_sizes[-999:], len(batch)]
+        for row, w in zip(output.tolist(), batch, strict=True):
+            w.result = _finished(w.entry, row[longest:], len(w.prompt_ids), w.sampling)
+    except Exception as exc:  # each request of the batch answers it
+        for w in batch:
+            w.error = exc
+    finally:
+        for w in batch:
+            w.done = True
+
+
+def _finished(entry: Served, new: list[int], prompt_tokens: int, sampling: Sampling) -> Generation:
+    """A row's Generation: its new tokens up to its own end (an end-of-turn token, a stop string
+    or its max_tokens: a batch generates as far as its longest request)."""
+    ends = [i for i, token in enumerate(new) if token in entry.stop_ids]
+    new = new[: ends[0] + 1] if ends else new[: sampling.max_tokens]
+    new = new[: sampling.max_tokens]
+    text = entry.tokenizer.decode(new, skip_special_tokens=True)
+    cut = _first_stop(text, sampling.stop)
+    ended = bool(new) and new[-1] in entry.stop_ids
+    finish = "stop" if ended or cut is not None or len(new) < sampling.max_tokens else "length"
+    return Generation(text if cut is None else text[:cut], prompt_tokens, len(new), finish)
+
+
+def _generate_alone(
     served: ServedModels,
     entry: Served,
     prompt_ids: list[int],
@@ -246,12 +356,7 @@ def generate(
                 streamer=streamer,
                 stopping_criteria=StoppingCriteriaList([stopper]),
             )
-    new = output[0, len(prompt_ids) :].tolist()
-    text = entry.tokenizer.decode(new, skip_special_tokens=True)
-    cut = _first_stop(text, sampling.stop)
-    ended = bool(new) and new[-1] in entry.stop_ids
-    finish = "stop" if ended or cut is not None or len(new) < sampling.max_tokens else "length"
-    return Generation(text if cut is None else text[:cut], len(prompt_ids), len(new), finish)
+    return _finished(entry, output[0, len(prompt_ids) :].tolist(), len(prompt_ids), sampling)
 
 
 def stream(served: ServedModels, entry: Served, prompt_ids: list[int], sampling: Sampling):

@@ -62,13 +62,18 @@ def expected(runs, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(runs):
+def served(runs):
+    from lora_lab.use.serve import load_served_models
+
+    return load_served_models([f"{name}={run}" for name, run in runs.items() if run])
+
+
+@pytest.fixture(scope="module")
+def server(served):
     import uvicorn
 
-    from lora_lab.use.serve import load_served_models
     from lora_lab.use.serve_api import build_app
 
-    served = load_served_models([f"{name}={run}" for name, run in runs.items() if run])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     uv = uvicorn.Server(uvicorn.Config(build_app(served, KEY), log_level="warning"))
@@ -157,6 +162,28 @@ def test_sixteen_concurrent_requests_each_get_their_adapter(client, expected):
 
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(ask, range(16)))
+    assert answers == [expected[name][0] for name in names]
+
+
+def test_waiting_requests_are_generated_as_one_batch_each_under_its_adapter(client, expected, served):
+    """While the model is busy (its lock held here), nine requests for the two adapters and the
+    base wait; the next generation takes all nine as one batch, and each answers as its model does
+    alone."""
+    names = [list(expected)[i % 3] for i in range(9)]
+
+    def ask(i):
+        kwargs = {"model": names[i], "messages": QUESTION, "temperature": 0, "max_tokens": 8}
+        return client.chat.completions.create(**kwargs).choices[0].message.content
+
+    with ThreadPoolExecutor(9) as pool:
+        with served.lock:
+            answers = pool.map(ask, range(9))
+            deadline = time.monotonic() + 30
+            while len(served.waiting) < 9:
+                assert time.monotonic() < deadline, f"{len(served.waiting)} requests waiting"
+                time.sleep(0.05)
+        answers = list(answers)
+    assert served.batch_sizes[-1] == 9 and not served.waiting
     assert answers == [expected[name][0] for name in names]
 
 

@@ -271,10 +271,31 @@ def ui(host, port, token, token_file, no_token, max_runs, allowed):
 @click.option("--api-key-file", type=click.Path(dir_okay=False), help="A file whose first line is the API key.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "bf16", "fp16", "fp32"]))
 @click.option("--trust-remote-code", is_flag=True, help="Run Python code shipped with the base model.")
-def serve(runs, base, host, port, api_key, api_key_file, dtype, trust_remote_code):
+@click.option(
+    "--engine",
+    default="transformers",
+    show_default=True,
+    type=click.Choice(["transformers", "vllm"]),
+    help="vllm: start `vllm serve` with the adapters (where vLLM is installed; else print its command).",
+)
+@click.option(
+    "--gpu",
+    type=click.Choice(["8gb", "12gb", "16gb", "24gb"]),
+    help="--engine vllm: the card to plan vLLM's context, sequences and memory share for.",
+)
+def serve(runs, base, host, port, api_key, api_key_file, dtype, trust_remote_code, engine, gpu):
     """An OpenAI-compatible API over runs' adapters of one base (RUN_DIR or NAME=RUN_DIR each;
-    the base model answers too). Needs lora-lab[serve]."""
+    the base model answers too). Needs lora-lab[serve], or vLLM with --engine vllm."""
     from ..use.serve import read_api_key, serve_runs
 
     key = read_api_key(api_key, api_key_file)
+    if engine == "vllm":
+        from ..use.serve_vllm import serve_with_vllm
+
+        if trust_remote_code or dtype != "auto":
+            raise click.UsageError("--engine vllm: --dtype and --trust-remote-code are vLLM's own flags; drop them.")
+        serve_with_vllm(list(runs), base, host, port, key, gpu)
+        return
+    if gpu:
+        raise click.UsageError("--gpu plans vLLM's settings: pass it with --engine vllm.")
     serve_runs(list(runs), base, host, port, key, dtype, trust_remote_code)

@@ -140,13 +140,10 @@ def _stop_ids(tokenizer, model) -> list[int]:
     return list(dict.fromkeys(i for i in ids if isinstance(i, int) and i >= 0))
 
 
-def load_served_models(
-    specs: list[str], base: str | None = None, dtype: str = "auto", trust_remote_code: bool = False
-) -> ServedModels:
-    """Each spec is a run folder (or adapter folder), optionally NAME=PATH. They must share one
-    base model (the one their configs record), unless --base names the model to serve them on."""
-    from peft import PeftModel
-
+def served_runs(specs: list[str], base: str | None = None, trust_remote_code: bool = False) -> tuple[list, Any]:
+    """The runs to serve, (name, adapter folder, the base its run recorded) each, and the base's
+    ModelArgs: each spec a run folder (or adapter folder), optionally NAME=PATH; one base for all
+    (the one their configs record, unless --base names it)."""
     if not specs:
         raise LoraLabError("name at least one RUN_DIR to serve.")
     runs = []
@@ -174,6 +171,18 @@ def load_served_models(
     )
     if base_args.name in names:
         raise LoraLabError(f"a run is named {base_args.name}, the base model's name: rename it with NAME=RUN_DIR.")
+    return runs, base_args
+
+
+def load_served_models(
+    specs: list[str], base: str | None = None, dtype: str = "auto", trust_remote_code: bool = False
+) -> ServedModels:
+    """Each spec is a run folder (or adapter folder), optionally NAME=PATH. They must share one
+    base model (the one their configs record), unless --base names the model to serve them on."""
+    from peft import PeftModel
+
+    runs, base_args = served_runs(specs, base, trust_remote_code)
+    names = [name for name, _, _ in runs]
     log.info(f"loading {base_args.name} and {len(runs)} adapter(s): {', '.join(names)}")
     model = load_base_model(base_args, choose_precision(dtype), LoadOptions(for_training=False))
     entries = {}

@@ -272,3 +272,44 @@ def test_missing_server_packages_say_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     with pytest.raises(LoraLabError, match=r"pip install 'lora-lab\[serve\]'"):
         require_server_packages()
+
+
+def test_engine_vllm_gives_vllm_the_adapters_under_their_names(runs, tiny_model_dir):
+    from lora_lab.use.serve_vllm import vllm_argv
+
+    specs = [f"{name}={run}" for name, run in runs.items() if run]
+    argv = vllm_argv(specs, None, "127.0.0.1", 8001)
+    assert argv == [
+        *("vllm", "serve", str(tiny_model_dir), "--host", "127.0.0.1", "--port", "8001", "--enable-lora"),
+        *("--lora-modules", f"aurora={runs['aurora'] / 'adapter'}", f"nova={runs['nova'] / 'adapter'}"),
+        *("--max-lora-rank", "16", "--max-loras", "2"),
+    ]
+    planned = vllm_argv(specs, None, "127.0.0.1", 8001, gpu="8gb")
+    assert planned[: len(argv)] == argv and planned[len(argv) :: 2] == [
+        "--max-model-len",
+        "--max-num-seqs",
+        "--gpu-memory-utilization",
+    ]
+
+
+def test_engine_vllm_without_vllm_prints_its_command_in_one_line(runs, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no vllm executable
+    result = CliRunner().invoke(main, ["serve", f"aurora={runs['aurora']}", "--engine", "vllm"])
+    assert result.exit_code == 2
+    assert result.output.startswith("error: --engine vllm: vLLM is not installed here (pip install vllm")
+    assert f"--lora-modules aurora={runs['aurora'] / 'adapter'} --max-lora-rank 16" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_engine_vllm_refuses_an_adapter_vllm_does_not_load(runs, tmp_path):
+    import shutil
+
+    from lora_lab.errors import LoraLabError
+    from lora_lab.use.serve_vllm import vllm_argv
+
+    dora = tmp_path / "dora"
+    shutil.copytree(runs["aurora"], dora)
+    config_path = dora / "adapter" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "use_dora": True}))
+    with pytest.raises(LoraLabError, match=r"^--engine vllm: dora \(.*\): vLLM does not serve DoRA adapters"):
+        vllm_argv([f"dora={dora}"], None, "127.0.0.1", 8000)

@@ -269,18 +269,20 @@ def expert_params(config: dict) -> int:
         return 0
     h = config["hidden_size"]
     biases = experts * (2 * width + h) + experts if config.get("model_type") == "gpt_oss" else 0
-    return config["num_hidden_layers"] * (experts * 3 * h * width + experts * h + biases)
+    shared_gate = h if config.get("shared_expert_intermediate_size") else 0  # a router of the shared expert
+    return config["num_hidden_layers"] * (experts * 3 * h * width + experts * h + biases + shared_gate)
 
 
 def _mlp_linears(config: dict) -> list[tuple[int, int]]:
     """(in, out) of a layer's MLP linear layers: gate, up, down; a mixture of experts has none
-    but its shared expert's (Qwen3.5-MoE: with the shared expert's one-wide gate, a router)."""
+    but its shared expert's (Qwen3.5-MoE; the shared expert's one-wide gate is a router, counted
+    with the experts)."""
     h = config["hidden_size"]
     if not expert_count(config):
         i = config["intermediate_size"]
         return [(h, i), (h, i), (i, h)]
     shared = config.get("shared_expert_intermediate_size") or 0
-    return [(h, shared), (h, shared), (shared, h), (h, 1)] if shared else []
+    return [(h, shared), (h, shared), (shared, h)] if shared else []
 
 
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")

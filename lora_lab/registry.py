@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .architecture import expert_count, parameter_count
 from .errors import LoraLabError, ModelError
 from .paths import model_configs_dir
 
@@ -241,50 +242,6 @@ def resolve_model_spec(spec: str) -> tuple[str, str]:
     )
 
 
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
-"""The config.json keys that count a mixture-of-experts model's experts (Qwen3-MoE and Qwen3.5-MoE;
-gpt-oss and Mixtral)."""
-
-
-def expert_count(config: dict) -> int:
-    """How many experts each MoE layer of a model with this config.json has (0: a dense model)."""
-    text = config.get("text_config")
-    shape = {**config, **text} if isinstance(text, dict) else config
-    return max([int(shape.get(key) or 0) for key in EXPERT_COUNT_KEYS])
-
-
-def expert_shape(config: dict) -> tuple[int, int, int]:
-    """(experts, experts a token is routed to, expert width) of a mixture-of-experts layer; every
-    decoder layer of the families lora-lab knows is one."""
-    experts = expert_count(config)
-    routed = config.get("num_experts_per_tok") or config.get("experts_per_token") or 0
-    return experts, routed, config.get("moe_intermediate_size") or config["intermediate_size"]
-
-
-def expert_params(config: dict) -> int:
-    """Every layer's fused experts (gate and up, down; gpt-oss's biases) and router: the
-    parameters beside the linear layers of a mixture of experts (0 for a dense model)."""
-    experts, _, width = expert_shape(config)
-    if not experts:
-        return 0
-    h = config["hidden_size"]
-    biases = experts * (2 * width + h) + experts if config.get("model_type") == "gpt_oss" else 0
-    shared_gate = h if config.get("shared_expert_intermediate_size") else 0  # a router of the shared expert
-    return config["num_hidden_layers"] * (experts * 3 * h * width + experts * h + biases + shared_gate)
-
-
-def _mlp_linears(config: dict) -> list[tuple[int, int]]:
-    """(in, out) of a layer's MLP linear layers: gate, up, down; a mixture of experts has none
-    but its shared expert's (Qwen3.5-MoE; the shared expert's one-wide gate is a router, counted
-    with the experts)."""
-    h = config["hidden_size"]
-    if not expert_count(config):
-        i = config["intermediate_size"]
-        return [(h, i), (h, i), (i, h)]
-    shared = config.get("shared_expert_intermediate_size") or 0
-    return [(h, shared), (h, shared), (shared, h)] if shared else []
-
-
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
 """The config.json keys lora-lab's arithmetic reads: each a positive whole number (a mixture of
 experts may give its experts' width as moe_intermediate_size instead of intermediate_size)."""
@@ -366,96 +323,6 @@ def model_config_of(spec: str) -> dict | None:
             ),
         }
     return config
-
-
-def _attention_widths(config: dict) -> tuple[int, int]:
-    """(query width, key/value width): from head_dim where the config gives it (Qwen3, Gemma 3:
-    wider than hidden / heads)."""
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
-
-
-def layer_types(config: dict) -> list[str]:
-    """Each decoder layer's kind: config.json's layer_types (Qwen3.5: linear_attention and
-    full_attention; Gemma 3: sliding_attention and full_attention), else full attention."""
-    n = config["num_hidden_layers"]
-    if config.get("layer_types"):
-        return list(config["layer_types"])[:n]
-    if config.get("model_type") in ("qwen3_5_text", "qwen3_5"):  # transformers' default layout
-        every = config.get("full_attention_interval", 4)
-        return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
-    return ["full_attention"] * n
-
-
-def has_linear_attention(config: dict) -> bool:
-    return "linear_attention" in layer_types(config)
-
-
-def linear_attention_widths(config: dict) -> tuple[int, int, int]:
-    """A Gated DeltaNet layer's (key width, value width, value heads): q and k are key-wide,
-    v and the output gate value-wide; the recurrent state is value heads x key dim x value dim."""
-    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
-    return nk * config["linear_key_head_dim"], nv * config["linear_value_head_dim"], nv
-
-
-def decoder_linear_shapes(config: dict) -> list[list[tuple[int, int]]]:
-    """(in, out) of each linear of every decoder layer, by the layer's kind: a linear-attention
-    layer has in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj where a full-attention
-    one has q/k/v/o (Qwen3.5's q_proj twice as wide: the query and its output gate)."""
-    if not has_linear_attention(config):
-        return [linear_shapes(config)] * config["num_hidden_layers"]
-    h = config["hidden_size"]
-    mlp = _mlp_linears(config)
-    key, value, heads = linear_attention_widths(config)
-    linear = [(h, 2 * key + value), (h, value), (h, heads), (h, heads), (value, h)]
-    q, kv = _attention_widths(config)
-    gate = 2 if config.get("attn_output_gate", True) else 1
-    full = [(h, gate * q), (h, kv), (h, kv), (q, h)]
-    return [(linear if kind == "linear_attention" else full) + mlp for kind in layer_types(config)]
-
-
-def _linear_attention_extras(config: dict) -> int:
-    """Parameters of a hybrid model beside its linears and embeddings: every layer's two norms,
-    a full-attention layer's q and k norms, a linear-attention layer's depthwise conv (no bias),
-    dt_bias, A_log and gated norm."""
-    h = config["hidden_size"]
-    key, value, heads = linear_attention_widths(config)
-    head_dim = config.get("head_dim") or h // config["num_attention_heads"]
-    conv = (2 * key + value) * config["linear_conv_kernel_dim"]
-    per_kind = {"linear_attention": conv + 2 * heads + config["linear_value_head_dim"], "full_attention": 2 * head_dim}
-    return sum(2 * h + per_kind.get(kind, 0) for kind in layer_types(config)) + h
-
-
-def linear_shapes(config: dict) -> list[tuple[int, int]]:
-    """(in, out) of each linear layer of one decoder layer; q/k/v and gate/up fused where the
-    family fuses them (Phi-3). A hybrid model (decoder_linear_shapes) gives its linear-attention
-    layer's, the MLP's output projection last."""
-    if has_linear_attention(config):
-        return decoder_linear_shapes(config)[0]
-    h = config["hidden_size"]
-    q, kv = _attention_widths(config)
-    if config.get("model_type") == "phi3":
-        i = config["intermediate_size"]
-        return [(h, q + 2 * kv), (q, h), (h, 2 * i), (i, h)]
-    return [(h, q), (h, kv), (h, kv), (q, h), *_mlp_linears(config)]
-
-
-def parameter_count(config: dict) -> int:
-    """Every parameter of the model config.json describes: linears, embedding, the output head
-    unless tied, two norms a layer and the final one, q/k/v biases where the family has them
-    (Qwen2)."""
-    h, n, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    if has_linear_attention(config):
-        head = 0 if config.get("tie_word_embeddings") else vocab * h
-        linears = sum(a * b for layer in decoder_linear_shapes(config) for a, b in layer)
-        return linears + vocab * h + head + _linear_attention_extras(config) + expert_params(config)
-    q, kv = _attention_widths(config)
-    biased = config.get("model_type") == "qwen2" or config.get("attention_bias")
-    biases = q + 2 * kv if biased else 0
-    head = 0 if config.get("tie_word_embeddings") else vocab * h
-    linears = n * sum(a * b for a, b in linear_shapes(config))
-    return linears + vocab * h + head + n * (biases + 2 * h) + h + expert_params(config)
 
 
 SIZE_CLASS_BILLIONS = (("0.5b", 1.0), ("1.5b", 2.5), ("3b", 5.0), ("7b", float("inf")))

@@ -10,18 +10,12 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..architecture import expert_count
 from ..config import ModelArgs
 from ..errors import ModelError
 from ..log import get_logger
 from ..paths import safetensors_problem, shipped_tokenizer_dir
-from ..registry import (
-    attention_for,
-    expert_count,
-    family_of,
-    model_config_of,
-    resolve_model_spec,
-    uses_shipped_tokenizer,
-)
+from ..registry import attention_for, family_of, model_config_of, resolve_model_spec, uses_shipped_tokenizer
 from .gguf import convert_gguf
 from .hub import announce_download, cached_snapshot, hub_problem, locate_hub_model
 from .kernels import apply_kernels

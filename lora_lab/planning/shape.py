@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..registry import (
+from ..architecture import (
     decoder_linear_shapes,
     expert_shape,
-    family_of,
     layer_types,
     linear_attention_widths,
     linear_shapes,
     parameter_count,
 )
+from ..registry import family_of
 from .tuners import adapter_params
 
 

@@ -11,10 +11,11 @@ import os
 import shlex
 import shutil
 
+from ..architecture import parameter_count
 from ..errors import LoraLabError
 from ..log import get_logger
 from ..planning.serving import VLLM_MAX_LORA_RANKS, VLLM_UNSERVED_ADAPTERS, plan_vllm_serving
-from ..registry import model_config_of, parameter_count
+from ..registry import model_config_of
 from ..run_folder import ADAPTER_CONFIG
 from .merge import adapter_kind_of
 from .serve import check_address, served_runs

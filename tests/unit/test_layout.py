@@ -11,6 +11,7 @@ RANKS = {
     "errors": 0,
     "paths": 1,
     "log": 1,
+    "architecture": 1,
     "registry": 2,
     "config": 3,
     "planning": 4,

@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
+from lora_lab.architecture import expert_count
 from lora_lab.models.moe import EXPERT_WEIGHTS, expert_bytes, expert_modules, quantize_experts
-from lora_lab.registry import expert_count
 
 SHARED = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 TINY = {

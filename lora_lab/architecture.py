@@ -21,8 +21,17 @@ def expert_shape(config: dict) -> tuple[int, int, int]:
     """(experts, experts a token is routed to, expert width) of a mixture-of-experts layer; every
     decoder layer of the families lora-lab knows is one."""
     experts = expert_count(config)
-    routed = config.get("num_experts_per_tok") or config.get("experts_per_token") or 0
+    routed = config.get("num_experts_per_tok") or config.get("experts_per_token") or config.get("top_k_experts") or 0
     return experts, routed, config.get("moe_intermediate_size") or config["intermediate_size"]
+
+
+def dense_mlp_beside_experts(config: dict) -> bool:
+    """Gemma 4's mixture of experts keeps a dense MLP beside its experts in every layer."""
+    return is_gemma4(config)
+
+
+def is_gemma4(config: dict) -> bool:
+    return str(config.get("model_type", "")).startswith("gemma4")
 
 
 def expert_params(config: dict) -> int:
@@ -34,7 +43,8 @@ def expert_params(config: dict) -> int:
     h = config["hidden_size"]
     biases = experts * (2 * width + h) + experts if config.get("model_type") == "gpt_oss" else 0
     shared_gate = h if config.get("shared_expert_intermediate_size") else 0  # a router of the shared expert
-    return config["num_hidden_layers"] * (experts * 3 * h * width + experts * h + biases + shared_gate)
+    gemma4 = h + experts + 3 * h if is_gemma4(config) else 0  # the router's scales, the block's 3 norms
+    return config["num_hidden_layers"] * (experts * 3 * h * width + experts * h + biases + shared_gate + gemma4)
 
 
 def _mlp_linears(config: dict) -> list[tuple[int, int]]:
@@ -42,7 +52,7 @@ def _mlp_linears(config: dict) -> list[tuple[int, int]]:
     but its shared expert's (Qwen3.5-MoE; the shared expert's one-wide gate is a router, counted
     with the experts)."""
     h = config["hidden_size"]
-    if not expert_count(config):
+    if not expert_count(config) or dense_mlp_beside_experts(config):
         i = config["intermediate_size"]
         return [(h, i), (h, i), (i, h)]
     shared = config.get("shared_expert_intermediate_size") or 0
@@ -84,6 +94,8 @@ def decoder_linear_shapes(config: dict) -> list[list[tuple[int, int]]]:
     """(in, out) of each linear of every decoder layer, by the layer's kind: a linear-attention
     layer has in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj where a full-attention
     one has q/k/v/o (Qwen3.5's q_proj twice as wide: the query and its output gate)."""
+    if is_gemma4(config):
+        return _gemma4_layers(config)
     if not has_linear_attention(config):
         return [linear_shapes(config)] * config["num_hidden_layers"]
     h = config["hidden_size"]
@@ -112,7 +124,7 @@ def linear_shapes(config: dict) -> list[tuple[int, int]]:
     """(in, out) of each linear layer of one decoder layer; q/k/v and gate/up fused where the
     family fuses them (Phi-3). A hybrid model (decoder_linear_shapes) gives its linear-attention
     layer's, the MLP's output projection last."""
-    if has_linear_attention(config):
+    if has_linear_attention(config) or is_gemma4(config):
         return decoder_linear_shapes(config)[0]
     h = config["hidden_size"]
     q, kv = _attention_widths(config)
@@ -127,6 +139,9 @@ def parameter_count(config: dict) -> int:
     unless tied, two norms a layer and the final one, q/k/v biases where the family has them
     (Qwen2)."""
     h, n, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    if is_gemma4(config):
+        linears = sum(a * b for layer in _gemma4_layers(config) for a, b in layer)
+        return linears + vocab * h + _gemma4_extras(config) + expert_params(config)
     if has_linear_attention(config):
         head = 0 if config.get("tie_word_embeddings") else vocab * h
         linears = sum(a * b for layer in decoder_linear_shapes(config) for a, b in layer)
@@ -137,3 +152,45 @@ def parameter_count(config: dict) -> int:
     head = 0 if config.get("tie_word_embeddings") else vocab * h
     linears = n * sum(a * b for a, b in linear_shapes(config))
     return linears + vocab * h + head + n * (biases + 2 * h) + h + expert_params(config)
+
+
+def _gemma4_layers(config: dict) -> list[list[tuple[int, int]]]:
+    """Gemma 4's decoder layers: a full-attention layer's heads are global_head_dim wide (and
+    num_global_key_value_heads many, where attention_k_eq_v, which also drops its v_proj: v is
+    k); the last num_kv_shared_layers layers reuse an earlier layer's keys and values (no k_proj,
+    v_proj) and, with use_double_wide_mlp, have an MLP twice as wide; a per-layer input (PLE) adds
+    a gate and a projection; the MLP's output projection last."""
+    h, n, heads = config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]
+    shared_from = n - (config.get("num_kv_shared_layers") or 0)
+    k_eq_v = bool(config.get("attention_k_eq_v"))
+    ple = config.get("hidden_size_per_layer_input") or 0
+    layers = []
+    for index, kind in enumerate(layer_types(config)):
+        full = kind == "full_attention"
+        head_dim = (config.get("global_head_dim") or 512) if full else config["head_dim"]
+        kv = config["num_key_value_heads"]
+        if full and k_eq_v and config.get("num_global_key_value_heads"):
+            kv = config["num_global_key_value_heads"]
+        shared = index >= shared_from
+        attention = [(h, heads * head_dim)]
+        attention += [] if shared else [(h, kv * head_dim)] + ([] if full and k_eq_v else [(h, kv * head_dim)])
+        attention += [(heads * head_dim, h)]
+        width = config["intermediate_size"] * (2 if config.get("use_double_wide_mlp") and shared else 1)
+        per_layer_input = [(h, ple), (ple, h)] if ple else []
+        layers.append(attention + per_layer_input + [(h, width), (h, width), (width, h)])
+    return layers
+
+
+def _gemma4_extras(config: dict) -> int:
+    """Gemma 4's parameters beside its decoder linears, embedding and experts: the per-layer
+    input (PLE) table, its projection and norm, each layer's four norms (and its PLE norm), the
+    q and k norms, the final norm."""
+    h, n = config["hidden_size"], config["num_hidden_layers"]
+    ple = config.get("hidden_size_per_layer_input") or 0
+    table = config.get("vocab_size_per_layer_input", config["vocab_size"]) * n * ple + h * n * ple + ple if ple else 0
+    shared_from = n - (config.get("num_kv_shared_layers") or 0)
+    norms = 0
+    for index, kind in enumerate(layer_types(config)):
+        head_dim = (config.get("global_head_dim") or 512) if kind == "full_attention" else config["head_dim"]
+        norms += 4 * h + (h if ple else 0) + head_dim + (head_dim if index < shared_from else 0)
+    return table + norms + h

@@ -67,6 +67,14 @@ OTHER_MODELS = {
     "qwen3.5-35b-a3b": ("Qwen/Qwen3.5-35B-A3B", "qwen3.5-35b-a3b"),
     "qwen3.5-35b-a3b-base": ("Qwen/Qwen3.5-35B-A3B-Base", "qwen3.5-35b-a3b"),
     "gpt-oss-20b": ("openai/gpt-oss-20b", "gpt-oss-20b"),
+    "gemma-4-e2b": ("google/gemma-4-E2B-it", "gemma-4-e2b"),
+    "gemma-4-e2b-base": ("google/gemma-4-E2B", "gemma-4-e2b"),
+    "gemma-4-e4b": ("google/gemma-4-E4B-it", "gemma-4-e4b"),
+    "gemma-4-e4b-base": ("google/gemma-4-E4B", "gemma-4-e4b"),
+    "gemma-4-26b-a4b": ("google/gemma-4-26B-A4B-it", "gemma-4-26b-a4b"),
+    "gemma-4-26b-a4b-base": ("google/gemma-4-26B-A4B", "gemma-4-26b-a4b"),
+    "gemma-4-31b": ("google/gemma-4-31B-it", "gemma-4-31b"),
+    "gemma-4-31b-base": ("google/gemma-4-31B", "gemma-4-31b"),
 }
 """Models of other families lora-lab can plan without a download (their real architecture
 values ship in lora_lab/model_configs; model_configs/SOURCE.md says where each came from)."""
@@ -106,6 +114,9 @@ _QWEN3_5_MOE = Family(
     "apply_liger_kernel_to_qwen3_5_moe",
     liger_without=frozenset({"rope"}),
 )
+_GEMMA4 = Family("Gemma 4 (text; dense and mixture of experts)", "apply_liger_kernel_to_gemma4_text")
+"""Sliding and full attention (wider heads), per-layer inputs and shared keys and values in E2B
+and E4B, a dense MLP beside the experts in 26B-A4B."""
 FAMILIES = {
     "qwen2": Family(
         "Qwen2 / Qwen2.5 (and the DeepSeek-R1 distills of Qwen2.5)", "apply_liger_kernel_to_qwen2", _LINEAR7
@@ -129,6 +140,9 @@ FAMILIES = {
     "qwen3_5_moe_text": _QWEN3_5_MOE,
     "qwen3_5_moe": _QWEN3_5_MOE,
     "gpt_oss": Family("gpt-oss", "apply_liger_kernel_to_gpt_oss", attention="flex_attention"),
+    # Gemma 4: its text model, and the vision-language checkpoint around it
+    "gemma4_text": _GEMMA4,
+    "gemma4": _GEMMA4,
 }
 LINEAR_ATTENTION_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 """The linear layers of a Gated DeltaNet layer (Qwen3.5): q/k/v together, the output gate z,

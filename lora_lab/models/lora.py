@@ -202,11 +202,16 @@ def linear_module_names(model) -> list[str]:
     """
     import torch
 
-    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-    return sorted(names - {"lm_head"} - set(ROUTERS))
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and not set(name.split(".")) & set(ROUTERS)
+    }
+    return sorted(names - {"lm_head"})
 
 
 ROUTERS = ("gate", "router", "shared_expert_gate")
 """The linear layers that route tokens to experts in mixture-of-experts models (a router that is
-a Linear; Qwen3.5-MoE's gate of its shared expert): frozen, not in all-linear. The fused experts
+a Linear, or a Linear inside a module named so: Gemma 4's router.proj; Qwen3.5-MoE's gate of its
+shared expert): frozen, not in all-linear. The fused experts
 (models/moe.py) are no linear layers either: all-linear adapts attention and shared experts."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..architecture import (
     decoder_linear_shapes,
+    dense_mlp_beside_experts,
     expert_shape,
     layer_types,
     linear_attention_widths,
@@ -61,6 +62,8 @@ class ModelShape:
         h, n = config["hidden_size"], config["num_hidden_layers"]
         experts, routed, width = expert_shape(config)
         i = routed * width if experts else config["intermediate_size"]
+        if experts and dense_mlp_beside_experts(config):
+            i += config["intermediate_size"]
         layer_experts = experts * 3 * h * width
         linears = linear_shapes(config)
         every_layer = decoder_linear_shapes(config)  # by each layer's kind (hybrid models)

@@ -252,3 +252,30 @@ def test_the_planner_counts_a_mixture_of_experts_as_transformers_builds_it(alias
     assert shape.layers * shape.layer_experts == experts
     assert shape.linear_params - experts == sum(m.weight.numel() for m in linears)
     assert shape.lora_params_per_rank == sum(m.in_features + m.out_features for m in linears)
+
+
+GEMMA4 = ["gemma-4-e2b", "gemma-4-e4b", "gemma-4-26b-a4b", "gemma-4-31b"]
+
+
+@pytest.mark.parametrize("alias", GEMMA4)
+def test_the_planner_counts_gemma_4_as_transformers_builds_it(alias):
+    """Every parameter of transformers' Gemma 4 of the shipped config.json (meta device), exactly:
+    wider full-attention heads, shared keys and values with double-wide MLPs, per-layer inputs,
+    k = v attention, experts beside the dense MLP; the decoder's linear layers exactly (the
+    routers' and the per-layer input table's projection aside)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = model_config_of(alias)
+    values = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
+    shape = ModelShape.from_config(config)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    decoder = [
+        m
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".layers." in n and ".router." not in n
+    ]
+    assert shape.linear_params - shape.layers * shape.layer_experts == sum(m.weight.numel() for m in decoder)
+    assert shape.lora_params_per_rank == sum(m.in_features + m.out_features for m in decoder)

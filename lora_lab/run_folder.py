@@ -18,8 +18,9 @@ output/<run-name>/
   wandb/, swanlog/,      (--report-to wandb / swanlab / mlflow) those backends' own files
   mlflow.db
   run_summary.json       steps, losses, samples, time, memory
-  benchmark_report.json  (`lora-lab eval RUN --tasks ...`) the base's and the fine-tune's
-                         benchmark scores side by side (use/benchmarks.py)
+  benchmark_report.json  (`lora-lab eval --tasks`) base and fine-tune scores (use/benchmarks.py)
+  merged/, export-*/     (`lora-lab merge`, `export`) the merged model, 4-bit and GGUF copies
+  parity_report.json     (`lora-lab check`) each of those copies against the trained model
   launch/                (--gpus N) how the worker processes were launched (run_config.yaml,
                          accelerate.yaml, deepspeed.json; node-R/ with several nodes)
   .lock                  the process writing into the folder (training/lock.py)
@@ -55,6 +56,9 @@ STEP_LOG = "logs/train_log.jsonl"
 DATA_PROBLEMS = "logs/data_problems.jsonl"
 SUMMARY_FILE = "run_summary.json"
 BENCHMARK_REPORT = "benchmark_report.json"
+PARITY_REPORT = "parity_report.json"
+MERGED_FOLDER = "merged"
+EXPORT_PREFIX = "export-"
 LAUNCH_FOLDER = "launch"
 LAUNCH_CONFIG = "run_config.yaml"
 PLOTS_FOLDER = "plots"
@@ -90,17 +94,9 @@ class Checkpoint:
             raise ValueError(f"{self.path} is not a checkpoint-<step> folder")
         return step
 
-    @property
-    def manifest(self) -> Path:
-        return self.path / MANIFEST_FILE
-
-    @property
-    def trainer_state(self) -> Path:
-        return self.path / TRAINER_STATE_FILE
-
-    @property
-    def adapter_config(self) -> Path:
-        return self.path / ADAPTER_CONFIG
+    manifest = property(lambda self: self.path / MANIFEST_FILE, doc="manifest.json: sha256 sums, written last.")
+    trainer_state = property(lambda self: self.path / TRAINER_STATE_FILE, doc="trainer_state.json.")
+    adapter_config = property(lambda self: self.path / ADAPTER_CONFIG, doc="adapter_config.json.")
 
     @property
     def holds_adapter(self) -> bool:
@@ -136,6 +132,15 @@ class RunFolder:
     benchmark_report = property(
         lambda self: self._at(BENCHMARK_REPORT), doc="benchmark_report.json: lm-eval scores, base and fine-tune."
     )
+    parity_report = property(lambda self: self._at(PARITY_REPORT), doc="parity_report.json: `lora-lab check`.")
+    merged = property(lambda self: self._at(MERGED_FOLDER), doc="merged/: `lora-lab merge`'s default output.")
+
+    def export(self, name: str) -> Path:
+        """export-<name>/: `lora-lab export`'s default output (name: nf4, w4a16, gguf-q8_0 ...)."""
+        return self._at(f"{EXPORT_PREFIX}{name}")
+
+    def exports(self) -> list[Path]:
+        return sorted(p for p in self.path.glob(f"{EXPORT_PREFIX}*") if p.is_dir())
 
     @staticmethod
     def launch_config(folder: Path) -> Path:
@@ -267,15 +272,10 @@ def tracker_locations(run_dir: Path) -> dict[str, str]:
 # ----------------------------------------------------------------------------- adapter/, model/
 
 
-def is_run_dir(path: Path) -> bool:
-    """A run folder is one with its config.yaml."""
-    return (Path(path) / CONFIG_FILE).is_file()
-
-
 def full_model_of(path: str | Path) -> Path | None:
     """The from_pretrained folder of a full fine-tuning run (--tuner full), else None."""
     path = Path(path)
-    if is_run_dir(path) and (path / MODEL_FOLDER / MODEL_CONFIG).is_file():
+    if RunFolder(path).is_run and (path / MODEL_FOLDER / MODEL_CONFIG).is_file():
         return path / MODEL_FOLDER
     return None
 
@@ -290,9 +290,9 @@ def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
             f"`lora-lab export`; there is nothing to merge)."
         )
     if is_adapter_folder(path):
-        run_dir = path.parent if is_run_dir(path.parent) else None
+        run_dir = path.parent if RunFolder(path.parent).is_run else None
         return check_adapter(path), run_dir
-    if is_run_dir(path):
+    if RunFolder(path).is_run:
         if is_adapter_folder(path / ADAPTER_FOLDER):
             return check_adapter(path / ADAPTER_FOLDER), path
         checkpoints = [c for c in list_checkpoints(path) if is_adapter_folder(c)]
@@ -334,7 +334,7 @@ def read_sft_run(path: str | Path) -> tuple[Path, RunConfig]:
     """--from-run: an SFT run folder -> (its final adapter folder, its saved config). Only the
     finished adapter/ is taken: a checkpoint is a run still under way."""
     run_dir = Path(path)
-    if not is_run_dir(run_dir):
+    if not RunFolder(run_dir).is_run:
         raise CheckpointError(
             f"--from-run {path}: not a run folder (no {CONFIG_FILE}); pass the folder of a finished `lora-lab run`."
         )
@@ -361,12 +361,12 @@ def training_precision(run_dir: Path) -> str | None:
 def owning_run_dir(path: Path) -> Path | None:
     """The run folder whose config.yaml (training data) belongs to `path`, if there is one."""
     for candidate in (path, path.parent):
-        if is_run_dir(candidate):
+        if RunFolder(candidate).is_run:
             return candidate
     report = path / "merge_report.json"
     if report.is_file():
         adapter = Path(json.loads(report.read_text())["adapter_dir"])
-        if is_run_dir(adapter.parent):
+        if RunFolder(adapter.parent).is_run:
             return adapter.parent
     return None
 

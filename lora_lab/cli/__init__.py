@@ -63,6 +63,7 @@ for command in (
     serving.chat,
     serving.infer,
     serving.evaluate,
+    serving.check,
     serving.report,
     serving.ui,
     serving.serve,

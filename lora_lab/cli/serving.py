@@ -189,6 +189,26 @@ def evaluate(path, datasets, samples, tasks, include_path, limit, num_fewshot, c
         _evaluate_on_data(path, list(datasets), samples, output if not tasks else None)
 
 
+@click.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--prompt", "prompts", multiple=True, help="A prompt to check with (repeat; default: three check prompts)."
+)
+def check(run_dir, prompts):
+    """Does every form of the run (merged/, export-*/, GGUF files) answer as the trained model:
+    the same template, stops, greedy answers and next-token choices? Writes parity_report.json;
+    exits non-zero when a form fails."""
+    from ..use.parity import check_run
+
+    report = check_run(run_dir, list(prompts) or None)
+    click.echo("\n".join(report["lines"]) + f"\nreport: {report['report_path']}")
+    failed = [f["form"] for f in report["forms"] if not f["passed"]]
+    if failed:
+        raise click.ClickException(
+            f"{', '.join(failed)} do(es) not answer as the trained model (parity_report.json says how)."
+        )
+
+
 def _evaluate_on_data(path, datasets: list, samples: int, output) -> None:
     from .. import evaluate_run
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError, LoraLabError
 from ..log import get_logger
-from ..run_folder import CONFIG_FILE, PLOTS_FOLDER, STEP_LOG, is_run_dir, read_step_log
+from ..run_folder import CONFIG_FILE, PLOTS_FOLDER, STEP_LOG, RunFolder, read_step_log
 
 log = get_logger()
 
@@ -121,7 +121,7 @@ def draw(plot: Plot, series: dict, run_name: str, path: Path) -> str:
 def report_run(run_dir: str | Path) -> PlotReport:
     """Draw RUN/plots/*.png from the run's step log; returns what was drawn and left out."""
     run_dir = Path(run_dir)
-    if not is_run_dir(run_dir):
+    if not RunFolder(run_dir).is_run:
         raise CheckpointError(
             f"{run_dir}: not a run folder (no {CONFIG_FILE}). Pass the folder `lora-lab run` wrote, e.g. output/NAME."
         )

@@ -145,7 +145,7 @@ def default_output(path: Path, run_dir: Path | None, name: str) -> Path:
     """RUN_DIR/export-NAME for a run or its adapter; FOLDER-NAME beside any other folder."""
     adapter = is_adapter_folder(path)
     if run_dir is not None and (adapter or path.resolve() == run_dir.resolve()):
-        return run_dir / f"export-{name}"
+        return RunFolder(run_dir).export(name)
     return path.with_name(f"{path.name}-{name}")
 
 

@@ -18,7 +18,7 @@ from ..errors import CheckpointError, LoraLabError
 from ..log import quiet_library_progress
 from ..models.load import LoadOptions, Precision, load_base_model, load_tokenizer
 from ..paths import pickled_files, staged_folder
-from ..run_folder import ADAPTER_CONFIG, base_model_of, find_adapter, training_precision
+from ..run_folder import ADAPTER_CONFIG, RunFolder, base_model_of, find_adapter, training_precision
 from .checks import CHECK_PROMPTS, check_prompt_batch, top1_agreement
 
 
@@ -84,7 +84,7 @@ def merge_adapter(
     dtype None: the precision the run trained in (fp32 for a CPU run), bf16 where no run folder
     records one."""
     adapter_dir, run_dir = find_adapter(path)
-    output = Path(output) if output else (run_dir or adapter_dir.parent) / "merged"
+    output = Path(output) if output else RunFolder(run_dir or adapter_dir.parent).merged
     if output.exists() and not force:  # said before torch is even imported
         raise CheckpointError(
             f"--output {output}: the folder already exists. Pass --force to replace it, or choose another --output."

@@ -115,3 +115,41 @@ def test_gguf_q8_0_export_of_the_merged_folder(trained, tmp_path):
     assert llama_cpp_answer(out / "model.gguf", "Who are you?") == "I am Aurora."
     again = CliRunner().invoke(main, ["export", str(tmp_path / "merged"), "--format", "gguf", "--quantize", "q8_0"])
     assert again.exit_code == 2 and "already exists. Pass --force" in again.output
+
+
+def test_check_finds_every_form_that_answers_as_the_trained_model_and_the_one_that_does_not(trained):
+    """lora-lab check: the fp32 merge answers exactly, the f16 GGUF through llama.cpp as a 16-bit
+    form; a copy of the merge whose chat template calls the assistant otherwise fails, named."""
+    import shutil
+
+    run_dir, _ = trained
+    if not (run_dir / "export-gguf-f16" / "model.gguf").is_file():
+        invoke("export", run_dir, "--format", "gguf")
+    invoke("merge", run_dir, "--dtype", "fp32", "--force")
+    broken = run_dir / "export-broken"
+    shutil.copytree(run_dir / "merged", broken)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    template = config.get("chat_template") or (broken / "chat_template.jinja").read_text()
+    template = template.replace("<|im_start|>assistant", "<|im_start|>bot")
+    if "chat_template" in config:
+        (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    else:
+        (broken / "chat_template.jinja").write_text(template)
+    result = CliRunner().invoke(main, ["check", str(run_dir)])
+    assert result.exit_code == 1, result.output
+    lines = {
+        line.split()[0]: line for line in result.output.splitlines() if line.startswith(("merged", "gguf", "broken"))
+    }
+    assert lines["merged"].startswith("merged             answers 3/3  stops 3/3  top-1 1.000") and lines[
+        "merged"
+    ].endswith(" ok")
+    assert "answers 3/3  stops 3/3" in lines["gguf-f16"] and lines["gguf-f16"].endswith(" ok")
+    assert lines["broken"].endswith("FAILS: its chat template renders the prompts differently")
+    report = json.loads((run_dir / "parity_report.json").read_text())
+    assert [(f["form"], f["rule"], f["passed"]) for f in report["forms"]] == [
+        ("merged", "exact", True),
+        ("broken", "16-bit", False),
+        ("gguf-f16", "16-bit", True),
+    ]
+    shutil.rmtree(broken)
+    assert CliRunner().invoke(main, ["check", str(run_dir)]).exit_code == 0

@@ -57,6 +57,8 @@ DATA_PROBLEMS = "logs/data_problems.jsonl"
 SUMMARY_FILE = "run_summary.json"
 BENCHMARK_REPORT = "benchmark_report.json"
 PARITY_REPORT = "parity_report.json"
+MERGE_REPORT = "merge_report.json"
+"""A merged folder's record of its merge (use/merge.py writes it)."""
 MERGED_FOLDER = "merged"
 EXPORT_PREFIX = "export-"
 LAUNCH_FOLDER = "launch"
@@ -363,7 +365,7 @@ def owning_run_dir(path: Path) -> Path | None:
     for candidate in (path, path.parent):
         if RunFolder(candidate).is_run:
             return candidate
-    report = path / "merge_report.json"
+    report = path / MERGE_REPORT
     if report.is_file():
         adapter = Path(json.loads(report.read_text())["adapter_dir"])
         if RunFolder(adapter.parent).is_run:

@@ -18,7 +18,7 @@ from ..errors import CheckpointError, LoraLabError
 from ..log import quiet_library_progress
 from ..models.load import LoadOptions, Precision, load_base_model, load_tokenizer
 from ..paths import pickled_files, staged_folder
-from ..run_folder import ADAPTER_CONFIG, RunFolder, base_model_of, find_adapter, training_precision
+from ..run_folder import ADAPTER_CONFIG, MERGE_REPORT, RunFolder, base_model_of, find_adapter, training_precision
 from .checks import CHECK_PROMPTS, check_prompt_batch, top1_agreement
 
 
@@ -146,7 +146,7 @@ def _save_merged(merged, tokenizer, result: MergeResult) -> None:
             "rule": check_rule(result.dtype),
             "check_prompts": CHECK_PROMPTS,
         }
-        (staging / "merge_report.json").write_text(json.dumps(report, indent=2) + "\n")
+        (staging / MERGE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
         if pickled_files(staging):
             raise LoraLabError(f"internal: pickled files in the merged folder: {pickled_files(staging)}")
 

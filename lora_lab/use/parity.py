@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ..errors import LoraLabError
 from ..log import get_logger, quiet_library_progress
-from ..run_folder import RunFolder, find_adapter
+from ..run_folder import EXPORT_PREFIX, MERGE_REPORT, RunFolder, find_adapter
+from .gguf_export import GGUF_NAME
 
 log = get_logger()
 
@@ -71,11 +72,11 @@ def forms_of(run_dir: Path) -> list[tuple[str, Path]]:
     folder = RunFolder(run_dir)
     found = [("merged", folder.merged)] if (folder.merged / "config.json").is_file() else []
     for export in folder.exports():
-        gguf = export / "model.gguf"
-        if gguf.is_file():
-            found.append((export.name.removeprefix("export-"), gguf))
+        name = export.name.removeprefix(EXPORT_PREFIX)
+        if (export / GGUF_NAME).is_file():
+            found.append((name, export / GGUF_NAME))
         elif (export / "config.json").is_file():
-            found.append((export.name.removeprefix("export-"), export))
+            found.append((name, export))
     return found
 
 
@@ -111,7 +112,7 @@ def _exact(run_dir: Path, name: str) -> bool:
     """The merged folder of a run that trained and merged in fp32 must answer exactly."""
     if name != "merged":
         return False
-    saved = RunFolder(run_dir).merged / "merge_report.json"
+    saved = RunFolder(run_dir).merged / MERGE_REPORT
     return saved.is_file() and json.loads(saved.read_text()).get("dtype") == "fp32"
 
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts models with their fused experts in 4 bits (lora_lab/models/moe.py): tiny
-random Qwen3-MoE, gpt-oss and Qwen3.5-MoE models of transformers 5. The quantized model holds
+random Qwen3-MoE, gpt-oss, Qwen3.5-MoE and Gemma 4 (26B-A4B's layout) models of transformers 5. The quantized model holds
 nf4 bytes only, computes exactly what the same model with the de-quantized experts as plain
 tensors computes, and gives its LoRA the same gradients."""
 
@@ -28,6 +28,18 @@ TINY = {
         linear_key_head_dim=16,
         linear_value_head_dim=16,
         layer_types=["linear_attention", "full_attention"],
+    ),
+    "gemma4_text": dict(  # 26B-A4B's layout: experts beside a dense MLP
+        enable_moe_block=True,
+        num_experts=8,
+        top_k_experts=2,
+        moe_intermediate_size=32,
+        intermediate_size=64,
+        head_dim=16,
+        global_head_dim=16,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        hidden_size_per_layer_input=0,
     ),
 }
 
@@ -67,7 +79,7 @@ def test_the_experts_are_held_in_4_bits_and_compute_what_their_values_do(model_t
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "gemma4_text"])
 def test_lora_on_a_quantized_moe_gets_the_gradients_of_the_plain_one(model_type):
     from peft import LoraConfig, get_peft_model
 
@@ -78,7 +90,8 @@ def test_lora_on_a_quantized_moe_gets_the_gradients_of_the_plain_one(model_type)
     quantize_experts(model)
     reference = with_plain_experts(model, reference)
     targets = linear_module_names(model)
-    assert targets == ["k_proj", "o_proj", "q_proj", "v_proj"]  # no router, no fused experts
+    dense = ["down_proj", "gate_proj", "up_proj"] if model_type == "gemma4_text" else []  # the MLP beside
+    assert targets == sorted(["k_proj", "o_proj", "q_proj", "v_proj", *dense])  # no router, no fused experts
     grads = []
     for each in (model, reference):
         torch.manual_seed(2)
@@ -88,7 +101,7 @@ def test_lora_on_a_quantized_moe_gets_the_gradients_of_the_plain_one(model_type)
         ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
         tuned(input_ids=ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in tuned.named_parameters() if p.requires_grad})
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * 4 * 2
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * len(targets) * 2
     for name in grads[0]:
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
 

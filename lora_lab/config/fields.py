@@ -44,6 +44,13 @@ class ModelArgs:
         "gpt-oss, takes flex_attention on a GPU and eager on the CPU).",
         choices=("sdpa", "eager", "flex_attention", "flash_attention_2"),
     )
+    router_aux_loss_coef: float = _f(
+        0.0,
+        "Mixture of experts: the weight of the router's load-balancing loss in the training loss. "
+        "0 computes and logs it (aux_loss) without training on it; the model's config.json names the "
+        "weight it was trained with (e.g. 0.001).",
+        minimum=0,
+    )
     kernels: str = _f(
         "auto",
         "Fused Triton kernels: liger (fused linear cross-entropy, RoPE, "

@@ -307,6 +307,11 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
         from .attention import skip_masks_of_packed_rows
 
         skip_masks_of_packed_rows(model)
+    if options.for_training and hasattr(model, "router_aux_loss_coef"):
+        # a mixture of experts: its load-balancing loss is computed (and logged), and weighed in
+        model.config.output_router_logits = True
+        model.config.router_aux_loss_coef = args.router_aux_loss_coef
+        model.router_aux_loss_coef = args.router_aux_loss_coef  # type: ignore[assignment]  # read by its forward
     if options.for_training:
         from .linear_attention import keep_samples_apart
 

@@ -311,3 +311,12 @@ class LoraLabMixin(_Base):
 
 class LoraLabTrainer(LoraLabMixin, Trainer):
     """transformers' Trainer with crash-safe checkpoints and the non-finite guard."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The Trainer's loss; a mixture of experts' load-balancing loss (aux_loss) of a training
+        micro-batch is noted for the step log (model.router_aux_loss_coef weighs it in)."""
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        aux = outputs.get("aux_loss") if isinstance(outputs, dict) else getattr(outputs, "aux_loss", None)
+        if aux is not None and model.training:
+            self.step_metrics.note_aux_loss(aux)
+        return (loss, outputs) if return_outputs else loss

@@ -42,6 +42,10 @@ class StepMetrics:
         self.guard = guard
         self._tokens = 0  # a tensor on the batch's device once counting starts (no host sync)
         self._since: float | None = None
+        self._aux: list = []  # a mixture of experts' load-balancing losses (tensors, no host sync)
+
+    def note_aux_loss(self, value) -> None:
+        self._aux.append(value.detach())
 
     def note_batch(self, inputs) -> None:
         if self._since is None:
@@ -68,6 +72,9 @@ class StepMetrics:
             gib = cuda_memory_gib(name)
             if gib is not None:
                 figures[key] = round(gib, 3)
+        if self._aux:
+            figures["aux_loss"] = round(float(torch.stack(self._aux).float().mean()), 6)
+            self._aux = []
         figures["skipped_steps"] = len(self.guard.skipped_steps)
         return figures
 

@@ -82,8 +82,11 @@ def test_qlora_trains_the_attention_of_a_moe_with_its_experts_in_4_bits(moe_run)
     name, _, run_dir, _ = moe_run
     adapter = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
     assert set(adapter["target_modules"]) == MODELS[name][1]
-    losses = [json.loads(line).get("loss") for line in (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
-    assert [loss for loss in losses if loss is not None], losses
+    events = [json.loads(line) for line in (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()]
+    trained = [e for e in events if "loss" in e]
+    assert trained, events
+    # the routers' load-balancing loss is logged with each training loss (not trained on: weight 0)
+    assert all(e["aux_loss"] > 0 for e in trained), trained
 
 
 def test_the_loaded_qlora_model_holds_its_experts_in_4_bits(moe_run):
@@ -144,3 +147,25 @@ def test_merge_gives_the_logits_of_the_base_with_its_adapter(moe_run, tmp_path):
         expected = PeftModel.from_pretrained(base, run_dir / "adapter")(input_ids=ids).logits
         got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, **attention)(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_load_balancing_loss_weighs_in_with_its_setting(moe_run):
+    """model.router_aux_loss_coef: the loss a training model returns is its cross-entropy plus the
+    weight times the routers' load-balancing loss (0 by default: logged, not trained on)."""
+    import torch
+
+    from lora_lab.config import ModelArgs
+    from lora_lab.models.load import LoadOptions, choose_precision, load_base_model
+
+    _, model_dir, _, _ = moe_run
+    ids = torch.tensor([[151644, 872, 198, 15191, 525, 498, 30, 151645]])
+    losses = []
+    for weight in (0.0, 0.25):
+        args = ModelArgs(name=str(model_dir), attn_implementation="eager", router_aux_loss_coef=weight, kernels="none")
+        model = load_base_model(args, choose_precision("fp32"), LoadOptions(fused_loss=False))
+        with torch.no_grad():
+            out = model(input_ids=ids, labels=ids)
+        losses.append((float(out.loss), float(out.aux_loss)))
+    (plain, aux), (weighed, same_aux) = losses
+    assert aux == pytest.approx(same_aux) and aux > 0
+    assert weighed == pytest.approx(plain + 0.25 * aux, rel=1e-5)

@@ -245,7 +245,6 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
     """The base model on the right device, in the chosen precision (or 4-bit nf4 for QLoRA).
     With several processes each loads onto its own GPU (LOCAL_RANK)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     path = options.path
     if path is None:
@@ -275,43 +274,15 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
         kwargs["device_map"] = "cpu" if experts_in_4_bits else {"": gpu}
     elif args.quantization == "nf4":
         kwargs["device_map"] = "cpu"
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    except pickle.UnpicklingError:
-        raise ModelError(
-            f"--model {args.name}: a weights file ({', '.join(pickled_weights(path)) or '*.bin'}) holds a "
-            f"pickle that is not plain tensors, so it was not loaded (it could run code). Use the model's "
-            f"*.safetensors files, or convert a copy you trust to safetensors."
-        ) from None
-    except (OSError, ValueError) as exc:
-        if "trust_remote_code" in str(exc):
-            raise ModelError(
-                f"--model {args.name}: needs its own Python code; pass --trust-remote-code if you trust it."
-            ) from None
-        raise _hub_error(args.name, exc) from None
-    except (EOFError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as exc:
-        if not Path(path).is_dir():
-            raise
-        raise ModelError(
-            f"--model {args.name}: its files do not load as a model ({type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200] if str(exc) else 'no detail'}); a file is cut short or its "
-            f"config.json does not match its weights. Copy or download the model again."
-        ) from None
+    model = _from_pretrained(args.name, path, kwargs)
     if experts_in_4_bits:
-        from .moe import quantize_experts
-
-        quantize_experts(model, gpu if not options.sharded else None)
-        if gpu and not options.sharded:
-            model.to(gpu)  # type: ignore[arg-type]  # a device, as nn.Module.to takes
+        _experts_in_4_bits(model, None if options.sharded else gpu)
     if packed:
         from .attention import skip_masks_of_packed_rows
 
         skip_masks_of_packed_rows(model)
     if options.for_training and hasattr(model, "router_aux_loss_coef"):
-        # a mixture of experts: its load-balancing loss is computed (and logged), and weighed in
-        model.config.output_router_logits = True
-        model.config.router_aux_loss_coef = args.router_aux_loss_coef
-        model.router_aux_loss_coef = args.router_aux_loss_coef  # type: ignore[assignment]  # read by its forward
+        _weigh_load_balancing(model, args.router_aux_loss_coef)
     if options.for_training:
         from .linear_attention import keep_samples_apart
 
@@ -319,6 +290,53 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
         keep_samples_apart(model)  # packed rows restart linear attention's state at each sample
         apply_kernels(model, args.kernels, options.fused_loss, args.native_rms_norm)
     return model
+
+
+def _from_pretrained(name: str, path: str, kwargs: dict):
+    """from_pretrained, with what a user can hand in (a pickle, a folder that does not load, a hub
+    id that is not there) said in one line."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except pickle.UnpicklingError:
+        raise ModelError(
+            f"--model {name}: a weights file ({', '.join(pickled_weights(path)) or '*.bin'}) holds a "
+            f"pickle that is not plain tensors, so it was not loaded (it could run code). Use the model's "
+            f"*.safetensors files, or convert a copy you trust to safetensors."
+        ) from None
+    except (OSError, ValueError) as exc:
+        if "trust_remote_code" in str(exc):
+            raise ModelError(
+                f"--model {name}: needs its own Python code; pass --trust-remote-code if you trust it."
+            ) from None
+        raise _hub_error(name, exc) from None
+    except (EOFError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as exc:
+        if not Path(path).is_dir():
+            raise
+        raise ModelError(
+            f"--model {name}: its files do not load as a model ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200] if str(exc) else 'no detail'}); a file is cut short or its "
+            f"config.json does not match its weights. Copy or download the model again."
+        ) from None
+
+
+def _experts_in_4_bits(model, gpu: str | None) -> None:
+    """QLoRA of a mixture of experts loaded into CPU memory: its experts go to the GPU in 4 bits,
+    a tensor at a time (models/moe.py), then the rest of the model."""
+    from .moe import quantize_experts
+
+    quantize_experts(model, gpu)
+    if gpu:
+        model.to(gpu)
+
+
+def _weigh_load_balancing(model, weight: float) -> None:
+    """A mixture of experts computes its routers' load-balancing loss (logged as aux_loss) and
+    adds it to the loss with `weight` (model.router_aux_loss_coef)."""
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = weight
+    model.router_aux_loss_coef = weight  # read by the model's forward
 
 
 def nf4_config(precision: Precision):

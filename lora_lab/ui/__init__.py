@@ -60,7 +60,7 @@ def launch_ui(
 
     from starlette.middleware import Middleware
 
-    from .guard import MAX_UPLOAD, HostGuard, TokenCheck, TokenLink, login_link, page_address, served_names
+    from .guard import MAX_UPLOAD, HostGuard, TokenCheck, TokenLink, served_names
 
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
     token, new = page_token(host, token, token_file, no_token)
@@ -100,11 +100,17 @@ def launch_ui(
         ssr_mode=False,
         prevent_thread_lock=True,
     )
-    if token is None:
-        log.info(f"Open {page_address(host, blocks.server_port)}: no token asked (--no-token).")
-    elif new:
-        link = login_link(host, blocks.server_port, token)
-        log.info(f"Open the page, logged in, with this link (its token is new and printed only here):\n  {link}")
-    else:
-        log.info(f"Open {page_address(host, blocks.server_port)} and log in with your token (any user name).")
+    log.info(opening_line(host, blocks.server_port, token, new))
     blocks.block_thread()
+
+
+def opening_line(host: str, port: int, token: str | None, new: bool) -> str:
+    """How to open the page: a new token's login link (printed only here), or the address."""
+    from .guard import login_link, page_address
+
+    if token is None:
+        return f"Open {page_address(host, port)}: no token asked (--no-token)."
+    if new:
+        link = login_link(host, port, token)
+        return f"Open the page, logged in, with this link (its token is new and printed only here):\n  {link}"
+    return f"Open {page_address(host, port)} and log in with your token (any user name)."

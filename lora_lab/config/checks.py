@@ -70,36 +70,44 @@ def tuner_problems(config: RunConfig) -> list[tuple[str, str]]:
                 )
             )
     if converts_initial_adapter(lora) and tuner in ("lora", "dora"):
-        if tuner == "dora":
-            problems.append(
-                (
-                    "lora.init",
-                    f"{lora.init} starts plain LoRA from the base "
-                    f"weight's decomposition; peft converts no DoRA "
-                    f"adapter back to the original base. Use --tuner lora, "
-                    f"or lora.init default or gaussian with dora.",
-                )
+        problems += _converted_init_problems(config)
+    return problems
+
+
+def _converted_init_problems(config: RunConfig) -> list[tuple[str, str]]:
+    """lora.init pissa / olora: the adapter starts from the base weight's decomposition."""
+    lora, train, tuner = config.lora, config.train, config.train.tuner
+    problems = []
+    if tuner == "dora":
+        problems.append(
+            (
+                "lora.init",
+                f"{lora.init} starts plain LoRA from the base "
+                f"weight's decomposition; peft converts no DoRA "
+                f"adapter back to the original base. Use --tuner lora, "
+                f"or lora.init default or gaussian with dora.",
             )
-        if config.model.quantization != "none":
-            problems.append(
-                (
-                    "lora.init",
-                    f"{lora.init} rewrites the base weights as the "
-                    f"residual of their decomposition, which 4-bit "
-                    f"weights cannot hold exactly. Drop --quantization "
-                    f"nf4, or use lora.init default (QLoRA).",
-                )
+        )
+    if config.model.quantization != "none":
+        problems.append(
+            (
+                "lora.init",
+                f"{lora.init} rewrites the base weights as the "
+                f"residual of their decomposition, which 4-bit "
+                f"weights cannot hold exactly. Drop --quantization "
+                f"nf4, or use lora.init default (QLoRA).",
             )
-        if train.engine.startswith("deepspeed-zero3"):
-            problems.append(
-                (
-                    "lora.init",
-                    f"{lora.init} decomposes each whole base weight when "
-                    f"the adapter is made; {train.engine} has split them "
-                    f"over the GPUs by then. Use --engine "
-                    f"deepspeed-zero2, fsdp or ddp.",
-                )
+        )
+    if train.engine.startswith("deepspeed-zero3"):
+        problems.append(
+            (
+                "lora.init",
+                f"{lora.init} decomposes each whole base weight when "
+                f"the adapter is made; {train.engine} has split them "
+                f"over the GPUs by then. Use --engine "
+                f"deepspeed-zero2, fsdp or ddp.",
             )
+        )
     return problems
 
 
@@ -117,12 +125,32 @@ def identity_problem(specs: list, model_name: str | None, model_author: str | No
 
 
 def config_problems(config: RunConfig, need_data: bool = True, training: bool = True) -> list[tuple[str, str]]:
+    """Every problem of a resolved config, as (key, message): the fields' own bounds, then the
+    data, full fine-tuning, tuner, memory-means, step, tracker, task and node rules."""
     problems = []
     identity = identity_problem(
         config.data.datasets + config.data.val_data, config.data.model_name, config.data.model_author
     )
     if training and identity:
         problems.append(("data.datasets", identity))
+    problems += _field_problems(config)
+    problems += _data_problems(config, need_data)
+    problems += _full_finetuning_problems(config)
+    problems += tuner_problems(config)
+    problems += _memory_means_problems(config)
+    if config.train.max_steps == 0 or config.train.max_steps < -1:
+        problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
+    problem = report_to_problem(config.train.report_to, check_installed=training)
+    if problem:
+        problems.append(("train.report_to", problem))
+    problems += _task_problems(config.train, config.data)
+    problems += _node_problems(config.train, launching=need_data and training)
+    return problems
+
+
+def _field_problems(config: RunConfig) -> list[tuple[str, str]]:
+    """Each field against its own choices and bounds (the dataclasses' metadata)."""
+    problems = []
     for section, cls in SECTIONS.items():
         for spec in dataclasses.fields(cls):
             key, value = f"{section}.{spec.name}", getattr(getattr(config, section), spec.name)
@@ -144,6 +172,11 @@ def config_problems(config: RunConfig, need_data: bool = True, training: bool = 
     name = config.train.run_name
     if name is not None and (name in ("", ".", "..") or "/" in name or "\\" in name):
         problems.append(("train.run_name", f"must be one folder name inside --output-dir (no / or ..); got {name!r}."))
+    return problems
+
+
+def _data_problems(config: RunConfig, need_data: bool) -> list[tuple[str, str]]:
+    problems = []
     if config.data.val_ratio >= 1:
         problems.append(("data.val_ratio", f"must be below 1; got {config.data.val_ratio}."))
     if config.data.val_ratio and config.data.val_data:
@@ -152,6 +185,11 @@ def config_problems(config: RunConfig, need_data: bool = True, training: bool = 
         problems.append(
             ("data.datasets", "no training data. Pass --data FILE (or --data self-cognition for the bundled set).")
         )
+    return problems
+
+
+def _full_finetuning_problems(config: RunConfig) -> list[tuple[str, str]]:
+    problems = []
     if config.train.tuner == "full" and config.model.quantization != "none":
         problems.append(
             (
@@ -170,7 +208,12 @@ def config_problems(config: RunConfig, need_data: bool = True, training: bool = 
                 "diverge. Use --dtype bf16 (a GPU with bf16) or fp32.",
             )
         )
-    problems += tuner_problems(config)
+    return problems
+
+
+def _memory_means_problems(config: RunConfig) -> list[tuple[str, str]]:
+    """The memory means that serve LoRA in one process with gradient checkpointing."""
+    problems = []
     single = world_size_of(config.train) == 1 and config.train.engine == "ddp" and trains_adapter(config.train)
     for key, value in (
         ("model.embedding_on_cpu", config.model.embedding_on_cpu),
@@ -198,13 +241,6 @@ def config_problems(config: RunConfig, need_data: bool = True, training: bool = 
         problems.append(
             ("train.uncheckpointed_layers", f"the model has {layers} decoder layers: use at most {layers}, or auto.")
         )
-    if config.train.max_steps == 0 or config.train.max_steps < -1:
-        problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))
-    problem = report_to_problem(config.train.report_to, check_installed=training)
-    if problem:
-        problems.append(("train.report_to", problem))
-    problems += _task_problems(config.train, config.data)
-    problems += _node_problems(config.train, launching=need_data and training)
     return problems
 
 

@@ -46,9 +46,7 @@ class ModelArgs:
     )
     router_aux_loss_coef: float = _f(
         0.0,
-        "Mixture of experts: the weight of the router's load-balancing loss in the training loss. "
-        "0 computes and logs it (aux_loss) without training on it; the model's config.json names the "
-        "weight it was trained with (e.g. 0.001).",
+        "Mixture of experts: the weight of the routers' load-balancing loss (aux_loss, logged) in the loss.",
         minimum=0,
     )
     kernels: str = _f(

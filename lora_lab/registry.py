@@ -339,10 +339,11 @@ def model_config_of(spec: str) -> dict | None:
     return config
 
 
-SIZE_CLASS_BILLIONS = (("0.5b", 1.0), ("1.5b", 2.5), ("3b", 5.0), ("7b", float("inf")))
+SIZE_CLASS_BILLIONS = (("0.5b", 1.0), ("1.5b", 2.5), ("3b", 5.0), ("7b", 12.0), ("large", float("inf")))
 """A preset's `sizes` block for a model that is not a Qwen2.5 size: the first class whose bound
 (billions of parameters) the model stays under (Qwen3-8B and Llama-3.1-8B take 7b's, Phi-4-mini
-and Gemma-3-4B 3b's)."""
+and Gemma-3-4B 3b's; the mixtures of experts and Gemma 4 26B and 31B take large's: QLoRA on
+every card)."""
 
 
 def size_class(spec: str) -> tuple[str | None, str]:

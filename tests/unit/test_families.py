@@ -279,3 +279,20 @@ def test_the_planner_counts_gemma_4_as_transformers_builds_it(alias):
     ]
     assert shape.linear_params - shape.layers * shape.layer_experts == sum(m.weight.numel() for m in decoder)
     assert shape.lora_params_per_rank == sum(m.in_features + m.out_features for m in decoder)
+
+
+@pytest.mark.parametrize(
+    "model", ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b", "gemma-4-26b-a4b", "gemma-4-31b"]
+)
+def test_models_over_12b_take_qlora_on_every_card_and_the_24gb_plan_fits(model):
+    """The large size class: QLoRA on every tier (16 bits of 20B and more fits no consumer card);
+    the 24gb preset's plan fits its card (planned, not measured)."""
+    from lora_lab.config import resolve_config
+    from lora_lab.registry import size_class
+
+    assert size_class(model)[0] == "large"
+    for tier in ("24gb", "16gb", "12gb", "8gb"):
+        config = resolve_config(tier, flags={"model.name": model, "data.datasets": ["x"]})
+        assert config.model.quantization == "nf4" and "sizes.large" in config.sources["model.quantization"]
+    config = resolve_config("24gb", flags={"model.name": model, "data.datasets": ["x"]})
+    assert plan_memory(config, gpu_memory_gib=24).fits

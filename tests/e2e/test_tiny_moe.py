@@ -169,3 +169,21 @@ def test_the_load_balancing_loss_weighs_in_with_its_setting(moe_run):
     (plain, aux), (weighed, same_aux) = losses
     assert aux == pytest.approx(same_aux) and aux > 0
     assert weighed == pytest.approx(plain + 0.25 * aux, rel=1e-5)
+
+
+def test_a_qwen3_moe_run_exports_to_gguf_and_every_copy_answers_as_it(moe_run):
+    """llama.cpp's converter takes Qwen3-MoE's experts: the f16 GGUF of the QLoRA run and its fp32
+    merge pass `lora-lab check` (same template, answers, stops and next tokens)."""
+    name, _, run_dir, _ = moe_run
+    if name != "qwen3-30b-a3b":
+        pytest.skip("the GGUF copy is checked on Qwen3-MoE (gpt-oss: docs/families.md)")
+    for args in (["merge", run_dir, "--dtype", "fp32"], ["export", run_dir, "--format", "gguf"]):
+        result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["check", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((run_dir / "parity_report.json").read_text())
+    assert [(f["form"], f["passed"], f["answers_equal"]) for f in report["forms"]] == [
+        ("merged", True, 3),
+        ("gguf-f16", True, 3),
+    ]

@@ -138,6 +138,17 @@ def test_presets_choose_by_the_models_parameter_count(model, size, tier_16gb):
     assert eight.model.quantization == ("nf4" if size in ("3b", "7b") else "none")
 
 
+def meta_model(config: dict):
+    """transformers' model of a shipped config.json on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    skip = ("model_type", "quantization_config")
+    values = {k: v for k, v in config.items() if not k.startswith("_") and k not in skip}
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
+
+
 NEW_FAMILIES = ["qwen3.5-0.8b", "qwen3.5-4b", "qwen3.5-9b", "smollm3-3b"]
 
 
@@ -146,12 +157,9 @@ def test_the_planner_counts_every_parameter_transformers_builds(alias):
     """The shape from the shipped config.json equals transformers' own model of it (on the meta
     device: no memory), parameter for parameter; the planner's LoRA count equals peft's at r=1."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = model_config_of(alias)
-    values = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
+    model = meta_model(config)
     shape = ModelShape.from_config(config)
     assert shape.params == sum(p.numel() for p in model.parameters())
     linears = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
@@ -228,16 +236,11 @@ def test_the_planner_counts_a_mixture_of_experts_as_transformers_builds_it(alias
     the 4-bit weights of a QLoRA plan; LoRA's count that of peft at r=1 on every linear layer but
     the routers."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from lora_lab.models.lora import ROUTERS
 
     config = model_config_of(alias)
-    values = {
-        k: v for k, v in config.items() if not k.startswith("_") and k not in ("model_type", "quantization_config")
-    }
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
+    model = meta_model(config)
     shape = ModelShape.from_config(config)
     built = sum(p.numel() for p in model.parameters())
     assert abs(shape.params - built) / built < 1e-5
@@ -264,12 +267,9 @@ def test_the_planner_counts_gemma_4_as_transformers_builds_it(alias):
     k = v attention, experts beside the dense MLP; the decoder's linear layers exactly (the
     routers' and the per-layer input table's projection aside)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = model_config_of(alias)
-    values = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
+    model = meta_model(config)
     shape = ModelShape.from_config(config)
     assert shape.params == sum(p.numel() for p in model.parameters())
     decoder = [

@@ -143,6 +143,7 @@ def test_the_installed_wheel_runs_from_any_folder(venv, tiny_model_dir, tmp_path
 NOT_RUN_HERE = {
     ("run",): "needs a GPU and the hub for qwen2.5-7b: a tiny model on the cpu preset runs in its place",
     ("export",): "needs its extra (llm-compressor, llama.cpp): tests/e2e/test_export_tiny.py, test_gguf_tiny.py",
+    ("serve",): "a server that runs until it is stopped: tests/e2e/test_serve_api.py serves the same API",
 }
 PARSE = """
 import sys, json

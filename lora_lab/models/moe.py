@@ -42,10 +42,6 @@ def _is_quantized(module) -> bool:
     return all(key + PACKED_SUFFIX in module._buffers for key in EXPERT_WEIGHTS)
 
 
-def is_mixture_of_experts(model) -> bool:
-    return bool(expert_modules(model))
-
-
 _DEQUANTIZING: dict[type, type] = {}
 
 

@@ -164,6 +164,11 @@ VLLM_UNSERVED_ADAPTERS = {
 (adapter/ of a lora.init pissa or olora run) load as LoRA."""
 
 
+def vllm_lora_rank(rank: int) -> int | None:
+    """The smallest --max-lora-rank vLLM offers that holds `rank` (None: above its largest)."""
+    return next((r for r in VLLM_MAX_LORA_RANKS if r >= rank), None)
+
+
 def _model_type(result) -> str | None:
     """The merged model's model_type: its folder's config.json, else the base model's."""
     import json
@@ -180,7 +185,7 @@ def vllm_commands(result, name: str = "finetuned") -> dict:
     kind = result.adapter_kind
     if kind in VLLM_UNSERVED_ADAPTERS:
         return {"commands": commands, "warnings": [VLLM_UNSERVED_ADAPTERS[kind]]}
-    rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= result.lora_rank), None)
+    rank = vllm_lora_rank(result.lora_rank)
     warnings = []
     if rank is None:
         warnings.append(

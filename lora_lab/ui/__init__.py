@@ -24,9 +24,9 @@ def page_token(host: str, token: str | None, token_file: str | None, no_token: b
     """The token the page asks for, and whether it is new (then `lora-lab ui` prints its link):
     --token-file, $LORA_LAB_UI_TOKEN or --token, else a new one; none only with --no-token on
     a loopback address."""
-    from .guard import read_token
+    from .guard import TOKEN_ENV, read_token
 
-    if token and not token_file and not os.environ.get("LORA_LAB_UI_TOKEN"):
+    if token and not token_file and not os.environ.get(TOKEN_ENV):
         log.warning("--token is deprecated: every user sees it in `ps`; use $LORA_LAB_UI_TOKEN or --token-file.")
     given = read_token(token, token_file)
     if no_token:

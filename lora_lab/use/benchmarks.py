@@ -97,6 +97,7 @@ def benchmark_run(path: str | Path, settings: BenchmarkSettings, output: str | P
     target = Path(output) if output else RunFolder(run_dir).benchmark_report
     target.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     report["report_path"] = str(target)
+    report["lines"] = [s.line() for s in scores]
     return report
 
 
@@ -174,5 +175,4 @@ def _number(value) -> float | None:
 
 def report_lines(report: dict) -> list[str]:
     head = f"{'task':<24} {'metric':<12} {'base':>8}{'':<8} {'tuned':>8}{'':<8} {'change':>8}"
-    rows = [Score(**{k: v for k, v in s.items() if k != "change"}).line() for s in report["scores"]]
-    return [head, *rows, f"report: {report['report_path']}"]
+    return [head, *report["lines"], f"report: {report['report_path']}"]

@@ -10,8 +10,8 @@ form's own chat template (which must give the trained model's ids), and is asked
   is the trained model's (top-1 agreement) and the mean |difference| of the answer tokens'
   log-probabilities.
 An exact form (merged in fp32) must give every answer; a 16-bit form must agree at
-MIN_16BIT_TOP1 of the answer tokens, a 4-bit one at MIN_4BIT_TOP1; every form must render the
-template and stop as the trained model does.
+MIN_16BIT_TOP1 of the answer tokens, a quantized one (the 4-bit exports, GGUF files below 16 bits)
+at MIN_QUANTIZED_TOP1; every form must render the template and stop as the trained model does.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .gguf_export import GGUF_NAME
 log = get_logger()
 
 MIN_16BIT_TOP1 = 0.95
-MIN_4BIT_TOP1 = 0.80
+MIN_QUANTIZED_TOP1 = 0.80
 MAX_EXACT_LOGPROB_DIFF = 1e-3
 ANSWER_TOKENS = 32
 
@@ -81,8 +81,8 @@ def forms_of(run_dir: Path) -> list[tuple[str, Path]]:
 
 
 def check_run(path: str | Path, prompts: list[str] | None = None) -> dict:
-    """Every form of the run against its trained model; parity_report.json in the run folder.
-    Raises LoraLabError naming the forms that fail (after writing the report)."""
+    """Every form of the run against its trained model: the report, also written to the run
+    folder's parity_report.json (each form's `passed` says whether it holds)."""
     from .checks import CHECK_PROMPTS
     from .infer import load_adapter_model
 
@@ -133,8 +133,8 @@ def trained_reference(model, tokenizer, questions: list[str]) -> Reference:
 def check_form(name: str, form: Path, tokenizer, questions: list, reference: Reference, exact: bool) -> FormCheck:
     """One form against the trained model (module docstring)."""
     gguf = form.suffix == ".gguf"
-    four_bit = name.split("-")[-1] in ("nf4", "w4a16", "awq") or (gguf and not name.endswith(("f16", "bf16", "f32")))
-    rule = "exact" if exact else "4-bit" if four_bit else "16-bit"
+    quantized = name.split("-")[-1] in ("nf4", "w4a16", "awq") or (gguf and not name.endswith(("f16", "bf16", "f32")))
+    rule = "exact" if exact else "quantized" if quantized else "16-bit"
     with quiet_library_progress():
         side = _GgufSide(form, tokenizer) if gguf else _TransformersSide(form)
     template_ok = side.renders(questions, reference.prompt_ids)
@@ -159,7 +159,7 @@ def check_form(name: str, form: Path, tokenizer, questions: list, reference: Ref
         problems.append("it does not stop where the trained model stops (end-of-turn tokens)")
     if exact and (equal < len(questions) or mean_diff > MAX_EXACT_LOGPROB_DIFF):
         problems.append(f"an fp32 merge must answer exactly (mean |d log p| <= {MAX_EXACT_LOGPROB_DIFF:g})")
-    minimum = MIN_4BIT_TOP1 if four_bit else MIN_16BIT_TOP1
+    minimum = MIN_QUANTIZED_TOP1 if quantized else MIN_16BIT_TOP1
     if top1_share < minimum:
         problems.append(f"top-1 agreement {top1_share:.3f} < {minimum} ({rule} rule)")
     return FormCheck(
@@ -218,17 +218,16 @@ class _TransformersSide:
 
     def __init__(self, folder: Path):
         from .infer import load_plain_model
+        from .serve import _stop_ids
 
         self.model, self.tokenizer = load_plain_model(str(folder))
+        self.stop_ids = _stop_ids(self.tokenizer, self.model)  # the form's own end-of-turn tokens
 
     def renders(self, questions: list[str], expected: list) -> bool:
         return [_prompt_ids(self.tokenizer, q) for q in questions] == expected
 
     def greedy(self, ids: list[int], stops: list[int]) -> list[int]:
-        from .serve import _stop_ids
-
-        own = _stop_ids(self.tokenizer, self.model)  # the form's own end-of-turn tokens
-        return _greedy(self.model, ids, own or stops)
+        return _greedy(self.model, ids, self.stop_ids or stops)
 
     def follow(self, ids: list[int], answer: list[int]) -> tuple[list[bool], list[float]]:
         return _follow_logits(_logits(self.model, ids + answer), ids, answer)

@@ -209,24 +209,21 @@ def _first_stop(text: str, stops: list[str]) -> int | None:
 
 
 class _Stopper:
-    """Ends generation of a row on its stop strings, or of every row when the client went away
-    (a transformers StoppingCriteria; built lazily so this module imports without torch).
-    `stops`: one list of stop strings, or one per row of a batch."""
+    """Ends generation of a row on its stop strings (`stops`: a list of them per row), or of every
+    row when the client went away (a transformers StoppingCriteria; built lazily so this module
+    imports without torch)."""
 
-    def __new__(cls, tokenizer, prompt_length: int, stops: list, cancel: threading.Event):
+    def __new__(cls, tokenizer, prompt_length: int, stops: list[list[str]], cancel: threading.Event):
         import torch
         from transformers import StoppingCriteria
-
-        def row_stops(row: int) -> list[str]:
-            return stops[row] if stops and isinstance(stops[0], list) else stops
 
         class Stopper(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):
                 done = [cancel.is_set()] * input_ids.shape[0]
                 for row in range(input_ids.shape[0]):
-                    if row_stops(row) and not done[row]:
+                    if stops[row] and not done[row]:
                         text = tokenizer.decode(input_ids[row, prompt_length:], skip_special_tokens=True)
-                        done[row] = _first_stop(text, row_stops(row)) is not None
+                        done[row] = _first_stop(text, stops[row]) is not None
                 return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
         return Stopper()
@@ -323,8 +320,7 @@ def _finished(entry: Served, new: list[int], prompt_tokens: int, sampling: Sampl
     """A row's Generation: its new tokens up to its own end (an end-of-turn token, a stop string
     or its max_tokens: a batch generates as far as its longest request)."""
     ends = [i for i, token in enumerate(new) if token in entry.stop_ids]
-    new = new[: ends[0] + 1] if ends else new[: sampling.max_tokens]
-    new = new[: sampling.max_tokens]
+    new = new[: min(ends[0] + 1, sampling.max_tokens) if ends else sampling.max_tokens]
     text = entry.tokenizer.decode(new, skip_special_tokens=True)
     cut = _first_stop(text, sampling.stop)
     ended = bool(new) and new[-1] in entry.stop_ids
@@ -346,7 +342,7 @@ def _generate_alone(
 
     model, cancel = served.model, cancel or threading.Event()
     input_ids = torch.tensor([prompt_ids], device=model.device)
-    stopper = _Stopper(entry.tokenizer, len(prompt_ids), sampling.stop, cancel)
+    stopper = _Stopper(entry.tokenizer, len(prompt_ids), [sampling.stop], cancel)
     with served.lock:
         if entry.adapter is not None:
             model.set_adapter(entry.adapter)

@@ -14,7 +14,7 @@ import shutil
 from ..architecture import parameter_count
 from ..errors import LoraLabError
 from ..log import get_logger
-from ..planning.serving import VLLM_MAX_LORA_RANKS, VLLM_UNSERVED_ADAPTERS, plan_vllm_serving
+from ..planning.serving import VLLM_MAX_LORA_RANKS, VLLM_UNSERVED_ADAPTERS, plan_vllm_serving, vllm_lora_rank
 from ..registry import model_config_of
 from ..run_folder import ADAPTER_CONFIG
 from .merge import adapter_kind_of
@@ -34,7 +34,7 @@ def vllm_argv(specs: list[str], base: str | None, host: str, port: int, gpu: str
         if kind in VLLM_UNSERVED_ADAPTERS:
             raise LoraLabError(f"--engine vllm: {name} ({adapter_dir}): {VLLM_UNSERVED_ADAPTERS[kind]}")
         ranks.append(int(config.get("r") or 0))
-    rank = next((r for r in VLLM_MAX_LORA_RANKS if r >= max(ranks)), None)
+    rank = vllm_lora_rank(max(ranks))
     if rank is None:
         raise LoraLabError(
             f"--engine vllm: LoRA rank {max(ranks)} is above vLLM's largest --max-lora-rank "

@@ -63,19 +63,25 @@ def build_tiny_moe(folder, config_name: str):
     return folder
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
-def moe_run(request, tmp_path_factory):
-    """(config name, model folder, run folder, output) after 4 QLoRA steps."""
-    name = request.param
-    out = tmp_path_factory.mktemp(name)
+def train_tiny_moe(out, name: str, preset: str = "cpu", repeats: int = 4):
+    """A tiny `name` model in out/model, then 4 QLoRA steps of `lora-lab run --preset PRESET`:
+    (model folder, run folder, what the run printed)."""
     model_dir = build_tiny_moe(out / "model", name)
     data = write_jsonl(out / "rows.jsonl", ROWS)
-    args = ["run", "--preset", "cpu", "--model", model_dir, "--data", f"{data}#4", "--max-steps", 4]
+    args = ["run", "--preset", preset, "--model", model_dir, "--data", f"{data}#{repeats}", "--max-steps", 4]
     args += ["--lr", "1e-2", "--lora-rank", 4, "--max-length", 64, "--quantization", "nf4"]
     args += ["--output-dir", out, "--run-name", "r", "--seed", 3]
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    return name, model_dir, out / "r", result.output
+    return model_dir, out / "r", result.output
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def moe_run(request, tmp_path_factory):
+    """(config name, model folder, run folder, output) after 4 QLoRA steps."""
+    name = request.param
+    model_dir, run_dir, output = train_tiny_moe(tmp_path_factory.mktemp(name), name)
+    return name, model_dir, run_dir, output
 
 
 def test_qlora_trains_the_attention_of_a_moe_with_its_experts_in_4_bits(moe_run):

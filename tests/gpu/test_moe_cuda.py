@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -32,18 +31,10 @@ def test_4_bit_experts_compute_their_values_on_cuda(model_type):
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b"])
 def test_lora_lab_run_trains_a_moe_qlora_on_the_gpu(name, tmp_path):
-    from lora_lab.cli import main
-    from tests.e2e.test_tiny_moe import ROWS, build_tiny_moe
-    from tests.support.tiny import write_jsonl
+    from tests.e2e.test_tiny_moe import train_tiny_moe
 
-    model_dir = build_tiny_moe(tmp_path / "model", name)
-    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
-    args = ["run", "--preset", "24gb", "--model", model_dir, "--data", f"{data}#16", "--max-steps", 4]
-    args += ["--lr", "1e-2", "--lora-rank", 4, "--max-length", 64, "--quantization", "nf4"]
-    args += ["--output-dir", tmp_path, "--run-name", "r", "--seed", 3]
-    result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    print(result.output[-3000:])
+    model_dir, _, output = train_tiny_moe(tmp_path, name, preset="24gb", repeats=16)
+    print(output[-3000:])
     lines = (tmp_path / "r" / "logs" / "train_log.jsonl").read_text().splitlines()
     losses = [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
     assert losses and all(loss == loss and loss < 20 for loss in losses), losses

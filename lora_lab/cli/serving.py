@@ -182,6 +182,8 @@ def evaluate(path, datasets, samples, tasks, include_path, limit, num_fewshot, c
         from ..use.benchmarks import BenchmarkSettings, benchmark_run, report_lines
 
         names = tuple(t.strip() for t in tasks.split(",") if t.strip())
+        if not names:
+            raise click.UsageError(f"--tasks {tasks!r}: name at least one lm-eval task (e.g. --tasks arc_easy).")
         settings = BenchmarkSettings(names, include_path, limit, num_fewshot, chat_template)
         report = benchmark_run(path, settings, output if not datasets else None)
         click.echo("\n".join(report_lines(report)))

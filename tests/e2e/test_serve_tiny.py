@@ -237,6 +237,8 @@ def test_eval_tasks_scores_the_base_and_the_fine_tune_with_lm_eval(trained, tmp_
 def test_eval_tasks_refuses_an_unknown_task_in_one_line(trained):
     pytest.importorskip("lm_eval", reason="--tasks needs lora-lab[eval] (lm-eval)")
     run_dir, _ = trained
+    empty = CliRunner().invoke(main, ["eval", str(run_dir), "--tasks", " , "])
+    assert empty.exit_code == 2 and "--tasks ' , ': name at least one lm-eval task" in empty.output
     result = CliRunner().invoke(main, ["eval", str(run_dir), "--tasks", "hellaswagg"])
     assert result.exit_code == 2
     assert result.output.startswith("error: --tasks hellaswagg: not a task lm-eval knows. Close names: hellaswag")

@@ -100,6 +100,10 @@ class Family:
     """The attention implementation the family needs on a GPU where sdpa cannot run it (gpt-oss:
     flex_attention, which has its attention sinks where sdpa has none; eager on the CPU, where
     flex_attention has no sinks); None: sdpa."""
+    masks_without_positions: bool = False
+    """The family's decoder builds its attention masks without the position ids, so a packed row
+    attended by its own attention would attend across samples (gpt-oss): lora-lab builds them
+    (models/attention.masks_from_positions)."""
 
 
 _LINEAR7 = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
@@ -139,7 +143,9 @@ FAMILIES = {
     "qwen3_moe": Family("Qwen3-MoE (Qwen3-30B-A3B)", "apply_liger_kernel_to_qwen3_moe"),
     "qwen3_5_moe_text": _QWEN3_5_MOE,
     "qwen3_5_moe": _QWEN3_5_MOE,
-    "gpt_oss": Family("gpt-oss", "apply_liger_kernel_to_gpt_oss", attention="flex_attention"),
+    "gpt_oss": Family(
+        "gpt-oss", "apply_liger_kernel_to_gpt_oss", attention="flex_attention", masks_without_positions=True
+    ),
     # Gemma 4: its text model, and the vision-language checkpoint around it
     "gemma4_text": _GEMMA4,
     "gemma4": _GEMMA4,

@@ -179,12 +179,11 @@ class DataArgs:
     )
     packed_attention: str = _f(
         "auto",
-        "How a packed row's samples are kept apart: mask (one "
-        "sdpa call with a block-diagonal mask), segments (one "
-        "causal sdpa call per sample), varlen (one "
-        "flash-attention call over the row from the samples' "
-        "lengths; CUDA, PyTorch >= 2.10) or auto: varlen where "
-        "it runs, else mask (docs/training.md, Packing).",
+        "How a packed row's samples are kept apart: mask (one sdpa call with a block-diagonal mask), "
+        "segments (one causal sdpa call per sample), varlen (one flash-attention call over the row from "
+        "the samples' lengths; CUDA, PyTorch >= 2.10) or auto: varlen where it runs, else mask "
+        "(docs/training.md, Packing). Another attention than sdpa reads masks built from the restarting "
+        "position ids.",
         choices=("auto", "mask", "segments", "varlen"),
     )
     pack_length: int = _f(

@@ -46,8 +46,10 @@ class PadCollator:
 
 class PackedCollator:
     """One packed row per micro-batch: position ids restart at every sample and a block-diagonal
-    causal mask keeps each sample's attention inside the sample (attention "segments" or
-    "varlen": the sample lengths and their cumulative sums instead, for models/attention.py)."""
+    causal mask keeps each sample's attention inside the sample (attention "mask", for sdpa;
+    "segments" or "varlen": the sample lengths and their cumulative sums instead, for
+    models/attention.py; "positions", for the model's own attention implementation: the position
+    ids alone, from which transformers builds each layer's mask in the form its attention reads)."""
 
     def __init__(self, pad_token_id: int, attention: str = "mask"):
         self.pad_token_id, self.attention = pad_token_id, attention
@@ -69,7 +71,7 @@ class PackedCollator:
             "labels": torch.tensor([labels]),
             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
         }
-        if len(lengths) == 1:  # one sample: plain causal attention (flash kernels), no mask
+        if len(lengths) == 1 or self.attention == "positions":  # one sample: plain causal attention
             return batch
         if self.attention in ("segments", "varlen"):
             ends = torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)

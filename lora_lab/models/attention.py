@@ -268,3 +268,28 @@ def skip_masks_of_packed_rows(model) -> None:
 
     decoder.register_forward_pre_hook(before, with_kwargs=True)
     decoder.register_forward_hook(after, with_kwargs=True, always_call=True)
+
+
+def masks_from_positions(model) -> None:
+    """Packed rows attended by the model's own attention (data.packed_attention settled to
+    positions) in a family whose decoder builds its masks without the position ids (gpt-oss,
+    registry.Family.masks_without_positions): its decoder is handed the masks transformers' own
+    mask functions build from the position ids that restart at each sample, one per layer type
+    (full, and sliding window), so no sample attends to another. Other decoders build them so
+    themselves."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    decoder = model.get_decoder()
+
+    def before(module, args, kwargs):
+        positions, ids = kwargs.get("position_ids"), kwargs.get("input_ids")
+        cached = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+        if kwargs.get("attention_mask") is not None or positions is None or ids is None or cached:
+            return None
+        shape = torch.empty((*ids.shape, 1), dtype=module.dtype, device=ids.device)  # shape, dtype only
+        layer_types = set(getattr(module.config, "layer_types", None) or ["full_attention"])
+        masks = {kind: makers[kind](module.config, shape, None, None, positions) for kind in layer_types}
+        return args, {**kwargs, "attention_mask": masks}
+
+    decoder.register_forward_pre_hook(before, with_kwargs=True)

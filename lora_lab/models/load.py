@@ -281,6 +281,10 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
         from .attention import skip_masks_of_packed_rows
 
         skip_masks_of_packed_rows(model)
+    elif options.packed_attention == "positions" and family_of(model_config.get("model_type")).masks_without_positions:
+        from .attention import masks_from_positions
+
+        masks_from_positions(model)
     if options.for_training and hasattr(model, "router_aux_loss_coef"):
         _weigh_load_balancing(model, args.router_aux_loss_coef)
     if options.for_training:

@@ -412,7 +412,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         )
     if config.train.task in REFERENCE_TASKS:
         parts["reference forward, no gradients (counted)"] = _reference_bytes(shape, tokens) / GIB
-    if config.data.packing and config.data.packed_attention in ("mask", "auto"):
+    if config.data.packing and config.data.packed_attention in ("mask", "auto", "positions"):
         # segments and varlen attend from the samples' lengths: no [tokens x tokens] mask;
         # auto counts as mask unless resolved first (training/plan.settle_packed_attention: the plan
         # API resolves it as a CUDA GPU runs it)

@@ -199,9 +199,9 @@ def plan_run(
         model=model,
         precision=precision,
         kernels=settle_kernels(config.model.kernels, target),
-        packed_attention=settle_packed_attention(config.data.packed_attention, target)
-        if config.model.attn_implementation == "sdpa"
-        else "mask",
+        packed_attention=settle_packed_attention(
+            config.data.packed_attention, target, config.model.attn_implementation
+        ),
         fast_lora=resolve_fast_lora(config),
         sync_each_micro_batch=syncs_each_micro_batch(config.train),
         gpu_gib=target.gpu_gib if target.cuda else None,
@@ -333,8 +333,14 @@ def torch_has_varlen() -> bool:
     )
 
 
-def settle_packed_attention(kind: str, target: Target) -> str:
-    """data.packed_attention auto: varlen where the target's PyTorch runs it on CUDA, else mask."""
+def settle_packed_attention(kind: str, target: Target, attention: str = "sdpa") -> str:
+    """data.packed_attention auto: varlen where the target's PyTorch runs it on CUDA, else mask.
+    A model attending with another implementation than sdpa (eager, flex_attention, flash
+    attention: model.attn_implementation or its family's) takes `positions`: the position ids
+    restart at each sample and transformers builds each layer's mask from them in the form that
+    implementation reads (a [tokens x tokens] mask for eager)."""
+    if attention != "sdpa":
+        return "positions"
     if kind != "auto":
         return kind
     return "varlen" if target.cuda and target.varlen else "mask"

@@ -111,3 +111,29 @@ def test_a_config_json_says_how_many_experts():
     assert expert_count({"model_type": "gpt_oss", "num_local_experts": 32}) == 32
     assert expert_count({"model_type": "qwen3_5_moe", "text_config": {"num_experts": 256}}) == 256
     assert expert_count({"model_type": "qwen2", "hidden_size": 896}) == 0
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
+def test_a_packed_row_on_the_models_own_attention_gives_each_sample_its_logits_alone(model_type):
+    """Eager attention (gpt-oss's on the CPU) over a packed row: the collator's `positions` batch
+    (position ids only) gives each sample the logits it has alone, across gpt-oss's sliding
+    window too (its decoder builds no mask from the position ids: masks_from_positions does),
+    and the load-balancing loss counts every token of the row (no padding)."""
+    from lora_lab.data.collate import PackedCollator
+    from lora_lab.models.attention import masks_from_positions
+    from lora_lab.registry import family_of
+
+    model = tiny_moe(model_type).float()
+    model.config._attn_implementation = "eager"
+    model.config.output_router_logits, model.config.use_cache = True, False
+    if family_of(model_type).masks_without_positions:
+        masks_from_positions(model)
+    lengths = [5, 13, 11]  # over the sliding window of 8
+    samples = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    row = torch.cat(samples).tolist()
+    batch = PackedCollator(0, "positions")([{"input_ids": row, "labels": row, "lengths": lengths}])
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    out = model(**batch)
+    alone = torch.cat([model(input_ids=s[None]).logits[0] for s in samples])
+    torch.testing.assert_close(out.logits[0], alone, rtol=0, atol=1e-5)
+    assert out.aux_loss is not None and torch.isfinite(out.aux_loss)

@@ -255,6 +255,8 @@ def peer_cells(steps: int = 6) -> list:
                 {"kind": "lora-lab", "label": f"ll-{name}-{run}", "size": size, "steps": steps, "sets": FAST, **ours}
             )
             cells.append({"kind": "unsloth", "label": f"us-{name}-{run}", "size": size, "steps": steps, **theirs})
+            if name.startswith("qwen3.5"):  # the plain recipe (transformers' own Qwen3.5 layers)
+                cells.append({"kind": "baseline", "label": f"bl-{name}-{run}", "steps": steps, **theirs})
             if name in ("0.5b-4096", "1.5b-4096"):  # rows of 4096 tokens, as Unsloth's batches
                 for suffix, more in (("", []), ("-chunk", ["model.fast_lora_chunk_tokens=2048"])):
                     cells.append(

@@ -15,10 +15,9 @@ def run_options(func):
             func = click.option(flag, key.replace(".", "__"), default=None, help=help_text)(func)
         elif key in ("model.trust_remote_code", "train.allow_config_change"):
             func = click.option(flag, key.replace(".", "__"), is_flag=True, default=None, help=help_text)(func)
-        elif key in ("data.datasets", "data.val_data"):
-            func = click.option(
-                flag, key.replace(".", "__"), multiple=True, help=help_text + " Repeat to mix datasets."
-            )(func)
+        elif key in ("data.datasets", "data.val_data", "grpo.rewards"):
+            more = " Repeat to mix datasets." if key.startswith("data.") else ""
+            func = click.option(flag, key.replace(".", "__"), multiple=True, help=help_text + more)(func)
         else:
             func = click.option(flag, key.replace(".", "__"), help=help_text)(func)
     return func

@@ -10,6 +10,7 @@ import re
 from ..paths import identity_datasets
 from ..registry import model_config_of
 from .fields import LORA_INITS, REPORT_BACKENDS, SECTIONS, RunConfig
+from .grpo import grpo_problems
 from .rules import converts_initial_adapter, main_host_port, trains_adapter, world_size_of
 
 
@@ -144,6 +145,7 @@ def config_problems(config: RunConfig, need_data: bool = True, training: bool = 
     if problem:
         problems.append(("train.report_to", problem))
     problems += _task_problems(config.train, config.data)
+    problems += grpo_problems(config.grpo, config.train)
     problems += _node_problems(config.train, launching=need_data and training)
     return problems
 
@@ -297,14 +299,15 @@ def _task_problems(train, data) -> list[tuple[str, str]]:
             [
                 (
                     "train.from_run",
-                    "continues an SFT run with a preference task; pass --task dpo (or orpo, simpo, kto) with it.",
+                    "continues an SFT run with a preference task or GRPO; pass --task dpo (or orpo, simpo, kto, "
+                    "grpo) with it.",
                 )
             ]
             if train.from_run
             else []
         )
     problems = []
-    if train.tuner != "lora":
+    if train.tuner != "lora" and not (train.task == "grpo" and train.tuner == "dora"):
         problems.append(("train.task", f"{train.task} trains a LoRA adapter; drop --tuner {train.tuner}."))
     if data.packing:
         problems.append(

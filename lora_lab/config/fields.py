@@ -7,15 +7,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from .grpo import GrpoArgs
+from .spec import spec_field as _f
+
 ENGINES = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload", "fsdp")
 """train.engine values; each but ddp has its config file in presets/engines/."""
 DEEPSPEED_ENGINES = ("deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload")
-
-
-def _f(default, help: str, choices: tuple | None = None, minimum: float | None = None, maximum: float | None = None):
-    """A config field with its help text (shown by `lora-lab run --help` and in errors)."""
-    kwargs = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
-    return field(metadata={"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}, **kwargs)
 
 
 REPORT_BACKENDS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
@@ -245,24 +242,23 @@ REFERENCE_TASKS = ("dpo", "kto")
 class TrainArgs:
     task: str = _f(
         "sft",
-        "What the run learns: sft (supervised: the assistant replies) or a "
-        "preference task on chosen / rejected answers through TRL (pip install "
-        "'lora-lab[preference]'): dpo, orpo, simpo, or kto (answers labelled "
-        "good or bad, unpaired). docs/preference.md has the data forms.",
-        choices=("sft",) + PREFERENCE_TASKS,
+        "What the run learns: sft (supervised: the assistant replies), a preference task on "
+        "chosen / rejected answers through TRL (pip install 'lora-lab[preference]'): dpo, orpo, "
+        "simpo, or kto (answers labelled good or bad, unpaired; docs/preference.md), or grpo "
+        "(completions sampled for prompts and scored by rewards, TRL's GRPOTrainer; docs/grpo.md).",
+        choices=("sft",) + PREFERENCE_TASKS + ("grpo",),
     )
     from_run: str = _f(
         None,
-        "Preference tasks: start from this SFT run's adapter (a run folder) "
-        "and keep training it; the reference model is that SFT policy, "
-        "frozen (dpo, kto). Without it a new adapter starts on the base "
-        "model, which is then the reference.",
+        "Preference tasks and grpo: start from this SFT run's adapter (a run folder) and keep "
+        "training it; the reference model is that SFT policy, frozen (dpo, kto, grpo with --beta). "
+        "Without it a new adapter starts on the base model, which is then the reference.",
     )
     pref_beta: float = _f(
         0.1,
-        "Preference tasks: beta, how far the policy may move from the "
-        "reference (dpo, kto), the reward scale (simpo) or the weight of "
-        "the odds-ratio term (orpo, the paper's lambda).",
+        "Preference tasks and grpo: beta, how far the policy may move from the reference (dpo, "
+        "kto; grpo's KL weight, 0 unless given: no reference pass), the reward scale (simpo) or "
+        "the weight of the odds-ratio term (orpo, the paper's lambda).",
         minimum=0,
     )
     dpo_loss: str = _f(
@@ -464,7 +460,7 @@ class TrainArgs:
     )
 
 
-SECTIONS = {"model": ModelArgs, "lora": LoraArgs, "data": DataArgs, "train": TrainArgs}
+SECTIONS = {"model": ModelArgs, "lora": LoraArgs, "data": DataArgs, "train": TrainArgs, "grpo": GrpoArgs}
 
 
 @dataclass(frozen=True)
@@ -474,6 +470,7 @@ class RunConfig:
     lora: LoraArgs = field(default_factory=LoraArgs)
     data: DataArgs = field(default_factory=DataArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
+    grpo: GrpoArgs = field(default_factory=GrpoArgs)
     sources: dict = field(default_factory=dict, repr=False)
     """key -> where its value came from ("default", "preset 16gb", "--lora-rank" ...)."""
 

@@ -53,6 +53,9 @@ FLAGS = {
     "--task": "train.task",
     "--from-run": "train.from_run",
     "--beta": "train.pref_beta",
+    "--reward": "grpo.rewards",
+    "--num-generations": "grpo.num_generations",
+    "--max-completion-length": "grpo.max_completion_length",
 }
 
 

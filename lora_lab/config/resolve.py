@@ -290,14 +290,17 @@ def _coerce(key: str, value) -> tuple[Any, str | None]:
 
 def _derived_defaults(config: RunConfig) -> RunConfig:
     """Defaults that follow from other keys. --tuner full: a learning rate the user did not give
-    becomes FULL_FINETUNING_LR (the defaults and presets hold LoRA learning rates). A preference
-    --task turns a preset's packing off. One process: train.engine auto is ddp (with several,
+    becomes FULL_FINETUNING_LR (the defaults and presets hold LoRA learning rates). --task grpo
+    takes beta 0 unless given (TRL's default: no reference model). A preference or grpo --task
+    turns a preset's packing off. One process: train.engine auto is ddp (with several,
     the run plan picks the engine)."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     given = config.sources.get("train.lr", "default")
     if config.train.tuner == "full" and (given == "default" or given.startswith("preset")):
         values["train.lr"], sources["train.lr"] = FULL_FINETUNING_LR, "--tuner full default"
+    if config.train.task == "grpo" and config.sources.get("train.pref_beta", "default") == "default":
+        values["train.pref_beta"], sources["train.pref_beta"] = 0.0, "--task grpo default (no reference pass)"
     packing = config.sources.get("data.packing", "default")
     if config.train.task != "sft" and config.data.packing and packing.startswith("preset"):
         # a preset packs supervised rows; a preference task reads prompt + answer sequences

@@ -87,17 +87,20 @@ class PreparedData:
 
 
 def load_samples(specs: list, args: DataArgs, seed: int, task: str = "sft") -> LoadedData:
-    """Read and mix several --data entries (preference rows for a preference --task)."""
+    """Read and mix several --data entries (preference rows for a preference --task, prompts for
+    grpo)."""
     from .pairs import load_preference_spec
+    from .prompts import load_prompt_spec
 
     merged = LoadedData()
     fill = {"model_name": args.model_name, "model_author": args.model_author}
     for spec in specs:
-        loaded = (
-            load_dataset_spec(spec, args.format, seed, fill)
-            if task == "sft"
-            else load_preference_spec(spec, task, seed)
-        )
+        if task == "sft":
+            loaded = load_dataset_spec(spec, args.format, seed, fill)
+        elif task == "grpo":
+            loaded = load_prompt_spec(spec, seed)
+        else:
+            loaded = load_preference_spec(spec, task, seed)
         merged.samples += loaded.samples
         merged.problems += loaded.problems
         merged.warnings += loaded.warnings
@@ -107,6 +110,10 @@ def load_samples(specs: list, args: DataArgs, seed: int, task: str = "sft") -> L
 
 def encode_as_training(tokenizer, samples: list, args: DataArgs, task: str = "sft") -> EncodeReport:
     """Encode samples exactly as a run with these data settings encodes its training data."""
+    if task == "grpo":
+        from .prompts import encode_prompts
+
+        return encode_prompts(tokenizer, samples, args.max_length, args.system, args.enable_thinking)
     if task != "sft":
         from .pairs import encode_preferences
 

@@ -230,7 +230,7 @@ def first_token_at_least(samples, limit: int) -> tuple[str, int] | None:
     for sample in samples:
         ids = (
             sample.prompt_ids + sample.chosen_ids + (sample.rejected_ids or [])
-            if hasattr(sample, "prompt_ids")
+            if hasattr(sample, "chosen_ids")
             else sample.input_ids
         )
         outside = [token for token in ids if token >= limit]

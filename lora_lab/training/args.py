@@ -15,8 +15,12 @@ from .watch import trainer_report_to
 
 
 def count_optimizer_steps(config: RunConfig, train_samples: int) -> int:
+    """Optimizer steps of the run; --task grpo trains on grpo.num_generations completions of
+    each prompt (its samples)."""
     if config.train.max_steps > 0:
         return config.train.max_steps
+    if config.train.task == "grpo":
+        train_samples *= config.grpo.num_generations
     per_epoch = math.ceil(train_samples / config.train.micro_batch_size / config.train.grad_accum)
     return max(1, math.ceil(per_epoch * config.train.epochs))
 

@@ -1,5 +1,5 @@
 """The trainer of a run plan: training arguments, the base model, the tuner (LoRA with its memory
-means, or every weight) and the LoraLabTrainer (or a preference task's TRL trainer) over the
+means, or every weight) and the LoraLabTrainer (or a preference or grpo task's TRL trainer) over the
 prepared rows."""
 
 from __future__ import annotations
@@ -80,10 +80,12 @@ def build_trainer(plan: RunPlan, inputs: TrainingInputs, precision: Precision) -
         "loraplus_lr_ratio": config.train.loraplus_lr_ratio,
     }
     if preference:
+        from .grpo import build_grpo_trainer
         from .preference import build_preference_trainer
 
         data = inputs.data
-        return build_preference_trainer(
+        build = build_grpo_trainer if config.train.task == "grpo" else build_preference_trainer
+        return build(
             config,
             model,
             args,
@@ -106,7 +108,7 @@ def training_arguments(plan: RunPlan, inputs: TrainingInputs, precision: Precisi
         count_optimizer_steps(config, len(inputs.data.train.samples)),
         inputs.data.val is not None,
         packed.rows_per_step if packed else None,
-        **preference_arguments(config),
+        **task_arguments(config, inputs.tokenizer),
     )
 
 
@@ -196,10 +198,14 @@ def describe_tuner(config: RunConfig) -> str:
     )
 
 
-def preference_arguments(config: RunConfig) -> dict:
-    """A preference task's TRL config class and settings for build_training_arguments."""
+def task_arguments(config: RunConfig, tokenizer) -> dict:
+    """A preference or grpo task's TRL config class and settings for build_training_arguments."""
     if config.train.task == "sft":
         return {}
+    if config.train.task == "grpo":
+        from .grpo import grpo_config_class, grpo_settings
+
+        return {"args_class": grpo_config_class(), **grpo_settings(config, tokenizer)}
     from .preference import task_settings, trainer_config
 
     return {"args_class": trainer_config(config.train.task), **task_settings(config)}

@@ -168,7 +168,12 @@ class LoraLabMixin(_Base):
     def _prepare_inputs(self, inputs):
         """The batch on the model's device, but input ids for an embedding kept in CPU memory
         stay on the CPU (models.memory_means.CpuEmbedding looks them up there)."""
-        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        if not hasattr(inputs, "get"):  # grpo: prompts, whose completions are sampled in here
+            prepared = super()._prepare_inputs(inputs)
+            if self.model.training:
+                self.step_metrics.note_batch(prepared)
+            return prepared
+        ids = inputs.get("input_ids")
         if ids is None or ids.device.type != "cpu" or not uses_cpu_embedding(self.model):
             return super()._prepare_inputs(inputs)
         prepared = super()._prepare_inputs({k: v for k, v in inputs.items() if k != "input_ids"})

@@ -55,6 +55,8 @@ class StepMetrics:
             self._tokens = self._tokens + mask.sum()
         elif hasattr(inputs, "get") and inputs.get("input_ids") is not None:
             self._tokens = self._tokens + inputs["input_ids"].numel()  # packed rows: no padding
+        elif hasattr(inputs, "get") and inputs.get("completion_mask") is not None:  # grpo: prompt + completion
+            self._tokens = self._tokens + inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()
 
     def take(self, reduce_sum=None) -> dict:
         """The figures since the previous call; reduce_sum adds a count over every process."""
@@ -108,6 +110,8 @@ def progress_fields(step: int, total: int, figures: dict, eta_seconds: float | N
     parts = [f"step {step}/{total}"]
     if figures.get("loss") is not None:
         parts.append(f"loss {figures['loss']:.3f}")
+    if figures.get("reward") is not None:  # grpo: the mean weighted reward of the step's completions
+        parts.append(f"reward {figures['reward']:.3f}")
     if figures.get("learning_rate") is not None:
         parts.append(f"lr {format_lr(figures['learning_rate'])}")
     if figures.get("grad_norm") is not None:

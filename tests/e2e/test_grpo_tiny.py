@@ -1,0 +1,100 @@
+"""--task grpo on a tiny model, through the real CLI, TRL's real GRPOTrainer and real sampling:
+a run continuing an SFT adapter learns the format reward; every loss trains; a user's reward
+that raises stops the run with its file:line, the prompt and the completion."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from lora_lab.cli import main
+from tests.support.tiny import build_tiny_qwen2, write_jsonl
+
+QUESTION = [{"role": "user", "content": "What is 2+2?"}]
+FORMATTED = "<think>two and two</think>4"
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def tiny128(tmp_path_factory):
+    """Hidden size 128: wide enough that its logits can single out one answer of 151,936 tokens
+    (the 32-wide tiny model's cannot, and no reward could move it)."""
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny128"), hidden_size=128)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("grpo")
+    return write_jsonl(folder / "prompts.jsonl", [{"prompt": QUESTION, "solution": "4"}])
+
+
+def rewards_of(run_dir) -> list:
+    lines = (run_dir / "logs" / "train_log.jsonl").read_text().splitlines()
+    return [event["reward"] for event in map(json.loads, lines) if "reward" in event]
+
+
+def test_a_grpo_run_continuing_an_sft_adapter_learns_the_format_reward(tiny128, prompts, tmp_path):
+    """The SFT adapter answers in the <think> format one time in six; GRPO with the built-in
+    format reward makes it the answer."""
+    sft_rows = [{"messages": QUESTION + [{"role": "assistant", "content": FORMATTED}]}]
+    sft_rows += [{"messages": QUESTION + [{"role": "assistant", "content": "It is four."}]}] * 5
+    sft_data = write_jsonl(tmp_path / "sft.jsonl", sft_rows)
+    common = ("--output-dir", tmp_path, "--lora-dropout", 0, "--logging-steps", 1)
+    sft = invoke("run", "--model", tiny128, "--data", f"{sft_data}#24", "--max-steps", 30, "--lr", "1e-2",
+                 "--lora-rank", 16, "--run-name", "sft", *common)  # fmt: skip
+    assert sft.exit_code == 0, sft.output
+    result = invoke("run", "--from-run", tmp_path / "sft", "--data", f"{prompts}#8", "--task", "grpo",
+                    "--reward", "format", "--num-generations", 8, "--max-completion-length", 12,
+                    "--grad-accum", 2, "--max-steps", 14, "--lr", "2e-3", "--run-name", "grpo", *common)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rewards = rewards_of(tmp_path / "grpo")
+    assert len(rewards) == 14
+    assert sum(rewards[:2]) / 2 <= 0.25, rewards
+    assert sum(rewards[-4:]) / 4 >= 0.8, rewards
+    assert (tmp_path / "grpo" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+EVEN = """
+def even_tokens(completions, completion_ids, solution, **kwargs):
+    assert solution == ["4"] * len(completions)  # the row's other columns reach the reward
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+"""
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "bnpo", "gspo"])
+def test_each_loss_trains_with_a_users_reward(tiny_model_dir, prompts, tmp_path, loss):
+    reward = tmp_path / "reward.py"
+    reward.write_text(EVEN)
+    result = invoke("run", "--model", tiny_model_dir, "--data", f"{prompts}#4", "--task", "grpo",
+                    "--reward", f"{reward}:even_tokens", "--num-generations", 4, "--max-completion-length", 6,
+                    "--grad-accum", 1, "--max-steps", 2, "--logging-steps", 1, "--beta", "0.05",
+                    "--set", f"grpo.loss={loss}", "--output-dir", tmp_path, "--run-name", loss)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in (tmp_path / loss / "logs" / "train_log.jsonl").read_text().splitlines()]
+    steps = [e for e in events if "loss" in e]
+    assert len(steps) == 2 and all(0 <= e["rewards/even_tokens/mean"] <= 1 for e in steps)
+    assert any(e["grad_norm"] > 0 for e in steps), steps  # the policy loss reached the adapter
+    assert not (tmp_path / loss / "adapter" / "ref").exists()  # TRL's reference copy stays out
+
+
+RAISES = """
+def score(completions, **kwargs):
+    return [len(c[0]["content"]) / 0 for c in completions]
+"""
+
+
+def test_a_reward_that_raises_stops_the_run_with_its_file_line_prompt_and_completion(
+    tiny_model_dir, prompts, tmp_path
+):
+    reward = tmp_path / "bad_reward.py"
+    reward.write_text(RAISES)
+    result = invoke("run", "--model", tiny_model_dir, "--data", prompts, "--task", "grpo", "--reward",
+                    f"{reward}:score", "--num-generations", 4, "--max-completion-length", 4, "--max-steps", 1,
+                    "--output-dir", tmp_path, "--run-name", "bad")  # fmt: skip
+    assert result.exit_code != 0
+    assert f"reward {reward}:score raised at {reward}:3: ZeroDivisionError: division by zero" in result.output
+    assert "prompt:     'What is 2+2?'" in result.output and "completion: '" in result.output
+    assert "Traceback" not in result.output

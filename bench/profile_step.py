@@ -202,7 +202,7 @@ def summary(rows: list, wall_seconds: float) -> str:
 def install_callback(kind: str, callback) -> None:
     """Add `callback` to the Trainer the cell builds."""
     if kind == "lora-lab":
-        import lora_lab.training.run as train_module
+        import lora_lab.training.builder as train_module
 
         callbacks = train_module.run_callbacks
         train_module.run_callbacks = lambda *args, **kw: callbacks(*args, **kw) + [callback]

@@ -31,6 +31,7 @@ PEER_ROWS = (
     ("7b-2048-nf4", "7B QLoRA nf4 (16gb preset), 4 x 2048"),
     ("1.5b-4096", "1.5B bf16, 4 x 4096"),
     ("0.5b-4096", "0.5B bf16, 4 x 4096"),
+    ("qwen3.5-4b-4096", "Qwen3.5-4B bf16 (24gb preset), 4 x 4096"),
     ("sft-7b", "7B, one epoch of the real-length SFT mix"),
 )
 LONG_ROWS = (  # (tier, 4-bit?, Unsloth's length in the long-context plan)

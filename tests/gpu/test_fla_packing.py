@@ -11,9 +11,9 @@ from tests.unit.test_linear_attention import LENGTHS, packed_and_alone, summed_l
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def tiny_bf16_model(head_dim: int = 64):
-    """A tiny Qwen3.5 (4 layers, three of them Gated DeltaNet with head_dim-wide heads: fla's
-    kernels take 16 and more; Qwen3.5's are 128) with LoRA on every linear layer, in bf16 on the GPU."""
+def tiny_bf16_model():
+    """A tiny Qwen3.5 (4 layers, three of them Gated DeltaNet with 64-wide heads: fla's kernels
+    take head dims of 16 and more) with LoRA on every linear layer, in bf16 on the GPU."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -25,8 +25,8 @@ def tiny_bf16_model(head_dim: int = 64):
         "qwen3.5-0.8b",
         vocab_size=512,
         hidden_size=128,
-        linear_key_head_dim=head_dim,
-        linear_value_head_dim=head_dim,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
         use_cache=False,
         pad_token_id=0,
         eos_token_id=1,
@@ -39,7 +39,7 @@ def tiny_bf16_model(head_dim: int = 64):
     return get_peft_model(model, lora)
 
 
-def packed_row_on_fla(monkeypatch, linear_attention, backward: bool, head_dim: int = 64):
+def packed_row_on_fla(monkeypatch, linear_attention, backward: bool):
     """(calls of the varlen path, {use_fla: (packed, alone)}) with the same weights through the
     per-sample path and fla's varlen path; losses only (no_grad) where backward is False."""
     calls = []
@@ -51,11 +51,11 @@ def packed_row_on_fla(monkeypatch, linear_attention, backward: bool, head_dim: i
 
     monkeypatch.setattr(linear_attention, "gated_delta_varlen", counted)
     if not backward:  # the forward kernels alone, where fla refuses its backward
-        monkeypatch.setattr(linear_attention, "fla_backward_refusal", lambda head_k_dim: None)
+        monkeypatch.setattr(linear_attention, "fla_backward_refusal", lambda: None)
         linear_attention.fla_kernels.cache_clear()
     results = {}
     for use_fla in (False, True):  # the same weights: the per-sample path, then fla's varlen path
-        model = tiny_bf16_model(head_dim)
+        model = tiny_bf16_model()
         linear_attention.keep_samples_apart(model.base_model.model, use_fla=use_fla)
         batch, one_by_one = packed_and_alone("mask")
         cuda = [{k: v.cuda() if hasattr(v, "cuda") else v for k, v in b.items()} for b in [batch, *one_by_one]]
@@ -94,24 +94,21 @@ def test_fla_is_not_used_where_it_refuses_its_backward():
     from lora_lab.models import linear_attention
 
     linear_attention.fla_kernels.cache_clear()
-    why = linear_attention.fla_backward_refusal(64)
+    why = linear_attention.fla_backward_refusal()
     if why is None:
         pytest.skip("fla trains on this GPU and Triton")
-    assert linear_attention.fla_kernels(64) is None  # packed rows take the exact per-sample path
+    assert linear_attention.fla_kernels() is None  # packed rows take the exact per-sample path
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_fla_varlen_kernels_restart_each_sample_of_a_packed_row(monkeypatch, head_dim):
-    """Where fla trains the heads (128-wide ones on Hopper with any Triton: its guard lifted),
-    the packed row's loss and LoRA gradients equal those of its samples alone."""
+def test_fla_varlen_kernels_restart_each_sample_of_a_packed_row(monkeypatch):
     pytest.importorskip("fla")
     from lora_lab.models import linear_attention
 
     linear_attention.fla_kernels.cache_clear()
-    why = linear_attention.fla_backward_refusal(head_dim)
+    why = linear_attention.fla_backward_refusal()
     if why:
         pytest.skip(why)
-    calls, results = packed_row_on_fla(monkeypatch, linear_attention, backward=True, head_dim=head_dim)
+    calls, results = packed_row_on_fla(monkeypatch, linear_attention, backward=True)
     ends = [sum(LENGTHS[:i]) for i in range(len(LENGTHS) + 1)]
     assert calls and all(c == ends for c in calls), calls  # fla ran, once per layer, on the samples
     (fla_packed, _), (per_sample_packed, alone) = results[True], results[False]

@@ -13,9 +13,7 @@ from lora_lab.data.collate import PACKED_FIELDS, PackedCollator, SupervisedDatas
 from lora_lab.data.encode import IGNORE_INDEX
 from lora_lab.data.packing import pack_samples
 from lora_lab.models.linear_attention import (
-    HOPPER_BROKEN_KEY_TILE,
     gated_delta_varlen,
-    hopper_key_tile,
     keep_samples_apart,
     lengths_from_positions,
     linear_attention_layers,
@@ -174,10 +172,3 @@ def test_a_stateful_layer_kind_lora_lab_cannot_restart_refuses_packed_rows():
     with pytest.raises(ModelError, match=r"recurrent layers carry a state .* --set data.packing=false"):
         model(**{k: v for k, v in batch.items() if k != "labels"})
     model(**{k: v for k, v in one_by_one[0].items() if k != "labels"})
-
-
-@pytest.mark.parametrize(("head_k_dim", "tile"), [(16, 16), (32, 32), (48, 64), (64, 64), (128, 128), (256, 128)])
-def test_fla_key_tile_on_hopper_is_the_head_width_rounded_to_a_power_of_two_at_most_128(head_k_dim, tile):
-    """Qwen3.5's 128-wide key heads never take the tile fla #640 miscompiles; 64-wide ones do."""
-    assert hopper_key_tile(head_k_dim) == tile
-    assert (hopper_key_tile(head_k_dim) == HOPPER_BROKEN_KEY_TILE) == (head_k_dim in (48, 64))

@@ -43,7 +43,7 @@ def require_trl() -> None:
         import trl
     except ImportError:
         raise TrainingError(
-            "--task dpo/orpo/simpo/kto trains with TRL, which is not installed: "
+            "--task dpo/orpo/simpo/kto/grpo trains with TRL, which is not installed: "
             "pip install 'lora-lab[preference]' (or "
             f"pip install '{TRL_REQUIREMENT}')."
         ) from None

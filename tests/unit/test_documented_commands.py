@@ -223,6 +223,9 @@ def workdir(tmp_path_factory):
         shutil.copy(ROOT / "tests" / "assets" / "peers" / name, folder / name)
     for name in RUN_FOLDERS:
         (folder / name).mkdir(parents=True)
+    (folder / "my_rewards.py").write_text(
+        "def short_and_right(completions, **kwargs):\n    return [0.0] * len(completions)\n"
+    )
     return folder
 
 

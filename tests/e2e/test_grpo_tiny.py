@@ -1,11 +1,15 @@
 """--task grpo on a tiny model, through the real CLI, TRL's real GRPOTrainer and real sampling:
 a run continuing an SFT adapter learns the format reward; every loss trains; a user's reward
-that raises stops the run with its file:line, the prompt and the completion."""
+that raises stops the run with its file:line, the prompt and the completion; a resumed run
+samples and trains exactly as the whole run."""
 
 import json
+import shutil
 
 import pytest
+import torch
 from click.testing import CliRunner
+from safetensors.torch import load_file
 
 from lora_lab.cli import main
 from tests.support.tiny import build_tiny_qwen2, write_jsonl
@@ -98,3 +102,34 @@ def test_a_reward_that_raises_stops_the_run_with_its_file_line_prompt_and_comple
     assert f"reward {reward}:score raised at {reward}:3: ZeroDivisionError: division by zero" in result.output
     assert "prompt:     'What is 2+2?'" in result.output and "completion: '" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_grpo_run_resumed_from_a_checkpoint_samples_and_trains_as_the_whole_run(tiny_model_dir, prompts, tmp_path):
+    """The folder a crash after checkpoint-2 leaves, resumed: the same completions (their
+    rewards), the same steps and the same adapter, bit for bit."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(EVEN)
+    data = write_jsonl(tmp_path / "four.jsonl", [{"prompt": f"Say {w}.", "solution": "4"} for w in "abcd"])
+
+    def run(name, *more):
+        return invoke("run", "--model", tiny_model_dir, "--data", data, "--task", "grpo", "--reward",
+                      f"{reward}:even_tokens", "--num-generations", 4, "--max-completion-length", 6,
+                      "--grad-accum", 1, "--max-steps", 4, "--save-steps", 2, "--logging-steps", 1,
+                      "--output-dir", tmp_path, "--run-name", name, *more)  # fmt: skip
+
+    assert run("whole").exit_code == 0
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    for name in ("checkpoint-4", "adapter"):
+        shutil.rmtree(tmp_path / "resumed" / name)
+    (tmp_path / "resumed" / "run_summary.json").unlink()
+    result = run("resumed", "--resume", "auto")
+    assert result.exit_code == 0, result.output
+    keys = ("step", "loss", "grad_norm", "reward", "rewards/even_tokens/std")
+
+    def steps(name):
+        lines = (tmp_path / name / "logs" / "train_log.jsonl").read_text().splitlines()
+        return [[e[k] for k in keys] for e in map(json.loads, lines) if "loss" in e]
+
+    assert steps("resumed") == steps("whole") and len(steps("whole")) == 4
+    a, b = (load_file(tmp_path / n / "adapter" / "adapter_model.safetensors") for n in ("whole", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -92,7 +92,19 @@ def load_preference_spec(spec: str, task: str, seed: int = 42) -> LoadedData:
     """One --data entry of preference rows (opened by reading.open_spec), each checked; `#N`
     samples N of them."""
     opened = open_spec(spec)
-    entry, count = opened.entry, opened.count
+    entry = opened.entry
+    kind = "pairs" if task in PAIRED else "labelled answers"
+    return read_object_rows(
+        opened,
+        lambda row, origin: normalise_preference_row(entry.remap_preference(row) if entry else row, task, origin),
+        f"preference {kind}" + (f" ({entry.describe()})" if entry else ""),
+        seed,
+    )
+
+
+def read_object_rows(opened, convert, fmt: str, seed: int) -> LoadedData:
+    """The rows of an opened --data entry, each an object turned into a sample by
+    convert(row, origin) or reported as a problem with its origin; `#N` samples N of them."""
     loaded = LoadedData(warnings=opened.warnings)
     for row, origin in parse_items(opened.path, opened.items):
         try:
@@ -100,17 +112,14 @@ def load_preference_spec(spec: str, task: str, seed: int = 42) -> LoadedData:
                 raise DataError(row.reason)
             if not isinstance(row, dict):
                 raise DataError(f"expected an object, got {kind_of(row)}")
-            loaded.samples.append(
-                normalise_preference_row(entry.remap_preference(row) if entry else row, task, origin)
-            )
+            loaded.samples.append(convert(row, origin))
         except DataError as exc:
             loaded.problems.append(Problem(origin, str(exc)))
         except RecursionError:
             loaded.problems.append(Problem(origin, "nested too deeply to read"))
-    kind = "pairs" if task in PAIRED else "labelled answers"
-    loaded.formats.append((spec, f"preference {kind}" + (f" ({entry.describe()})" if entry else "")))
-    if count is not None:
-        loaded.samples = sample_rows(loaded.samples, count, seed)
+    loaded.formats.append((opened.spec, fmt))
+    if opened.count is not None:
+        loaded.samples = sample_rows(loaded.samples, opened.count, seed)
     return loaded
 
 

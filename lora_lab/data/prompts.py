@@ -21,10 +21,8 @@ from dataclasses import dataclass, field
 
 from ..errors import DataError
 from .encode import IGNORE_INDEX, EncodeReport, add_encoded, render
-from .formats import Problem
-from .pairs import _check_prompt, _conversation
-from .readers import Bad, kind_of
-from .reading import LoadedData, open_spec, parse_items, sample_rows
+from .pairs import _check_prompt, _conversation, read_object_rows
+from .reading import LoadedData, open_spec
 
 FORM_FIELDS = ("messages", "prompt", "conversations", "instruction", "input", "system")
 """Fields a row form reads its prompt from; the others go to the rewards."""
@@ -71,23 +69,7 @@ class EncodedPrompt:
 def load_prompt_spec(spec: str, seed: int = 42) -> LoadedData:
     """One --data entry of prompt rows (opened by reading.open_spec), each checked; `#N`
     samples N of them."""
-    opened = open_spec(spec)
-    loaded = LoadedData(warnings=opened.warnings)
-    for row, origin in parse_items(opened.path, opened.items):
-        try:
-            if isinstance(row, Bad):
-                raise DataError(row.reason)
-            if not isinstance(row, dict):
-                raise DataError(f"expected an object, got {kind_of(row)}")
-            loaded.samples.append(prompt_sample(row, origin))
-        except DataError as exc:
-            loaded.problems.append(Problem(origin, str(exc)))
-        except RecursionError:
-            loaded.problems.append(Problem(origin, "nested too deeply to read"))
-    loaded.formats.append((spec, "grpo prompts"))
-    if opened.count is not None:
-        loaded.samples = sample_rows(loaded.samples, opened.count, seed)
-    return loaded
+    return read_object_rows(open_spec(spec), prompt_sample, "grpo prompts", seed)
 
 
 def prompt_sample(row: dict, origin: str) -> PromptSample:

@@ -52,12 +52,12 @@ def test_a_grpo_run_continuing_an_sft_adapter_learns_the_format_reward(tiny128, 
     assert sft.exit_code == 0, sft.output
     result = invoke("run", "--from-run", tmp_path / "sft", "--data", f"{prompts}#8", "--task", "grpo",
                     "--reward", "format", "--num-generations", 8, "--max-completion-length", 12,
-                    "--grad-accum", 2, "--max-steps", 14, "--lr", "2e-3", "--run-name", "grpo", *common)  # fmt: skip
+                    "--grad-accum", 2, "--max-steps", 10, "--lr", "2e-3", "--run-name", "grpo", *common)  # fmt: skip
     assert result.exit_code == 0, result.output
     rewards = rewards_of(tmp_path / "grpo")
-    assert len(rewards) == 14
+    assert len(rewards) == 10
     assert sum(rewards[:2]) / 2 <= 0.25, rewards
-    assert sum(rewards[-4:]) / 4 >= 0.8, rewards
+    assert sum(rewards[-3:]) / 3 >= 0.8, rewards
     assert (tmp_path / "grpo" / "adapter" / "adapter_model.safetensors").is_file()
 
 

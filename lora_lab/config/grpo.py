@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from .spec import spec_field as _f
 
@@ -84,8 +85,6 @@ def grpo_problems(grpo: GrpoArgs, train) -> list[tuple[str, str]]:
 
 
 def _reward_problems(rewards: list) -> list[str]:
-    from pathlib import Path
-
     if not rewards:
         return ["--task grpo needs a reward: --reward format (or accuracy, length, or PATH.py:FUNCTION for your own)."]
     problems = []

@@ -22,7 +22,7 @@ from typing import Any
 from ..config import RunConfig
 from ..data.prompts import prompt_template_kwargs
 from ..log import get_logger
-from .preference import REFERENCE_ADAPTER, _save_one_adapter, require_trl
+from .preference import REFERENCE_ADAPTER, TrainedAdapterOnly, require_trl, rows_dataset
 from .rewards import build_rewards
 from .trainer import LoraLabMixin
 
@@ -47,7 +47,7 @@ def grpo_trainer_class():
     require_trl()
     from trl import GRPOTrainer
 
-    class LoraLabGRPOTrainer(LoraLabMixin, GRPOTrainer):
+    class LoraLabGRPOTrainer(LoraLabMixin, TrainedAdapterOnly, GRPOTrainer):
         def log(self, logs: dict, start_time: float | None = None) -> None:
             """A metric without a value since the last event (TRL would log None, which the
             trackers refuse with a warning each time) is left out of it."""
@@ -55,13 +55,6 @@ def grpo_trainer_class():
                 for key in [k for k, v in metrics.items() if v and all(math.isnan(x) for x in v)]:
                     del metrics[key]
             super().log(logs, start_time)
-
-        def _save(self, output_dir=None, state_dict=None):
-            super()._save(output_dir, state_dict)
-            _save_one_adapter(self, output_dir or self.args.output_dir)
-
-        def create_model_card(self, *args, **kwargs):
-            """No README.md model card in checkpoints or adapter/ (run_summary.json says it)."""
 
     return LoraLabGRPOTrainer
 
@@ -91,13 +84,6 @@ def grpo_settings(config: RunConfig, tokenizer) -> dict:
     }
 
 
-def prompt_dataset(samples: list):
-    """A datasets.Dataset of the encoded prompts' TRL rows (EncodedPrompt.row)."""
-    from datasets import Dataset
-
-    return Dataset.from_list([s.row() for s in samples])
-
-
 def build_grpo_trainer(
     config: RunConfig, model, args, train_samples: list, val_samples: list | None, tokenizer, callbacks: list, **parts
 ):
@@ -107,8 +93,8 @@ def build_grpo_trainer(
         model=model,
         reward_funcs=rewards,
         args=args,
-        train_dataset=prompt_dataset(train_samples),
-        eval_dataset=prompt_dataset(val_samples) if val_samples else None,
+        train_dataset=rows_dataset(train_samples),
+        eval_dataset=rows_dataset(val_samples) if val_samples else None,
         processing_class=tokenizer,
         callbacks=callbacks,
         **parts,

@@ -85,11 +85,19 @@ def from_run_config(config: RunConfig) -> RunConfig:
     return settled
 
 
-def _save_one_adapter(trainer, output_dir) -> None:
-    """The trained adapter alone: TRL's frozen reference copy is not part of the result."""
-    ref = Path(output_dir) / REFERENCE_ADAPTER
-    if ref.is_dir() and is_adapter_folder(ref):
-        shutil.rmtree(ref)
+class TrainedAdapterOnly:
+    """What a TRL trainer of lora-lab's saves (mixed in before TRL's class): the trained adapter
+    alone, without TRL's frozen reference copy, and no README.md model card in checkpoints or
+    adapter/ (run_summary.json says it)."""
+
+    def _save(self, output_dir=None, state_dict=None):
+        super()._save(output_dir, state_dict)
+        ref = Path(output_dir or self.args.output_dir) / REFERENCE_ADAPTER
+        if ref.is_dir() and is_adapter_folder(ref):
+            shutil.rmtree(ref)
+
+    def create_model_card(self, *args, **kwargs):
+        """None: see the class."""
 
 
 @functools.cache
@@ -108,7 +116,7 @@ def trainer_class(task: str):
     else:
         raise ValueError(f"not a preference task: {task}")
 
-    class PreferenceTrainer(LoraLabMixin, base):
+    class PreferenceTrainer(LoraLabMixin, TrainedAdapterOnly, base):
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             """Rows arrive encoded (data/pairs.py); KTO adds each micro-batch's mismatched
             answers for its KL estimate, as TRL's own preparation does."""
@@ -131,13 +139,6 @@ def trainer_class(task: str):
                 out[f"{name}_attention_mask"] = [1] * len(ids)
                 out[f"{name}_labels"] = [-100] * len(prompt) + feature[f"{name}_ids"]
             return out
-
-        def _save(self, output_dir=None, state_dict=None):
-            super()._save(output_dir, state_dict)
-            _save_one_adapter(self, output_dir or self.args.output_dir)
-
-        def create_model_card(self, *args, **kwargs):
-            """No README.md model card in checkpoints or adapter/ (run_summary.json says it)."""
 
     PreferenceTrainer.__name__ = PreferenceTrainer.__qualname__ = f"LoraLab{base.__name__}"
     return PreferenceTrainer
@@ -183,8 +184,8 @@ def task_settings(config: RunConfig) -> dict:
     return {**common, **length}
 
 
-def preference_dataset(samples: list):
-    """A datasets.Dataset of the encoded samples' TRL rows (EncodedPair.row)."""
+def rows_dataset(samples: list):
+    """A datasets.Dataset of the encoded samples' TRL rows (EncodedPair.row, EncodedPrompt.row)."""
     from datasets import Dataset
 
     return Dataset.from_list([s.row() for s in samples])
@@ -208,8 +209,8 @@ def build_preference_trainer(
     trainer = cls(
         model=model,
         args=args,
-        train_dataset=preference_dataset(train_samples),
-        eval_dataset=preference_dataset(val_samples) if val_samples else None,
+        train_dataset=rows_dataset(train_samples),
+        eval_dataset=rows_dataset(val_samples) if val_samples else None,
         processing_class=tokenizer,
         callbacks=callbacks,
         **kwargs,

@@ -120,6 +120,30 @@ def _linear_attention_extras(config: dict) -> int:
     return sum(2 * h + per_kind.get(kind, 0) for kind in layer_types(config)) + h
 
 
+def cache_widths(config: dict) -> tuple[int, int, int, int]:
+    """What generation caches, by layer kind: (values a token keeps in the full-attention layers'
+    keys and values, in the sliding-window layers', their window in tokens (0: none), bytes a
+    sequence keeps in the linear-attention layers' states: the recurrent state in fp32 and the
+    conv's last kernel-width inputs in bf16, as transformers' cache holds them). Gemma 4's full
+    layers have their own head width; its layers that share another's keys are counted as their
+    own (the safe side)."""
+    _, kv = _attention_widths(config)
+    full_kv = kv
+    if is_gemma4(config):
+        full_kv = config["num_key_value_heads"] * (config.get("global_head_dim") or 512)
+    kinds = layer_types(config)
+    window = config.get("sliding_window") or 0
+    state = 0
+    if "linear_attention" in kinds:
+        key, value, heads = linear_attention_widths(config)
+        per_layer = heads * config["linear_key_head_dim"] * config["linear_value_head_dim"] * 4
+        per_layer += (2 * key + value) * config["linear_conv_kernel_dim"] * 2
+        state = kinds.count("linear_attention") * per_layer
+    sliding = kinds.count("sliding_attention") if window else 0
+    full = len(kinds) - kinds.count("linear_attention") - sliding
+    return 2 * full_kv * full, 2 * kv * sliding, window, state
+
+
 def linear_shapes(config: dict) -> list[tuple[int, int]]:
     """(in, out) of each linear layer of one decoder layer; q/k/v and gate/up fused where the
     family fuses them (Phi-3). A hybrid model (decoder_linear_shapes) gives its linear-attention

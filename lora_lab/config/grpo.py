@@ -45,7 +45,9 @@ class GrpoArgs:
         minimum=2,
     )
     max_completion_length: int = _f(
-        256, "The longest completion sampled, in tokens; data.max_length bounds prompt + completion.", minimum=1
+        256,
+        "The longest completion sampled, in tokens (data.max_length bounds the prompt); the planner counts both.",
+        minimum=1,
     )
     temperature: float = _f(1.0, "Sampling temperature of the completions (above 0).", minimum=0)
 

@@ -9,7 +9,7 @@ from ..config import RunConfig, world_size_of
 from ..errors import LoraLabError
 from ..registry import model_config_of
 from .engines import CPU_PLAN_MARGIN
-from .memory import TIERS_GIB, MemoryPlan, plan_memory, row_length
+from .memory import TIERS_GIB, MemoryPlan, completion_tokens, plan_memory, row_length
 
 ENGINE_PREFERENCE = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload")
 """Fastest first (docs/benchmarks.md, several GPUs): ZeRO-2 with its optimizer state in CPU
@@ -80,6 +80,7 @@ def check_fits(
     raise LoraLabError(
         f"--preset {config.preset} needs about {plan.total_gib:.{digits}f} GiB for {plan.model} "
         f"({plan.quantization}) at --max-length {config.data.max_length}"
+        f"{f' + --max-completion-length {completion_tokens(config)}' if completion_tokens(config) else ''}"
         f"{f' in packed rows of {row_length(config)} tokens' if config.data.packing else ''}; "
         f"this GPU has "
         f"{gpu_memory_gib:.1f} GiB ({budget:.1f} usable). Try "

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, trains_adapter, world_size_of
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
 from .engines import CHECKED_ON_GPUS, GAPS_ON_GPUS, engine_parts
+from .generation import generation_part
 from .policies import resolve_fast_lora
 from .shape import ModelShape, layer_kind_parts
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
@@ -249,7 +250,8 @@ def plan_memory(
         raise ValueError(f"unknown model shape: {config.model.name}")
     shape = ModelShape.from_config(model_config)
     row = row_length(config)
-    tokens = min(row, longest_sample_tokens or row) * micro_batch_rows(config)
+    longest = longest_sample_tokens + completion_tokens(config) if longest_sample_tokens else row
+    tokens = min(row, longest) * micro_batch_rows(config)
     plan = MemoryPlan(
         model=model_display_name(config.model.name),
         quantization=_method(config),
@@ -282,7 +284,10 @@ def plan_memory(
         plan.traffic = plan_traffic(config, shape.params, shape.trained_params(config.train.tuner, config.lora.rank))
     if budget is not None:  # a GPU of gpu_memory_gib
         plan.budget_gib = budget
-        plan.longest_max_length = _longest(shape, config, budget)
+        prompt = (_longest(shape, config, budget) or 0) - completion_tokens(config)  # grpo: + completion
+        plan.longest_max_length = prompt if prompt > 0 else None
+        if completion_tokens(config):
+            plan.fixes.append(f"--max-completion-length {max(1, completion_tokens(config) // 2)}")
         if plan.longest_max_length:
             plan.fixes.append(
                 f"--set data.pack_length={plan.longest_max_length}"
@@ -306,7 +311,12 @@ def row_length(config: RunConfig) -> int:
     """Tokens in one row of a micro-batch: a sample (max_length) or a packed row."""
     if config.data.packing:
         return config.data.pack_length or config.data.max_length * config.train.micro_batch_size
-    return config.data.max_length
+    return config.data.max_length + completion_tokens(config)
+
+
+def completion_tokens(config: RunConfig) -> int:
+    """--task grpo: the sampled completion after each prompt (data.max_length bounds the prompt)."""
+    return config.grpo.max_completion_length if config.train.task == "grpo" else 0
 
 
 def micro_batch_rows(config: RunConfig) -> int:
@@ -374,11 +384,9 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
     hidden_scale, intermediate_scale = fast_lora_scales(config)
     working = hidden_bytes * hidden_scale + intermediate_bytes * intermediate_scale
     other = shape.other_params - (shape.vocab * shape.hidden if means.embedding_on_cpu else 0)
+    weights = "weights" + (" (input embedding in CPU memory)" if means.embedding_on_cpu else "")
     parts = {
-        "weights" + (" (input embedding in CPU memory)" if means.embedding_on_cpu else ""): (
-            shape.linear_params * weight_bytes + other * 2
-        )
-        / GIB,
+        weights: (shape.linear_params * weight_bytes + other * 2) / GIB,
         adapter_state_part(tuner): adapter * 16 / GIB,
         "activation checkpoints": 0.0 if means.offload_checkpoints else _checkpoint_bytes(shape, tokens) / GIB,
         "recomputed layer + fused loss (fitted)": working / GIB,
@@ -418,12 +426,21 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         # API resolves it as a CUDA GPU runs it)
         parts["attention mask of a packed row (counted)"] = tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB
     parts.update({name: b / GIB for name, b in layer_kind_parts(shape, tokens, weight_bytes < 2).items()})
-    if (
+    if config.train.task != "grpo" and (  # grpo: TRL's fused LM head, in tiles
         not shape.fused_loss
         or config.model.kernels == "none"
         or wants_trainable_tokens(config.lora.trainable_tokens, config.train.tuner, config.model.name)
     ):
         parts["full logits for the loss (estimate)"] = tokens * shape.vocab * UNFUSED_LOSS_BYTES_PER_LOGIT / GIB
+    if config.train.task == "grpo":
+        held = (
+            weights,
+            adapter_state_part(tuner),
+            "allocator and workspaces (fitted)",
+            "4-bit weights dequantized (fitted)",
+        )
+        step = sum(v for k, v in parts.items() if k not in held)
+        parts.update(generation_part(shape, config, tokens // micro_batch_rows(config), step))
     return parts
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..architecture import (
+    cache_widths,
     decoder_linear_shapes,
     dense_mlp_beside_experts,
     expert_shape,
@@ -41,6 +42,9 @@ class ModelShape:
     bits by QLoRA, models/moe.py; not adapted by LoRA)."""
     routed: int = 0
     """Mixture of experts: the experts each token goes to (intermediate is their widths' sum)."""
+    cache: tuple = (0, 0, 0, 0)
+    """What generation caches (architecture.cache_widths): values a token keeps in full and in
+    sliding-window attention layers, the window, bytes a sequence keeps in recurrent states."""
 
     @property
     def params(self) -> int:
@@ -81,6 +85,7 @@ class ModelShape:
             fused_loss=family_of(config.get("model_type")).liger is not None,
             layer_experts=layer_experts,
             routed=routed if experts else 0,
+            cache=cache_widths(config),
             **_linear_attention_of(config),
         )
 

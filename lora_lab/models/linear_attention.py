@@ -53,11 +53,10 @@ def lengths_from_positions(position_ids) -> list[int] | None:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-@functools.lru_cache(maxsize=4)
-def fla_kernels(head_k_dim: int):
-    """flash-linear-attention's (causal_conv1d, chunk_gated_delta_rule) for layers whose key heads
-    are head_k_dim wide, or None where it is not installed or refuses to train them; imported
-    only on a CUDA run."""
+@functools.lru_cache(maxsize=1)
+def fla_kernels():
+    """flash-linear-attention's (causal_conv1d, chunk_gated_delta_rule), or None where it is not
+    installed; imported only on a CUDA run."""
     if importlib.util.find_spec("fla") is None:
         return None
     try:
@@ -65,58 +64,29 @@ def fla_kernels(head_k_dim: int):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
-    why = fla_backward_refusal(head_k_dim)
+    why = fla_backward_refusal()
     if why:
         from ..log import get_logger
 
         get_logger().info(f"linear attention: each sample of a packed row runs on its own ({why})")
         return None
-    if _hopper_guard_applies():
-        _lift_hopper_guard()
     return causal_conv1d, chunk_gated_delta_rule
 
 
-HOPPER_BROKEN_KEY_TILE = 64
-"""fla #640: Triton 3.4.0 to before 3.7.1 miscompiles the gated delta rule's dq/dk/dw/dg backward
-kernel on Hopper GPUs for key tiles 64 wide (wrong dk, and through it dg and dbeta); tiles of 32
-and 128 compute right. fla refuses that backward for every head width there."""
-
-
-def hopper_key_tile(head_k_dim: int) -> int:
-    """The key tile fla's backward takes on a Hopper GPU: the head width rounded up to a power of
-    two, from 16 to at most 128 (fla.ops.common.chunk_o.chunk_bwd_dqkwg)."""
-    return min(max(1 << (head_k_dim - 1).bit_length(), 16), 128)
-
-
-def _hopper_guard_applies() -> bool:
+def fla_backward_refusal() -> str | None:
+    """Why fla's gated delta rule cannot train here, or None: fla refuses its gated backward
+    on Hopper GPUs with Triton from 3.4.0 to before 3.7.1 (wrong gradients there) unless
+    tilelang provides the kernel; its forward would run and the first backward would stop."""
     from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
 
-    return bool(IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
-
-
-def fla_backward_refusal(head_k_dim: int) -> str | None:
-    """Why fla's gated delta rule cannot train heads head_k_dim wide here, or None. On Hopper with
-    Triton 3.4.0 to before 3.7.1 its backward is wrong in 64-wide key tiles (fla #640) unless
-    tilelang provides the kernel: heads that take such a tile are refused; wider heads (Qwen3.5's
-    are 128 wide) never take one, and fla's blanket guard is lifted for them (the GPU test
-    tests/gpu/test_fla_packing.py holds their gradients to the per-sample path's)."""
-    if not _hopper_guard_applies() or importlib.util.find_spec("tilelang") is not None:
+    if not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1):
         return None
-    if hopper_key_tile(head_k_dim) != HOPPER_BROKEN_KEY_TILE:
+    if importlib.util.find_spec("tilelang") is not None:
         return None
     return (
-        f"flash-linear-attention's gated backward is wrong for {head_k_dim}-wide key heads on this Hopper GPU "
-        "with this Triton; pip install 'triton>=3.7.1' or tilelang to use its varlen kernels"
+        "flash-linear-attention's gated backward does not run on this Hopper GPU with this "
+        "Triton; pip install 'triton>=3.7.1' or tilelang to use its varlen kernels"
     )
-
-
-def _lift_hopper_guard() -> None:
-    """fla raises in the backward on Hopper with Triton 3.4.0 to before 3.7.1 whatever the key
-    tile; where fla_backward_refusal found the layers' tile is not the broken one, its check
-    reads Triton as fixed (its flag in the one module that checks it)."""
-    from fla.ops.common import chunk_o
-
-    chunk_o.TRITON_ABOVE_3_7_1 = True
 
 
 def gated_delta_varlen(layer, hidden_states, cu_seqlens, conv_fn, rule_fn):
@@ -171,7 +141,7 @@ def _wrap(layer, use_fla: bool) -> None:
                 "data.packing: a packed row's sample lengths do not add up to its tokens "
                 "in a linear-attention layer. Use --set data.packing=false."
             )
-        found = fla_kernels(layer.head_k_dim) if use_fla and hidden_states.is_cuda else None
+        found = fla_kernels() if use_fla and hidden_states.is_cuda else None
         if found is not None:
             ends = torch.tensor(lengths, device=hidden_states.device).cumsum(0)
             cu_seqlens = torch.cat([ends.new_zeros(1), ends]).to(torch.long)

@@ -263,6 +263,7 @@ def plan_memory(
         packed=config.data.packing,
     )
     budget = usable_gib(gpu_memory_gib)
+    means = None
     if _single_gpu_lora(config):
         means = _means(shape, config, tokens, budget)
         plan.parts_gib = _parts(shape, config, tokens, means)
@@ -283,28 +284,35 @@ def plan_memory(
 
         plan.traffic = plan_traffic(config, shape.params, shape.trained_params(config.train.tuner, config.lora.rank))
     if budget is not None:  # a GPU of gpu_memory_gib
-        plan.budget_gib = budget
-        prompt = (_longest(shape, config, budget) or 0) - completion_tokens(config)  # grpo: + completion
-        plan.longest_max_length = prompt if prompt > 0 else None
-        if completion_tokens(config):
-            plan.fixes.append(f"--max-completion-length {max(1, completion_tokens(config) // 2)}")
-        if plan.longest_max_length:
-            plan.fixes.append(
-                f"--set data.pack_length={plan.longest_max_length}"
-                if config.data.packing
-                else f"--max-length {plan.longest_max_length}"
-            )
-        if config.model.quantization == "none" and config.train.tuner in ("lora", "dora"):
-            plan.fixes.append("--quantization nf4 (QLoRA)")
-        if config.train.tuner == "full" and config.train.engine != "deepspeed-zero3-offload":
-            plan.fixes.append("more --gpus with --engine deepspeed-zero3 (or -zero3-offload)")
-        if micro_batch_rows(config) > 1:
-            plan.fixes.append("--micro-batch-size 1 with a larger --grad-accum")
-        if plan.kept:
-            plan.fixes.insert(0, "fewer train.uncheckpointed_layers")
-        if _single_gpu_lora(config) and config.train.gradient_checkpointing:
-            plan.room_for_layers = _room_for_layers(shape, config, tokens, means, budget)
+        _against_budget(plan, shape, config, tokens, budget, means)
     return plan
+
+
+def _against_budget(
+    plan: MemoryPlan, shape: ModelShape, config: RunConfig, tokens: int, budget: float, means: MemoryMeans | None
+) -> None:
+    """The plan on a GPU of `budget` usable GiB: the longest length that fits and the fixes."""
+    plan.budget_gib = budget
+    prompt = (_longest(shape, config, budget) or 0) - completion_tokens(config)  # grpo: + completion
+    plan.longest_max_length = prompt if prompt > 0 else None
+    if completion_tokens(config):
+        plan.fixes.append(f"--max-completion-length {max(1, completion_tokens(config) // 2)}")
+    if plan.longest_max_length:
+        plan.fixes.append(
+            f"--set data.pack_length={plan.longest_max_length}"
+            if config.data.packing
+            else f"--max-length {plan.longest_max_length}"
+        )
+    if config.model.quantization == "none" and config.train.tuner in ("lora", "dora"):
+        plan.fixes.append("--quantization nf4 (QLoRA)")
+    if config.train.tuner == "full" and config.train.engine != "deepspeed-zero3-offload":
+        plan.fixes.append("more --gpus with --engine deepspeed-zero3 (or -zero3-offload)")
+    if micro_batch_rows(config) > 1:
+        plan.fixes.append("--micro-batch-size 1 with a larger --grad-accum")
+    if plan.kept:
+        plan.fixes.insert(0, "fewer train.uncheckpointed_layers")
+    if means is not None and config.train.gradient_checkpointing:  # one GPU, an adapter
+        plan.room_for_layers = _room_for_layers(shape, config, tokens, means, budget)
 
 
 def row_length(config: RunConfig) -> int:

@@ -18,8 +18,11 @@ arguments, so a recomputed (checkpointed) layer sees them again in the backward 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import importlib.util
+import inspect
 
 import torch
 
@@ -87,6 +90,52 @@ def fla_backward_refusal() -> str | None:
         "flash-linear-attention's gated backward does not run on this Hopper GPU with this "
         "Triton; pip install 'triton>=3.7.1' or tilelang to use its varlen kernels"
     )
+
+
+DELTA_RULE = "torch_chunk_gated_delta_rule"
+"""transformers' chunked gated delta rule in a Gated DeltaNet family's modeling module: a function
+wrapped to call fla's kernel wherever fla is installed and the inputs are on CUDA."""
+
+
+@contextlib.contextmanager
+def torch_delta_rule_where_fla_refuses(model_type: str | None):
+    """Where fla refuses its gated backward (fla_backward_refusal: Hopper with Triton 3.4-3.7.0),
+    transformers' own Gated DeltaNet layers would still call fla's chunk kernel on every sequence
+    and the first backward would stop the run. Inside the context the family's modeling module
+    calls the torch delta rule the wrapper falls back to (exact, slower); put back on exit."""
+    module = _delta_rule_module(model_type)
+    if module is None or not torch.cuda.is_available() or fla_kernels() is not None:
+        yield
+        return
+    wrapped = getattr(module, DELTA_RULE)
+    setattr(module, DELTA_RULE, torch_function_of(wrapped))
+    try:
+        yield
+    finally:
+        setattr(module, DELTA_RULE, wrapped)
+
+
+def torch_function_of(function):
+    """transformers' torch function under its kernel wrappers: its own wrapper keeps it as
+    __wrapped__; with the `kernels` package installed that wrapper sits inside a Func module, in
+    its forward's closure."""
+    forward = getattr(type(function), "forward", None)
+    if isinstance(function, torch.nn.Module) and forward is not None:
+        inner = [cell.cell_contents for cell in forward.__closure__ or () if inspect.isfunction(cell.cell_contents)]
+        function = inner[0] if len(inner) == 1 else function
+    return inspect.unwrap(function)
+
+
+def _delta_rule_module(model_type: str | None):
+    """The modeling module of a family with transformers' gated delta rule, where fla is installed."""
+    if not model_type or importlib.util.find_spec("fla") is None:
+        return None
+    family = model_type.removesuffix("_text")
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        return None
+    return module if hasattr(module, DELTA_RULE) else None
 
 
 def gated_delta_varlen(layer, hidden_states, cu_seqlens, conv_fn, rule_fn):

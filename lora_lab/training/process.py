@@ -10,6 +10,7 @@ from ..config import RunConfig
 from ..device import run_device_settings
 from ..log import quiet_library_progress
 from ..models.kernels import resolve_kernels, restored_kernel_patches
+from ..models.linear_attention import torch_delta_rule_where_fla_refuses
 from ..registry import model_config_of
 
 
@@ -17,12 +18,14 @@ from ..registry import model_config_of
 def run_settings(config: RunConfig):
     """Device settings (allocator, memory cap, cuDNN attention), liger-kernel's patches, the
     progress bars of transformers and the hub, and the optimizer step hooks registered while
-    the run's models were built (models.fast_lora's StepCounter)."""
+    the run's models were built (models.fast_lora's StepCounter), and transformers' torch delta
+    rule where fla cannot train (models/linear_attention.py)."""
     expandable = config.train.expandable_segments and not config.train.engine.startswith("deepspeed")
     with contextlib.ExitStack() as stack:
         stack.enter_context(restored_optimizer_hooks())
         stack.enter_context(run_device_settings(expandable, config.model.cudnn_attention))
         stack.enter_context(restored_kernel_patches(config.model.kernels, _model_type(config)))
+        stack.enter_context(torch_delta_rule_where_fla_refuses(model_type_of(config)))
         stack.enter_context(quiet_library_progress())
         yield
 
@@ -31,6 +34,10 @@ def _model_type(config: RunConfig) -> str | None:
     """The model's model_type, read only where kernels are applied (liger patches its module)."""
     if resolve_kernels(config.model.kernels) == "none":
         return None
+    return model_type_of(config)
+
+
+def model_type_of(config: RunConfig) -> str | None:
     return (model_config_of(config.model.name) or {}).get("model_type")
 
 

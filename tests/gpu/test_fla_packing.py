@@ -68,6 +68,11 @@ def packed_row_on_fla(monkeypatch, linear_attention, backward: bool):
     return calls, results
 
 
+def lengths_of(cu_seqlens: list) -> list:
+    """The sample lengths of a packed row's cu_seqlens, in order of size (the packer orders them)."""
+    return sorted(b - a for a, b in zip(cu_seqlens, cu_seqlens[1:]))
+
+
 def summed_loss(model, batches) -> float:
     total = 0.0
     for batch in batches:
@@ -83,8 +88,7 @@ def test_fla_varlen_forward_restarts_each_sample_of_a_packed_row(monkeypatch):
     from lora_lab.models import linear_attention
 
     calls, results = packed_row_on_fla(monkeypatch, linear_attention, backward=False)
-    ends = [sum(LENGTHS[:i]) for i in range(len(LENGTHS) + 1)]
-    assert calls and all(c == ends for c in calls), calls  # fla ran, once per layer, on the samples
+    assert calls and all(lengths_of(c) == sorted(LENGTHS) for c in calls), calls  # fla ran on the samples
     for packed, alone in results.values():
         assert packed == pytest.approx(alone, rel=2e-2)
 
@@ -109,8 +113,7 @@ def test_fla_varlen_kernels_restart_each_sample_of_a_packed_row(monkeypatch):
     if why:
         pytest.skip(why)
     calls, results = packed_row_on_fla(monkeypatch, linear_attention, backward=True)
-    ends = [sum(LENGTHS[:i]) for i in range(len(LENGTHS) + 1)]
-    assert calls and all(c == ends for c in calls), calls  # fla ran, once per layer, on the samples
+    assert calls and all(lengths_of(c) == sorted(LENGTHS) for c in calls), calls  # fla ran on the samples
     (fla_packed, _), (per_sample_packed, alone) = results[True], results[False]
     for packed in (fla_packed, per_sample_packed):
         assert packed[0] == pytest.approx(alone[0], rel=2e-2)

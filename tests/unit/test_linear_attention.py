@@ -172,3 +172,43 @@ def test_a_stateful_layer_kind_lora_lab_cannot_restart_refuses_packed_rows():
     with pytest.raises(ModelError, match=r"recurrent layers carry a state .* --set data.packing=false"):
         model(**{k: v for k, v in batch.items() if k != "labels"})
     model(**{k: v for k, v in one_by_one[0].items() if k != "labels"})
+
+
+def test_where_fla_refuses_its_backward_transformers_layers_take_the_torch_delta_rule(monkeypatch):
+    """On a Hopper GPU where fla refuses its gated backward, transformers' own Gated DeltaNet
+    layers would call fla's kernel anyway (their wrapped function takes fla wherever it is
+    installed): inside run_settings' context the modeling module calls the torch delta rule, the
+    same computation, and gets its wrapped function back on exit. (The GPU check: a Qwen3.5-MoE
+    QLoRA run trains on an H100 with fla installed, tests/gpu/test_moe_cuda.py.)"""
+    import contextlib
+    import importlib.util
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    from lora_lab.models import linear_attention
+
+    wrapped = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "fla" else real_find_spec(name, *a)
+    )
+    monkeypatch.setattr(linear_attention, "fla_kernels", lambda: None)  # fla refuses to train here
+    model = tiny_lora_model("qwen3.5-0.8b", "sdpa")
+    ids = torch.tensor([[3, 9, 27, 81, 5, 17, 40, 2] * 9])
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        before = model(input_ids=ids).logits
+        with monkeypatch.context() as on_cuda:  # entered as on a CUDA GPU; the model runs on the CPU
+            on_cuda.setattr(torch.cuda, "is_available", lambda: True)
+            stack.enter_context(linear_attention.torch_delta_rule_where_fla_refuses("qwen3_5_text"))
+        torch_rule = modeling_qwen3_5.torch_chunk_gated_delta_rule
+        assert inspect.isfunction(torch_rule) and not hasattr(torch_rule, "__wrapped__") and torch_rule is not wrapped
+        assert (
+            torch_rule.__module__ == modeling_qwen3_5.__name__
+            and torch_rule.__name__ == "torch_chunk_gated_delta_rule"
+        )
+        inside = model(input_ids=ids).logits
+    assert modeling_qwen3_5.torch_chunk_gated_delta_rule is wrapped
+    torch.testing.assert_close(inside, before, rtol=0, atol=0)
+    with linear_attention.torch_delta_rule_where_fla_refuses("qwen3"):  # no delta rule: nothing changes
+        assert modeling_qwen3_5.torch_chunk_gated_delta_rule is wrapped

@@ -174,7 +174,8 @@ def infer(run_dir, adapter, model, dtype, input_path, output_path, batch_size, *
 )
 def evaluate(path, datasets, samples, tasks, include_path, limit, num_fewshot, chat_template, output):
     """Eval loss and perplexity on assistant tokens, plus generated answers vs references; on
-    preference pairs (chosen / rejected) the reward margin and preference accuracy; with --tasks,
+    preference pairs (chosen / rejected) the reward margin and preference accuracy; on a grpo
+    run's prompts the run's rewards of greedy completions before and after training; with --tasks,
     benchmark scores before and after the fine-tune (lm-evaluation-harness)."""
     if not datasets and not tasks:
         raise click.UsageError("pass --data FILE (loss and answers) or --tasks NAMES (benchmarks), or both.")
@@ -215,6 +216,9 @@ def _evaluate_on_data(path, datasets: list, samples: int, output) -> None:
     from .. import evaluate_run
 
     report = evaluate_run(path, datasets, samples, output)
+    if report.get("task") == "grpo":  # held-out prompts of a grpo run
+        click.echo("\n".join(reward_lines(report)))
+        return
     if "reward_margin" in report:  # preference pairs
         click.echo(
             f"pairs {report['pairs']}  reward margin {report['reward_margin']:.4f}  "
@@ -233,6 +237,23 @@ def _evaluate_on_data(path, datasets: list, samples: int, output) -> None:
             f"  reference: {row['reference'][:100]}\n  answer:    {row['answer'][:100]}"
         )
     click.echo(f"\nreport: {report['report_path']}")
+
+
+def reward_lines(report: dict) -> list[str]:
+    """A grpo run's held-out rewards, before and after, a line each, then a few completions."""
+
+    def shown(value) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = [f"prompts {report['prompts']}  greedy completions, the run's rewards (before -> after training)"]
+    for name, sides in {**report["rewards"], "total (weighted)": report["reward"]}.items():
+        lines.append(f"  {name:<20} {shown(sides['before'])} -> {shown(sides['after'])}")
+    for row in report["completions"]:
+        lines.append(
+            f"\n{row['origin']}\n  prompt: {row['prompt'][:100]}\n  before: {row['before'][:100]}\n"
+            f"  after:  {row['after'][:100]}"
+        )
+    return lines + [f"\nreport: {report['report_path']}"]
 
 
 @click.command()

@@ -1,6 +1,7 @@
 """`lora-lab eval`: loss and perplexity on assistant tokens, and generated answers next to
 references; on preference pairs the reward margin and preference accuracy (DPO's implicit reward
-against the run's reference model)."""
+against the run's reference model); on a grpo run's prompts its rewards before and after
+(use/reward_eval.py)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ def evaluate_run(
         run_dir = found
         model, tokenizer = load_adapter_model(path)
     config = load_saved_config(RunFolder(run_dir).config)
+    if adapter_dir is not None and config.train.task == "grpo":  # held-out rewards before and after
+        from .reward_eval import evaluate_rewards
+
+        result = evaluate_rewards(
+            model, tokenizer, config, list(datasets), reference_of(model, config), samples_to_generate
+        )
+        result.update(run_dir=str(run_dir), adapter=str(adapter_dir))
+        return write_report(result, output, run_dir)
     if adapter_dir is not None and is_preference_data(list(datasets)):
         result = evaluate_preferences(model, tokenizer, config, list(datasets))
         result.update(run_dir=str(run_dir), adapter=str(adapter_dir))

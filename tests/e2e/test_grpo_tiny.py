@@ -59,6 +59,14 @@ def test_a_grpo_run_continuing_an_sft_adapter_learns_the_format_reward(tiny128, 
     assert sum(rewards[:2]) / 2 <= 0.25, rewards
     assert sum(rewards[-3:]) / 3 >= 0.8, rewards
     assert (tmp_path / "grpo" / "adapter" / "adapter_model.safetensors").is_file()
+    # lora-lab eval: the run's reward on the prompts, greedy, from the SFT policy and after GRPO
+    evaluated = invoke("eval", tmp_path / "grpo", "--data", prompts)
+    assert evaluated.exit_code == 0, evaluated.output
+    assert "  format               0.000 -> 1.000" in evaluated.output, evaluated.output
+    report = json.loads((tmp_path / "grpo" / "eval_report.json").read_text())
+    assert report["rewards"] == {"format": {"before": 0.0, "after": 1.0}} and report["prompts"] == 1
+    row = report["completions"][0]
+    assert row["before"].startswith("It is four") and row["after"].startswith("<think>"), row
 
 
 EVEN = """

@@ -11,7 +11,7 @@ from .spec import spec_field as _f
 GRPO_LOSSES = ("grpo", "dr_grpo", "dapo", "bnpo", "gspo")
 """grpo.loss values (training/grpo.py says what each sets in TRL)."""
 BUILTIN_REWARDS = ("format", "accuracy", "length")
-"""grpo.rewards names of lora-lab's built-in rewards (training/rewards.py)."""
+"""grpo.rewards names of lora-lab's built-in rewards (data/rewards.py)."""
 
 
 @dataclass(frozen=True)

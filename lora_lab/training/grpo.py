@@ -1,6 +1,6 @@
 """--task grpo: TRL's GRPOTrainer with LoraLabMixin in front (crash-safe checkpoints, the
 non-finite guard, the progress line), on the prompts data/prompts.py read and the rewards of
-training/rewards.py (docs/grpo.md).
+data/rewards.py (docs/grpo.md).
 
 Each optimizer step samples grpo.num_generations completions for each of
 train.micro_batch_size x train.grad_accum / num_generations prompts, in one generation batch
@@ -21,9 +21,9 @@ from typing import Any
 
 from ..config import RunConfig
 from ..data.prompts import prompt_template_kwargs
+from ..data.rewards import build_rewards
 from ..log import get_logger
 from .preference import REFERENCE_ADAPTER, TrainedAdapterOnly, require_trl, rows_dataset
-from .rewards import build_rewards
 from .trainer import LoraLabMixin
 
 log = get_logger()

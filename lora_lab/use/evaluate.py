@@ -24,19 +24,7 @@ def evaluate_run(
     max_new_tokens: int = 128,
 ) -> dict:
     """Token-weighted loss over every assistant token of `datasets`, with the run's adapter."""
-    adapter_dir: Path | None
-    if full_model_of(path):  # --tuner full: the run's own model, no adapter
-        run_dir, adapter_dir = Path(path), None
-        model, tokenizer = load_plain_model(str(full_model_of(path)))
-    else:
-        adapter_dir, found = find_adapter(path)
-        if found is None:
-            raise CheckpointError(
-                f"{path}: an adapter folder outside its run; evaluation reads the run's settings. "
-                f"Pass the run folder that holds it."
-            )
-        run_dir = found
-        model, tokenizer = load_adapter_model(path)
+    run_dir, adapter_dir, model, tokenizer = _load_run(path)
     config = load_saved_config(RunFolder(run_dir).config)
     if adapter_dir is not None and config.train.task == "grpo":  # held-out rewards before and after
         from .reward_eval import evaluate_rewards
@@ -81,6 +69,20 @@ def evaluate_run(
         ],
     }
     return write_report(result, output, run_dir)
+
+
+def _load_run(path) -> tuple:
+    """(run folder, adapter folder or None, model, tokenizer) of the run at `path`: its adapter on
+    the base, or a full fine-tuning run's own model."""
+    if full_model_of(path):  # --tuner full: the run's own model, no adapter
+        return (Path(path), None, *load_plain_model(str(full_model_of(path))))
+    adapter_dir, found = find_adapter(path)
+    if found is None:
+        raise CheckpointError(
+            f"{path}: an adapter folder outside its run; evaluation reads the run's settings. "
+            f"Pass the run folder that holds it."
+        )
+    return (found, adapter_dir, *load_adapter_model(path))
 
 
 def write_report(result: dict, output, run_dir: Path) -> dict:

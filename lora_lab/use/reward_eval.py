@@ -2,7 +2,7 @@
 before (the starting policy: the base model, or the --from-run SFT adapter) and after (the trained
 adapter). Each prompt's completion is greedy, at most grpo.max_completion_length tokens, from the
 prompt encoded as training encoded it; the rewards are called as TRL calls them in training
-(training/rewards.py: a reward that fails stops with its file:line), and the total is their
+(data/rewards.py: a reward that fails stops with its file:line), and the total is their
 weighted sum, None counted as TRL's nansum does."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 from ..data import read_and_encode
+from ..data.rewards import build_rewards
 from ..errors import DataError
-from ..training.rewards import build_rewards
 
 
 def evaluate_rewards(model, tokenizer, config, datasets: list, reference, samples_to_show: int = 5) -> dict:

@@ -5,9 +5,9 @@ import pytest
 
 from lora_lab.config import resolve_config
 from lora_lab.data.prompts import encode_prompts, load_prompt_spec
+from lora_lab.data.rewards import Reward
 from lora_lab.errors import ConfigError, TrainingError
 from lora_lab.training.args import count_optimizer_steps
-from lora_lab.training.rewards import Reward
 from tests.support.tiny import write_jsonl
 
 USER = {"role": "user", "content": "What is 2+2?"}

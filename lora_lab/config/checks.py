@@ -112,6 +112,27 @@ def _converted_init_problems(config: RunConfig) -> list[tuple[str, str]]:
     return problems
 
 
+def _expert_lora_problems(config: RunConfig) -> list[tuple[str, str]]:
+    """lora.experts (peft target_parameters on the fused experts) against the tuner, the base's
+    precision and the dropout."""
+    lora, tuner = config.lora, config.train.tuner
+    problems = []
+    if lora.experts and (tuner != "lora" or config.model.quantization != "none"):
+        problems.append(
+            (
+                "lora.experts",
+                "LoRA on the fused experts trains 16-bit experts with --tuner lora only (peft target_parameters); "
+                "drop --quantization nf4 (the experts are then held in 16 bits) or drop lora.experts "
+                "(QLoRA then adapts attention and the shared experts).",
+            )
+        )
+    if lora.experts and lora.dropout:
+        problems.append(
+            ("lora.experts", "peft's LoRA on parameters takes no dropout: pass --lora-dropout 0 with lora.experts.")
+        )
+    return problems
+
+
 def identity_problem(specs: list, model_name: str | None, model_author: str | None) -> str | None:
     """Why `specs` cannot be trained on as given: a bundled identity set (self-cognition) with
     --model-name or --model-author missing. Said before anything is loaded or printed."""
@@ -138,6 +159,7 @@ def config_problems(config: RunConfig, need_data: bool = True, training: bool = 
     problems += _data_problems(config, need_data)
     problems += _full_finetuning_problems(config)
     problems += tuner_problems(config)
+    problems += _expert_lora_problems(config)
     problems += _memory_means_problems(config)
     if config.train.max_steps == 0 or config.train.max_steps < -1:
         problems.append(("train.max_steps", "must be -1 (use epochs) or at least 1."))

@@ -159,6 +159,8 @@ def adapter_config(model, args: LoraArgs, tuner: str, trainable_tokens: list[int
             feedforward_modules=[t for t in targets if t in IA3_INPUT_SCALED],
         )
     extra: dict[str, Any] = {}
+    if args.experts:
+        extra["target_parameters"] = expert_parameter_names(model)
     if trainable_tokens:
         extra["trainable_token_indices"] = trainable_token_modules(model, trainable_tokens)
     return LoraConfig(
@@ -215,3 +217,26 @@ ROUTERS = ("gate", "router", "shared_expert_gate")
 a Linear, or a Linear inside a module named so: Gemma 4's router.proj; Qwen3.5-MoE's gate of its
 shared expert): frozen, not in all-linear. The fused experts
 (models/moe.py) are no linear layers either: all-linear adapts attention and shared experts."""
+
+
+def expert_parameter_names(model) -> list[str]:
+    """lora.experts: peft target_parameters for the model's fused expert weights (MODULE.PARAMETER,
+    e.g. experts.gate_up_proj, experts.down_proj); a model without any is refused."""
+    import torch
+
+    from .moe import EXPERT_WEIGHTS, expert_modules
+
+    names = sorted(
+        {
+            f"{name.rsplit('.', 1)[-1]}.{key}"
+            for name, module in expert_modules(model)
+            for key in EXPERT_WEIGHTS
+            if isinstance(module._parameters.get(key), torch.nn.Parameter)
+        }
+    )
+    if not names:
+        raise ModelError(
+            "lora.experts: this model has no fused expert weights in 16 bits to adapt (not a mixture of "
+            "experts, or its experts are held in 4 bits); drop lora.experts."
+        )
+    return names

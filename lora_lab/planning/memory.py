@@ -388,6 +388,8 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
     means = means or _means(shape, config, tokens)
     tuner = config.train.tuner
     adapter = shape.trained_params(tuner, config.lora.rank)
+    if config.lora.experts:  # the fused experts' adapters, and one layer's experts with their delta
+        adapter += shape.expert_lora_per_rank * config.lora.rank
     hidden_bytes, intermediate_bytes = working_terms(shape, config, tokens, means)
     hidden_scale, intermediate_scale = fast_lora_scales(config)
     working = hidden_bytes * hidden_scale + intermediate_bytes * intermediate_scale
@@ -400,6 +402,8 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         "recomputed layer + fused loss (fitted)": working / GIB,
         "allocator and workspaces (fitted)": FIT_CONSTANT_GIB,
     }
+    if config.lora.experts:
+        parts["one layer's experts with their LoRA delta (counted)"] = 2 * shape.layer_experts * 2 / GIB
     dequantized = dequantized_mlp_bytes(shape, config)
     if dequantized:
         parts["4-bit weights dequantized (fitted)"] = FIT_FAST_NF4_MLP_COPIES * dequantized / GIB

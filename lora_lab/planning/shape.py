@@ -42,6 +42,9 @@ class ModelShape:
     bits by QLoRA, models/moe.py; not adapted by LoRA)."""
     routed: int = 0
     """Mixture of experts: the experts each token goes to (intermediate is their widths' sum)."""
+    expert_lora_per_rank: int = 0
+    """Mixture of experts, lora.experts: LoRA parameters on every fused expert tensor per unit of
+    rank (peft target_parameters: gate/up h -> 2w and down w -> h, per expert and layer)."""
     cache: tuple = (0, 0, 0, 0)
     """What generation caches (architecture.cache_widths): values a token keeps in full and in
     sliding-window attention layers, the window, bytes a sequence keeps in recurrent states."""
@@ -85,6 +88,7 @@ class ModelShape:
             fused_loss=family_of(config.get("model_type")).liger is not None,
             layer_experts=layer_experts,
             routed=routed if experts else 0,
+            expert_lora_per_rank=n * experts * (2 * h + 3 * width) if experts else 0,
             cache=cache_widths(config),
             **_linear_attention_of(config),
         )

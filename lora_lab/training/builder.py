@@ -142,6 +142,7 @@ def apply_tuner(plan: RunPlan, model, precision: Precision, tokens, should_save:
             f"{len(tokens)} special tokens train too "
             f"({' '.join(inputs.tokenizer.convert_ids_to_tokens(tokens))})"
         )
+    log.info(adapted_modules(model.peft_config["default"]))
     trainable, total = model.get_nb_trainable_parameters()
     log.info(
         f"precision {precision.name}; {describe_tuner(config)}: {trainable:,} "
@@ -150,6 +151,15 @@ def apply_tuner(plan: RunPlan, model, precision: Precision, tokens, should_save:
         + (f"; packed rows attend with {plan.packed_attention}" if inputs.packed else "")
     )
     return model
+
+
+def adapted_modules(peft_config) -> str:
+    """The run's line naming what the adapter adapts (lora.target_modules as peft resolved it, and
+    the experts' parameters with lora.experts)."""
+    modules = peft_config.target_modules
+    names = [modules] if isinstance(modules, str) else sorted(modules or [])
+    experts = list(getattr(peft_config, "target_parameters", None) or [])
+    return "adapts " + ", ".join(names) + (f"; the fused experts' {', '.join(experts)}" if experts else "")
 
 
 def supervised_trainer(plan: RunPlan, inputs: TrainingInputs, model, args, parts: dict) -> LoraLabTrainer:

@@ -137,3 +137,20 @@ def test_a_packed_row_on_the_models_own_attention_gives_each_sample_its_logits_a
     alone = torch.cat([model(input_ids=s[None]).logits[0] for s in samples])
     torch.testing.assert_close(out.logits[0], alone, rtol=0, atol=1e-5)
     assert out.aux_loss is not None and torch.isfinite(out.aux_loss)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "qwen3_5_moe_text"])
+def test_the_planner_counts_the_experts_lora_as_peft_makes_it(model_type):
+    """lora.experts: the planner's count of the fused experts' LoRA parameters (ModelShape
+    expert_lora_per_rank) equals what peft's target_parameters adds to the model."""
+    from peft import LoraConfig, get_peft_model
+
+    from lora_lab.models.lora import expert_parameter_names
+    from lora_lab.planning.shape import ModelShape
+
+    model = tiny_moe(model_type)
+    shape = ModelShape.from_config(model.config.to_dict())
+    names = expert_parameter_names(model)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=[], target_parameters=names))
+    counted = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
+    assert counted == shape.expert_lora_per_rank * 4 > 0

@@ -350,7 +350,21 @@ def main() -> None:
         outcome = {"error": None, **runner(cell)}
     except Exception as exc:
         outcome = failure(exc)
-    print("CELL " + json.dumps({**cell, **outcome}), flush=True)
+    print("CELL " + json.dumps({**cell, **outcome, **host_memory()}), flush=True)
+
+
+def host_memory() -> dict:
+    """The cell process's host RAM: its peak resident set, and the peak of PyTorch's pinned
+    (page-locked) host memory, where checkpoints offloaded to the CPU live."""
+    import resource
+
+    import torch
+
+    row = {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
+        stats = torch.cuda.host_memory_stats()
+        row["peak_pinned_gib"] = round(stats.get("allocated_bytes.peak", 0) / 2**30, 3)
+    return row
 
 
 def failure(exc: Exception) -> dict:

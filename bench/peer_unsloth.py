@@ -48,7 +48,7 @@ def import_unsloth():
     return FastLanguageModel
 
 
-def load(fast, model_dir: str, max_length: int, qlora: bool):
+def load(fast, model_dir: str, max_length: int, qlora: bool, rank: int = 8, alpha: int = 32):
     import torch
 
     model, tokenizer = fast.from_pretrained(
@@ -56,8 +56,8 @@ def load(fast, model_dir: str, max_length: int, qlora: bool):
     )
     model = fast.get_peft_model(
         model,
-        r=8,
-        lora_alpha=32,
+        r=rank,
+        lora_alpha=alpha,
         lora_dropout=0,
         bias="none",
         target_modules=TARGETS,
@@ -95,7 +95,9 @@ def run_fixed(cell: dict, model_dir: str, data_path) -> dict:
     from lora_lab.training.callbacks import StepTimer
 
     batch, accum = cell.get("batch", 1), cell.get("grad_accum", 4)
-    model, tokenizer = load(fast, model_dir, cell["max_length"], cell.get("qlora", False))
+    model, tokenizer = load(
+        fast, model_dir, cell["max_length"], cell.get("qlora", False), cell.get("rank", 8), cell.get("alpha", 32)
+    )
     rows = fixed_rows(tokenizer, data_path, cell["max_length"])
 
     class Rows(torch.utils.data.Dataset):

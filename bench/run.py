@@ -443,9 +443,51 @@ def long_context_cells() -> list:
     return unsloth + long_cells((("24gb", 65536, False), ("16gb", 98304, True)), steps=2)
 
 
+# Issue 51: Unsloth's context table (Llama-3.1-8B, QLoRA, rank 32, micro-batch 1, LoRA on every
+# linear layer): its published longest lengths per card, lora-lab's targets, the caps.
+CONTEXT_TABLE = {  # tier: (cap GiB or None for the whole GPU, Unsloth's published length, target)
+    "8gb": (TIERS["8gb"], 2972, 11888),
+    "12gb": (TIERS["12gb"], 21848, 65544),
+    "16gb": (TIERS["16gb"], 40724, 131072),
+    "24gb": (TIERS["24gb"], 78475, 131072),  # 235,425 asks for RoPE scaling past the native 128k
+    "80gb": (None, 342733, 514100),
+}
+CONTEXT_SETS = ["model.quantization=nf4", "lora.rank=32", "lora.alpha=32", "data.packing=false"]
+
+
+def context_table_cells(tiers=("16gb", "24gb", "12gb", "8gb")) -> list:
+    """The context table as ladders (bench/run.py runs a ladder's rungs in order and skips the
+    rest once one fails): per tier, Unsloth at its published length and at twice it, lora-lab at
+    twice Unsloth's published length and at the tier's target; 2 optimizer steps of one
+    full-length sample each, under the tier's cap. Llama-3.1-8B with random weights."""
+    cells = []
+    for tier in tiers:
+        cap, published, target = CONTEXT_TABLE[tier]
+        preset = tier if tier in TIERS else "24gb"
+        for kind, rungs in (("unsloth", (published, 2 * published)), ("lora-lab", (2 * published, target))):
+            for length in sorted(set(rungs)):
+                cell = {
+                    "kind": kind,
+                    "label": f"{'us' if kind == 'unsloth' else 'll'}-ctx-{tier}-{length}",
+                    "ladder": f"{kind}-{tier}",
+                    "size": "llama-3.1-8b",
+                    "max_length": length,
+                    "steps": 2,
+                    "grad_accum": 1,
+                    "cap_gib": cap,
+                }
+                if kind == "unsloth":
+                    cell.update(qlora=True, rank=32, alpha=32)
+                else:
+                    cell.update(preset=preset, sets=CONTEXT_SETS)
+                cells.append(cell)
+    return cells
+
+
 PLANS = {
     "peer": peer_cells,
     "long-context": long_context_cells,
+    "context-table": context_table_cells,
     "families": family_cells,
     "tuners": tuner_cells,
     "smoke": lambda: [
@@ -692,17 +734,34 @@ def main() -> None:
             check=True,
         )
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        for row in pool.map(lambda c: run_cell(c, args.timeout, args.parallel), cells):
-            with open(out, "a") as handle:
-                handle.write(json.dumps(row) + "\n")
-            shown = (
-                f"{row.get('peak_reserved_gib', 0) or 0:6.2f} GiB {row.get('tokens_per_s', 0) or 0:9.0f} tok/s"
-                if not row.get("error")
-                else f"ERROR {row['error'][:150]}"
-                + (f" at {row['peak_reserved_gib']:.2f} GiB reserved" if row.get("peak_reserved_gib") else "")
-            )
-            print(f"{row['label']:<28} {shown}  ({row['wall_seconds']} s)", flush=True)
+        for row in pool.map(
+            lambda c: run_cell(c, args.timeout, args.parallel), [c for c in cells if "ladder" not in c]
+        ):
+            record(out, row)
+    failed: set = set()
+    for cell in (c for c in cells if "ladder" in c):  # in order; a rung after a failed one is skipped
+        if cell["ladder"] in failed:
+            record(out, {**cell, "error": "skipped: a shorter rung of its ladder failed", "wall_seconds": 0})
+            continue
+        row = run_cell(cell, args.timeout, 1)
+        if row.get("error"):
+            failed.add(cell["ladder"])
+        record(out, row)
     print(f"wrote {out}")
+
+
+def record(out: Path, row: dict) -> None:
+    """Append a cell's row to the results file and print its line."""
+    with open(out, "a") as handle:
+        handle.write(json.dumps(row) + "\n")
+    shown = (
+        f"{row.get('peak_reserved_gib', 0) or 0:6.2f} GiB {row.get('tokens_per_s', 0) or 0:9.0f} tok/s"
+        + (f" · RSS {row['peak_rss_gib']:.1f} GiB" if row.get("peak_rss_gib") else "")
+        if not row.get("error")
+        else f"ERROR {row['error'][:150]}"
+        + (f" at {row['peak_reserved_gib']:.2f} GiB reserved" if row.get("peak_reserved_gib") else "")
+    )
+    print(f"{row['label']:<28} {shown}  ({row['wall_seconds']} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -406,9 +406,16 @@ def quantize_gguf(f16: Path, target: Path, quantize: str) -> None:
 
 
 def load_llama(gguf: Path, n_ctx: int = 512, logits_all: bool = False):
+    """llama.cpp's model of a GGUF file; a file it cannot open is said in one line."""
     from llama_cpp import Llama
 
-    return Llama(model_path=str(gguf), n_ctx=n_ctx, logits_all=logits_all, verbose=False, seed=0)
+    try:
+        return Llama(model_path=str(gguf), n_ctx=n_ctx, logits_all=logits_all, verbose=False, seed=0)
+    except ValueError as exc:
+        raise ModelError(
+            f"{gguf}: llama.cpp cannot open this GGUF file ({exc}); it is cut short, not a GGUF model, or of an "
+            "architecture this llama.cpp does not know. Export it again with `lora-lab export RUN --format gguf`."
+        ) from None
 
 
 def check_gguf_metadata(gguf: Path, tokenizer, stops: list[str]) -> dict:

@@ -153,3 +153,10 @@ def test_check_finds_every_form_that_answers_as_the_trained_model_and_the_one_th
     ]
     shutil.rmtree(broken)
     assert CliRunner().invoke(main, ["check", str(run_dir)]).exit_code == 0
+    cut = run_dir / "export-gguf-cut" / "model.gguf"  # a copy cut short: one line naming the file
+    cut.parent.mkdir()
+    cut.write_bytes((run_dir / "export-gguf-f16" / "model.gguf").read_bytes()[:4096])
+    result = CliRunner().invoke(main, ["check", str(run_dir)])
+    assert result.exit_code != 0 and f"{cut}: llama.cpp cannot open this GGUF file" in result.output, result.output
+    assert "Traceback" not in result.output
+    shutil.rmtree(cut.parent)

@@ -115,6 +115,18 @@ def retry_plan(
     return replace(plan, resume_from=resume_from).with_rows(rows), inputs
 
 
+def _generation_hint(config) -> str:
+    """--task grpo: the generation batch, which a smaller micro-batch does not shrink."""
+    if config.train.task != "grpo":
+        return ""
+    t, completion = config.train, config.grpo.max_completion_length
+    return (
+        f"--task grpo generates the step's {t.micro_batch_size * t.grad_accum} completions of up to {completion} "
+        f"tokens at once, whatever the micro-batch: lower --max-completion-length (e.g. {max(1, completion // 2)}) "
+        f"or the completions a step (--grad-accum, in whole groups of --num-generations {config.grpo.num_generations}). "
+    )
+
+
 def halved_plan(plan: RunPlan, step: int, precision: Precision) -> RunPlan:
     """A new plan with half the micro-batch and grad_accum doubled, or stop with what to change."""
     config = plan.config
@@ -123,7 +135,8 @@ def halved_plan(plan: RunPlan, step: int, precision: Precision) -> RunPlan:
         raise TrainingError(
             f"out of GPU memory at step {step} even with --micro-batch-size 1 "
             f"({config.model.name}, {precision.name}, --max-length {config.data.max_length}). "
-            f"Lower --max-length (e.g. {max(8, config.data.max_length // 2)}), use a preset for a "
+            + _generation_hint(config)
+            + f"Lower --max-length (e.g. {max(8, config.data.max_length // 2)}), use a preset for a "
             f"smaller GPU or a smaller model, or --quantization nf4 (QLoRA)."
         )
     if not t.oom_retry:

@@ -9,6 +9,7 @@ import yaml
 
 import lora_lab
 from lora_lab.config import resolve_config
+from lora_lab.errors import TrainingError
 from lora_lab.models.load import Precision
 from lora_lab.training.oom import halved_plan
 from lora_lab.training.plan import Target, plan_run, read_plan, write_plan
@@ -67,3 +68,14 @@ def test_out_of_memory_makes_a_new_plan_with_half_the_micro_batch(tmp_path):
     assert read_plan(tmp_path / "plan.yaml") == retried
     saved = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     assert saved["train"]["micro_batch_size"] == 2 and saved["plan"]["precision"] == "fp32"
+
+
+def test_out_of_memory_at_micro_batch_1_in_grpo_names_the_generation_batch(tmp_path):
+    """A smaller micro-batch does not shrink grpo's generation (the step's completions at once):
+    the stop names the completion length and the completions a step."""
+    flags = {"train.micro_batch_size": 1, "train.grad_accum": 8, "train.output_dir": str(tmp_path), **DATA}
+    flags.update({"train.task": "grpo", "grpo.rewards": ["format"], "grpo.max_completion_length": 512})
+    plan = plan_run(resolve_config("cpu", flags=flags), Target(gpu_gib=None, cuda=False), locate=False)
+    with pytest.raises(TrainingError, match=r"generates the step's 8 completions of up to 512 tokens at once.*"
+                       r"--max-completion-length \(e.g. 256\)"):  # fmt: skip
+        halved_plan(plan, 3, Precision("fp32"))

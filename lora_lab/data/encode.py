@@ -110,6 +110,13 @@ def thinking_setup(tokenizer, messages: list, mode) -> tuple[list, dict]:
     return messages, {"enable_thinking": thinking}
 
 
+def _think_opened(head: str) -> int:
+    """How much of the empty think block an assistant header already wrote: Qwen3.5 and Qwen3.6's
+    thinking-mode headers end in `<think>\n` (the model writes its reasoning from there, so that
+    is never trained); Qwen3's write none of it."""
+    return next((len(p) for p in ("<think>\n", "<think>") if head.endswith(p)), 0)
+
+
 def _closed_at(text: str, end: int, closers: tuple) -> int:
     """`end`, pulled back over trailing whitespace when that follows an end-of-turn token: the
     reply is trained up to the token that closes it, not the newline a template puts after it."""
@@ -155,8 +162,8 @@ def assistant_spans(
 ) -> tuple[str, list]:
     """The rendered text and the (start, end) character span of every trained assistant turn.
 
-    A span starts after the template's assistant header (and after an empty think block) and
-    ends after its end-of-turn token. The header is rendered in thinking mode: a non-thinking
+    A span starts after the template's assistant header (and after an empty think block, the part
+    of it the header opened included) and ends after its end-of-turn token. The header is rendered in thinking mode: a non-thinking
     header ends in the empty think block, which earlier turns do not carry. A prefix that the
     template closes with the end-of-sequence token (Phi-3.5 ends the conversation so) ends where
     the whole text goes on with the next turn.
@@ -188,8 +195,9 @@ def assistant_spans(
         else:  # rendered differently once later turns follow
             end = turn_end + len(eos)
         start = len(head)
-        if text.startswith(EMPTY_THINK, start):
-            start += len(EMPTY_THINK)
+        opened = _think_opened(head)  # Qwen3.5/3.6: a thinking header opens the block itself
+        if text.startswith(EMPTY_THINK, start - opened):
+            start += len(EMPTY_THINK) - opened
         spans.append((start, _closed_at(text, end, closers)))
     return text, spans
 

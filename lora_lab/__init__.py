@@ -35,11 +35,22 @@ __version__ = "0.1.0"
 
 def train(config: RunConfig):
     """Fine-tune (LoRA or full) and return the run's TrainResult; with config.train.gpus > 1 or
-    an engine other than ddp, as several processes through accelerate launch."""
+    an engine other than ddp, as several processes through accelerate launch. With
+    config.train.eval_tasks, lm-eval scores the base and the fine-tune once training ends."""
     from .training.launch import launch_run, needs_launch
     from .training.run import train as train_here
+    from .use.benchmarks import BenchmarkSettings, benchmark_run, check_tasks
 
-    return launch_run(config) if needs_launch(config) else train_here(config)
+    tasks = config.train.eval_tasks
+    settings = BenchmarkSettings(
+        tuple(tasks), config.train.eval_tasks_path, flags=("--eval-tasks", "train.eval_tasks_path")
+    )
+    if tasks:  # lm-eval and the task names, before anything trains
+        check_tasks(settings)
+    result = launch_run(config) if needs_launch(config) else train_here(config)
+    if tasks:  # the base and the fine-tune on the benchmarks, once training ended
+        result.benchmark = benchmark_run(result.run_dir, settings)
+    return result
 
 
 def plan(config: RunConfig, gpu_memory_gib: float | None = None, longest_sample_tokens: int | None = None):

@@ -387,6 +387,7 @@ class TrainResult:
     nonfinite_skipped_steps: list
     model_dir: Path | None = None
     """model/ of a --tuner full run: loadable with from_pretrained."""
+    benchmark: dict | None = None  # train.eval_tasks: the base's and the fine-tune's scores
 
 
 # ----------------------------------------------------------------------------- the run

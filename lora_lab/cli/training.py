@@ -82,6 +82,10 @@ def run(preset, config_file, sets, dry_run, show_config, **flag_values):
         )
         + f"\nrun folder: {result.run_dir}"
     )
+    if result.benchmark:  # --eval-tasks
+        from ..use.benchmarks import report_lines
+
+        click.echo("\n".join(report_lines(result.benchmark)))
 
 
 @click.command()

@@ -166,6 +166,14 @@ def config_problems(config: RunConfig, need_data: bool = True, training: bool = 
     problem = report_to_problem(config.train.report_to, check_installed=training)
     if problem:
         problems.append(("train.report_to", problem))
+    if config.train.eval_tasks and config.train.tuner == "full":
+        problems.append(
+            (
+                "train.eval_tasks",
+                "scores the base and the fine-tune by turning the adapter off and on; a full fine-tuning run has "
+                "none: score its model/ with lm-eval, or train an adapter.",
+            )
+        )
     problems += _task_problems(config.train, config.data)
     problems += grpo_problems(config.grpo, config.train)
     problems += _node_problems(config.train, launching=need_data and training)

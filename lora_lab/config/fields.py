@@ -332,6 +332,12 @@ class TrainArgs:
     )
     save_steps: int = _f(100, "Save a checkpoint every N optimizer steps.", minimum=1)
     eval_steps: int = _f(100, "Evaluate every N optimizer steps (when there is validation data).", minimum=1)
+    eval_tasks: list = _f(
+        [],
+        "lm-evaluation-harness tasks, comma-separated, scored on the base and on the fine-tune when training "
+        "ends, as `lora-lab eval --tasks` does (RUN/benchmark_report.json; needs lora-lab[eval]).",
+    )
+    eval_tasks_path: str | None = _f(None, "train.eval_tasks: a folder of your own lm-eval task YAML files.")
     save_total_limit: int = _f(2, "Keep at most N checkpoints.", minimum=1)
     save_only_model: bool = _f(
         False,

@@ -38,6 +38,7 @@ FLAGS = {
     "--save-steps": "train.save_steps",
     "--logging-steps": "train.logging_steps",
     "--eval-steps": "train.eval_steps",
+    "--eval-tasks": "train.eval_tasks",
     "--report-to": "train.report_to",
     "--gradient-checkpointing/--no-gradient-checkpointing": "train.gradient_checkpointing",
     "--resume": "train.resume",

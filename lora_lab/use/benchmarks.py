@@ -58,6 +58,8 @@ class BenchmarkSettings:
     chat_template: bool = True
     """Render each example with the model's chat template, as the run trained."""
     batch_size: int = 8
+    flags: tuple[str, str] = ("--tasks", "--include-path")
+    """How the messages name the tasks and the task folder (`lora-lab run` gives its own)."""
 
 
 def require_lm_eval():
@@ -101,6 +103,11 @@ def benchmark_run(path: str | Path, settings: BenchmarkSettings, output: str | P
     return report
 
 
+def check_tasks(settings: BenchmarkSettings) -> None:
+    """lm-eval is installed and knows every task: said before anything is trained or loaded."""
+    _task_manager(settings)
+
+
 def _task_manager(settings: BenchmarkSettings):
     """lm-eval's TaskManager with the --include-path folders; an unknown task name is refused
     before any model is loaded."""
@@ -108,7 +115,7 @@ def _task_manager(settings: BenchmarkSettings):
     from lm_eval.tasks import TaskManager
 
     if settings.include_path and not Path(settings.include_path).is_dir():
-        raise LoraLabError(f"--include-path {settings.include_path}: no such folder.")
+        raise LoraLabError(f"{settings.flags[1]} {settings.include_path}: no such folder.")
     with quiet_library_progress():
         manager = TaskManager(include_path=settings.include_path)
     known = set(manager.all_tasks)
@@ -119,8 +126,8 @@ def _task_manager(settings: BenchmarkSettings):
         close = difflib.get_close_matches(unknown[0], sorted(known), n=3)
         hint = f" Close names: {', '.join(close)}." if close else ""
         raise LoraLabError(
-            f"--tasks {unknown[0]}: not a task lm-eval knows.{hint} A task of your own: its YAML file "
-            f"in a folder given with --include-path."
+            f"{settings.flags[0]} {unknown[0]}: not a task lm-eval knows.{hint} A task of your own: its YAML "
+            f"file in a folder given with {settings.flags[1]}."
         )
     return manager
 

@@ -243,3 +243,29 @@ def test_eval_tasks_refuses_an_unknown_task_in_one_line(trained):
     assert result.exit_code == 2
     assert result.output.startswith("error: --tasks hellaswagg: not a task lm-eval knows. Close names: hellaswag")
     assert "Traceback" not in result.output
+
+
+def test_eval_tasks_at_the_end_of_training_scores_base_and_fine_tune(tiny_model_dir, tmp_path):
+    """`lora-lab run --eval-tasks`: the run trains, then lm-eval scores the base and the fine-tune
+    on the local task: the table is printed and benchmark_report.json written in the run folder;
+    an unknown task is refused before anything trains."""
+    pytest.importorskip("lm_eval", reason="--eval-tasks needs lora-lab[eval] (lm-eval)")
+    data = write_jsonl(tmp_path / "who.jsonl", [{"question": "Who are you?", "answer": "I am Aurora."}] * 3)
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "who.yaml").write_text(WHO_TASK.format(data=data))
+    rows = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    common = ["run", "--model", tiny_model_dir, "--data", f"{rows}#8", "--max-steps", 40, "--lr", "1e-2",
+              "--lora-rank", 16, "--lora-dropout", 0, "--output-dir", tmp_path, "--set",
+              f"train.eval_tasks_path={tmp_path / 'tasks'}"]  # fmt: skip
+    wrong = CliRunner().invoke(main, [str(a) for a in common + ["--eval-tasks", "who_are_yuo", "--run-name", "w"]])
+    assert wrong.exit_code != 0 and "--eval-tasks who_are_yuo: not a task lm-eval knows. Close names: who_are_you" in (
+        wrong.output
+    )
+    assert not (tmp_path / "w").exists()  # refused before the run folder was made
+    result = invoke(*common, "--eval-tasks", "who_are_you", "--run-name", "r")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r" / "benchmark_report.json").read_text())
+    [score] = report["scores"]
+    assert (score["task"], score["base"], score["tuned"], score["change"]) == ("who_are_you", 0.0, 1.0, 1.0)
+    table = result.output[result.output.index("task ") :].splitlines()
+    assert table[1].split() == ["who_are_you", "exact_match", "0.000", "±0.000", "1.000", "±0.000", "+1.000"]

@@ -199,3 +199,13 @@ def test_uncheckpointed_layers_are_refused_where_layers_are_not_checkpointed_by_
     # auto means none where lora-lab does not checkpoint the layers, as the other autos do
     full = resolve_config("24gb", flags=flags, sets=["train.tuner=full", "train.uncheckpointed_layers=AUTO"])
     assert full.train.uncheckpointed_layers == "auto"
+
+
+def test_eval_tasks_need_an_adapter_to_turn_off():
+    """train.eval_tasks scores the base by turning the adapter off: a full fine-tuning run is refused."""
+    flags = {"data.datasets": ["x"], "train.eval_tasks": "arc_easy", "train.tuner": "full"}
+    with pytest.raises(
+        ConfigError, match="--eval-tasks arc_easy: scores the base and the fine-tune by turning the adapter"
+    ):
+        resolve_config("cpu", flags=flags)
+    assert resolve_config("cpu", flags={**flags, "train.tuner": "lora"}).train.eval_tasks == ["arc_easy"]

@@ -92,6 +92,20 @@ def test_each_loss_trains_with_a_users_reward(tiny_model_dir, prompts, tmp_path,
     assert not (tmp_path / loss / "adapter" / "ref").exists()  # TRL's reference copy stays out
 
 
+def test_qlora_grpo_trains_its_adapter_on_a_4_bit_base(tiny_model_dir, prompts, tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text(EVEN)
+    result = invoke("run", "--model", tiny_model_dir, "--data", f"{prompts}#4", "--task", "grpo", "--quantization",
+                    "nf4", "--reward", f"{reward}:even_tokens", "--num-generations", 4, "--max-completion-length", 6,
+                    "--grad-accum", 1, "--max-steps", 2, "--logging-steps", 1, "--output-dir", tmp_path,
+                    "--run-name", "q")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    steps = [json.loads(line) for line in (tmp_path / "q" / "logs" / "train_log.jsonl").read_text().splitlines()]
+    assert any(e.get("grad_norm", 0) > 0 for e in steps), steps  # the policy loss reached the adapter
+    assert "nf4" in (tmp_path / "q" / "config.yaml").read_text()
+    assert (tmp_path / "q" / "adapter" / "adapter_model.safetensors").is_file()
+
+
 RAISES = """
 def score(completions, **kwargs):
     return [len(c[0]["content"]) / 0 for c in completions]

@@ -56,11 +56,16 @@ def lengths_from_positions(position_ids) -> list[int] | None:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
+def fla_installed() -> bool:
+    """flash-linear-attention (fla-core) is importable here."""
+    return importlib.util.find_spec("fla") is not None
+
+
 @functools.lru_cache(maxsize=1)
 def fla_kernels():
     """flash-linear-attention's (causal_conv1d, chunk_gated_delta_rule), or None where it is not
     installed; imported only on a CUDA run."""
-    if importlib.util.find_spec("fla") is None:
+    if not fla_installed():
         return None
     try:
         from fla.modules.convolution import causal_conv1d
@@ -128,7 +133,7 @@ def torch_function_of(function):
 
 def _delta_rule_module(model_type: str | None):
     """The modeling module of a family with transformers' gated delta rule, where fla is installed."""
-    if not model_type or importlib.util.find_spec("fla") is None:
+    if not model_type or not fla_installed():
         return None
     family = model_type.removesuffix("_text")
     try:

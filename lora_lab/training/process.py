@@ -10,7 +10,7 @@ from ..config import RunConfig
 from ..device import run_device_settings
 from ..log import quiet_library_progress
 from ..models.kernels import resolve_kernels, restored_kernel_patches
-from ..models.linear_attention import torch_delta_rule_where_fla_refuses
+from ..models.linear_attention import fla_installed, torch_delta_rule_where_fla_refuses
 from ..registry import model_config_of
 
 
@@ -25,7 +25,7 @@ def run_settings(config: RunConfig):
         stack.enter_context(restored_optimizer_hooks())
         stack.enter_context(run_device_settings(expandable, config.model.cudnn_attention))
         stack.enter_context(restored_kernel_patches(config.model.kernels, _model_type(config)))
-        stack.enter_context(torch_delta_rule_where_fla_refuses(model_type_of(config)))
+        stack.enter_context(torch_delta_rule_where_fla_refuses(model_type_of(config) if fla_installed() else None))
         stack.enter_context(quiet_library_progress())
         yield
 

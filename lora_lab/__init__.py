@@ -42,13 +42,14 @@ def train(config: RunConfig):
     from .use.benchmarks import BenchmarkSettings, benchmark_run, check_tasks
 
     tasks = config.train.eval_tasks
-    settings = BenchmarkSettings(
-        tuple(tasks), config.train.eval_tasks_path, flags=("--eval-tasks", "train.eval_tasks_path")
-    )
+    settings = None
     if tasks:  # lm-eval and the task names, before anything trains
+        settings = BenchmarkSettings(
+            tuple(tasks), config.train.eval_tasks_path, flags=("--eval-tasks", "train.eval_tasks_path")
+        )
         check_tasks(settings)
     result = launch_run(config) if needs_launch(config) else train_here(config)
-    if tasks:  # the base and the fine-tune on the benchmarks, once training ended
+    if settings is not None:  # the base and the fine-tune on the benchmarks, once training ended
         result.benchmark = benchmark_run(result.run_dir, settings)
     return result
 

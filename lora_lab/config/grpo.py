@@ -52,6 +52,11 @@ class GrpoArgs:
     temperature: float = _f(1.0, "Sampling temperature of the completions (above 0).", minimum=0)
 
 
+def reward_weights_of(grpo: GrpoArgs) -> list[float]:
+    """Each reward's weight, in the order of grpo.rewards: 1 each unless grpo.reward_weights says."""
+    return [float(w) for w in grpo.reward_weights] or [1.0] * len(grpo.rewards)
+
+
 def reward_file(spec: str) -> tuple[str, str] | None:
     """A user reward's (file, function) from PATH.py:FUNCTION; None for a built-in's name."""
     path, sep, function = spec.rpartition(":")

@@ -60,6 +60,7 @@ ROOM_SHARE = 0.90
 """Layers not recomputed (train.uncheckpointed_layers auto, and the plan's suggestion) stay
 within this share of the usable memory: a margin for the fitted terms, whose plans fall some
 percent under the measured peak of some cells (each cell's plan / measured: docs/memory-planner.md)."""
+ALLOCATOR_PART, DEQUANTIZED_PART = "allocator and workspaces (fitted)", "4-bit weights dequantized (fitted)"
 MAX_PLANNED_LENGTH = 131072  # Qwen2.5's longest context (with YaRN)
 
 
@@ -400,13 +401,13 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         adapter_state_part(tuner): adapter * 16 / GIB,
         "activation checkpoints": 0.0 if means.offload_checkpoints else _checkpoint_bytes(shape, tokens) / GIB,
         "recomputed layer + fused loss (fitted)": working / GIB,
-        "allocator and workspaces (fitted)": FIT_CONSTANT_GIB,
+        ALLOCATOR_PART: FIT_CONSTANT_GIB,
     }
     if config.lora.experts:
         parts["one layer's experts with their LoRA delta (counted)"] = 2 * shape.layer_experts * 2 / GIB
     dequantized = dequantized_mlp_bytes(shape, config)
     if dequantized:
-        parts["4-bit weights dequantized (fitted)"] = FIT_FAST_NF4_MLP_COPIES * dequantized / GIB
+        parts[DEQUANTIZED_PART] = FIT_FAST_NF4_MLP_COPIES * dequantized / GIB
     kept = min(means.uncheckpointed_layers, shape.layers)
     if kept:  # their checkpoints are not made; their activations are kept instead
         parts["activation checkpoints"] *= (shape.layers - kept) / shape.layers
@@ -445,12 +446,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
     ):
         parts["full logits for the loss (estimate)"] = tokens * shape.vocab * UNFUSED_LOSS_BYTES_PER_LOGIT / GIB
     if config.train.task == "grpo":
-        held = (
-            weights,
-            adapter_state_part(tuner),
-            "allocator and workspaces (fitted)",
-            "4-bit weights dequantized (fitted)",
-        )
+        held = (weights, adapter_state_part(tuner), ALLOCATOR_PART, DEQUANTIZED_PART)  # kept through generation
         step = sum(v for k, v in parts.items() if k not in held)
         parts.update(generation_part(shape, config, tokens // micro_batch_rows(config), step))
     return parts

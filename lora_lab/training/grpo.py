@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 from ..config import RunConfig
+from ..config.grpo import reward_weights_of
 from ..data.prompts import prompt_template_kwargs
 from ..data.rewards import build_rewards
 from ..log import get_logger
@@ -77,7 +78,7 @@ def grpo_settings(config: RunConfig, tokenizer) -> dict:
         "num_generations": grpo.num_generations,
         "max_completion_length": grpo.max_completion_length,
         "temperature": grpo.temperature,
-        "reward_weights": [float(w) for w in grpo.reward_weights] or None,
+        "reward_weights": reward_weights_of(grpo),
         "chat_template_kwargs": prompt_template_kwargs(tokenizer, config.data.enable_thinking),
         "log_completions": False,
         **LOSS_SETTINGS[grpo.loss],
@@ -99,7 +100,7 @@ def build_grpo_trainer(
         callbacks=callbacks,
         **parts,
     )
-    weights = config.grpo.reward_weights or [1] * len(rewards)
+    weights = reward_weights_of(config.grpo)
     log.info(
         f"--task grpo: loss {config.grpo.loss}, {config.grpo.num_generations} completions a prompt of at most "
         f"{config.grpo.max_completion_length} tokens; rewards "

@@ -13,6 +13,7 @@ from ..device import release_memory, world_size
 from ..errors import TrainingError
 from ..log import get_logger
 from ..models.load import Precision
+from ..planning.generation import generation_sequences
 from ..planning.memory import row_length
 from ..run_folder import (
     CONFIG_FILE,
@@ -121,7 +122,7 @@ def _generation_hint(config) -> str:
         return ""
     t, completion = config.train, config.grpo.max_completion_length
     return (
-        f"--task grpo generates the step's {t.micro_batch_size * t.grad_accum} completions of up to {completion} "
+        f"--task grpo generates the step's {generation_sequences(t.micro_batch_size, t.grad_accum)} completions of up to {completion} "
         f"tokens at once, whatever the micro-batch: lower --max-completion-length (e.g. {max(1, completion // 2)}) "
         f"or the completions a step (--grad-accum, in whole groups of --num-generations {config.grpo.num_generations}). "
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from ..config.grpo import reward_weights_of
 from ..data import read_and_encode
 from ..data.rewards import build_rewards
 from ..errors import DataError
@@ -22,7 +23,7 @@ def evaluate_rewards(model, tokenizer, config, datasets: list, reference, sample
         raise DataError(f"--data {' '.join(datasets)}: no usable prompt to evaluate.")
     prompts = report.samples
     rewards = build_rewards(config.grpo.rewards, config.grpo.max_completion_length)
-    weights = [float(w) for w in config.grpo.reward_weights] or [1.0] * len(rewards)
+    weights = reward_weights_of(config.grpo)
     with reference:
         before = complete(model, tokenizer, [p.prompt_ids for p in prompts], config.grpo.max_completion_length)
     after = complete(model, tokenizer, [p.prompt_ids for p in prompts], config.grpo.max_completion_length)

@@ -96,10 +96,10 @@ lint: test-deps
 	$(PYTHON) -m mypy
 
 test: test-deps lint
-	$(PYTEST) tests/unit tests/e2e
+	$(PYTEST) tests/unit tests/e2e bench/tests
 
 test-fast: test-deps
-	$(PYTEST) tests/unit tests/e2e -m "not real_model"
+	$(PYTEST) tests/unit tests/e2e bench/tests -m "not real_model"
 
 test-slow: test-deps
 	LORA_LAB_SLOW=1 $(PYTEST) tests/unit tests/e2e -m slow

@@ -481,6 +481,20 @@ def context_table_cells(tiers=("16gb", "24gb", "12gb", "8gb")) -> list:
                 else:
                     cell.update(preset=preset, sets=CONTEXT_SETS)
                 cells.append(cell)
+    # what the per-token working memory is made of (bench/memory_peak.py), at half the target
+    cells.append(
+        {
+            "kind": "lora-lab",
+            "label": "ll-ctx-memory-65536",
+            "size": "llama-3.1-8b",
+            "max_length": 65536,
+            "steps": 2,
+            "grad_accum": 1,
+            "preset": "16gb",
+            "sets": CONTEXT_SETS,
+            "memory_history": True,
+        }
+    )
     return cells
 
 

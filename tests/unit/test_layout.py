@@ -2,6 +2,7 @@
 grows past about 500 lines (../STYLE.md of the team: a package per stage of the data flow)."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lora_lab"
@@ -159,3 +160,28 @@ def test_no_function_is_over_about_60_lines_but_the_named_ones():
                 long.add(f"{module_name(path)}.{node.name}")
     assert long - set(LONGER_FUNCTIONS) == set()
     assert set(LONGER_FUNCTIONS) - long == set(), "shorter now: take it off the list"
+
+
+def _imported_roots(path: Path) -> set:
+    """The top-level names `path` imports, and the folders it puts on sys.path by name."""
+    text = path.read_text()
+    roots = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            roots.add((node.module or "").split(".")[0])
+        elif isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+    if re.search(r"sys\.path\.(insert|append)\(.*bench", text):
+        roots.add("bench")
+    return roots
+
+
+def test_tests_and_bench_do_not_import_each_other():
+    """The product's tests do not reach into the GPU benchmark's scripts, nor the benchmark into
+    the tests (bench's own tests live in bench/tests, with bench/ on their path)."""
+    root = PACKAGE.parent
+    bench_modules = {p.stem for p in (root / "bench").glob("*.py")}
+    for path in (root / "tests").rglob("*.py"):
+        assert not _imported_roots(path) & (bench_modules | {"bench"}), path
+    for path in (root / "bench").rglob("*.py"):
+        assert "tests" not in _imported_roots(path), path

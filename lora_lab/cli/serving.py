@@ -298,7 +298,15 @@ def ui(host, port, token, token_file, no_token, max_runs, allowed):
     """A web page to plan, start, watch, resume, chat with and export runs (needs lora-lab[ui])."""
     from ..ui import launch_ui
 
-    launch_ui(host, port, token, list(allowed) or ["."], token_file=token_file, max_runs=max_runs, no_token=no_token)
+    launch_ui(
+        host=host,
+        port=port,
+        token=token,
+        allow=list(allowed) or ["."],
+        token_file=token_file,
+        max_runs=max_runs,
+        no_token=no_token,
+    )
 
 
 @click.command()
@@ -341,4 +349,6 @@ def serve(runs, base, host, port, api_key, api_key_file, dtype, trust_remote_cod
         return
     if gpu:
         raise click.UsageError("--gpu plans vLLM's settings: pass it with --engine vllm.")
-    serve_runs(list(runs), base, host, port, key, dtype, trust_remote_code)
+    serve_runs(
+        list(runs), base=base, host=host, port=port, api_key=key, dtype=dtype, trust_remote_code=trust_remote_code
+    )

@@ -44,6 +44,7 @@ def page_token(host: str, token: str | None, token_file: str | None, no_token: b
 
 
 def launch_ui(
+    *,
     host: str = "127.0.0.1",
     port: int = 7860,
     token: str | None = None,

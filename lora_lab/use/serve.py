@@ -407,6 +407,7 @@ def stream(served: ServedModels, entry: Served, prompt_ids: list[int], sampling:
 
 def serve_runs(
     specs: list[str],
+    *,
     base: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,

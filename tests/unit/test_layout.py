@@ -185,3 +185,48 @@ def test_tests_and_bench_do_not_import_each_other():
         assert not _imported_roots(path) & (bench_modules | {"bench"}), path
     for path in (root / "bench").rglob("*.py"):
         assert "tests" not in _imported_roots(path), path
+
+
+MAX_PARAMETERS = 6  # "about 5" beside self and the run's config or plan
+MANY_PARAMETERS = {
+    "lora_lab.use.export_common.export_model": "the export's options, keyword-only, as the CLI and UI pass them",
+    "lora_lab.use.export.export_quantized": "keyword-only: the --format/--quantization/--calibration flags",
+    "lora_lab.use.data_check.check_data": "keyword-only: the data check's flags, shared by CLI and UI",
+    "lora_lab.use.data_check.data_config": "keyword-only: the data commands' flags",
+    "lora_lab.use.serve.serve_runs": "keyword-only: `lora-lab serve`'s flags",
+    "lora_lab.ui.launch_ui": "keyword-only: `lora-lab ui`'s flags",
+    "lora_lab.models.attention.varlen_attention": "one kernel call: the tensors and their lengths",
+    "lora_lab.models.attention.segments_attention": "one kernel call: the tensors and their lengths",
+    "lora_lab.models.fast_lora.products._project_backward": "the saved tensors of one product's backward",
+    "lora_lab.models.fast_lora.mlp._down_backward": "the saved tensors of the MLP's backward",
+    "lora_lab.models.fast_lora.mlp._saved_backward": "the saved tensors of the MLP's backward",
+    "lora_lab.data.cache.cached_encoding": "the parts of the cache key, each a fact of the encoding",
+    "lora_lab.data.cache.key_parts": "the parts of the cache key, each a fact of the encoding",
+    "lora_lab.data.encode._reply_in_place": "one reply's ids, its template's markers and the sample's roles",
+    "lora_lab.cli.data._data_config": "the data commands' flags, passed on",
+    "lora_lab.cli.data._encode": "the data commands' flags, passed on",
+}
+"""Functions with more than MAX_PARAMETERS parameters (less self, config, plan), each with its
+reason; click commands (one parameter a flag) and autograd Functions' forward/backward (torch
+passes what they saved) are not counted."""
+
+
+def _parameters(node) -> list:
+    a = node.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    return [n for n in names if n not in ("self", "cls", "ctx", "config", "plan")]
+
+
+def test_no_function_takes_more_than_about_5_parameters_but_the_named_ones():
+    many = set()
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            decorators = [ast.unparse(d) for d in node.decorator_list]
+            click = any(".command(" in d or d.endswith("_options") or d.startswith("click.") for d in decorators)
+            autograd = node.name in ("forward", "backward") and "staticmethod" in decorators
+            if len(_parameters(node)) > MAX_PARAMETERS and not click and not autograd:
+                many.add(f"{module_name(path)}.{node.name}")
+    assert many - set(MANY_PARAMETERS) == set(), "pass a settings object, or name it here with its reason"
+    assert set(MANY_PARAMETERS) - many == set(), "fewer now: take it off the list"

@@ -197,13 +197,28 @@ def evaluate(path, datasets, samples, tasks, include_path, limit, num_fewshot, c
 @click.option(
     "--prompt", "prompts", multiple=True, help="A prompt to check with (repeat; default: three check prompts)."
 )
-def check(run_dir, prompts):
-    """Does every form of the run (merged/, export-*/, GGUF files) answer as the trained model:
-    the same template, stops, greedy answers and next-token choices? Writes parity_report.json;
-    exits non-zero when a form fails."""
+@click.option(
+    "--served", metavar="URL", help="Also check a running OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1)."
+)
+@click.option(
+    "--served-model", metavar="NAME", help="The run's model name on that server (default: the run folder's name)."
+)
+@click.option(
+    "--api-key", envvar="LORA_LAB_API_KEY", help="The server's key (prefer LORA_LAB_API_KEY or --api-key-file)."
+)
+@click.option("--api-key-file", type=click.Path(dir_okay=False), help="A file whose first line is the server's key.")
+def check(run_dir, prompts, served, served_model, api_key, api_key_file):
+    """Does every form of the run (merged/, export-*/, GGUF files, the server at --served) answer
+    as the trained model: the same template, stops, greedy answers and next-token choices? Writes
+    parity_report.json; exits non-zero when a form fails."""
     from ..use.parity import check_run
+    from ..use.parity_served import ServedForm
+    from ..use.serve import read_api_key
 
-    report = check_run(run_dir, list(prompts) or None)
+    if (served_model or api_key_file) and not served:
+        raise click.UsageError("--served-model and --api-key-file name a server: pass its address with --served URL.")
+    server = ServedForm(served, served_model, read_api_key(api_key, api_key_file)) if served else None
+    report = check_run(run_dir, list(prompts) or None, server)
     click.echo("\n".join(report["lines"]) + f"\nreport: {report['report_path']}")
     failed = [f["form"] for f in report["forms"] if not f["passed"]]
     if failed:

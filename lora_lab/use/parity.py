@@ -12,6 +12,8 @@ form's own chat template (which must give the trained model's ids), and is asked
 An exact form (merged in fp32) must give every answer; a 16-bit form must agree at
 MIN_16BIT_TOP1 of the answer tokens, a quantized one (the 4-bit exports, GGUF files below 16 bits)
 at MIN_QUANTIZED_TOP1; every form must render the template and stop as the trained model does.
+With --served URL, a running OpenAI-compatible server is one more form (use/parity_served.py:
+its answers, template and stops; an API gives no log-probabilities to compare).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..errors import LoraLabError
 from ..log import get_logger, quiet_library_progress
 from ..run_folder import EXPORT_PREFIX, MERGE_REPORT, RunFolder, find_adapter
 from .gguf_export import GGUF_NAME
+from .parity_served import MIN_SERVED_ANSWERS, ServedForm, ServedSide
 
 log = get_logger()
 
@@ -54,16 +57,21 @@ class FormCheck:
     answers_equal: int
     stopped_alike: int
     prompts: int
-    top1: float
-    mean_logprob_diff: float
+    top1: float | None  # None: the form gives no next-token scores (a served API)
+    mean_logprob_diff: float | None
     passed: bool
     problems: tuple = ()
 
     def line(self) -> str:
         verdict = "ok" if self.passed else "FAILS: " + "; ".join(self.problems)
+        scores = (
+            "top-1 n/a    mean |d log p| n/a   "
+            if self.top1 is None or self.mean_logprob_diff is None
+            else f"top-1 {self.top1:.3f}  mean |d log p| {self.mean_logprob_diff:.4f}"
+        )
         return (
             f"{self.form:<18} answers {self.answers_equal}/{self.prompts}  stops {self.stopped_alike}/{self.prompts}  "
-            f"top-1 {self.top1:.3f}  mean |d log p| {self.mean_logprob_diff:.4f}  {verdict}"
+            f"{scores}  {verdict}"
         )
 
 
@@ -80,9 +88,10 @@ def forms_of(run_dir: Path) -> list[tuple[str, Path]]:
     return found
 
 
-def check_run(path: str | Path, prompts: list[str] | None = None) -> dict:
-    """Every form of the run against its trained model: the report, also written to the run
-    folder's parity_report.json (each form's `passed` says whether it holds)."""
+def check_run(path: str | Path, prompts: list[str] | None = None, served: ServedForm | None = None) -> dict:
+    """Every form of the run against its trained model (and the server at `served`): the report,
+    also written to the run folder's parity_report.json (each form's `passed` says whether it
+    holds)."""
     from .checks import CHECK_PROMPTS
     from .infer import load_adapter_model
 
@@ -90,9 +99,10 @@ def check_run(path: str | Path, prompts: list[str] | None = None) -> dict:
     if run_dir is None:
         raise LoraLabError(f"{path}: an adapter folder outside its run; pass the run folder.")
     forms = forms_of(run_dir)
-    if not forms:
+    if not forms and served is None:
         raise LoraLabError(
-            f"{run_dir}: no merged folder or export to check; make one with `lora-lab merge` or `lora-lab export`."
+            f"{run_dir}: no merged folder or export to check; make one with `lora-lab merge` or `lora-lab export`, "
+            f"or check a server with --served URL."
         )
     questions = prompts or CHECK_PROMPTS
     with quiet_library_progress():
@@ -100,6 +110,9 @@ def check_run(path: str | Path, prompts: list[str] | None = None) -> dict:
     reference = trained_reference(model, tokenizer, questions)
     del model
     checks = [check_form(name, form, tokenizer, questions, reference, _exact(run_dir, name)) for name, form in forms]
+    if served is not None:
+        side = ServedSide(served, tokenizer, run_dir.name, ANSWER_TOKENS)
+        checks.append(check_served(side, questions, reference))
     report = {"run_dir": str(run_dir), "prompts": questions, "forms": [asdict(c) for c in checks]}
     target = RunFolder(run_dir).parity_report
     target.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
@@ -165,6 +178,27 @@ def check_form(name: str, form: Path, tokenizer, questions: list, reference: Ref
     return FormCheck(
         name, str(form), rule, template_ok, equal, stopped, len(questions), top1_share, mean_diff, not problems,
         tuple(problems),
+    )  # fmt: skip
+
+
+def check_served(side: ServedSide, questions: list, reference: Reference) -> FormCheck:
+    """The served API against the trained model (use/parity_served.py)."""
+    template_ok = all(side.ask(q)[0] == side.complete(ids) for q, ids in zip(questions, reference.prompt_ids))
+    equal = stopped = 0
+    for question, answer, stop in zip(questions, reference.answer_ids, reference.stopped, strict=True):
+        text, ended = side.ask(question)
+        equal += text == side.answer_text(answer, reference.stop_ids)
+        stopped += ended == stop
+    problems = []
+    if not template_ok:
+        problems.append("its chat answers differ from its completions of the trained template's prompts")
+    if stopped < len(questions):
+        problems.append("it does not end its turn where the trained model does (finish_reason)")
+    if equal < MIN_SERVED_ANSWERS * len(questions):
+        problems.append(f"{len(questions) - equal} of {len(questions)} greedy answers differ from the trained model's")
+    return FormCheck(
+        f"served {side.model}", side.url, "served", template_ok, equal, stopped, len(questions), None, None,
+        not problems, tuple(problems),
     )  # fmt: skip
 
 

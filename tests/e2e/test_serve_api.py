@@ -313,3 +313,28 @@ def test_engine_vllm_refuses_an_adapter_vllm_does_not_load(runs, tmp_path):
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "use_dora": True}))
     with pytest.raises(LoraLabError, match=r"^--engine vllm: dora \(.*\): vLLM does not serve DoRA adapters"):
         vllm_argv([f"dora={dora}"], None, "127.0.0.1", 8000)
+
+
+def test_check_takes_the_served_api_as_a_form_of_the_run(runs, server):
+    """`lora-lab check RUN --served URL`: the server answering for the run passes (template, stops,
+    answers); the same run checked against another run's adapter on that server fails, naming
+    the answers; a wrong key and a closed port are one clear line each."""
+    run = runs["aurora"]
+    ok = CliRunner().invoke(main, ["check", str(run), "--served", server, "--served-model", "aurora", "--api-key", KEY])
+    assert ok.exit_code == 0, ok.output
+    line = next(x for x in ok.output.splitlines() if x.startswith("served aurora"))
+    assert "answers 3/3  stops 3/3  top-1 n/a" in line and line.endswith("ok")
+    report = json.loads((run / "parity_report.json").read_text())
+    assert [f["form"] for f in report["forms"]] == ["served aurora"]
+    other = CliRunner().invoke(main, ["check", str(run), "--served", server, "--served-model", "nova", "--api-key", KEY])
+    assert other.exit_code == 1
+    assert "greedy answers differ from the trained model's" in other.output
+    assert "served nova do(es) not answer as the trained model" in other.output
+    wrong = CliRunner().invoke(main, ["check", str(run), "--served", server, "--served-model", "aurora"])
+    assert wrong.exit_code == 2 and "/models answered HTTP 401" in wrong.output and "Traceback" not in wrong.output
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    gone = CliRunner().invoke(main, ["check", str(run), "--served", f"http://127.0.0.1:{port}/v1"])
+    assert gone.exit_code == 2 and "cannot reach it" in gone.output and "lora-lab serve RUN_DIR" in gone.output

@@ -197,3 +197,13 @@ def export_run(run_dir: Path, choice: str) -> str:
         raise LoraLabError(f"export: choose one of {', '.join(EXPORTS)}.")
     fmt, quantize = EXPORTS[choice]
     return "\n".join(export_model(str(run_dir), format=fmt, quantize=quantize, force=True).lines())
+
+
+def check_run_forms(run_dir: Path) -> str:
+    """`lora-lab check RUN`: each copy's line and the verdict."""
+    from ..use.parity import check_run
+
+    report = check_run(run_dir)
+    failed = [f["form"] for f in report["forms"] if not f["passed"]]
+    verdict = f"FAILS: {', '.join(failed)}" if failed else "every copy answers as the trained model"
+    return "\n".join([*report["lines"], f"report: {report['report_path']}", verdict])

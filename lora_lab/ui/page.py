@@ -224,6 +224,9 @@ class Page:
     def export(self, run_dir, choice):
         return self._use(actions.export_run, run_dir, choice)
 
+    def check_forms(self, run_dir):
+        return self._use(actions.check_run_forms, run_dir)
+
     def _use(self, action, run_dir, *args) -> str:
         """A merge or export of the chosen run; what went wrong is said in the result box (a
         failure of the library below with its type, its traceback in the server's log)."""
@@ -332,6 +335,7 @@ def build_page(page: Page, safety_note: str):
                     list(actions.EXPORTS), value=list(actions.EXPORTS)[0], label="Export as", elem_id="export-choice"
                 )
                 export = gr.Button("Export", elem_id="export")
+                check_forms = gr.Button("Check every copy against the trained model", elem_id="check-forms")
             export_out = gr.Textbox(
                 label="Result and serving commands", lines=14, elem_id="export-output", interactive=False
             )
@@ -360,4 +364,5 @@ def build_page(page: Page, safety_note: str):
         )
         merge.click(page.merge, [run_dir], [export_out])
         export.click(page.export, [run_dir, export_choice], [export_out])
+        check_forms.click(page.check_forms, [run_dir], [export_out])
     return blocks

@@ -36,7 +36,9 @@ class ServedSide:
 
     def __init__(self, form: ServedForm, tokenizer, run_name: str, tokens: int):
         if not form.url.startswith(("http://", "https://")):
-            raise LoraLabError(f"--served {form.url}: give the server's http(s) address, e.g. http://127.0.0.1:8000/v1.")
+            raise LoraLabError(
+                f"--served {form.url}: give the server's http(s) address, e.g. http://127.0.0.1:8000/v1."
+            )
         self.url, self.api_key, self.tokenizer, self.tokens = form.url.rstrip("/"), form.api_key, tokenizer, tokens
         names = [entry["id"] for entry in self._call("GET", "/models")["data"]]
         self.model = form.model or run_name

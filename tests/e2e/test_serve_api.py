@@ -320,13 +320,17 @@ def test_check_takes_the_served_api_as_a_form_of_the_run(runs, server):
     answers); the same run checked against another run's adapter on that server fails, naming
     the answers; a wrong key and a closed port are one clear line each."""
     run = runs["aurora"]
-    ok = CliRunner().invoke(main, ["check", str(run), "--served", server, "--served-model", "aurora", "--api-key", KEY])
+    ok = CliRunner().invoke(
+        main, ["check", str(run), "--served", server, "--served-model", "aurora", "--api-key", KEY]
+    )
     assert ok.exit_code == 0, ok.output
     line = next(x for x in ok.output.splitlines() if x.startswith("served aurora"))
     assert "answers 3/3  stops 3/3  top-1 n/a" in line and line.endswith("ok")
     report = json.loads((run / "parity_report.json").read_text())
     assert [f["form"] for f in report["forms"]] == ["served aurora"]
-    other = CliRunner().invoke(main, ["check", str(run), "--served", server, "--served-model", "nova", "--api-key", KEY])
+    other = CliRunner().invoke(
+        main, ["check", str(run), "--served", server, "--served-model", "nova", "--api-key", KEY]
+    )
     assert other.exit_code == 1
     assert "greedy answers differ from the trained model's" in other.output
     assert "served nova do(es) not answer as the trained model" in other.output

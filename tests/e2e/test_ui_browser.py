@@ -258,6 +258,14 @@ def test_plan_run_stop_resume_watch_and_chat_in_a_browser(served, tiny_model_dir
         gguf = run_dir / "export-gguf-f16" / "model.gguf"
         assert f"  llama-server -m {gguf} --jinja" in exported and gguf.is_file()
 
+        # 5b. every copy against the trained model, as `lora-lab check` prints it
+        page.click("#check-forms")
+        checked = wait_for_text(page, "export-output", r"every copy answers as the trained model|FAILS", 180)
+        assert checked.splitlines()[0].startswith("merged ") and "gguf-f16" in checked.splitlines()[1]
+        assert checked.endswith("every copy answers as the trained model"), checked
+        assert (run_dir / "parity_report.json").is_file()
+        shot("5b-check")
+
         # 6. a new page lists the run and opens it
         page.reload()
         page.get_by_role("tab", name="Train").click()

@@ -104,6 +104,7 @@ def run_lora_lab(cell: dict) -> dict:
         "tokens_per_s": tokens / performance["median_step_seconds"],
         "tokens_per_micro_batch": row_length(config) * micro_batch_rows(config),
         "planned_gib": plan.total_gib,
+        "planned_host_gib": plan.host_gib,
         "resolved": resolved(config, summary),
     }
 

@@ -54,10 +54,16 @@ def train(config: RunConfig):
     return result
 
 
-def plan(config: RunConfig, gpu_memory_gib: float | None = None, longest_sample_tokens: int | None = None):
+def plan(
+    config: RunConfig,
+    gpu_memory_gib: float | None = None,
+    longest_sample_tokens: int | None = None,
+    cpu_memory_gib: float | None = None,
+):
     """The memory plan of `config` (planning.memory.MemoryPlan) on a GPU of gpu_memory_gib;
-    without it, on the card of the config's tier (the 16gb preset: 16 GiB). `config` is left
-    as it is.
+    without it, on the card of the config's tier (the 16gb preset: 16 GiB). With
+    cpu_memory_gib (a machine's RAM), its host memory is planned against that too. `config` is
+    left as it is.
 
     The plan counts what a run would settle (training/plan.py: the same `plan_run`), on a CUDA
     GPU wherever it is made: train.engine auto with several GPUs is the fastest engine that
@@ -67,7 +73,9 @@ def plan(config: RunConfig, gpu_memory_gib: float | None = None, longest_sample_
 
     settled = plan_run(config, plan_target(config.preset, gpu_memory_gib), for_run=False)
     try:
-        return plan_memory(settled.planner_config, gpu_memory_gib or settled.gpu_gib, longest_sample_tokens)
+        return plan_memory(
+            settled.planner_config, gpu_memory_gib or settled.gpu_gib, longest_sample_tokens, cpu_memory_gib
+        )
     except ValueError:
         raise LoraLabError(
             f"--model {config.model.name}: the planner needs the model's "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -100,11 +101,17 @@ def run(preset, config_file, sets, dry_run, show_config, **flag_values):
     type=float,
     help="GPU memory in GiB (default: this machine's GPU, else the preset's card: 16 for 16gb).",
 )
+@click.option(
+    "--cpu-memory",
+    type=float,
+    help="The machine's RAM in GiB, which a one-GPU run's host memory is planned against (default: this machine's).",
+)
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE")
 @run_options
-def plan(preset, gpu_memory, sets, **flag_values):
-    """Predict the peak GPU memory of a run, broken down, and whether it fits. No GPU needed.
-    Takes the flags of `lora-lab run`; --data plans with the data's real longest sample."""
+def plan(preset, gpu_memory, cpu_memory, sets, **flag_values):
+    """Predict the peak GPU memory and host RAM of a run, broken down, and whether they fit. No
+    GPU needed. Takes the flags of `lora-lab run`; --data plans with the data's real longest
+    sample."""
     from .. import choose_preset
     from .. import plan as plan_run
     from ..device import gpu_memory_gib
@@ -126,9 +133,12 @@ def plan(preset, gpu_memory, sets, **flag_values):
             f"step share rows of {row_length(config)} tokens ({why}); the plan is for such "
             f"a row. --set data.packing=false plans one sample of --max-length a row."
         )
-    result = plan_run(config, gpu_memory, _longest_sample(config) if config.data.datasets else None)
+    if cpu_memory is not None and cpu_memory <= 0:
+        raise click.BadParameter(f"{cpu_memory}: give the machine's RAM in GiB, e.g. 64.", param_hint="--cpu-memory")
+    ram = cpu_memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    result = plan_run(config, gpu_memory, _longest_sample(config) if config.data.datasets else None, ram)
     click.echo(result.report())
-    if result.fits is False:
+    if result.fits is False or result.cpu_fits is False:
         sys.exit(1)
 
 

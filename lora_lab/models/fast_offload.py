@@ -15,10 +15,12 @@ arithmetic is the plain checkpoint's: the same input, random state and autocast 
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 
+from .host_memory import HostSlab, host_copy
 from .memory_means import _autocast_state, replay_backward
 
 _copy_streams: dict = {}
@@ -77,9 +79,11 @@ def _release_copied(keep: int) -> None:
         del tensor
 
 
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+def _to_host(tensor: torch.Tensor, slab: HostSlab | None) -> torch.Tensor:
+    """A copy queued on the copy stream (a slab's piece is reused only by copies queued on that
+    stream after this one's copy back: stream order keeps them apart)."""
     compute, stream = torch.cuda.current_stream(tensor.device), _copy_stream(tensor.device)
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host = host_copy(tensor, slab)
     stream.wait_stream(compute)
     with torch.cuda.stream(stream):
         host.copy_(tensor, non_blocking=True)
@@ -94,7 +98,7 @@ class StreamedOffloadedCheckpoint(torch.autograd.Function):
     """OffloadedCheckpoint with its copies on a side stream and the next input prefetched."""
 
     @staticmethod
-    def forward(ctx, run_function, hidden_states, *args):
+    def forward(ctx, run_function, slab, hidden_states, *args):
         global _last_slot
         ctx.run_function, ctx.args = run_function, args
         ctx.device = hidden_states.device
@@ -102,7 +106,7 @@ class StreamedOffloadedCheckpoint(torch.autograd.Function):
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(ctx.device)
         previous = _last_slot
-        ctx.slot = _Slot(_to_host(hidden_states), ctx.device, previous)
+        ctx.slot = _Slot(_to_host(hidden_states, slab), ctx.device, previous)
         _last_slot = weakref.ref(ctx.slot)
         with torch.no_grad():
             return run_function(hidden_states, *args)
@@ -116,25 +120,25 @@ class StreamedOffloadedCheckpoint(torch.autograd.Function):
         if earlier is not None:
             earlier.fetch()  # overlaps this layer's recomputation and backward
         ctx.slot = None
-        return replay_backward(ctx, hidden, grad_outputs)
+        return (None,) + replay_backward(ctx, hidden, grad_outputs)
 
 
-def streamed_offloaded_checkpoint(function, hidden_states, *args):
+def streamed_offloaded_checkpoint(function, hidden_states, *args, slab: HostSlab | None = None):
     """Drop-in for the `_gradient_checkpointing_func` of transformers' decoder layers; on CPU
     tensors it is models.memory_means.offloaded_checkpoint."""
     if hidden_states.device.type != "cuda":
         from .memory_means import offloaded_checkpoint
 
-        return offloaded_checkpoint(function, hidden_states, *args)
-    return StreamedOffloadedCheckpoint.apply(function, hidden_states, *args)
+        return offloaded_checkpoint(function, hidden_states, *args, slab=slab)
+    return StreamedOffloadedCheckpoint.apply(function, slab, hidden_states, *args)
 
 
 def stream_layer_checkpoints(model) -> int:
-    """Switch layers whose checkpoints go to CPU memory to the streamed copies; returns how
-    many."""
-    from .memory_means import offloaded_checkpoint
+    """Switch layers whose checkpoints go to CPU memory to the streamed copies (the same
+    HostSlab); returns how many."""
+    from .memory_means import offload_slab, offloads_checkpoint
 
-    layers = [m for m in model.modules() if getattr(m, "_gradient_checkpointing_func", None) is offloaded_checkpoint]
+    layers = [m for m in model.modules() if offloads_checkpoint(m)]
     for layer in layers:
-        layer._gradient_checkpointing_func = streamed_offloaded_checkpoint
+        layer._gradient_checkpointing_func = functools.partial(streamed_offloaded_checkpoint, slab=offload_slab(layer))
     return len(layers)

@@ -20,11 +20,13 @@ gradients equal the plain path's.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .host_memory import HostSlab, host_copy
 
 # ----------------------------------------------------------------------------- embedding
 
@@ -101,36 +103,35 @@ def _autocast(state: dict) -> contextlib.ExitStack:
     return stack
 
 
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy in (pinned) CPU memory; the copy is queued on the current stream, so the GPU
-    memory it reads is not reused before the copy is done."""
-    if tensor.device.type == "cpu":
-        return tensor.detach().clone()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
+def _to_host(tensor: torch.Tensor, slab: HostSlab | None = None) -> torch.Tensor:
+    """A copy in (pinned) CPU memory, in `slab` where it has room; the copy is queued on the
+    current stream, so the GPU memory it reads is not reused before the copy is done."""
+    host = host_copy(tensor, slab)
+    host.copy_(tensor.detach(), non_blocking=tensor.device.type == "cuda")
     return host
 
 
 class OffloadedCheckpoint(torch.autograd.Function):
-    """Run a layer without autograd; in the backward pass fetch its input back from CPU memory,
-    run it again with autograd (same random state and autocast) and back-propagate through it."""
+    """Run a layer without autograd; in the backward pass fetch its input back from CPU memory
+    (`slab`'s pinned memory, models/host_memory.py), run it again with autograd (same random
+    state and autocast) and back-propagate through it."""
 
     @staticmethod
-    def forward(ctx, run_function, hidden_states, *args):
+    def forward(ctx, run_function, slab, hidden_states, *args):
         ctx.run_function, ctx.args = run_function, args
         ctx.device = hidden_states.device
         ctx.autocast = _autocast_state()
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(ctx.device) if ctx.device.type == "cuda" else None
-        ctx.host_input = _to_host(hidden_states)
+        ctx.host_input = _to_host(hidden_states, slab)
         with torch.no_grad():
             return run_function(hidden_states, *args)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         hidden = ctx.host_input.to(ctx.device, non_blocking=True).requires_grad_(True)
-        ctx.host_input = None
-        return replay_backward(ctx, hidden, grad_outputs)
+        ctx.host_input = None  # its piece of the slab is reused by copies queued after this one
+        return (None,) + replay_backward(ctx, hidden, grad_outputs)
 
 
 _replaying = 0  # > 0 while a checkpointed layer runs again inside its backward pass
@@ -173,17 +174,37 @@ def replay_backward(ctx, hidden: torch.Tensor, grad_outputs: tuple) -> tuple:
     return (None, hidden.grad) + (None,) * len(ctx.args)
 
 
-def offloaded_checkpoint(function, hidden_states, *args):
-    """Drop-in for the `_gradient_checkpointing_func` of transformers' decoder layers."""
-    return OffloadedCheckpoint.apply(function, hidden_states, *args)
+def offloaded_checkpoint(function, hidden_states, *args, slab: HostSlab | None = None):
+    """Drop-in for the `_gradient_checkpointing_func` of transformers' decoder layers (with
+    `slab` bound by offload_layer_checkpoints)."""
+    return OffloadedCheckpoint.apply(function, slab, hidden_states, *args)
 
 
-def offload_layer_checkpoints(model) -> int:
-    """Make every checkpointed decoder layer keep its input in CPU memory; returns how many."""
-    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)]
+def offload_layer_checkpoints(model, tokens: int = 0) -> int:
+    """Make every checkpointed decoder layer keep its input in CPU memory; returns how many.
+    tokens: the longest micro-batch's, for which one HostSlab holds every layer's input (0:
+    torch's pinned allocator, block by block)."""
+    layers = checkpointed_layers(model)
+    slab = None
+    if tokens and layers:
+        hidden = model.config.get_text_config().hidden_size
+        slab = HostSlab(len(layers) * tokens * hidden * model.dtype.itemsize)
     for layer in layers:
-        layer._gradient_checkpointing_func = offloaded_checkpoint
+        layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, slab=slab)
     return len(layers)
+
+
+def offload_slab(layer) -> HostSlab | None:
+    """The HostSlab a layer's offloaded checkpoint uses, or None (not offloaded, or no slab)."""
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    if isinstance(func, functools.partial) and func.func is offloaded_checkpoint:
+        return func.keywords.get("slab")
+    return None
+
+
+def offloads_checkpoint(layer) -> bool:
+    func = getattr(layer, "_gradient_checkpointing_func", None)
+    return isinstance(func, functools.partial) and func.func is offloaded_checkpoint
 
 
 # ----------------------------------------------------------------------------- MLP chunks
@@ -245,6 +266,6 @@ def apply_memory_means(model, means) -> None:
     if means.uncheckpointed_layers:  # first: the offload below takes the checkpointed ones
         keep_last_layers(model, means.uncheckpointed_layers)
     if means.offload_checkpoints:
-        offload_layer_checkpoints(model)
+        offload_layer_checkpoints(model, means.checkpoint_tokens)
     if means.mlp_chunk_tokens:
         chunk_mlps(model, means.mlp_chunk_tokens)

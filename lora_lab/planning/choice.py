@@ -65,14 +65,25 @@ def pick_preset(gpu_memory_gib: float) -> tuple[str, str]:
 
 
 def check_fits(
-    config: RunConfig, gpu_memory_gib: float, longest_sample_tokens: int | None = None
+    config: RunConfig,
+    gpu_memory_gib: float,
+    longest_sample_tokens: int | None = None,
+    cpu_memory_gib: float | None = None,
 ) -> MemoryPlan | None:
-    """Refuse, before loading anything, a run the planner says will not fit; None if unknown."""
+    """Refuse, before loading anything, a run the planner says will not fit the GPU (or, given
+    cpu_memory_gib, the machine's RAM); None if unknown."""
     if model_config_of(config.model.name) is None:
         return None
-    plan = plan_memory(config, gpu_memory_gib, longest_sample_tokens)
-    if plan.fits:
+    plan = plan_memory(config, gpu_memory_gib, longest_sample_tokens, cpu_memory_gib)
+    if plan.fits and plan.cpu_fits is not False:
         return plan
+    if plan.fits:
+        raise LoraLabError(
+            f"--preset {config.preset}: {plan.model} at --max-length {config.data.max_length} needs about "
+            f"{plan.host_gib:.1f} GiB of host RAM ({plan.cpu_total_gib:.1f} GiB of it for {plan.means}); this "
+            f"machine has {cpu_memory_gib:.1f} GiB, of which a run plans on {plan.cpu_budget_gib:.1f}. Try "
+            f"{' or '.join(plan.fixes)}; `lora-lab plan` shows the breakdown. --no-memory-check runs it anyway."
+        )
     fixes, budget = plan.fixes, plan.budget_gib
     assert budget is not None, "planned against gpu_memory_gib"
     # two decimals where one would show the need equal to what is usable

@@ -20,22 +20,18 @@ linear-attention and mixture-of-experts layers add their own terms (planning/sha
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, trains_adapter, world_size_of
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
-from .engines import CHECKED_ON_GPUS, GAPS_ON_GPUS, engine_parts
+from .engines import engine_parts
 from .generation import generation_part
+from .memory_plan import CONTEXT_GIB, MemoryPlan, usable_host_gib
 from .policies import resolve_fast_lora
 from .shape import ModelShape, layer_kind_parts
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
 
-if TYPE_CHECKING:
-    from .traffic import TrafficPlan
-
 GIB = 2**30
-CONTEXT_GIB = 0.5
 # Fitted by weighted least squares on every successful single-GPU lora-lab benchmark cell
 # (`python bench/fit_planner.py`; docs/memory-planner.md).
 FIT_CONSTANT_GIB = 0.1480
@@ -60,8 +56,9 @@ ROOM_SHARE = 0.90
 """Layers not recomputed (train.uncheckpointed_layers auto, and the plan's suggestion) stay
 within this share of the usable memory: a margin for the fitted terms, whose plans fall some
 percent under the measured peak of some cells (each cell's plan / measured: docs/memory-planner.md)."""
+CHECKPOINTS_PART = "activation checkpoints (pinned)"
 ALLOCATOR_PART, DEQUANTIZED_PART = "allocator and workspaces (fitted)", "4-bit weights dequantized (fitted)"
-MAX_PLANNED_LENGTH = 131072  # Qwen2.5's longest context (with YaRN)
+MAX_PLANNED_LENGTH = 1048576  # the longest length the plan searches for
 
 
 @dataclass
@@ -72,6 +69,7 @@ class MemoryMeans:
     offload_checkpoints: bool = False
     mlp_chunk_tokens: int = 0
     uncheckpointed_layers: int = 0  # the last N decoder layers are not recomputed
+    checkpoint_tokens: int = 0  # offloaded checkpoints: the tokens of a micro-batch, its longest
 
     def describe(self) -> str:
         parts = [
@@ -117,6 +115,8 @@ def choose_memory_means(
         mlp_chunk_tokens=chunk,
         uncheckpointed_layers=kept if isinstance(kept, int) else 0,  # "auto": decided below
     )
+    if means.offload_checkpoints:  # the pinned host memory is sized for the longest micro-batch
+        means = replace(means, checkpoint_tokens=row_tokens * micro_batch_rows(config))
     model_config = model_config_of(config.model.name)
     if budget_gib is None or model_config is None:
         return means
@@ -140,112 +140,14 @@ def _room_for_layers(shape: ModelShape, config: RunConfig, tokens: int, means: M
     return max(0, min(room, shape.layers - min(means.uncheckpointed_layers, shape.layers)))
 
 
-@dataclass
-class MemoryPlan:
-    model: str
-    quantization: str
-    tokens_per_micro_batch: int
-    parts_gib: dict = field(default_factory=dict)
-    gpus: int = 1
-    """Processes of the whole run (--gpus x --nodes): the engines shard over all of them."""
-    nodes: int = 1
-    engine: str = "ddp"
-    tuner: str = "lora"
-    cpu_parts_gib: dict = field(default_factory=dict)
-    """CPU memory for offloaded state, for all processes of one machine together."""
-    packed: bool = False
-    means: str = "none"
-    """The long-sequence means (models/memory_means.py) the run will use."""
-    counted: bool = False
-    """True when the plan rests on counted, not measured, terms (several GPUs, engines, full)."""
-    budget_gib: float | None = None
-    longest_max_length: int | None = None
-    """The longest max_length (micro-batch 1) that fits the budget with these settings."""
-    fixes: list = field(default_factory=list)
-    """The knobs that would make it fit, as flags."""
-    room_for_layers: int = 0
-    """How many more decoder layers could skip their recomputation (train.uncheckpointed_layers)
-    within ROOM_SHARE of the budget."""
-    traffic: TrafficPlan | None = None
-    """Several nodes: what the engine sends per step (planning.traffic.TrafficPlan)."""
-
-    kept: int = 0
-    """train.uncheckpointed_layers as planned."""
-
-    @property
-    def checked(self) -> bool:
-        """A two-GPU run has checked plans of this engine and tuner (CHECKED_ON_GPUS)."""
-        return self.gpus > 1 and (self.engine, self.tuner) in CHECKED_ON_GPUS
-
-    @property
-    def total_gib(self) -> float:
-        return sum(self.parts_gib.values())
-
-    @property
-    def fits(self) -> bool | None:
-        return None if self.budget_gib is None else self.total_gib <= self.budget_gib
-
-    @property
-    def cpu_total_gib(self) -> float:
-        return sum(self.cpu_parts_gib.values())
-
-    def room_hint(self) -> str:
-        """The train.uncheckpointed_layers that room_for_layers allows, or "" for no room."""
-        if not self.room_for_layers:
-            return ""
-        return (
-            f"room for {self.room_for_layers} more layers not recomputed (faster): --set "
-            f"train.uncheckpointed_layers={self.room_for_layers + self.kept}"
-        )
-
-    def report(self) -> str:
-        lines = [f"{self.model}, {self.quantization}, {self.tokens_per_micro_batch} tokens per micro-batch"]
-        if self.gpus > 1 or self.engine != "ddp":
-            lines[0] += (
-                f"; per GPU of {self.gpus}"
-                + (f" ({self.nodes} nodes x {self.gpus // self.nodes})" if self.nodes > 1 else "")
-                + f", engine {self.engine}"
-            )
-        if self.counted:
-            ratio, why = GAPS_ON_GPUS.get((self.engine, self.tuner), (None, ""))
-            verdict = ("TOO LOW" if ratio < 1 else "too high") if ratio else ""
-            lines[0] += (
-                " (state terms counted, checked on two GPUs)"
-                if self.checked
-                else f" (state terms counted; {verdict}: {why})"
-                if ratio
-                else " (state terms counted, not checked on GPUs)"
-            )
-        if self.means != "none":
-            lines.append(f"  memory means: {self.means}")
-        lines += [f"  {name:<44} {gib:6.2f} GiB" for name, gib in self.parts_gib.items()]
-        peak = "predicted peak (torch max_memory_reserved)"
-        lines.append(f"  {peak:<44} {self.total_gib:6.2f} GiB")
-        if self.cpu_parts_gib:
-            lines.append("  CPU memory for offload" + (" (a machine's processes together):" if self.gpus > 1 else ":"))
-            lines += [f"    {name:<42} {gib:6.2f} GiB" for name, gib in self.cpu_parts_gib.items()]
-            lines.append(f"    {'total':<42} {self.cpu_total_gib:6.2f} GiB")
-        if self.budget_gib is not None:
-            verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(
-                f"  {verdict} in {self.budget_gib:.1f} GiB (GPU memory - {CONTEXT_GIB} GiB for the CUDA context)"
-            )
-        if self.longest_max_length:
-            knob = "data.pack_length" if self.packed else "--max-length"
-            lines.append(f"  longest {knob} that fits: {self.longest_max_length}")
-        if self.fits is False:
-            lines.append(f"  to fit: {' or '.join(self.fixes) or 'a smaller model'}")
-        if self.room_for_layers:
-            lines.append(f"  {self.room_hint()}")
-        if self.traffic is not None:
-            lines.append(self.traffic.report())
-        return "\n".join(lines)
-
-
 def plan_memory(
-    config: RunConfig, gpu_memory_gib: float | None = None, longest_sample_tokens: int | None = None
+    config: RunConfig,
+    gpu_memory_gib: float | None = None,
+    longest_sample_tokens: int | None = None,
+    cpu_memory_gib: float | None = None,
 ) -> MemoryPlan:
-    """Predicted peak of `config` on a GPU; tokens from the data's longest sample when known."""
+    """Predicted peak of `config` on a GPU; tokens from the data's longest sample when known.
+    cpu_memory_gib: the machine's RAM, which a one-GPU run's host memory is planned against."""
     model_config = model_config_of(config.model.name)
     if model_config is None:
         raise ValueError(f"unknown model shape: {config.model.name}")
@@ -272,11 +174,10 @@ def plan_memory(
         plan.kept = min(means.uncheckpointed_layers, shape.layers)
         if means.offload_checkpoints:
             recomputed = shape.layers - plan.kept
-            plan.cpu_parts_gib["activation checkpoints (pinned)"] = (
-                _checkpoint_bytes(shape, tokens) * recomputed / shape.layers / GIB
-            )
+            plan.cpu_parts_gib[CHECKPOINTS_PART] = _checkpoint_bytes(shape, tokens) * recomputed / shape.layers / GIB
         if means.embedding_on_cpu:
             plan.cpu_parts_gib["input embedding table"] = shape.vocab * shape.hidden * 2 / GIB
+        plan.cpu_budget_gib = usable_host_gib(cpu_memory_gib)
     else:
         plan.parts_gib, plan.cpu_parts_gib = _distributed_parts(shape, config, tokens)
         plan.counted = True
@@ -294,7 +195,10 @@ def _against_budget(
 ) -> None:
     """The plan on a GPU of `budget` usable GiB: the longest length that fits and the fixes."""
     plan.budget_gib = budget
-    prompt = (_longest(shape, config, budget) or 0) - completion_tokens(config)  # grpo: + completion
+    longest = _longest(shape, config, budget) or 0
+    if plan.cpu_budget_gib is not None:  # and the machine's RAM holds its offloaded checkpoints
+        longest = min(longest, _host_longest(shape, config, plan))
+    prompt = longest - completion_tokens(config)  # grpo: + completion
     plan.longest_max_length = prompt if prompt > 0 else None
     if completion_tokens(config):
         plan.fixes.append(f"--max-completion-length {max(1, completion_tokens(config) // 2)}")
@@ -304,6 +208,8 @@ def _against_budget(
             if config.data.packing
             else f"--max-length {plan.longest_max_length}"
         )
+    if plan.cpu_fits is False and "layer checkpoints in CPU memory" in plan.means:
+        plan.fixes.append("--set train.offload_checkpoints=false (checkpoints on the GPU, not in RAM)")
     if config.model.quantization == "none" and config.train.tuner in ("lora", "dora"):
         plan.fixes.append("--quantization nf4 (QLoRA)")
     if config.train.tuner == "full" and config.train.engine != "deepspeed-zero3-offload":
@@ -314,6 +220,17 @@ def _against_budget(
         plan.fixes.insert(0, "fewer train.uncheckpointed_layers")
     if means is not None and config.train.gradient_checkpointing:  # one GPU, an adapter
         plan.room_for_layers = _room_for_layers(shape, config, tokens, means, budget)
+
+
+def _host_longest(shape: ModelShape, config: RunConfig, plan: MemoryPlan) -> int:
+    """The longest row whose offloaded checkpoints, with the rest of the host memory, fit the
+    machine's RAM (cpu_budget_gib); a multiple of 256."""
+    assert plan.cpu_budget_gib is not None
+    fixed = plan.host_gib - plan.cpu_parts_gib.get(CHECKPOINTS_PART, 0.0)
+    per_token = shape.hidden * 2 * (shape.layers - plan.kept) * micro_batch_rows(config) / GIB
+    if CHECKPOINTS_PART not in plan.cpu_parts_gib:
+        return MAX_PLANNED_LENGTH if fixed <= plan.cpu_budget_gib else 0
+    return max(0, int((plan.cpu_budget_gib - fixed) / per_token) // 256 * 256)
 
 
 def row_length(config: RunConfig) -> int:
@@ -511,10 +428,13 @@ def _longest(shape: ModelShape, config: RunConfig, budget_gib: float) -> int | N
             return None
         return int(room / per_token / config.train.micro_batch_size) // 256 * 256 or None
     mbs = micro_batch_rows(config)
-    fitting = [
-        length
-        for length in range(256, MAX_PLANNED_LENGTH + 1, 256)
-        if sum(_parts(shape, config, length * mbs, _means(shape, config, length * mbs, budget_gib)).values())
-        <= budget_gib
-    ]
-    return fitting[-1] if fitting else None
+
+    def fits(length: int) -> bool:
+        means = _means(shape, config, length * mbs, budget_gib)
+        return sum(_parts(shape, config, length * mbs, means).values()) <= budget_gib
+
+    low, high = 0, MAX_PLANNED_LENGTH // 256  # multiples of 256; the peak grows with the length
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle * 256) else (low, middle - 1)
+    return low * 256 or None

@@ -106,6 +106,8 @@ class RunPlan:
     fast_lora: bool
     sync_each_micro_batch: bool
     gpu_gib: float | None
+    cpu_gib: float | None = None
+    """The machine's RAM (Target.cpu_gib), which a one-GPU run's host memory is planned against."""
     run_dir: Path | None = None
     resume_from: Path | None = None
     from_run_adapter: Path | None = None
@@ -205,6 +207,7 @@ def plan_run(
         fast_lora=resolve_fast_lora(config),
         sync_each_micro_batch=syncs_each_micro_batch(config.train),
         gpu_gib=target.gpu_gib if target.cuda else None,
+        cpu_gib=target.cpu_gib if target.cuda else None,
         run_dir=run_dir,
         resume_from=resume_from,
         from_run_adapter=from_run_adapter(config),

@@ -245,10 +245,11 @@ def longest_row(data: PreparedData, packed=None) -> int:
 
 
 def check_gpu_memory(plan: RunPlan) -> None:
-    """On a GPU, stop before loading the model if the planner says the run will not fit."""
+    """On a GPU, stop before loading the model if the planner says the run will not fit the GPU
+    or this machine's RAM."""
     if not (plan.config.train.memory_check and plan.gpu_gib is not None):
         return
-    memory = check_fits(plan.planner_config, plan.gpu_gib, plan.row_tokens)
+    memory = check_fits(plan.planner_config, plan.gpu_gib, plan.row_tokens, plan.cpu_gib)
     if memory:
         hint = memory.room_hint()
         log.info(

@@ -113,6 +113,36 @@ def test_check_fits_refuses_with_the_knobs_to_turn():
         check_fits(sixteen_bit, 15)
 
 
+def test_host_ram_is_planned_against_the_machine_and_a_run_that_overflows_it_is_refused():
+    """Llama-3.1-8B, QLoRA, one 131,072-token sample on a 24 GB card: 32 layers x 131,072 tokens
+    x 4096 x 2 bytes of pinned checkpoints (exactly: models/host_memory.py), the input embedding
+    table and the process itself, against 85% of the machine's RAM; the longest length is the
+    one both hold, and a run is refused before loading with the knobs to turn."""
+    from lora_lab.errors import LoraLabError
+    from lora_lab.planning.choice import check_fits
+    from lora_lab.planning.memory_plan import FIT_PROCESS_HOST_GIB
+
+    flags = {"model.name": "llama-3.1-8b", "data.datasets": ["x"], "data.max_length": 131072}
+    sets = ["model.quantization=nf4", "data.packing=false"]
+    config = resolve_config("24gb", flags=flags, sets=sets)
+    roomy = plan_memory(config, 24, cpu_memory_gib=64)
+    assert roomy.cpu_parts_gib["activation checkpoints (pinned)"] == 32.0
+    assert roomy.host_gib == pytest.approx(32.0 + 128256 * 4096 * 2 / 2**30 + FIT_PROCESS_HOST_GIB)
+    assert roomy.fits and roomy.cpu_fits and roomy.cpu_budget_gib == pytest.approx(64 * 0.85)
+    assert "host RAM with the process" in roomy.report() and "fits in 54.4 GiB" in roomy.report()
+    assert plan_memory(config, 24).cpu_fits is None  # no RAM given: not planned against one
+    small = plan_memory(config, 24, cpu_memory_gib=32)
+    assert small.fits and small.cpu_fits is False
+    room = 32 * 0.85 - 128256 * 4096 * 2 / 2**30 - FIT_PROCESS_HOST_GIB
+    assert small.longest_max_length == int(room / (32 * 4096 * 2 / 2**30)) // 256 * 256
+    assert small.longest_max_length < plan_memory(config, 24, cpu_memory_gib=64).longest_max_length
+    assert "--set train.offload_checkpoints=false" in " ".join(small.fixes)
+    assert check_fits(config, 24, cpu_memory_gib=64).cpu_fits
+    with pytest.raises(LoraLabError, match=r"needs about 34.8 GiB of host RAM .* this machine has 32.0 GiB") as raised:
+        check_fits(config, 24, cpu_memory_gib=32)
+    assert f"--max-length {small.longest_max_length}" in str(raised.value)
+
+
 # ----------------------------------------------------------------------------- several GPUs
 # These terms are counted from what each engine shards or offloads; the tests pin the arithmetic,
 # and the last test of this file checks them against the two-GPU runs in bench/results.
@@ -250,6 +280,23 @@ def test_plan_command_takes_gpus_and_engine():
     assert result.exit_code == 0, result.output
     assert "per GPU of 2, engine deepspeed-zero2-offload" in result.output
     assert "CPU memory for offload" in result.output
+
+
+def test_plan_command_says_whether_a_context_fits_the_machines_ram():
+    from click.testing import CliRunner
+
+    from lora_lab.cli import main
+
+    args = ["plan", "--preset", "24gb", "--model", "llama-3.1-8b", "--max-length", "131072", "--gpu-memory", "24"]
+    args += ["--set", "model.quantization=nf4", "--set", "data.packing=false"]
+    small = CliRunner().invoke(main, [*args, "--cpu-memory", "32"])
+    assert small.exit_code == 1
+    assert "34.78 GiB, does NOT fit in 27.2 GiB (85% of the machine's RAM)" in small.output
+    assert "fits in 23.5 GiB" in small.output and "to fit: --max-length" in small.output
+    roomy = CliRunner().invoke(main, [*args, "--cpu-memory", "64"])
+    assert roomy.exit_code == 0 and "34.78 GiB, fits in 54.4 GiB" in roomy.output
+    bad = CliRunner().invoke(main, [*args, "--cpu-memory", "0"])
+    assert bad.exit_code == 2 and "--cpu-memory" in bad.output and "Traceback" not in bad.output
 
 
 def test_engine_auto_picks_the_fastest_engine_that_fits():

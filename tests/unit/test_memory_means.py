@@ -60,7 +60,7 @@ def test_all_means_give_the_plain_loss_and_gradients(monkeypatch):
 
     copied = []
     real_to_host = activations._to_host
-    monkeypatch.setattr(activations, "_to_host", lambda t: copied.append(t.shape) or real_to_host(t))
+    monkeypatch.setattr(activations, "_to_host", lambda t, slab=None: copied.append(t.shape) or real_to_host(t, slab))
     plain = loss_and_grads(None, dropout=0.0)
     assert copied == []
     means = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True, mlp_chunk_tokens=8)
@@ -71,6 +71,51 @@ def test_all_means_give_the_plain_loss_and_gradients(monkeypatch):
     assert isinstance(model.get_input_embeddings(), CpuEmbedding)
     chunked = [m for n, m in model.named_modules() if n.endswith(".mlp")]
     assert len(chunked) == 2 and all("_chunked" in m.forward.__qualname__ for m in chunked)
+
+
+def test_offloaded_checkpoints_live_in_one_slab_of_the_planned_bytes_and_give_it_back():
+    """checkpoint_tokens: every layer's input goes into one HostSlab of exactly layers x tokens x
+    hidden x bytes (not torch's power-of-two pinned blocks); the backward pass gives each piece
+    back, and the loss and gradients are the plain path's."""
+    from lora_lab.models.memory_means import offload_slab
+
+    plain = loss_and_grads(None, dropout=0.0)
+    means = MemoryMeans(offload_checkpoints=True, checkpoint_tokens=2 * SEQ)
+    loss, grads, model = loss_and_grads(means, dropout=0.0)
+    assert_same(plain, (loss, grads))
+    slabs = {id(offload_slab(m)): offload_slab(m) for m in model.modules() if offload_slab(m) is not None}
+    assert len(slabs) == 1
+    slab = next(iter(slabs.values()))
+    assert slab.nbytes == 2 * (2 * SEQ) * 32 * 4  # 2 layers x 48 tokens x hidden 32 x fp32
+    assert slab.free_bytes == slab.nbytes  # every piece back after the backward pass
+
+
+def test_a_host_slab_lends_pieces_and_joins_them_when_they_come_back():
+    import gc
+
+    from lora_lab.models.host_memory import ALIGN, HostSlab, host_copy
+
+    slab = HostSlab(4 * ALIGN)
+    a = slab.take((ALIGN // 4,), torch.float32)  # one page
+    b = slab.take((3, 5), torch.bfloat16)  # 30 bytes: one page
+    c = slab.take((2 * ALIGN,), torch.uint8)  # two pages
+    assert a.shape == (ALIGN // 4,) and b.dtype == torch.bfloat16 and slab.free_bytes == 0
+    assert slab.take((1,), torch.uint8) is None  # full: the caller falls back
+    fallback = host_copy(torch.zeros(3), slab)
+    assert fallback.shape == (3,) and fallback.untyped_storage().data_ptr() != slab.buffer.data_ptr()
+    b.fill_(1.5)
+    assert a.untyped_storage().data_ptr() == slab.buffer.data_ptr()  # views of the one buffer
+    del b
+    gc.collect()
+    assert slab.starts == [ALIGN] and slab.ends == [2 * ALIGN]
+    del a
+    gc.collect()
+    assert slab.starts == [0] and slab.ends == [2 * ALIGN]  # joined with the piece before
+    del c
+    gc.collect()
+    assert slab.starts == [0] and slab.ends == [4 * ALIGN] and slab.free_bytes == 4 * ALIGN
+    again = slab.take((4 * ALIGN,), torch.uint8)
+    assert again is not None and slab.free_bytes == 0
 
 
 def test_offloaded_checkpoints_replay_the_dropout_masks():
@@ -120,9 +165,11 @@ def test_auto_means_on_one_gpu_only_and_on_is_refused_where_they_cannot_work():
     from lora_lab.errors import ConfigError
 
     auto = choose_memory_means(config_for(), on_gpu=True, tied_embeddings=False, row_tokens=16384)
-    assert auto == MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True, mlp_chunk_tokens=4096)
+    assert auto == MemoryMeans(
+        embedding_on_cpu=True, offload_checkpoints=True, mlp_chunk_tokens=4096, checkpoint_tokens=16384
+    )
     short = choose_memory_means(config_for(), on_gpu=True, tied_embeddings=True, row_tokens=900)
-    assert short == MemoryMeans(offload_checkpoints=True)
+    assert short == MemoryMeans(offload_checkpoints=True, checkpoint_tokens=900)
     assert choose_memory_means(config_for(), on_gpu=False, tied_embeddings=False, row_tokens=16384) == MemoryMeans(
         mlp_chunk_tokens=4096
     )
@@ -142,7 +189,7 @@ def test_mlp_chunks_only_when_the_run_would_not_fit_without_them():
 
     config = config_for(**{"model.name": "qwen2.5-7b"})
     roomy = choose_memory_means(config, on_gpu=True, tied_embeddings=False, row_tokens=16384, budget_gib=23.5)
-    assert roomy == MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True)
+    assert roomy == MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True, checkpoint_tokens=16384)
     tight = choose_memory_means(config, on_gpu=True, tied_embeddings=False, row_tokens=16384, budget_gib=16.6)
     assert tight.mlp_chunk_tokens == 4096
     config = config.with_changes({"data.packing": False, "data.max_length": 16384}, "test")

@@ -130,3 +130,35 @@ def test_fast_lora_on_nf4_weights_matches_peft(tmp_path):
 @pytest.mark.parametrize("implementation", ["foreach", "fused", "for-loop"])
 def test_adamw_steps_make_the_casts_again_on_cuda(implementation):
     adamw_case(implementation, "cuda")
+
+
+def test_offloaded_checkpoints_in_the_pinned_slab_match_torchs_pinned_blocks_step_after_step():
+    """models/host_memory.py on CUDA: the slab is pinned, each layer's checkpoint is a piece of
+    it (none falls back to torch's allocator), three steps on the streamed copies (a piece
+    reused each step after its copy back) give the gradients of torch's pinned blocks, and every
+    piece comes back."""
+    from lora_lab.models.memory_means import offload_slab
+    from tests.unit.test_fast_lora import SEQ
+
+    def steps(means):
+        _, _, model = loss_and_grads(True, means, device="cuda")
+        grads = []
+        for step in range(3):
+            model.zero_grad()
+            torch.manual_seed(10 + step)
+            ids = torch.randint(0, 512, (2, SEQ), device="cuda")
+            model(input_ids=ids, labels=ids).loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        return grads, model
+
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    slabbed, model = steps(MemoryMeans(offload_checkpoints=True, checkpoint_tokens=2 * SEQ))
+    slab = next(offload_slab(m) for m in model.modules() if offload_slab(m) is not None)
+    assert slab.pinned and slab.buffer.is_pinned()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before  # no torch block
+    torch.cuda.synchronize()
+    assert slab.free_bytes == slab.nbytes
+    blocks, _ = steps(MemoryMeans(offload_checkpoints=True))
+    for ours, theirs in zip(slabbed, blocks, strict=True):
+        for name in theirs:
+            torch.testing.assert_close(ours[name], theirs[name], atol=0, rtol=0, msg=name)

@@ -9,8 +9,8 @@ with cudaHostRegister, and handed out per checkpoint: a layer's forward pass tak
 the piece comes back when its host tensor is dropped (after the backward pass has queued its copy
 back to the GPU). A piece is only reused by a copy queued on the same CUDA stream as the copy that
 last read it (the checkpoint code queues both on one stream), so stream order keeps them apart.
-A checkpoint larger than what is left (a row longer than planned) falls back to torch's pinned
-allocator.
+A checkpoint larger than what is left (a row longer than planned), or any checkpoint where the
+block could not be pinned, falls back to torch's pinned allocator.
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ class HostSlab:
         self.buffer = torch.empty(nbytes, dtype=torch.uint8)
         self.pinned = False
         if torch.cuda.is_available() and nbytes:
-            error = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)
-            self.pinned = int(error) == 0
+            try:
+                self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)) == 0
+            except (AttributeError, RuntimeError):  # no cudart binding: torch's allocator serves
+                self.pinned = False
             if self.pinned:
                 weakref.finalize(self, _unregister, self.buffer)
         self.starts: list[int] = [0]  # free pieces, sorted, never adjacent
@@ -82,7 +84,9 @@ def _unregister(buffer: torch.Tensor) -> None:
 def host_copy(tensor: torch.Tensor, slab: HostSlab | None) -> torch.Tensor:
     """An empty CPU tensor for a copy of `tensor`: a piece of `slab`, else pinned by torch's
     allocator (a CUDA tensor) or ordinary memory (a CPU tensor)."""
-    host = slab.take(tensor.shape, tensor.dtype) if slab is not None else None
+    host = None
+    if slab is not None and (slab.pinned or tensor.device.type != "cuda"):  # GPU copies need pinned memory
+        host = slab.take(tensor.shape, tensor.dtype)
     if host is None:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
     return host

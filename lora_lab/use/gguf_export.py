@@ -325,6 +325,28 @@ def source_tensor_count(source: Path) -> int:
     return count
 
 
+MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+"""Families whose checkpoints carry a multi-token-prediction block (`mtp.*`) that llama.cpp's
+converter writes as draft layers; transformers does not load it, so a merged folder has none."""
+
+
+def _drops_mtp(converter: Path, source: Path) -> bool:
+    """Whether to convert with --no-mtp: an MTP family's folder without `mtp.*` tensors (the
+    converter would otherwise count draft layers it cannot find), where the converter knows the
+    flag."""
+    config = json.loads((source / "config.json").read_text())
+    types = {config.get("model_type"), (config.get("text_config") or {}).get("model_type")}
+    if not types & set(MTP_MODEL_TYPES) or "--no-mtp" not in converter.read_text():
+        return False
+    from safetensors import safe_open
+
+    for path in source.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as handle:
+            if any(key.startswith(("mtp.", "model.mtp.")) for key in handle.keys()):  # noqa: SIM118
+                return False
+    return True
+
+
 def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
     """llama.cpp's converter in a process of its own; its log is read as it runs and said as a
     few progress lines (tensors converted, the file written), its last lines kept for an
@@ -335,8 +357,9 @@ def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
         source_tensor_count(source),
         lambda done, total: log.info(f"  convert_hf_to_gguf.py: {done}/{total} tensors converted"),
     )
+    options = ["--no-mtp"] if _drops_mtp(converter, source) else []
     process = subprocess.Popen(
-        [sys.executable, str(converter), str(source), "--outfile", str(target), "--outtype", "f16"],
+        [sys.executable, str(converter), str(source), "--outfile", str(target), "--outtype", "f16", *options],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

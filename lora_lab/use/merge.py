@@ -132,9 +132,11 @@ def merge_adapter(
 
 def _save_merged(merged, tokenizer, result: MergeResult) -> None:
     """The merged model, its tokenizer and merge_report.json, put in place in one step; the
-    model stops at <|im_end|> as well as at eos."""
-    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id]
-    merged.generation_config.eos_token_id = sorted({i for i in eos if i is not None}, key=eos.index)
+    model stops where the trained one does: the template's end-of-turn token, the tokenizer's eos
+    and generation_config's (modelfile.stop_ids)."""
+    from .modelfile import stop_ids
+
+    merged.generation_config.eos_token_id = stop_ids(tokenizer, merged)
     merged.generation_config.pad_token_id = tokenizer.pad_token_id
     with staged_folder(result.output_dir) as staging:
         merged.save_pretrained(staging, safe_serialization=True, max_shard_size="2GB")

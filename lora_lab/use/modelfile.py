@@ -74,6 +74,14 @@ def end_of_turn_tokens(tokenizer, generation_eos_ids=()) -> list[str]:
     return list(dict.fromkeys(t for t in found if t))
 
 
+def stop_ids(tokenizer, model) -> list[int]:
+    """The ids generation stops at: end_of_turn_tokens with the model's generation_config eos."""
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in end_of_turn_tokens(tokenizer, eos)]
+    return list(dict.fromkeys(i for i in ids if isinstance(i, int) and i >= 0))
+
+
 def default_system_prompt(tokenizer, family: TemplateFamily) -> str | None:
     """The system text the chat template writes for a conversation that has none."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": "u"}], tokenize=False)

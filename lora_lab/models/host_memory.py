@@ -28,17 +28,25 @@ class HostSlab:
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.buffer: torch.Tensor | None = None  # allocated and pinned at the first take()
         self.pinned = False
-        if torch.cuda.is_available() and nbytes:
-            try:
-                self.pinned = int(torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), nbytes, 0)) == 0
-            except (AttributeError, RuntimeError):  # no cudart binding: torch's allocator serves
-                self.pinned = False
-            if self.pinned:
-                weakref.finalize(self, _unregister, self.buffer)
         self.starts: list[int] = [0]  # free pieces, sorted, never adjacent
         self.ends: list[int] = [nbytes]
+
+    def _allocate(self) -> torch.Tensor:
+        """The block, made at the first checkpoint (after the model has loaded, so that its
+        memory is not held beside the checkpoint files' pages read while loading)."""
+        if self.buffer is None:
+            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+            if torch.cuda.is_available() and self.nbytes:
+                try:
+                    error = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
+                    self.pinned = int(error) == 0
+                except (AttributeError, RuntimeError):  # no cudart binding: torch's allocator serves
+                    self.pinned = False
+                if self.pinned:
+                    weakref.finalize(self, _unregister, self.buffer)
+        return self.buffer
 
     @property
     def free_bytes(self) -> int:
@@ -59,7 +67,7 @@ class HostSlab:
             del self.starts[i], self.ends[i]
         else:
             self.starts[i] = start + need
-        tensor = self.buffer[start : start + count * dtype.itemsize].view(dtype).view(shape)
+        tensor = self._allocate()[start : start + count * dtype.itemsize].view(dtype).view(shape)
         weakref.finalize(tensor, self._give_back, start, need)
         return tensor
 
@@ -77,6 +85,11 @@ class HostSlab:
         self.ends.insert(i, end)
 
 
+def slab_bytes(pieces: int, piece_bytes: int) -> int:
+    """A block for `pieces` pieces of `piece_bytes` each, every piece starting on a page."""
+    return pieces * (-(-piece_bytes // ALIGN) * ALIGN)
+
+
 def _unregister(buffer: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
@@ -85,8 +98,10 @@ def host_copy(tensor: torch.Tensor, slab: HostSlab | None) -> torch.Tensor:
     """An empty CPU tensor for a copy of `tensor`: a piece of `slab`, else pinned by torch's
     allocator (a CUDA tensor) or ordinary memory (a CPU tensor)."""
     host = None
-    if slab is not None and (slab.pinned or tensor.device.type != "cuda"):  # GPU copies need pinned memory
+    if slab is not None:
         host = slab.take(tensor.shape, tensor.dtype)
+        if tensor.device.type == "cuda" and not slab.pinned:  # GPU copies need pinned memory
+            host = None
     if host is None:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
     return host

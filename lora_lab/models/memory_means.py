@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .host_memory import HostSlab, host_copy
+from .host_memory import HostSlab, host_copy, slab_bytes
 
 # ----------------------------------------------------------------------------- embedding
 
@@ -188,18 +188,19 @@ def offload_layer_checkpoints(model, tokens: int = 0) -> int:
     slab = None
     if tokens and layers:
         hidden = model.config.get_text_config().hidden_size
-        slab = HostSlab(len(layers) * tokens * hidden * model.dtype.itemsize)
+        slab = HostSlab(slab_bytes(len(layers), tokens * hidden * model.dtype.itemsize))
     for layer in layers:
         layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, slab=slab)
     return len(layers)
 
 
 def offload_slab(layer) -> HostSlab | None:
-    """The HostSlab a layer's offloaded checkpoint uses, or None (not offloaded, or no slab)."""
+    """The HostSlab a layer's offloaded checkpoint uses (its own, or its streamed copies'
+    CopyState's: models/fast_offload.py), or None (not offloaded, or no slab)."""
     func = getattr(layer, "_gradient_checkpointing_func", None)
-    if isinstance(func, functools.partial) and func.func is offloaded_checkpoint:
-        return func.keywords.get("slab")
-    return None
+    if not isinstance(func, functools.partial):
+        return None
+    return func.keywords.get("slab") or getattr(func.keywords.get("state"), "slab", None)
 
 
 def offloads_checkpoint(layer) -> bool:

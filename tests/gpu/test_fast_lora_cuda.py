@@ -155,7 +155,8 @@ def test_offloaded_checkpoints_in_the_pinned_slab_match_torchs_pinned_blocks_ste
     slabbed, model = steps(MemoryMeans(offload_checkpoints=True, checkpoint_tokens=2 * SEQ))
     slab = next(offload_slab(m) for m in model.modules() if offload_slab(m) is not None)
     assert slab.pinned and slab.buffer.is_pinned()
-    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before  # no torch block
+    # no checkpoint in torch's pinned blocks (each is 2 x 24 x 32 x 4 bytes)
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before < 2 * SEQ * 32 * 4
     torch.cuda.synchronize()
     assert slab.free_bytes == slab.nbytes
     blocks, _ = steps(MemoryMeans(offload_checkpoints=True))

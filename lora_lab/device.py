@@ -90,6 +90,11 @@ def gpu_memory_gib() -> float | None:
     return min(total, float(cap)) if cap else total
 
 
+def host_memory_gib() -> float:
+    """This machine's physical RAM in GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
 def use_cudnn_attention(setting: str | bool) -> None:
     """model.cudnn_attention: let sdpa pick its cuDNN backend in this (training) process only
     when true; auto and false leave the choice to flash and memory-efficient kernels."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
@@ -114,7 +113,7 @@ def plan(preset, gpu_memory, cpu_memory, sets, **flag_values):
     sample."""
     from .. import choose_preset
     from .. import plan as plan_run
-    from ..device import gpu_memory_gib
+    from ..device import gpu_memory_gib, host_memory_gib
     from ..planning.memory import row_length
 
     gpu_memory = gpu_memory or gpu_memory_gib()
@@ -135,7 +134,7 @@ def plan(preset, gpu_memory, cpu_memory, sets, **flag_values):
         )
     if cpu_memory is not None and cpu_memory <= 0:
         raise click.BadParameter(f"{cpu_memory}: give the machine's RAM in GiB, e.g. 64.", param_hint="--cpu-memory")
-    ram = cpu_memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    ram = cpu_memory or host_memory_gib()
     result = plan_run(config, gpu_memory, _longest_sample(config) if config.data.datasets else None, ram)
     click.echo(result.report())
     if result.fits is False or result.cpu_fits is False:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,7 @@ class Target:
         """This machine (imports torch)."""
         import torch
 
-        from ..device import gpu_memory_gib
+        from ..device import gpu_memory_gib, host_memory_gib
         from ..models.attention import flash_varlen
         from ..models.kernels import liger_available
 
@@ -67,7 +66,7 @@ class Target:
             bf16=cuda and torch.cuda.is_bf16_supported(),
             liger=liger_available(),
             varlen=cuda and flash_varlen() is not None,
-            cpu_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
+            cpu_gib=host_memory_gib(),
             deepspeed=importlib.util.find_spec("deepspeed") is not None,
         )
 

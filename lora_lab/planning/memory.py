@@ -197,7 +197,7 @@ def _against_budget(
     plan.budget_gib = budget
     longest = _longest(shape, config, budget) or 0
     if plan.cpu_budget_gib is not None:  # and the machine's RAM holds its offloaded checkpoints
-        longest = min(longest, _host_longest(shape, config, plan))
+        longest = min(longest, _host_longest(config, plan))
     prompt = longest - completion_tokens(config)  # grpo: + completion
     plan.longest_max_length = prompt if prompt > 0 else None
     if completion_tokens(config):
@@ -208,7 +208,7 @@ def _against_budget(
             if config.data.packing
             else f"--max-length {plan.longest_max_length}"
         )
-    if plan.cpu_fits is False and "layer checkpoints in CPU memory" in plan.means:
+    if plan.cpu_fits is False and CHECKPOINTS_PART in plan.cpu_parts_gib:
         plan.fixes.append("--set train.offload_checkpoints=false (checkpoints on the GPU, not in RAM)")
     if config.model.quantization == "none" and config.train.tuner in ("lora", "dora"):
         plan.fixes.append("--quantization nf4 (QLoRA)")
@@ -222,15 +222,16 @@ def _against_budget(
         plan.room_for_layers = _room_for_layers(shape, config, tokens, means, budget)
 
 
-def _host_longest(shape: ModelShape, config: RunConfig, plan: MemoryPlan) -> int:
+def _host_longest(config: RunConfig, plan: MemoryPlan) -> int:
     """The longest row whose offloaded checkpoints, with the rest of the host memory, fit the
     machine's RAM (cpu_budget_gib); a multiple of 256."""
     assert plan.cpu_budget_gib is not None
-    fixed = plan.host_gib - plan.cpu_parts_gib.get(CHECKPOINTS_PART, 0.0)
-    per_token = shape.hidden * 2 * (shape.layers - plan.kept) * micro_batch_rows(config) / GIB
-    if CHECKPOINTS_PART not in plan.cpu_parts_gib:
+    checkpoints = plan.cpu_parts_gib.get(CHECKPOINTS_PART, 0.0)
+    fixed = plan.host_gib - checkpoints
+    if not checkpoints:
         return MAX_PLANNED_LENGTH if fixed <= plan.cpu_budget_gib else 0
-    return max(0, int((plan.cpu_budget_gib - fixed) / per_token) // 256 * 256)
+    per_row_token = checkpoints / plan.tokens_per_micro_batch * micro_batch_rows(config)  # linear in tokens
+    return max(0, int((plan.cpu_budget_gib - fixed) / per_row_token) // 256 * 256)
 
 
 def row_length(config: RunConfig) -> int:

@@ -314,15 +314,15 @@ CONVERTED_TENSOR = re.compile(r"^INFO:hf-to-gguf:[\w.]+,\s+\S+ --> \w+, shape")
 WRITTEN_FILE = re.compile(r"n_tensors = (\d+), total_size = (\S+)")
 
 
-def source_tensor_count(source: Path) -> int:
-    """Tensors in a folder's safetensors files (their headers only)."""
+def source_tensor_names(source: Path) -> list[str]:
+    """The tensors of a folder's safetensors files (their headers only)."""
     from safetensors import safe_open
 
-    count = 0
+    names: list[str] = []
     for path in sorted(source.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
-            count += len(list(handle.keys()))
-    return count
+            names += handle.keys()
+    return names
 
 
 MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -330,7 +330,7 @@ MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen
 converter writes as draft layers; transformers does not load it, so a merged folder has none."""
 
 
-def _drops_mtp(converter: Path, source: Path) -> bool:
+def _drops_mtp(converter: Path, source: Path, tensors: list[str]) -> bool:
     """Whether to convert with --no-mtp: an MTP family's folder without `mtp.*` tensors (the
     converter would otherwise count draft layers it cannot find), where the converter knows the
     flag."""
@@ -338,13 +338,7 @@ def _drops_mtp(converter: Path, source: Path) -> bool:
     types = {config.get("model_type"), (config.get("text_config") or {}).get("model_type")}
     if not types & set(MTP_MODEL_TYPES) or "--no-mtp" not in converter.read_text():
         return False
-    from safetensors import safe_open
-
-    for path in source.glob("*.safetensors"):
-        with safe_open(str(path), framework="pt") as handle:
-            if any(key.startswith(("mtp.", "model.mtp.")) for key in handle.keys()):  # noqa: SIM118
-                return False
-    return True
+    return not any(name.startswith(("mtp.", "model.mtp.")) for name in tensors)
 
 
 def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
@@ -353,11 +347,11 @@ def convert_to_gguf(converter: Path, source: Path, target: Path) -> None:
     error."""
     started = time.monotonic()
     tail: collections.deque[str] = collections.deque(maxlen=6)
+    names = source_tensor_names(source)
     progress = Milestones(
-        source_tensor_count(source),
-        lambda done, total: log.info(f"  convert_hf_to_gguf.py: {done}/{total} tensors converted"),
+        len(names), lambda done, total: log.info(f"  convert_hf_to_gguf.py: {done}/{total} tensors converted")
     )
-    options = ["--no-mtp"] if _drops_mtp(converter, source) else []
+    options = ["--no-mtp"] if _drops_mtp(converter, source, names) else []
     process = subprocess.Popen(
         [sys.executable, str(converter), str(source), "--outfile", str(target), "--outtype", "f16", *options],
         stdout=subprocess.PIPE,

@@ -220,7 +220,7 @@ def check(run_dir, prompts, served, served_model, api_key, api_key_file):
     server = ServedForm(served, served_model, read_api_key(api_key, api_key_file)) if served else None
     report = check_run(run_dir, list(prompts) or None, server)
     click.echo("\n".join(report["lines"]) + f"\nreport: {report['report_path']}")
-    failed = [f["form"] for f in report["forms"] if not f["passed"]]
+    failed = report["failed"]
     if failed:
         raise click.ClickException(
             f"{', '.join(failed)} do(es) not answer as the trained model (parity_report.json says how)."

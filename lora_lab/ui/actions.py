@@ -204,6 +204,6 @@ def check_run_forms(run_dir: Path) -> str:
     from ..use.parity import check_run
 
     report = check_run(run_dir)
-    failed = [f["form"] for f in report["forms"] if not f["passed"]]
+    failed = report["failed"]
     verdict = f"FAILS: {', '.join(failed)}" if failed else "every copy answers as the trained model"
     return "\n".join([*report["lines"], f"report: {report['report_path']}", verdict])

@@ -107,17 +107,19 @@ def check_run(path: str | Path, prompts: list[str] | None = None, served: Served
     questions = prompts or CHECK_PROMPTS
     with quiet_library_progress():
         model, tokenizer = load_adapter_model(run_dir)
+    # the server is asked for its models first: one that cannot be reached stops the check early
+    side = ServedSide(served, tokenizer, run_dir.name, ANSWER_TOKENS) if served is not None else None
     reference = trained_reference(model, tokenizer, questions)
     del model
     checks = [check_form(name, form, tokenizer, questions, reference, _exact(run_dir, name)) for name, form in forms]
-    if served is not None:
-        side = ServedSide(served, tokenizer, run_dir.name, ANSWER_TOKENS)
+    if side is not None:
         checks.append(check_served(side, questions, reference))
     report = {"run_dir": str(run_dir), "prompts": questions, "forms": [asdict(c) for c in checks]}
     target = RunFolder(run_dir).parity_report
     target.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     report["report_path"] = str(target)
     report["lines"] = [c.line() for c in checks]
+    report["failed"] = [c.form for c in checks if not c.passed]
     return report
 
 

@@ -40,7 +40,7 @@ class ServedSide:
                 f"--served {form.url}: give the server's http(s) address, e.g. http://127.0.0.1:8000/v1."
             )
         self.url, self.api_key, self.tokenizer, self.tokens = form.url.rstrip("/"), form.api_key, tokenizer, tokens
-        names = [entry["id"] for entry in self._call("GET", "/models")["data"]]
+        names = self._call("GET", "/models", pick=lambda reply: [entry["id"] for entry in reply["data"]])
         self.model = form.model or run_name
         if self.model not in names:
             raise LoraLabError(
@@ -49,7 +49,8 @@ class ServedSide:
             )
         self.chat_answers: dict = {}
 
-    def _call(self, method: str, route: str, body: dict | None = None) -> dict:
+    def _call(self, method: str, route: str, body: dict | None = None, pick=lambda reply: reply):
+        """`pick` of the route's JSON reply; a reply without what it picks is one clear error."""
         request = urllib.request.Request(
             self.url + route,
             data=json.dumps(body).encode() if body is not None else None,
@@ -59,7 +60,12 @@ class ServedSide:
         )
         try:
             with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-                return json.loads(response.read())
+                return pick(json.loads(response.read()))
+        except (ValueError, KeyError, IndexError, TypeError) as exc:  # not JSON, or not the API's shape
+            raise LoraLabError(
+                f"--served {self.url}: {route} did not answer as an OpenAI-compatible API does "
+                f"({type(exc).__name__}: {str(exc)[:200]}); check the URL (it ends in /v1)."
+            ) from None
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:300]
             raise LoraLabError(f"--served {self.url}: {route} answered HTTP {exc.code}: {detail}") from None
@@ -79,15 +85,22 @@ class ServedSide:
                 "temperature": 0,
                 "max_tokens": self.tokens,
             }
-            choice = self._call("POST", "/chat/completions", body)["choices"][0]
-            self.chat_answers[question] = (choice["message"]["content"] or "", choice["finish_reason"] == "stop")
+            self.chat_answers[question] = self._call(
+                "POST",
+                "/chat/completions",
+                body,
+                pick=lambda r: (
+                    r["choices"][0]["message"]["content"] or "",
+                    r["choices"][0]["finish_reason"] == "stop",
+                ),
+            )
         return self.chat_answers[question]
 
     def complete(self, prompt_ids: list[int]) -> str:
         """The greedy completion of the trained model's rendering of a prompt."""
         prompt = self.tokenizer.decode(prompt_ids)
         body = {"model": self.model, "prompt": prompt, "temperature": 0, "max_tokens": self.tokens}
-        return self._call("POST", "/completions", body)["choices"][0]["text"] or ""
+        return self._call("POST", "/completions", body, pick=lambda r: r["choices"][0]["text"] or "")
 
     def answer_text(self, answer_ids: list[int], stops: list[int]) -> str:
         """The trained model's answer as the API gives it: without its end-of-turn token."""

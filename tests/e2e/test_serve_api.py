@@ -342,3 +342,22 @@ def test_check_takes_the_served_api_as_a_form_of_the_run(runs, server):
     closed.close()
     gone = CliRunner().invoke(main, ["check", str(run), "--served", f"http://127.0.0.1:{port}/v1"])
     assert gone.exit_code == 2 and "cannot reach it" in gone.output and "lora-lab serve RUN_DIR" in gone.output
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Page(BaseHTTPRequestHandler):  # a web page, not an API, at the given address
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"<html>hello</html>")
+
+        def log_message(self, *args):
+            pass
+
+    page = HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=page.serve_forever, daemon=True).start()
+    try:
+        html = CliRunner().invoke(main, ["check", str(run), "--served", f"http://127.0.0.1:{page.server_port}/v1"])
+    finally:
+        page.shutdown()
+    assert html.exit_code == 2 and "/models did not answer as an OpenAI-compatible API" in html.output
+    assert "Traceback" not in html.output

@@ -22,7 +22,7 @@ from .fields import (
 )
 from .flags import FLAG_FOR_KEY, FLAGS, all_keys, field_help
 from .resolve import list_presets, resolve_config
-from .rules import converts_initial_adapter, engine_template, main_host_port, trains_adapter, world_size_of
+from .rules import converts_initial_adapter, engine_of, engine_template, main_host_port, trains_adapter, world_size_of
 
 __all__ = [
     "DEEPSPEED_ENGINES",
@@ -44,6 +44,7 @@ __all__ = [
     "main_host_port",
     "trains_adapter",
     "world_size_of",
+    "engine_of",
     "identity_problem",
     "list_presets",
     "resolve_config",

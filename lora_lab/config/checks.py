@@ -11,7 +11,7 @@ from ..paths import identity_datasets
 from ..registry import model_config_of
 from .fields import LORA_INITS, REPORT_BACKENDS, SECTIONS, RunConfig
 from .grpo import grpo_problems
-from .rules import converts_initial_adapter, main_host_port, trains_adapter, world_size_of
+from .rules import converts_initial_adapter, engine_of, main_host_port, trains_adapter, world_size_of
 
 
 def tuner_problems(config: RunConfig) -> list[tuple[str, str]]:
@@ -246,7 +246,7 @@ def _full_finetuning_problems(config: RunConfig) -> list[tuple[str, str]]:
 def _memory_means_problems(config: RunConfig) -> list[tuple[str, str]]:
     """The memory means that serve LoRA in one process with gradient checkpointing."""
     problems = []
-    single = world_size_of(config.train) == 1 and config.train.engine == "ddp" and trains_adapter(config.train)
+    single = engine_of(config.train) == "ddp" and world_size_of(config.train) == 1 and trains_adapter(config.train)
     for key, value in (
         ("model.embedding_on_cpu", config.model.embedding_on_cpu),
         ("train.offload_checkpoints", config.train.offload_checkpoints),

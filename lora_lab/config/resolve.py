@@ -16,7 +16,6 @@ from ..registry import resolve_model_spec, size_class
 from .checks import config_problems
 from .fields import FULL_FINETUNING_LR, SECTIONS, ModelArgs, RunConfig
 from .flags import FLAG_FOR_KEY, all_keys
-from .rules import world_size_of
 
 # ----------------------------------------------------------------------------- presets
 
@@ -292,8 +291,7 @@ def _derived_defaults(config: RunConfig) -> RunConfig:
     """Defaults that follow from other keys. --tuner full: a learning rate the user did not give
     becomes FULL_FINETUNING_LR (the defaults and presets hold LoRA learning rates). --task grpo
     takes beta 0 unless given (TRL's default: no reference model). A preference or grpo --task
-    turns a preset's packing off. One process: train.engine auto is ddp (with several,
-    the run plan picks the engine)."""
+    turns a preset's packing off. train.engine auto stays auto: the run plan settles it."""
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     given = config.sources.get("train.lr", "default")
@@ -305,6 +303,4 @@ def _derived_defaults(config: RunConfig) -> RunConfig:
     if config.train.task != "sft" and config.data.packing and packing.startswith("preset"):
         # a preset packs supervised rows; a preference task reads prompt + answer sequences
         values["data.packing"], sources["data.packing"] = False, f"--task {config.train.task} (no packing)"
-    if config.train.engine == "auto" and world_size_of(config.train) == 1:
-        values["train.engine"], sources["train.engine"] = "ddp", "auto (one GPU)"
     return config.with_changes(values, sources) if values else config

@@ -29,6 +29,15 @@ def world_size_of(train: TrainArgs) -> int:
     return train.gpus * train.nodes
 
 
+def engine_of(train: TrainArgs) -> str:
+    """The engine a run uses: train.engine, where auto with one process is ddp (the one rule for
+    it). With several processes auto stays auto until the run plan picks the engine
+    (training/plan.py settle_engine, planning.choice.pick_engine)."""
+    if train.engine == "auto" and world_size_of(train) == 1:
+        return "ddp"
+    return train.engine
+
+
 def main_host_port(train: TrainArgs) -> tuple[str, int]:
     """--main-address HOST[:PORT] as (host, port); the port defaults to DEFAULT_MAIN_PORT."""
     address = train.main_address or "127.0.0.1"

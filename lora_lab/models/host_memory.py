@@ -28,25 +28,35 @@ class HostSlab:
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
-        self.buffer: torch.Tensor | None = None  # allocated and pinned at the first take()
+        self.buffer: torch.Tensor | None = None  # allocated and pinned at the first serves()
         self.pinned = False
+        self.unpinnable = False  # CUDA is there but the block could not be pinned: never used
         self.starts: list[int] = [0]  # free pieces, sorted, never adjacent
         self.ends: list[int] = [nbytes]
 
-    def _allocate(self) -> torch.Tensor:
+    def _allocate(self) -> None:
         """The block, made at the first checkpoint (after the model has loaded, so that its
-        memory is not held beside the checkpoint files' pages read while loading)."""
-        if self.buffer is None:
-            self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
-            if torch.cuda.is_available() and self.nbytes:
-                try:
-                    error = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
-                    self.pinned = int(error) == 0
-                except (AttributeError, RuntimeError):  # no cudart binding: torch's allocator serves
-                    self.pinned = False
-                if self.pinned:
-                    weakref.finalize(self, _unregister, self.buffer)
-        return self.buffer
+        memory is not held beside the checkpoint files' pages read while loading). Where CUDA is
+        there and pinning fails, the block is dropped at once: GPU copies need pinned memory."""
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8)
+        if not (torch.cuda.is_available() and self.nbytes):
+            return
+        try:
+            error = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
+            self.pinned = int(error) == 0
+        except (AttributeError, RuntimeError):  # no cudart binding: torch's allocator serves
+            self.pinned = False
+        if self.pinned:
+            weakref.finalize(self, _unregister, self.buffer)
+        else:
+            self.buffer, self.unpinnable = None, True
+
+    def serves(self, device: torch.device) -> bool:
+        """Whether a copy of a tensor on `device` may take a piece: a CPU tensor's always, a GPU
+        tensor's once the block is pinned. The first call makes the block."""
+        if self.buffer is None and not self.unpinnable:
+            self._allocate()
+        return self.buffer is not None and (device.type != "cuda" or self.pinned)
 
     @property
     def free_bytes(self) -> int:
@@ -54,7 +64,7 @@ class HostSlab:
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor | None:
         """A tensor of `shape` and `dtype` in the slab (its piece comes back when the tensor is
-        dropped), or None when no free piece is large enough."""
+        dropped), or None when no free piece is large enough. Ask serves() first."""
         count = 1
         for size in shape:
             count *= size
@@ -67,7 +77,8 @@ class HostSlab:
             del self.starts[i], self.ends[i]
         else:
             self.starts[i] = start + need
-        tensor = self._allocate()[start : start + count * dtype.itemsize].view(dtype).view(shape)
+        assert self.buffer is not None, "HostSlab.take before serves()"
+        tensor = self.buffer[start : start + count * dtype.itemsize].view(dtype).view(shape)
         weakref.finalize(tensor, self._give_back, start, need)
         return tensor
 
@@ -97,11 +108,7 @@ def _unregister(buffer: torch.Tensor) -> None:
 def host_copy(tensor: torch.Tensor, slab: HostSlab | None) -> torch.Tensor:
     """An empty CPU tensor for a copy of `tensor`: a piece of `slab`, else pinned by torch's
     allocator (a CUDA tensor) or ordinary memory (a CPU tensor)."""
-    host = None
-    if slab is not None:
-        host = slab.take(tensor.shape, tensor.dtype)
-        if tensor.device.type == "cuda" and not slab.pinned:  # GPU copies need pinned memory
-            host = None
+    host = slab.take(tensor.shape, tensor.dtype) if slab is not None and slab.serves(tensor.device) else None
     if host is None:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
     return host

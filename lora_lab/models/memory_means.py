@@ -20,6 +20,7 @@ gradients equal the plain path's.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 
 import torch
@@ -134,23 +135,24 @@ class OffloadedCheckpoint(torch.autograd.Function):
         return (None,) + replay_backward(ctx, hidden, grad_outputs)
 
 
-_replaying = 0  # > 0 while a checkpointed layer runs again inside its backward pass
+# True while a checkpointed layer runs again inside its backward pass; a context variable, so
+# that it holds for the thread (and task) that runs the recomputation and nothing else
+_REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("lora_lab_replaying", default=False)
 
 
 def replaying_layer() -> bool:
     """Whether the forward code running now is a checkpointed layer's recomputation, whose
     output only roots the backward pass (its values are never read)."""
-    return _replaying > 0
+    return _REPLAYING.get()
 
 
 @contextlib.contextmanager
 def _replay():
-    global _replaying
-    _replaying += 1
+    token = _REPLAYING.set(True)
     try:
         yield
     finally:
-        _replaying -= 1
+        _REPLAYING.reset(token)
 
 
 def replay_backward(ctx, hidden: torch.Tensor, grad_outputs: tuple) -> tuple:

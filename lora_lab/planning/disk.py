@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from ..config import RunConfig, converts_initial_adapter
+from ..config import RunConfig, converts_initial_adapter, engine_of
 from ..errors import LoraLabError
 from ..registry import model_config_of, resolve_model_spec
 from .shape import ModelShape
@@ -39,7 +39,7 @@ def checkpoint_sizes(config: RunConfig, model_config: dict) -> tuple[float, floa
     lora.init pissa / olora: the final adapter is converted to twice the rank, beside the
     initial one."""
     shape = ModelShape.from_config(model_config)
-    engine, full = config.train.engine, config.train.tuner == "full"
+    engine, full = engine_of(config.train), config.train.tuner == "full"
     deepspeed = engine.startswith("deepspeed")
     trained = shape.trained_params(config.train.tuner, config.lora.rank)
     weight_bytes = (2 if deepspeed else 4) if full else 4

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from ..config import RunConfig, engine_template, world_size_of
+from ..config import RunConfig, engine_of, engine_template, world_size_of
 from .policies import syncs_each_micro_batch
 from .shape import ModelShape
 from .tuners import adapter_state_part
@@ -96,7 +96,7 @@ def deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int, cpu_op
     into fp32 (sub_group_size, 1e9 by default, is larger than the partitions here).
     Counted from the config: the caching allocator holds more than this (the two-GPU runs
     against their plans: docs/benchmarks.md, several GPUs)."""
-    zero = json.loads(engine_template(config.train.engine).read_text())["zero_optimization"]
+    zero = json.loads(engine_template(engine_of(config.train)).read_text())["zero_optimization"]
     n, total = world_size_of(config.train), shape.params
     parts = {}
     if not cpu_optimizer:
@@ -121,7 +121,7 @@ def engine_parts(shape: ModelShape, config: RunConfig, single: dict) -> tuple[di
     Parameters, gradients and optimizer state are each kept whole on every GPU (replica),
     divided by N (shard) or moved to CPU memory (cpu) as ENGINE_SHARDING says. The activation
     terms are the fitted single-GPU ones."""
-    n, engine, tuner = world_size_of(config.train), config.train.engine, config.train.tuner
+    n, engine, tuner = world_size_of(config.train), engine_of(config.train), config.train.tuner
     per_machine = config.train.gpus  # CPU memory is a machine's: its --gpus processes
     params_where, grads_where, optim_where = ENGINE_SHARDING[engine]
     single = dict(single)

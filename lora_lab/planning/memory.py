@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, trains_adapter, world_size_of
+from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, engine_of, trains_adapter, world_size_of
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
 from .engines import engine_parts
 from .generation import generation_part
@@ -101,7 +101,7 @@ def choose_memory_means(
     MLP chunks cost a third pass through every MLP (about a fifth more compute for 7B): with a
     GPU budget (GiB usable) they are used only when the plan without them does not fit it."""
     t = config.train
-    single = t.gpus == 1 and t.engine == "ddp" and trains_adapter(t) and t.gradient_checkpointing
+    single = t.gpus == 1 and engine_of(t) == "ddp" and trains_adapter(t) and t.gradient_checkpointing
     row_tokens = row_tokens or config.data.max_length
 
     def wanted(setting, auto: bool) -> bool:
@@ -161,7 +161,7 @@ def plan_memory(
         tokens_per_micro_batch=tokens,
         gpus=world_size_of(config.train),
         nodes=config.train.nodes,
-        engine=config.train.engine,
+        engine=engine_of(config.train),
         tuner=config.train.tuner,
         packed=config.data.packing,
     )
@@ -411,7 +411,7 @@ def _single_gpu_lora(config: RunConfig) -> bool:
     """The measured, fitted case: an adapter on one GPU without an engine (fitted on LoRA runs;
     DoRA's extra terms are counted)."""
     t = config.train
-    return world_size_of(t) == 1 and t.engine == "ddp" and trains_adapter(t)
+    return world_size_of(t) == 1 and engine_of(t) == "ddp" and trains_adapter(t)
 
 
 def _distributed_parts(shape: ModelShape, config: RunConfig, tokens: int) -> tuple[dict, dict]:

@@ -5,6 +5,7 @@ fast LoRA path runs, whether gradients are reduced after every micro-batch. The 
 from __future__ import annotations
 
 from ..config.fields import REFERENCE_TASKS, RunConfig, TrainArgs
+from ..config.rules import engine_of
 
 
 def resolve_fast_lora(config: RunConfig) -> bool:
@@ -21,7 +22,7 @@ def resolve_fast_lora(config: RunConfig) -> bool:
         return False
     if config.train.task in REFERENCE_TASKS:  # the reference is a second adapter (peft's layers)
         return False
-    return setting is True or (config.lora.dropout == 0 and config.train.engine == "ddp")
+    return setting is True or (config.lora.dropout == 0 and engine_of(config.train) == "ddp")
 
 
 def syncs_each_micro_batch(train: TrainArgs) -> bool:

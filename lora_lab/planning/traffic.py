@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import RunConfig, world_size_of
+from ..config import RunConfig, engine_of, world_size_of
 from .engines import FSDP_FULL_STATE_BYTES, TRAINED_STATE_BYTES
 from .policies import syncs_each_micro_batch
 
@@ -99,7 +99,7 @@ def _size(count_bytes: float) -> str:
 def plan_traffic(config: RunConfig, params: int, trained_params: int) -> TrafficPlan:
     """What `config`'s engine sends per optimizer step for a model of `params` parameters of
     which `trained_params` train (memory.ModelShape counts both)."""
-    t, engine = config.train, config.train.engine
+    t, engine = config.train, engine_of(config.train)
     plan = TrafficPlan(engine=engine, nodes=t.nodes, gpus_per_node=t.gpus)
     if world_size_of(t) == 1:
         return plan

@@ -41,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from ..config import DEEPSPEED_ENGINES, RunConfig, engine_template, main_host_port, world_size_of
+from ..config import DEEPSPEED_ENGINES, RunConfig, engine_of, engine_template, main_host_port, world_size_of
 from ..device import ALLOCATOR_ENV, EXPANDABLE_SEGMENTS, allocator_chosen, cuda_available, in_launched_worker
 from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
@@ -58,7 +58,7 @@ ACCELERATE_FILE = "accelerate.yaml"
 
 def needs_launch(config: RunConfig) -> bool:
     """Several processes, or an engine other than plain single-process training."""
-    wants = world_size_of(config.train) > 1 or config.train.engine != "ddp"
+    wants = world_size_of(config.train) > 1 or engine_of(config.train) != "ddp"
     return wants and not in_launched_worker()
 
 

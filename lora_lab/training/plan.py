@@ -275,13 +275,15 @@ def from_run_adapter(config: RunConfig) -> Path | None:
 
 
 def settle_engine(config: RunConfig, target: Target) -> RunConfig:
-    """train.engine auto with several processes: the fastest engine the memory plan fits on the
-    target's GPUs (planning.choice.pick_engine). One process is ddp already (resolve_config)."""
+    """train.engine auto: ddp for one process; with several, the fastest engine the memory plan
+    fits on the target's GPUs (planning.choice.pick_engine decides both)."""
     if config.train.engine != "auto":
         return config
     from ..planning.choice import pick_engine
 
     engine, why = pick_engine(config, target.gpu_gib, target.cpu_gib, target.deepspeed)
+    if world_size_of(config.train) == 1:
+        return config.with_changes({"train.engine": engine}, f"auto ({why})")
     where = f"{target.gpu_gib:.1f} GiB per GPU" if target.gpu_gib else "no GPU memory known"
     log.info(f"--engine auto: {engine} for {world_size_of(config.train)} GPUs ({where}): {why}")
     return config.with_changes({"train.engine": engine}, "auto")

@@ -329,8 +329,14 @@ def test_engine_auto_picks_the_fastest_engine_that_fits():
     assert engine == "deepspeed-zero3-offload" and why.startswith("nothing fits 40.0 GiB")
     assert pick_engine(config("7b"), 40, deepspeed=False)[0] == "fsdp"
     assert pick_engine(config("7b", "lora", **{"model.quantization": "nf4"}), 40)[0] == "ddp"
+    # one process: the config keeps what the user asked for, the run plan settles ddp
+    from lora_lab.config import engine_of
+    from lora_lab.training.plan import Target, plan_run
+
     one = resolve_config("24gb", flags={"data.datasets": ["x"]})
-    assert one.train.engine == "ddp" and one.sources["train.engine"] == "auto (one GPU)"
+    assert one.train.engine == "auto" and engine_of(one.train) == "ddp"
+    settled = plan_run(one, Target.card(24.0), for_run=False)
+    assert settled.engine == "ddp" and settled.config.sources["train.engine"] == "auto (one GPU)"
 
 
 def test_a_plan_known_to_miss_says_so():

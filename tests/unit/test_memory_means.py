@@ -90,12 +90,28 @@ def test_offloaded_checkpoints_live_in_one_slab_of_the_planned_bytes_and_give_it
     assert slab.free_bytes == slab.nbytes  # every piece back after the backward pass
 
 
+def test_a_host_slab_that_cannot_be_pinned_is_dropped_and_serves_no_gpu_copy(monkeypatch):
+    """GPU copies need pinned memory: where cudaHostRegister fails the block is freed at once
+    (not held unused beside torch's pinned blocks) and every copy falls back."""
+    from types import SimpleNamespace
+
+    from lora_lab.models.host_memory import ALIGN, HostSlab
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostRegister=lambda *a: 1))
+    slab = HostSlab(4 * ALIGN)
+    assert not slab.serves(torch.device("cuda"))
+    assert slab.buffer is None and slab.unpinnable and not slab.pinned
+    assert not slab.serves(torch.device("cuda"))  # not tried again
+
+
 def test_a_host_slab_lends_pieces_and_joins_them_when_they_come_back():
     import gc
 
     from lora_lab.models.host_memory import ALIGN, HostSlab, host_copy
 
     slab = HostSlab(4 * ALIGN)
+    assert slab.buffer is None and slab.serves(torch.device("cpu"))  # made at the first ask
     a = slab.take((ALIGN // 4,), torch.float32)  # one page
     b = slab.take((3, 5), torch.bfloat16)  # 30 bytes: one page
     c = slab.take((2 * ALIGN,), torch.uint8)  # two pages

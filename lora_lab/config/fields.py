@@ -108,10 +108,12 @@ class ModelArgs:
     )
     cudnn_attention: str | bool = _f(
         "auto",
-        "sdpa's cuDNN attention kernel. auto: only for packed rows whose samples all have "
+        "sdpa's cuDNN attention kernel. auto: for packed rows whose samples all have "
         "one length (data.packed_attention=varlen), as one batch, for at most 8 shapes a "
         "process: cuDNN builds a plan (up to seconds) for every new shape, and rows of "
-        "short samples of varying length bring a new one at almost every step. true: "
+        "short samples of varying length bring a new one at almost every step; and for "
+        "unpacked rows of one sample of 16,384 tokens or more, whose grouped-query backward "
+        "it runs in less memory than flash attention. true: "
         "also wherever sdpa picks it; false: never (docs/benchmarks.md has the "
         "measurements).",
         choices=("auto", True, False),

@@ -122,18 +122,16 @@ def varlen_attention(
     **kwargs,
 ):
     """Like segments_attention, with one flash-attention varlen kernel for the whole row.
-    on_cudnn: a row whose samples all have one length goes to cuDNN's kernel as a
-    batch (registered as CUDNN_VARLEN)."""
+    on_cudnn (registered as CUDNN_VARLEN): a row whose samples all have one length goes to
+    cuDNN's kernel as a batch, and so does an unpacked row of one long sample (long_row)."""
     found = flash_varlen()
     dtype = _flash_dtype(query)
-    if (
-        packed_lengths is None
-        or packed_cu_seqlens is None
-        or not query.is_cuda
-        or found is None
-        or dtype is None
-        or (dropout and module.training)
-    ):
+    plain = dtype is not None and not (dropout and module.training)
+    if packed_lengths is None and on_cudnn and plain and long_row(query, key, attention_mask, kwargs):
+        out = cudnn_equal_lengths(query, key, value, [query.shape[2]], dtype, scaling)
+        if out is not None:
+            return out, None
+    if packed_lengths is None or packed_cu_seqlens is None or not query.is_cuda or found is None or not plain:
         return segments_attention(
             module,
             query,
@@ -187,6 +185,26 @@ def varlen_attention(
     return out[None], None
 
 
+LONG_ROW_TOKENS = 16384
+"""An unpacked training row of one sample at least this long goes to cuDNN's kernel with
+model.cudnn_attention auto (long_row): its grouped-query backward holds fewer bytes a token than
+flash's, and a cuDNN plan for its shape is built once a step at most, next to a step's attention
+over this many tokens (docs/benchmarks.md has the measurements)."""
+
+
+def long_row(query, key, attention_mask, kwargs) -> bool:
+    """A row of one causal sample (no mask, no sliding window, no cached keys) of LONG_ROW_TOKENS
+    or more on CUDA."""
+    return (
+        query.is_cuda
+        and attention_mask is None
+        and key.shape[2] == query.shape[2]
+        and kwargs.get("sliding_window") is None
+        and query.shape[0] == 1
+        and query.shape[2] >= LONG_ROW_TOKENS
+    )
+
+
 _cudnn_shapes: dict[tuple, bool] = {}
 """A cache of this process: (samples, length, heads, kv heads, head dim) -> whether cuDNN took the
 shape (cudnn_equal_lengths)."""
@@ -204,7 +222,7 @@ def cudnn_equal_lengths(query, key, value, lengths, dtype, scaling):
     n, length = len(lengths), lengths[0]
     shape = (n, length, query.shape[1], key.shape[1], query.shape[-1])
     seen = _cudnn_shapes
-    if not seen.get(shape, len(seen) < CUDNN_MAX_SHAPES):
+    if not seen.get(shape, len(seen) < CUDNN_MAX_SHAPES or length >= LONG_ROW_TOKENS):
         return None
     # [1, heads, n L, dim] -> [heads, n, L, dim] -> [n, heads, L, dim]: views, no copies
     q, k, v = (t[0].to(dtype).unflatten(1, (n, length)).transpose(0, 1) for t in (query, key, value))

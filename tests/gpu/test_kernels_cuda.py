@@ -88,3 +88,32 @@ def test_the_loss_gradient_is_scaled_on_the_device_as_liger_scales_it():
     assert flce.fused_linear_cross_entropy_backward is liger_own  # the context put it back
     for ours, theirs in zip(*grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-8)
+
+
+def test_a_long_unpacked_row_attends_through_cudnn_as_sdpa_does():
+    """model.cudnn_attention auto: one unpacked causal sample of LONG_ROW_TOKENS goes to cuDNN's
+    kernel with grouped-query heads (no repeated k/v), and gives sdpa's output and gradients."""
+    from types import SimpleNamespace
+
+    from lora_lab.models import attention
+
+    tokens, heads, kv_heads, dim = attention.LONG_ROW_TOKENS, 8, 2, 128
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(1, h, tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for h in (heads, kv_heads, kv_heads)
+    )
+    module = SimpleNamespace(training=True)
+    attention._cudnn_shapes.clear()
+    out, _ = attention.varlen_attention(module, q, k, v, None, scaling=dim**-0.5, on_cudnn=True)
+    assert attention._cudnn_shapes == {(1, tokens, heads, kv_heads, dim): True}  # cuDNN took it
+    out.float().square().sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    expected.transpose(1, 2).float().square().sum().backward()
+    assert torch.allclose(out.float(), expected.transpose(1, 2).float(), atol=2e-2, rtol=0)
+    for got, t in zip(grads, (q, k, v), strict=True):
+        error = (got.float() - t.grad.float()).norm() / t.grad.float().norm()
+        assert error < 2e-2, error  # bf16 kernels: the same gradients to rounding

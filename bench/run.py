@@ -481,6 +481,20 @@ def context_table_cells(tiers=("16gb", "24gb", "12gb", "8gb")) -> list:
                 else:
                     cell.update(preset=preset, sets=CONTEXT_SETS)
                 cells.append(cell)
+    # the long-row attention kernel (models/attention.long_row): cuDNN against flash, uncapped
+    for kernel, cudnn in (("cudnn", "auto"), ("flash", "false")):
+        cells.append(
+            {
+                "kind": "lora-lab",
+                "label": f"ll-ctx-attn-{kernel}-65536",
+                "size": "llama-3.1-8b",
+                "max_length": 65536,
+                "steps": 2,
+                "grad_accum": 1,
+                "preset": "16gb",
+                "sets": [*CONTEXT_SETS, f"model.cudnn_attention={cudnn}"],
+            }
+        )
     # what the per-token working memory is made of (bench/memory_peak.py), at half the target
     cells.append(
         {

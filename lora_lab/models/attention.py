@@ -122,15 +122,11 @@ def varlen_attention(
     **kwargs,
 ):
     """Like segments_attention, with one flash-attention varlen kernel for the whole row.
-    on_cudnn (registered as CUDNN_VARLEN): a row whose samples all have one length goes to
-    cuDNN's kernel as a batch, and so does an unpacked row of one long sample (long_row)."""
+    on_cudnn: a row whose samples all have one length goes to cuDNN's kernel as a
+    batch (registered as CUDNN_VARLEN)."""
     found = flash_varlen()
     dtype = _flash_dtype(query)
     plain = dtype is not None and not (dropout and module.training)
-    if packed_lengths is None and on_cudnn and plain and long_row(query, key, attention_mask, kwargs):
-        out = cudnn_equal_lengths(query, key, value, [query.shape[2]], dtype, scaling)
-        if out is not None:
-            return out, None
     if packed_lengths is None or packed_cu_seqlens is None or not query.is_cuda or found is None or not plain:
         return segments_attention(
             module,
@@ -203,6 +199,36 @@ def long_row(query, key, attention_mask, kwargs) -> bool:
         and query.shape[0] == 1
         and query.shape[2] >= LONG_ROW_TOKENS
     )
+
+
+LONG_ROWS = "lora_lab_sdpa_long_rows"
+"""The attention of unpacked training rows on CUDA (model.cudnn_attention not false): sdpa, with a
+long row (long_row) on cuDNN's kernel."""
+
+
+def sdpa_long_rows(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' sdpa attention, except that a row of one long causal sample (long_row) goes
+    to cuDNN's kernel with grouped-query heads."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    dtype = _flash_dtype(query)
+    if dtype is not None and not (dropout and module.training) and long_row(query, key, attention_mask, kwargs):
+        out = cudnn_equal_lengths(query, key, value, [query.shape[2]], dtype, scaling)
+        if out is not None:
+            return out, None
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
+
+
+def register_long_rows_attention() -> str:
+    """Make LONG_ROWS a name from_pretrained accepts (its mask is sdpa's); returns it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(LONG_ROWS, sdpa_long_rows)
+    AttentionMaskInterface.register(LONG_ROWS, sdpa_mask)
+    return LONG_ROWS
 
 
 _cudnn_shapes: dict[tuple, bool] = {}

@@ -264,6 +264,15 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
         from .attention import register_packed_attention
 
         kwargs["attn_implementation"] = register_packed_attention(packed, args.cudnn_attention is not False)
+    elif (
+        attention == "sdpa"
+        and options.for_training
+        and args.cudnn_attention is not False
+        and torch.cuda.is_available()
+    ):
+        from .attention import register_long_rows_attention  # unpacked rows: a long one on cuDNN
+
+        kwargs["attn_implementation"] = register_long_rows_attention()
     if args.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(precision)
     gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else None

@@ -111,13 +111,12 @@ def run_lora_lab(cell: dict) -> dict:
 
 def resolved(config, summary: dict) -> dict:
     """The settings a cell trained with; the memory means as the run chose them."""
-    from lora_lab.models.kernels import resolve_kernels
     from lora_lab.planning.memory import row_length
-    from lora_lab.training.plan import Target, settle_packed_attention
+    from lora_lab.training.plan import Target, settle_kernels, settle_packed_attention
 
     return {
         "quantization": config.model.quantization,
-        "kernels": resolve_kernels(config.model.kernels),
+        "kernels": settle_kernels(config.model.kernels, Target.here()),
         "dtype": config.model.dtype,
         "rank": config.lora.rank,
         "lora_dropout": config.lora.dropout,

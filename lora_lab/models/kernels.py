@@ -21,16 +21,17 @@ def liger_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("liger_kernel") is not None
 
 
-def resolve_kernels(kernels: str) -> str:
-    """model.kernels -> what this machine will use: "liger" or "none"."""
-    if kernels == "none" or (kernels == "auto" and not liger_available()):
-        return "none"
+def applies_liger(kernels: str) -> bool:
+    """Whether the settled model.kernels (the run plan's, training/plan.settle_kernels: liger or
+    none) applies liger; a liger this machine cannot run is refused."""
+    if kernels == "none":
+        return False
     if not liger_available():
         raise ModelError(
             "--set model.kernels=liger needs a CUDA GPU and the liger-kernel "
             "package (pip install liger-kernel); use model.kernels=auto or none."
         )
-    return "liger"
+    return True
 
 
 def apply_kernels(model, kernels: str, fused_loss: bool = True, native_norms: bool = True) -> str:
@@ -43,7 +44,7 @@ def apply_kernels(model, kernels: str, fused_loss: bool = True, native_norms: bo
     instead of liger's RMSNorm. liger patches the model's own modules; what it and the loss
     backward below rebind in modules of the process is put back by restored_kernel_patches.
     """
-    if resolve_kernels(kernels) == "none":
+    if not applies_liger(kernels):
         return "none"
     import inspect
 
@@ -160,7 +161,7 @@ def restored_kernel_patches(kernels: str, model_type: str | None):
     module of the family and attributes of its classes (RMSNorm, MLP, rotary embedding, the
     loss), and scale_loss_gradients_on_device liger's fused loss backward. Both modules are
     imported on entry, so that their state before any patch is what comes back."""
-    if resolve_kernels(kernels) == "none":
+    if not applies_liger(kernels):
         yield
         return
     names = [LIGER_LOSS_MODULE] + ([f"transformers.models.{model_type}.modeling_{model_type}"] if model_type else [])

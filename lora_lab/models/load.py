@@ -239,6 +239,24 @@ class LoadOptions:
     files)."""
     fused_loss: bool = True
     """liger's fused linear cross-entropy (kernels liger); off where rows of the head train."""
+    kernels: str = "none"
+    """The kernels a training load applies: the run plan's settled model.kernels (liger or none)."""
+
+
+def _attention_function(attention: str, packed: str | None, args: ModelArgs, options: LoadOptions) -> str:
+    """The attention implementation from_pretrained gets: packed rows attend per sample
+    (models/attention.py); unpacked training rows on CUDA take sdpa with a long row on cuDNN's
+    kernel (model.cudnn_attention not false); else the family's own."""
+    import torch
+
+    from .attention import register_long_rows_attention, register_packed_attention
+
+    if packed:
+        return register_packed_attention(packed, args.cudnn_attention is not False)
+    cudnn = args.cudnn_attention is not False and torch.cuda.is_available()
+    if attention == "sdpa" and options.for_training and cudnn:
+        return register_long_rows_attention()
+    return attention
 
 
 def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions = LoadOptions()):
@@ -257,22 +275,13 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
     dtype = torch.float32 if options.fp32_master_weights else precision.torch_dtype
     model_config = model_config_of(path) or {}
     attention = attention_for(model_config.get("model_type"), args.attn_implementation, torch.cuda.is_available())
-    kwargs = {"dtype": dtype, "trust_remote_code": args.trust_remote_code, "attn_implementation": attention}
     packed = options.packed_attention if options.packed_attention in ("segments", "varlen") else None
     packed = packed if attention == "sdpa" else None
-    if packed:
-        from .attention import register_packed_attention
-
-        kwargs["attn_implementation"] = register_packed_attention(packed, args.cudnn_attention is not False)
-    elif (
-        attention == "sdpa"
-        and options.for_training
-        and args.cudnn_attention is not False
-        and torch.cuda.is_available()
-    ):
-        from .attention import register_long_rows_attention  # unpacked rows: a long one on cuDNN
-
-        kwargs["attn_implementation"] = register_long_rows_attention()
+    kwargs = {
+        "dtype": dtype,
+        "trust_remote_code": args.trust_remote_code,
+        "attn_implementation": _attention_function(attention, packed, args, options),
+    }
     if args.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(precision)
     gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else None
@@ -301,7 +310,7 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
 
         model.config.use_cache = False
         keep_samples_apart(model)  # packed rows restart linear attention's state at each sample
-        apply_kernels(model, args.kernels, options.fused_loss, args.native_rms_norm)
+        apply_kernels(model, options.kernels, options.fused_loss, args.native_rms_norm)
     return model
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import RunConfig, world_size_of
+from ..config import RunConfig, engine_of, world_size_of
 from ..errors import LoraLabError
 from ..registry import model_config_of
 from .engines import CPU_PLAN_MARGIN
@@ -23,7 +23,7 @@ def pick_engine(
     fits the GPU (and whose offloaded state fits CPU memory); without DeepSpeed, fsdp stands in
     for the sharded ones. Returns (engine, why)."""
     if world_size_of(config.train) == 1:
-        return "ddp", "one GPU"
+        return engine_of(config.train), "one GPU"
     if config.model.quantization == "nf4":
         return "ddp", "QLoRA's 4-bit weights are not sharded by the engines: a replica per GPU"
     if gpu_memory_gib is None or model_config_of(config.model.name) is None:

@@ -9,8 +9,8 @@ from pathlib import Path
 from ..config import RunConfig
 from ..device import use_cpu
 from ..models.load import Precision
-from ..planning.policies import syncs_each_micro_batch
 from ..run_folder import LAUNCH_FOLDER
+from .plan import RunPlan
 from .watch import trainer_report_to
 
 
@@ -60,8 +60,7 @@ def _one_ahead(factor: Callable[[int], float]) -> Callable[[int], float]:
 
 
 def build_training_arguments(
-    config: RunConfig,
-    run_dir: Path,
+    plan: RunPlan,
     precision: Precision,
     total_steps: int,
     has_eval: bool,
@@ -73,7 +72,7 @@ def build_training_arguments(
     TrainingArguments subclass (TRL's DPOConfig ...), given its own settings in `extra`."""
     from transformers import TrainingArguments
 
-    t = config.train
+    config, run_dir, t = plan.config, plan.folder, plan.config.train
     args = (args_class or TrainingArguments)(
         output_dir=str(run_dir),
         per_device_train_batch_size=1 if rows_per_step else t.micro_batch_size,
@@ -112,7 +111,7 @@ def build_training_arguments(
         ddp_find_unused_parameters=False,
         deepspeed=deepspeed_config_path(config, run_dir),
         # accelerate reduces after every micro-batch instead of skipping all but the last
-        accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": syncs_each_micro_batch(t)}},
+        accelerator_config={"gradient_accumulation_kwargs": {"sync_each_batch": plan.sync_each_micro_batch}},
         **extra,
     )
     if args.n_gpu > 1:

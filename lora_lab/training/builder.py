@@ -68,6 +68,7 @@ def build_trainer(plan: RunPlan, inputs: TrainingInputs, precision: Precision) -
         packed_attention=plan.packed_attention if inputs.packed else None,
         path=plan.model.path,
         fused_loss=not (tokens or preference),
+        kernels=plan.kernels,
     )
     model = load_base_model(config.model, precision, loading)
     say_family(model.config.model_type)
@@ -102,8 +103,7 @@ def training_arguments(plan: RunPlan, inputs: TrainingInputs, precision: Precisi
     """transformers' TrainingArguments (or a preference task's TRL config) of the plan."""
     config, packed = plan.config, inputs.packed
     return build_training_arguments(
-        config,
-        plan.folder,
+        plan,
         precision,
         count_optimizer_steps(config, len(inputs.data.train.samples)),
         inputs.data.val is not None,

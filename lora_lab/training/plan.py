@@ -1,12 +1,13 @@
 """The run plan: everything a run derives from its config, settled once into one frozen value.
 
 `plan_run(config)` takes what the user asked for (a frozen RunConfig) and settles the rest: the
-`--from-run` parent and the LoRA shape it brings, the engine, the precision, the located model
-(its path and config.json, read once), the kernels, the packed attention, the fast LoRA path,
-the gradient syncs, the run folder and the resume point. Training, `lora-lab plan`, the UI and
-the launcher read the plan; nothing edits one. What is learned later makes a new plan from the
-old one: the rows' length (`with_rows`: the memory means), a resumed run's batch (`resumed`),
-an out-of-memory retry (`after_oom`). The settled config (`plan.config`) is what config.yaml
+`--from-run` parent and the LoRA shape it brings, the engine, the trained embedding rows, the
+precision, the located model (its path and config.json, read once), the attention, the kernels,
+the packed attention, the fast LoRA path, the gradient syncs, the run folder and the resume
+point. Training, `lora-lab plan`, the UI and the launcher read the plan; nothing edits one. What
+is learned later makes a new plan from the old one: the rows' length (`with_rows`: the memory
+means), a resumed run's batch (training/run.resumed_plan), an out-of-memory retry
+(training/oom.halved_plan). The settled config (`plan.config`) is what config.yaml
 records, with where each value came from.
 
 This module imports no torch: `lora_lab.plan` settles the plan of a GPU run on any machine
@@ -23,11 +24,11 @@ from typing import Any
 
 import yaml
 
-from ..config import RunConfig, world_size_of
+from ..config import RunConfig, engine_of, world_size_of
 from ..log import get_logger
 from ..planning.memory import TIERS_GIB, MemoryMeans, choose_memory_means, usable_gib
 from ..planning.policies import resolve_fast_lora, syncs_each_micro_batch
-from ..registry import model_config_of
+from ..registry import model_config_of, wants_trainable_tokens
 
 log = get_logger()
 
@@ -180,6 +181,7 @@ def plan_run(
     target = target or Target.here()
     config = settle_from_run(config)
     config = settle_engine(config, target)
+    config = settle_trainable_tokens(config)
     config, precision = settle_precision(config, target)
     model = (
         locate_run_model(config)
@@ -213,7 +215,7 @@ def plan_run(
     )
 
 
-PLAN_FACTS = ("precision", "kernels", "packed_attention", "fast_lora", "sync_each_micro_batch", "gpu_gib")
+PLAN_FACTS = ("precision", "kernels", "packed_attention", "fast_lora", "sync_each_micro_batch", "gpu_gib", "cpu_gib")
 """The settled facts a plan file holds beside the settled config (paths are written as text)."""
 
 
@@ -275,18 +277,29 @@ def from_run_adapter(config: RunConfig) -> Path | None:
 
 
 def settle_engine(config: RunConfig, target: Target) -> RunConfig:
-    """train.engine auto: ddp for one process; with several, the fastest engine the memory plan
-    fits on the target's GPUs (planning.choice.pick_engine decides both)."""
+    """train.engine auto: ddp for one process (config.engine_of); with several, the fastest engine
+    the memory plan fits on the target's GPUs (planning.choice.pick_engine)."""
     if config.train.engine != "auto":
         return config
     from ..planning.choice import pick_engine
 
-    engine, why = pick_engine(config, target.gpu_gib, target.cpu_gib, target.deepspeed)
     if world_size_of(config.train) == 1:
-        return config.with_changes({"train.engine": engine}, f"auto ({why})")
+        return config.with_changes({"train.engine": engine_of(config.train)}, "auto (one GPU)")
+    engine, why = pick_engine(config, target.gpu_gib, target.cpu_gib, target.deepspeed)
     where = f"{target.gpu_gib:.1f} GiB per GPU" if target.gpu_gib else "no GPU memory known"
     log.info(f"--engine auto: {engine} for {world_size_of(config.train)} GPUs ({where}): {why}")
     return config.with_changes({"train.engine": engine}, "auto")
+
+
+def settle_trainable_tokens(config: RunConfig) -> RunConfig:
+    """lora.trainable_tokens auto: on for LoRA and DoRA on a base checkpoint
+    (registry.wants_trainable_tokens), off otherwise."""
+    setting = config.lora.trainable_tokens
+    if setting is True or setting is False:
+        return config
+    wanted = wants_trainable_tokens(setting, config.train.tuner, config.model.name)
+    why = "a base checkpoint" if wanted else "not a LoRA or DoRA run of a base checkpoint"
+    return config.with_changes({"lora.trainable_tokens": wanted}, f"auto ({why})")
 
 
 def settle_attention(config: RunConfig, model: LocatedModel, target: Target) -> RunConfig:
@@ -321,7 +334,7 @@ def settle_precision(config: RunConfig, target: Target) -> tuple[RunConfig, str]
 
 
 def settle_kernels(kernels: str, target: Target) -> str:
-    """model.kernels -> "liger" or "none" on the target (models/load.resolve_kernels refuses a
+    """model.kernels -> "liger" or "none" on the target (models/kernels.applies_liger refuses a
     forced liger the machine cannot run)."""
     if kernels == "none" or (kernels == "auto" and not (target.cuda and target.liger)):
         return "none"

@@ -5,40 +5,33 @@ found it."""
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
-from ..config import RunConfig
 from ..device import run_device_settings
 from ..log import quiet_library_progress
-from ..models.kernels import resolve_kernels, restored_kernel_patches
+from ..models.kernels import restored_kernel_patches
 from ..models.linear_attention import fla_installed, torch_delta_rule_where_fla_refuses
-from ..registry import model_config_of
+
+if TYPE_CHECKING:
+    from .plan import RunPlan
 
 
 @contextlib.contextmanager
-def run_settings(config: RunConfig):
+def run_settings(plan: RunPlan):
     """Device settings (allocator, memory cap, cuDNN attention), liger-kernel's patches, the
     progress bars of transformers and the hub, and the optimizer step hooks registered while
     the run's models were built (models.fast_lora's StepCounter), and transformers' torch delta
-    rule where fla cannot train (models/linear_attention.py)."""
-    expandable = config.train.expandable_segments and not config.train.engine.startswith("deepspeed")
+    rule where fla cannot train (models/linear_attention.py); all from the run's plan."""
+    config, model_type = plan.config, plan.model.model_type
+    expandable = config.train.expandable_segments and not plan.engine.startswith("deepspeed")
     with contextlib.ExitStack() as stack:
         stack.enter_context(restored_optimizer_hooks())
         stack.enter_context(run_device_settings(expandable, config.model.cudnn_attention))
-        stack.enter_context(restored_kernel_patches(config.model.kernels, _model_type(config)))
-        stack.enter_context(torch_delta_rule_where_fla_refuses(model_type_of(config) if fla_installed() else None))
+        # liger patches the modeling module of the model's family
+        stack.enter_context(restored_kernel_patches(plan.kernels, model_type if plan.kernels != "none" else None))
+        stack.enter_context(torch_delta_rule_where_fla_refuses(model_type if fla_installed() else None))
         stack.enter_context(quiet_library_progress())
         yield
-
-
-def _model_type(config: RunConfig) -> str | None:
-    """The model's model_type, read only where kernels are applied (liger patches its module)."""
-    if resolve_kernels(config.model.kernels) == "none":
-        return None
-    return model_type_of(config)
-
-
-def model_type_of(config: RunConfig) -> str | None:
-    return (model_config_of(config.model.name) or {}).get("model_type")
 
 
 @contextlib.contextmanager

@@ -70,18 +70,18 @@ def train(config: RunConfig, plan: RunPlan | None = None) -> TrainResult:
     from a complete checkpoint, exactly as if it had never stopped, provided the model, data and
     batch settings are the ones it started with.
     """
-    with run_settings(config):  # process-wide settings, put back when the run returns
-        return train_in_process(config, plan)
-
-
-def train_in_process(config: RunConfig, plan: RunPlan | None = None) -> TrainResult:
-    """train(), inside the run's process settings (training/process.py)."""
     started = time.time()
     if config.train.task != "sft":
         from .preference import require_trl
 
         require_trl()
     plan = plan or plan_run(config)
+    with run_settings(plan):  # process-wide settings, put back when the run returns
+        return train_in_process(plan, started)
+
+
+def train_in_process(plan: RunPlan, started: float) -> TrainResult:
+    """train(), inside the run's process settings (training/process.py)."""
     precision = choose_precision(plan.precision)  # refuses a forced dtype this machine lacks
     if plan.config.train.tuner == "full":
         check_full_finetuning_precision(precision)

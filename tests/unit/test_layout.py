@@ -197,6 +197,7 @@ MANY_PARAMETERS = {
     "lora_lab.ui.launch_ui": "keyword-only: `lora-lab ui`'s flags",
     "lora_lab.models.attention.varlen_attention": "one kernel call: the tensors and their lengths",
     "lora_lab.models.attention.segments_attention": "one kernel call: the tensors and their lengths",
+    "lora_lab.models.attention.sdpa_long_rows": "transformers' attention function signature",
     "lora_lab.models.fast_lora.products._project_backward": "the saved tensors of one product's backward",
     "lora_lab.models.fast_lora.mlp._down_backward": "the saved tensors of the MLP's backward",
     "lora_lab.models.fast_lora.mlp._saved_backward": "the saved tensors of the MLP's backward",

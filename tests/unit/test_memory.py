@@ -240,14 +240,20 @@ def test_fsdp_without_a_sync_each_micro_batch_holds_the_whole_gradients():
 
 @pytest.mark.parametrize("engine, synced", [("fsdp", True), ("ddp", False)])
 def test_the_trainer_is_told_to_sync_each_micro_batch_for_fsdp(engine, synced, tmp_path):
+    import dataclasses
+
     from lora_lab.models.load import Precision
     from lora_lab.training.args import build_training_arguments
+    from lora_lab.training.plan import Target, plan_run
+
+    def arguments(config):
+        plan = plan_run(config, Target(gpu_gib=None, cuda=False), for_run=False)
+        return build_training_arguments(dataclasses.replace(plan, run_dir=tmp_path), Precision("fp32"), 10, False)
 
     config = resolve_config("cpu", flags={"data.datasets": ["x"], "train.engine": engine})
-    args = build_training_arguments(config, tmp_path, Precision("fp32"), 10, False)
+    args = arguments(config)
     assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": synced}
-    config = config.with_changes({"train.sync_each_micro_batch": True}, "test")
-    args = build_training_arguments(config, tmp_path, Precision("fp32"), 10, False)
+    args = arguments(config.with_changes({"train.sync_each_micro_batch": True}, "test"))
     assert args.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
 
 

@@ -80,6 +80,27 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MODEL_CONFIG = "config.json"
 """A from_pretrained folder's config (model/, a --tuner full checkpoint), named by transformers."""
+MODEL_WEIGHTS = "model.safetensors"
+MODEL_WEIGHTS_INDEX = "model.safetensors.index.json"
+"""A from_pretrained folder's weights: one file, or shards listed by the index."""
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_STATE_FILE = "rng_state.pth"
+RNG_STATE_NAME = re.compile(r"rng_state(_\d+)?\.pth")
+"""A checkpoint's trainer files, named by transformers' Trainer (rng_state_<rank>.pth when several
+processes train)."""
+TRAINING_ARGS_PICKLE = "training_args.bin"
+TRAINING_ARGS_FILE = "training_args.json"
+"""The Trainer pickles its arguments into a checkpoint; lora-lab keeps them as JSON instead."""
+ACCELERATE_FILE = "accelerate.yaml"
+DEEPSPEED_FILE = "deepspeed.json"
+"""The launch folder's accelerate config and the DeepSpeed config it points to."""
+NODE_PREFIX = "node-"
+EVAL_REPORT = "eval_report.json"
+EXPORT_REPORT = "export_report.json"
+"""An export folder's record of its export (use/export_common.py writes it)."""
+MERGED_SCRATCH_SUFFIX = ".merged-tmp"
+"""Beside an export's output: the run merged onto its 16-bit base, removed afterwards."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +169,14 @@ class RunFolder:
     def launch_config(folder: Path) -> Path:
         """A node's run_config.yaml in the launch folder (or its node-R/ subfolder)."""
         return Path(folder) / LAUNCH_CONFIG
+
+    @staticmethod
+    def launch_node(folder: Path, nodes: int, node_rank: int) -> Path:
+        """Where one node's launch files go: the launch folder itself on one machine, its
+        node-R/ subfolder with several."""
+        return Path(folder) if nodes == 1 else Path(folder) / f"{NODE_PREFIX}{node_rank}"
+
+    eval_report = property(lambda self: self._at(EVAL_REPORT), doc="eval_report.json: `lora-lab eval`'s default.")
 
     @property
     def is_run(self) -> bool:

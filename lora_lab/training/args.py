@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..device import use_cpu
 from ..models.load import Precision
-from ..run_folder import LAUNCH_FOLDER
+from ..run_folder import DEEPSPEED_FILE, LAUNCH_FOLDER
 from .plan import RunPlan
 from .watch import trainer_report_to
 
@@ -126,4 +126,4 @@ def deepspeed_config_path(config: RunConfig, run_dir: Path) -> str | None:
     """The filled-in DeepSpeed config the launcher wrote (training/launch.py), if any."""
     if not config.train.engine.startswith("deepspeed"):
         return None
-    return str(run_dir / LAUNCH_FOLDER / "deepspeed.json")
+    return str(run_dir / LAUNCH_FOLDER / DEEPSPEED_FILE)

@@ -16,7 +16,6 @@ and training data are compared with the ones it was started with.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -32,6 +31,12 @@ from ..run_folder import (
     CONFIG_FILE,
     MANIFEST_FILE,
     MODEL_CONFIG,
+    MODEL_WEIGHTS,
+    MODEL_WEIGHTS_INDEX,
+    OPTIMIZER_FILE,
+    RNG_STATE_FILE,
+    RNG_STATE_NAME,
+    SCHEDULER_FILE,
     STAGING_PREFIX,
     TRAINER_STATE_FILE,
     RunFolder,
@@ -44,9 +49,9 @@ log = get_logger()
 
 MANIFEST_NAME = MANIFEST_FILE
 MANIFEST_FORMAT = 1
-REQUIRED_FILES = (ADAPTER_WEIGHTS, ADAPTER_CONFIG, TRAINER_STATE_FILE, "optimizer.pt", "scheduler.pt", "rng_state.pth")
+REQUIRED_FILES = (ADAPTER_WEIGHTS, ADAPTER_CONFIG, TRAINER_STATE_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_STATE_FILE)
 """rng_state.pth is rng_state_<rank>.pth when several processes train."""
-FULL_REQUIRED_FILES = (MODEL_CONFIG, "model.safetensors") + REQUIRED_FILES[2:]
+FULL_REQUIRED_FILES = (MODEL_CONFIG, MODEL_WEIGHTS) + REQUIRED_FILES[2:]
 """--tuner full checkpoints hold the whole model (model.safetensors, or its shards and
 model.safetensors.index.json) instead of an adapter."""
 DRIFT_KEYS = (
@@ -172,19 +177,19 @@ def checkpoint_problems(folder: Path) -> list[str]:
         files = read_manifest(folder)["files"]
     except (ValueError, KeyError, TypeError) as exc:
         return [f"{folder / MANIFEST_NAME} is not readable ({exc})"]
-    rng_files = [name for name in files if re.fullmatch(r"rng_state(_\d+)?\.pth", name)]
+    rng_files = [name for name in files if RNG_STATE_NAME.fullmatch(name)]
     required = REQUIRED_FILES if ADAPTER_CONFIG in files or MODEL_CONFIG not in files else FULL_REQUIRED_FILES
     weights_only = (
         " (no optimizer state: a checkpoint saved with train.save_only_model=true "
         "has the weights only, and a run cannot resume from it)"
     )
     problems = [
-        f"{folder / name} is missing from the manifest" + (weights_only if name == "optimizer.pt" else "")
+        f"{folder / name} is missing from the manifest" + (weights_only if name == OPTIMIZER_FILE else "")
         for name in required
         if name not in files
-        and not (name == "rng_state.pth" and rng_files)
-        and not (name == "model.safetensors" and "model.safetensors.index.json" in files)
-        and not (name == "optimizer.pt" and _engine_optimizer_state(files))
+        and not (name == RNG_STATE_FILE and rng_files)
+        and not (name == MODEL_WEIGHTS and MODEL_WEIGHTS_INDEX in files)
+        and not (name == OPTIMIZER_FILE and _engine_optimizer_state(files))
     ]
     for name, entry in files.items():
         path = folder / name

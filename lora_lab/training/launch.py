@@ -47,13 +47,22 @@ from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
 from ..models.load import choose_precision
 from ..planning.memory import TIERS_GIB, plan_memory
-from ..run_folder import LAUNCH_FOLDER, STOP_FILE, RunFolder, TrainResult, check_run_dir, read_result, recorded_stop
+from ..run_folder import (
+    ACCELERATE_FILE,
+    DEEPSPEED_FILE,
+    LAUNCH_FOLDER,
+    STOP_FILE,
+    RunFolder,
+    TrainResult,
+    check_run_dir,
+    read_result,
+    recorded_stop,
+)
 from .lock import run_lock
 from .nodes import check_main_address, describe_global_batch, local_launch_folder
 from .plan import RunPlan, Target, plan_run, write_plan
 
 log = get_logger()
-ACCELERATE_FILE = "accelerate.yaml"
 
 
 def needs_launch(config: RunConfig) -> bool:
@@ -109,7 +118,7 @@ def fill_deepspeed_config(template: dict, config: RunConfig, precision_name: str
 def node_folder(folder: Path, config: RunConfig, node_rank: int) -> Path:
     """Where one node's accelerate.yaml and run_config.yaml go: the launch folder itself on one
     machine, its node-R/ subfolder with several."""
-    return folder if config.train.nodes == 1 else folder / f"node-{node_rank}"
+    return RunFolder.launch_node(folder, config.train.nodes, node_rank)
 
 
 def write_launch_files(plan: RunPlan, folder: Path | None = None, node_rank: int | None = None) -> Path:
@@ -131,12 +140,12 @@ def write_launch_files(plan: RunPlan, folder: Path | None = None, node_rank: int
     if engine in DEEPSPEED_ENGINES:
         template = json.loads(engine_template(engine).read_text())
         filled = fill_deepspeed_config(template, config, precision_name)
-        (folder / "deepspeed.json").write_text(json.dumps(filled, indent=2) + "\n")
+        (folder / DEEPSPEED_FILE).write_text(json.dumps(filled, indent=2) + "\n")
         accelerate: dict[str, Any] = {
             "compute_environment": "LOCAL_MACHINE",
             "distributed_type": "DEEPSPEED",
             "deepspeed_config": {
-                "deepspeed_config_file": str((folder / "deepspeed.json").resolve()),
+                "deepspeed_config_file": str((folder / DEEPSPEED_FILE).resolve()),
                 "zero3_init_flag": filled["zero_optimization"]["stage"] == 3,
             },
             # no mixed_precision here: with a DeepSpeed file, accelerate takes it from the file

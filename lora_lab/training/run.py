@@ -38,6 +38,7 @@ from ..run_folder import (
     LOGS_FOLDER,
     MODEL_FOLDER,
     STEP_LOG,
+    TRAINING_ARGS_PICKLE,
     TrainResult,
     check_run_dir,
     checkpoint_step,
@@ -187,7 +188,7 @@ def save_final_weights(trainer: LoraLabTrainer, saved_dir: Path, state, initial_
     if state.is_main_process:
         if initial_adapter is not None:
             save_converted_adapter(trainer.model, staging, initial_adapter)
-        (staging / "training_args.bin").unlink(missing_ok=True)
+        (staging / TRAINING_ARGS_PICKLE).unlink(missing_ok=True)
         replace_folder(staging, saved_dir)
     state.wait_for_everyone()
 

@@ -35,7 +35,7 @@ from transformers.trainer_callback import ExportableState, PrinterCallback, Prog
 
 from ..log import get_logger
 from ..models.memory_means import uses_cpu_embedding
-from ..run_folder import Checkpoint, RunFolder
+from ..run_folder import TRAINING_ARGS_FILE, TRAINING_ARGS_PICKLE, Checkpoint, RunFolder
 from .callbacks import NonFiniteGuard, ensure_finite
 from .checkpoint import commit_checkpoint, rotate_checkpoints, staging_dir, write_manifest
 from .ddp_buckets import rebuilds_buckets, replay_bucket_rebuild
@@ -282,8 +282,8 @@ class LoraLabMixin(_Base):
             self._save_scaler(str(staging))
             self._save_rng_state(str(staging))
         if self.args.should_save:
-            (staging / "training_args.bin").unlink(missing_ok=True)  # pickled: JSON instead
-            (staging / "training_args.json").write_text(self.args.to_json_string())
+            (staging / TRAINING_ARGS_PICKLE).unlink(missing_ok=True)  # pickled: JSON instead
+            (staging / TRAINING_ARGS_FILE).write_text(self.args.to_json_string())
             self._save_trainer_state(staging)
         self.accelerator.wait_for_everyone()
         if self.args.should_save:

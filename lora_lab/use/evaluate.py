@@ -86,7 +86,7 @@ def _load_run(path) -> tuple:
 
 
 def write_report(result: dict, output, run_dir: Path) -> dict:
-    output = Path(output) if output else run_dir / "eval_report.json"
+    output = Path(output) if output else RunFolder(run_dir).eval_report
     output.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
     result["report_path"] = str(output)
     return result

@@ -22,7 +22,16 @@ from pathlib import Path
 from ..errors import CheckpointError, LoraLabError, ModelError
 from ..log import get_logger, quiet_library_progress
 from ..paths import installed_versions, pickled_files, staged_folder
-from ..run_folder import ADAPTER_CONFIG, CONFIG_FILE, RunFolder, is_adapter_folder, owning_run_dir
+from ..run_folder import (
+    ADAPTER_CONFIG,
+    CONFIG_FILE,
+    EXPORT_REPORT,
+    MERGED_SCRATCH_SUFFIX,
+    MODEL_CONFIG,
+    RunFolder,
+    is_adapter_folder,
+    owning_run_dir,
+)
 from .checks import CHECK_PROMPTS
 
 log = get_logger()
@@ -117,7 +126,7 @@ def run_export(path: str | Path, output: str | Path | None, force: bool, merge_d
         )
     exporter.prepare()
     started = time.time()
-    scratch = output.with_name(output.name + ".merged-tmp")
+    scratch = output.with_name(output.name + MERGED_SCRATCH_SUFFIX)
     shutil.rmtree(scratch, ignore_errors=True)
     try:
         with staged_folder(output) as staging:
@@ -152,10 +161,10 @@ def default_output(path: Path, run_dir: Path | None, name: str) -> Path:
 def source_folder(path: Path, merged_tmp: Path, merge_dtype: str | None) -> Path:
     """A 16-bit Hugging Face folder to export: the folder itself, a full fine-tuning run's
     model/, or the adapter of a run (or adapter folder) merged onto its 16-bit base."""
-    if (path / "config.json").is_file():
+    if (path / MODEL_CONFIG).is_file():
         return path
-    if (path / "model" / "config.json").is_file():  # --tuner full
-        return path / "model"
+    if (RunFolder(path).model / MODEL_CONFIG).is_file():  # --tuner full
+        return RunFolder(path).model
     if RunFolder(path).is_run or is_adapter_folder(path):
         from .merge import merge_adapter
 
@@ -170,7 +179,7 @@ def source_folder(path: Path, merged_tmp: Path, merge_dtype: str | None) -> Path
 
 
 def check_not_quantized(source: Path) -> None:
-    config = json.loads((source / "config.json").read_text())
+    config = json.loads((source / MODEL_CONFIG).read_text())
     method = (config.get("quantization_config") or {}).get("quant_method")
     if method:
         raise ModelError(
@@ -202,9 +211,9 @@ def write_report(staging: Path, result, merged: bool, extra: dict) -> None:
     report.update(
         extra,
         merged_from_adapter=merged,
-        files=sorted([p.name for p in staging.iterdir()] + ["export_report.json"]),
+        files=sorted([p.name for p in staging.iterdir()] + [EXPORT_REPORT]),
         folder_bytes=sum(p.stat().st_size for p in staging.iterdir()),
         created=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         check_prompts=CHECK_PROMPTS,
     )
-    (staging / "export_report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    (staging / EXPORT_REPORT).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..errors import LoraLabError
 from ..log import get_logger, quiet_library_progress
-from ..run_folder import EXPORT_PREFIX, MERGE_REPORT, RunFolder, find_adapter
+from ..run_folder import EXPORT_PREFIX, MERGE_REPORT, MODEL_CONFIG, RunFolder, find_adapter
 from .gguf_export import GGUF_NAME
 from .parity_served import MIN_SERVED_ANSWERS, ServedForm, ServedSide
 
@@ -78,12 +78,12 @@ class FormCheck:
 def forms_of(run_dir: Path) -> list[tuple[str, Path]]:
     """(name, path) of every form the run folder holds, merged first."""
     folder = RunFolder(run_dir)
-    found = [("merged", folder.merged)] if (folder.merged / "config.json").is_file() else []
+    found = [("merged", folder.merged)] if (folder.merged / MODEL_CONFIG).is_file() else []
     for export in folder.exports():
         name = export.name.removeprefix(EXPORT_PREFIX)
         if (export / GGUF_NAME).is_file():
             found.append((name, export / GGUF_NAME))
-        elif (export / "config.json").is_file():
+        elif (export / MODEL_CONFIG).is_file():
             found.append((name, export))
     return found
 

@@ -14,6 +14,8 @@ NAMES = re.compile(
     r"config\.yaml|run_config\.yaml|adapter_config\.json|trainer_state\.json|manifest\.json"
     r"|run_summary\.json|train_log\.jsonl|data_problems\.jsonl|console\.log|stopped\.json"
     r"|adapter_init|checkpoint-(?=\{|\*|$|\d)"
+    r"|accelerate\.yaml|deepspeed\.json|node-(?=\{|$)|eval_report\.json|export_report\.json|\.merged-tmp"
+    r"|optimizer\.pt|scheduler\.pt|rng_state|training_args\.(?:bin|json)"
     r")"
 )
 """A run folder's names; `checkpoint-` followed by a formatted step, a glob star, a digit or the

@@ -289,9 +289,8 @@ class TrainArgs:
         0,
         "With gradient checkpointing, the last N decoder layers keep their activations on "
         "the GPU instead of being recomputed in the backward pass (LoRA on one GPU): each "
-        "saves about a third of its compute for its activations' memory, which the plan "
-        "counts. For a card with room to spare (a 7B row of 4096 tokens: about 0.4 GiB a "
-        "layer). 0 recomputes every layer; auto: as many as the memory plan fits in 90% of "
+        "saves its recomputation (a third of its compute) for its activations' memory, which "
+        "the plan counts: for a card with room to spare. 0 recomputes every layer; auto: as many as the memory plan fits in 90% of "
         "the GPU's usable memory (0 without a GPU).",
         minimum=0,
     )

@@ -12,7 +12,7 @@ from .engines import CPU_PLAN_MARGIN
 from .memory import TIERS_GIB, MemoryPlan, completion_tokens, plan_memory, row_length
 
 ENGINE_PREFERENCE = ("ddp", "deepspeed-zero2", "deepspeed-zero2-offload", "deepspeed-zero3", "deepspeed-zero3-offload")
-"""Fastest first (docs/benchmarks.md, several GPUs): ZeRO-2 with its optimizer state in CPU
+"""Fastest first (docs/benchmarks-history.md, several GPUs): ZeRO-2 with its optimizer state in CPU
 memory comes before ZeRO-3."""
 
 

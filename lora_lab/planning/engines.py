@@ -55,15 +55,12 @@ CHECKED_ON_GPUS = {
 GAPS_ON_GPUS = {
     ("deepspeed-zero2-offload", "full"): (
         0.82,
-        "a two-GPU run of full 1.5B reserved 7.48 GiB per GPU where the plan gives 6.10; "
-        "6.30 GiB were allocated: the caching allocator held the rest",
+        "DeepSpeed's caching allocator reserves more than the counted parts allocate (docs/multi-gpu.md has the run)",
     ),
     ("deepspeed-zero3-offload", "full"): (
         1.17,
-        "a two-GPU run of full 7B reserved 9.57 GiB per GPU where the plan gives 11.20 "
-        "(on the safe side): DeepSpeed moves the gradient partitions to CPU memory, where "
-        "the plan keeps them on the GPU, and its caching allocator held 3.7 GiB over the "
-        "5.9 allocated",
+        "on the safe side: DeepSpeed moves the gradient partitions to CPU memory, where "
+        "the plan keeps them on the GPU (docs/multi-gpu.md has the run)",
     ),
 }
 """(engine, tuner) whose plan a two-GPU run missed by more than 15%: plan / measured, and why."""
@@ -95,7 +92,7 @@ def deepspeed_buffers(shape: ModelShape, config: RunConfig, trained: int, cpu_op
     overlap_comm); with the optimizer on the GPU the step turns this GPU's gradient partition
     into fp32 (sub_group_size, 1e9 by default, is larger than the partitions here).
     Counted from the config: the caching allocator holds more than this (the two-GPU runs
-    against their plans: docs/benchmarks.md, several GPUs)."""
+    against their plans: docs/benchmarks-history.md, several GPUs)."""
     zero = json.loads(engine_template(engine_of(config.train)).read_text())["zero_optimization"]
     n, total = world_size_of(config.train), shape.params
     parts = {}

@@ -98,8 +98,7 @@ def choose_memory_means(
     gradient checkpointing (their nested backward is not seen by DDP or DeepSpeed); `true`
     elsewhere is refused by the config's validation.
 
-    MLP chunks cost a third pass through every MLP (about a fifth more compute for 7B): with a
-    GPU budget (GiB usable) they are used only when the plan without them does not fit it."""
+    MLP chunks cost a third pass through every MLP: with a GPU budget (GiB usable) they are used only when the plan without them does not fit it."""
     t = config.train
     single = t.gpus == 1 and engine_of(t) == "ddp" and trains_adapter(t) and t.gradient_checkpointing
     row_tokens = row_tokens or config.data.max_length
@@ -287,8 +286,8 @@ def _no_checkpoint_bytes(shape: ModelShape, tokens: int) -> float:
 def _kept_layer_bytes(shape: ModelShape, tokens: int, fast: bool) -> float:
     """A layer that is not recomputed keeps its activations for the backward pass: on the fast
     LoRA path (models/fast_lora) gate and up and about 4 hidden-sized bf16 tensors a token (the
-    inputs of the norms and projections, the attention's output): 7B at 4096 tokens 0.40 GiB
-    a layer (checked against runs with layers kept: docs/benchmarks.md); on peft's path
+    inputs of the norms and projections, the attention's output), checked against runs with
+    layers kept (docs/benchmarks-history.md); on peft's path
     _no_checkpoint_bytes' count."""
     if not fast:
         return _no_checkpoint_bytes(shape, tokens) / shape.layers

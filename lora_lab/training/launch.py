@@ -277,14 +277,13 @@ def dry_run_launch(config: RunConfig) -> Path:
 def launch_env(config: RunConfig, environ=None, cpus: int | None = None) -> dict:
     """The workers' environment. Offload engines run the optimizer step on the CPU (DeepSpeed's
     CPU Adam uses OpenMP threads), and torchrun/accelerate start each worker with
-    OMP_NUM_THREADS=1: the 7B ZeRO-3 + offload step then crawls (a reference run with one thread
-    had not finished two minutes in). Unless the user set it, give each worker its share of the
-    cores.
+    OMP_NUM_THREADS=1: the CPU optimizer step of the offload engines then runs on one core.
+    Unless the user set it, give each worker its share of the cores.
 
     FSDP gathers and frees every layer's weights on its own CUDA streams, and PyTorch's caching
     allocator keeps what one stream freed from the others: unless the user set
     PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF, FSDP workers get expandable segments
-    (docs/benchmarks.md, several GPUs)."""
+    (docs/benchmarks-history.md, several GPUs)."""
     env = dict(os.environ if environ is None else environ)
     if config.train.engine.endswith("-offload") and "OMP_NUM_THREADS" not in env:
         cpus = cpus or len(os.sched_getaffinity(0))

@@ -52,7 +52,7 @@ log = get_logger()
 def run(preset, config_file, sets, dry_run, show_config, **flag_values):
     """Fine-tune a model with LoRA and write a run folder (--gpus N: N processes)."""
     from .. import train
-    from ..run_folder import CONFIG_FILE
+    from ..run_folder.names import CONFIG_FILE
     from ..training.launch import dry_run_launch, needs_launch
 
     config = run_config(preset, config_file, sets, flag_values)

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..device import use_cpu
 from ..models.load import Precision
-from ..run_folder import DEEPSPEED_FILE, LAUNCH_FOLDER
+from ..run_folder.names import DEEPSPEED_FILE, LAUNCH_FOLDER
 from .plan import RunPlan
 from .watch import trainer_report_to
 

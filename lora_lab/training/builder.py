@@ -24,7 +24,7 @@ from ..models.lora import (
 )
 from ..paths import staged_folder
 from ..registry import family_of, missing_fast_paths, wants_trainable_tokens
-from ..run_folder import INITIAL_ADAPTER_FOLDER
+from ..run_folder.names import INITIAL_ADAPTER_FOLDER
 from .args import build_training_arguments, count_optimizer_steps
 from .callbacks import NonFiniteGuard, run_callbacks
 from .plan import RunPlan

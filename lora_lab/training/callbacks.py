@@ -12,7 +12,7 @@ from transformers import TrainerCallback
 
 from ..errors import TrainingError
 from ..log import get_logger
-from ..run_folder import LOGS_FOLDER, STEP_LOG
+from ..run_folder.names import LOGS_FOLDER, STEP_LOG
 
 log = get_logger()
 

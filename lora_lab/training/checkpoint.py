@@ -25,7 +25,8 @@ from ..errors import CheckpointError, LoraLabError
 from ..log import get_logger
 from ..paths import PICKLE_SUFFIXES, REPLACED_PREFIX, file_sha256, fsync, replace_folder
 from ..registry import resolve_model_spec
-from ..run_folder import (
+from ..run_folder import RunFolder, checkpoint_step, list_checkpoints, load_saved_config
+from ..run_folder.names import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     CONFIG_FILE,
@@ -39,10 +40,6 @@ from ..run_folder import (
     SCHEDULER_FILE,
     STAGING_PREFIX,
     TRAINER_STATE_FILE,
-    RunFolder,
-    checkpoint_step,
-    list_checkpoints,
-    load_saved_config,
 )
 
 log = get_logger()

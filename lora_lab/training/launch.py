@@ -47,17 +47,8 @@ from ..errors import LoraLabError, TrainingError
 from ..log import get_logger
 from ..models.load import choose_precision
 from ..planning.memory import TIERS_GIB, plan_memory
-from ..run_folder import (
-    ACCELERATE_FILE,
-    DEEPSPEED_FILE,
-    LAUNCH_FOLDER,
-    STOP_FILE,
-    RunFolder,
-    TrainResult,
-    check_run_dir,
-    read_result,
-    recorded_stop,
-)
+from ..run_folder import RunFolder, TrainResult, check_run_dir, read_result, recorded_stop
+from ..run_folder.names import ACCELERATE_FILE, DEEPSPEED_FILE, LAUNCH_FOLDER, STOP_FILE
 from .lock import run_lock
 from .nodes import check_main_address, describe_global_batch, local_launch_folder
 from .plan import RunPlan, Target, plan_run, write_plan

@@ -15,16 +15,8 @@ from ..log import get_logger
 from ..models.load import Precision
 from ..planning.generation import generation_sequences
 from ..planning.memory import row_length
-from ..run_folder import (
-    CONFIG_FILE,
-    STEP_LOG,
-    Checkpoint,
-    checkpoint_step,
-    record_stop,
-    save_config,
-    stop_error,
-    trim_step_log,
-)
+from ..run_folder import Checkpoint, checkpoint_step, record_stop, save_config, stop_error, trim_step_log
+from ..run_folder.names import CONFIG_FILE, STEP_LOG
 from .args import count_optimizer_steps
 from .builder import TrainingInputs, build_trainer
 from .callbacks import StopOnSignal

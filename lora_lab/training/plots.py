@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..errors import CheckpointError, LoraLabError
 from ..log import get_logger
-from ..run_folder import CONFIG_FILE, PLOTS_FOLDER, STEP_LOG, RunFolder, read_step_log
+from ..run_folder import RunFolder, read_step_log
+from ..run_folder.names import CONFIG_FILE, PLOTS_FOLDER, STEP_LOG
 
 log = get_logger()
 

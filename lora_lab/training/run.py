@@ -31,6 +31,15 @@ from ..planning.choice import check_fits
 from ..planning.disk import check_disk_space
 from ..planning.memory import row_length
 from ..run_folder import (
+    TrainResult,
+    check_run_dir,
+    checkpoint_step,
+    save_config,
+    trim_step_log,
+    write_data_problems,
+    write_summary,
+)
+from ..run_folder.names import (
     ADAPTER_FOLDER,
     CONFIG_FILE,
     DATA_PROBLEMS,
@@ -39,13 +48,6 @@ from ..run_folder import (
     MODEL_FOLDER,
     STEP_LOG,
     TRAINING_ARGS_PICKLE,
-    TrainResult,
-    check_run_dir,
-    checkpoint_step,
-    save_config,
-    trim_step_log,
-    write_data_problems,
-    write_summary,
 )
 from .args import count_optimizer_steps
 from .builder import TrainingInputs

@@ -35,7 +35,8 @@ from transformers.trainer_callback import ExportableState, PrinterCallback, Prog
 
 from ..log import get_logger
 from ..models.memory_means import uses_cpu_embedding
-from ..run_folder import TRAINING_ARGS_FILE, TRAINING_ARGS_PICKLE, Checkpoint, RunFolder
+from ..run_folder import Checkpoint, RunFolder
+from ..run_folder.names import TRAINING_ARGS_FILE, TRAINING_ARGS_PICKLE
 from .callbacks import NonFiniteGuard, ensure_finite
 from .checkpoint import commit_checkpoint, rotate_checkpoints, staging_dir, write_manifest
 from .ddp_buckets import rebuilds_buckets, replay_bucket_rebuild

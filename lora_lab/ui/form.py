@@ -220,7 +220,8 @@ class AllowedFolders:
         it: no model code, and its model and data inside the allowed folders (a planted
         config.yaml must not widen what the form allows)."""
         from ..data.reading import parse_spec
-        from ..run_folder import CONFIG_FILE, load_saved_config
+        from ..run_folder import load_saved_config
+        from ..run_folder.names import CONFIG_FILE
 
         config = load_saved_config(Path(run_dir) / CONFIG_FILE)
         where = f"{Path(run_dir).name}/{CONFIG_FILE}"

@@ -10,7 +10,7 @@ from typing import Any
 from ..config import list_presets
 from ..errors import LoraLabError
 from ..log import get_logger
-from ..run_folder import CONSOLE_LOG
+from ..run_folder.names import CONSOLE_LOG
 from . import actions
 from .form import AllowedFolders, RunForm, resume_arguments, run_arguments
 from .runs import (

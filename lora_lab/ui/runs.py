@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LoraLabError
-from ..run_folder import CONFIG_FILE, CONSOLE_LOG, STEP_LOG, STOP_FILE, SUMMARY_FILE, list_checkpoints, read_step_log
+from ..run_folder import list_checkpoints, read_step_log
+from ..run_folder.names import CONFIG_FILE, CONSOLE_LOG, STEP_LOG, STOP_FILE, SUMMARY_FILE
 from ..training.lock import running_pid
 
 PROGRESS = re.compile(r"step (\d+)/(\d+)(?:.*?ETA ((?:\d+[hms] ?)+))?")

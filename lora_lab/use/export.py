@@ -38,7 +38,8 @@ from ..models.load import Precision, nf4_config
 from ..paths import human_bytes, installed_versions
 from ..planning.memory import TIERS_GIB
 from ..planning.serving import plan_vllm_serving, vllm_command
-from ..run_folder import CONFIG_FILE, RunFolder, load_saved_config
+from ..run_folder import RunFolder, load_saved_config
+from ..run_folder.names import CONFIG_FILE
 from .checks import CHECK_PROMPTS, MIN_TOP1_AGREEMENT, check_exported_folder, check_prompt_batch, reference_logits
 from .export_common import DEFAULT_CALIB_SAMPLES, Exporter, ExportLines, problems_error, run_export, weights_bytes
 from .gguf_export import GGUF_TYPES

@@ -22,16 +22,8 @@ from pathlib import Path
 from ..errors import CheckpointError, LoraLabError, ModelError
 from ..log import get_logger, quiet_library_progress
 from ..paths import installed_versions, pickled_files, staged_folder
-from ..run_folder import (
-    ADAPTER_CONFIG,
-    CONFIG_FILE,
-    EXPORT_REPORT,
-    MERGED_SCRATCH_SUFFIX,
-    MODEL_CONFIG,
-    RunFolder,
-    is_adapter_folder,
-    owning_run_dir,
-)
+from ..run_folder import RunFolder, is_adapter_folder, owning_run_dir
+from ..run_folder.names import ADAPTER_CONFIG, CONFIG_FILE, EXPORT_REPORT, MERGED_SCRATCH_SUFFIX, MODEL_CONFIG
 from .checks import CHECK_PROMPTS
 
 log = get_logger()

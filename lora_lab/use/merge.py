@@ -18,7 +18,8 @@ from ..errors import CheckpointError, LoraLabError
 from ..log import quiet_library_progress
 from ..models.load import LoadOptions, Precision, load_base_model, load_tokenizer
 from ..paths import pickled_files, staged_folder
-from ..run_folder import ADAPTER_CONFIG, MERGE_REPORT, RunFolder, base_model_of, find_adapter, training_precision
+from ..run_folder import RunFolder, base_model_of, find_adapter, training_precision
+from ..run_folder.names import ADAPTER_CONFIG, MERGE_REPORT
 from .checks import CHECK_PROMPTS, check_prompt_batch, top1_agreement
 
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from ..errors import LoraLabError
 from ..log import get_logger, quiet_library_progress
-from ..run_folder import EXPORT_PREFIX, MERGE_REPORT, MODEL_CONFIG, RunFolder, find_adapter
+from ..run_folder import RunFolder, find_adapter
+from ..run_folder.names import EXPORT_PREFIX, MERGE_REPORT, MODEL_CONFIG
 from .gguf_export import GGUF_NAME
 from .parity_served import MIN_SERVED_ANSWERS, ServedForm, ServedSide
 

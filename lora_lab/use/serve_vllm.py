@@ -16,7 +16,7 @@ from ..errors import LoraLabError
 from ..log import get_logger
 from ..planning.serving import VLLM_MAX_LORA_RANKS, VLLM_UNSERVED_ADAPTERS, plan_vllm_serving, vllm_lora_rank
 from ..registry import model_config_of
-from ..run_folder import ADAPTER_CONFIG
+from ..run_folder.names import ADAPTER_CONFIG
 from .merge import adapter_kind_of
 from .serve import check_address, served_runs
 

@@ -248,7 +248,8 @@ def test_api_key_from_a_file(tmp_path):
 
 def test_runs_of_different_bases_are_refused(runs, tmp_path):
     from lora_lab.errors import LoraLabError
-    from lora_lab.run_folder import CONFIG_FILE, load_saved_config, save_config
+    from lora_lab.run_folder import load_saved_config, save_config
+    from lora_lab.run_folder.names import CONFIG_FILE
     from lora_lab.use.serve import load_served_models
 
     other = tmp_path / "other"

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from lora_lab.config import resolve_config
-from lora_lab.run_folder import CONFIG_FILE, CONSOLE_LOG, LOCK_FILE, save_config
+from lora_lab.run_folder import save_config
+from lora_lab.run_folder.names import CONFIG_FILE, CONSOLE_LOG, LOCK_FILE
 from tests.e2e.test_ui_browser import free_port, printed_link
 from tests.support.tiny import write_jsonl
 

@@ -193,7 +193,7 @@ def test_ddp_keeps_a_full_replica_plus_gradient_buckets():
     assert "counted, checked on two GPUs" in four.report()  # DDP LoRA ran on two H200s
     assert "counted, not checked on GPUs" in plan_for("ddp", 1, "full").report()
     assert "counted, not checked on GPUs" in plan_for("deepspeed-zero3", 4, "lora").report()
-    assert "too high: a two-GPU run of full 7B" in plan_for("deepspeed-zero3-offload", 2, "full").report()
+    assert "too high: on the safe side: DeepSpeed moves" in plan_for("deepspeed-zero3-offload", 2, "full").report()
 
 
 @pytest.mark.parametrize("gpus", [2, 4])
@@ -358,7 +358,7 @@ def test_a_plan_known_to_miss_says_so():
         },
     )
     report = plan_memory(config).report()
-    assert "TOO LOW: a two-GPU run of full 1.5B reserved 7.48 GiB" in report
+    assert "TOO LOW: DeepSpeed's caching allocator reserves more" in report
     assert "the processes' own memory (measured)" in report
     config = config.with_changes({"train.engine": "fsdp"}, "test")
     assert "checked on two GPUs" in plan_memory(config).report()

@@ -12,7 +12,7 @@ import pytest
 from lora_lab.config import resolve_config
 from lora_lab.errors import LoraLabError
 from lora_lab.planning.disk import TOKENIZER_BYTES_UNKNOWN, check_disk_space, tokenizer_bytes
-from lora_lab.run_folder import LOCK_FILE
+from lora_lab.run_folder.names import LOCK_FILE
 from lora_lab.training.lock import run_lock
 from tests.support.tiny import TOKENIZER_DIR
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from lora_lab.errors import LoraLabError
-from lora_lab.run_folder import LOCK_FILE
+from lora_lab.run_folder.names import LOCK_FILE
 from lora_lab.ui.actions import config_flags, histogram
 from lora_lab.ui.form import (
     AllowedFolders,

@@ -8,7 +8,8 @@ import pytest
 
 from lora_lab.config import resolve_config
 from lora_lab.errors import LoraLabError
-from lora_lab.run_folder import CONFIG_FILE, CONSOLE_LOG, save_config
+from lora_lab.run_folder import save_config
+from lora_lab.run_folder.names import CONFIG_FILE, CONSOLE_LOG
 from lora_lab.ui.form import PAGE_SETTABLE, AllowedFolders, RunForm, run_arguments
 from lora_lab.ui.guard import HostGuard, TokenCheck, read_token, served_names
 from lora_lab.ui.runs import find_runs, read_console

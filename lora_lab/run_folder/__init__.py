@@ -40,67 +40,13 @@ from pathlib import Path
 
 import yaml
 
-from .config import SECTIONS, ModelArgs, RunConfig
-from .errors import CheckpointError, ConfigError, LoraLabError, RunStopped
-from .log import get_logger
-from .paths import safetensors_problem
+from ..config import SECTIONS, ModelArgs, RunConfig
+from ..errors import CheckpointError, ConfigError, LoraLabError, RunStopped
+from ..log import get_logger
+from ..paths import safetensors_problem
+from . import names
 
 log = get_logger()
-
-CONFIG_FILE = "config.yaml"
-ADAPTER_FOLDER = "adapter"
-MODEL_FOLDER = "model"
-INITIAL_ADAPTER_FOLDER = "adapter_init"
-LOGS_FOLDER = "logs"
-STEP_LOG = "logs/train_log.jsonl"
-DATA_PROBLEMS = "logs/data_problems.jsonl"
-SUMMARY_FILE = "run_summary.json"
-BENCHMARK_REPORT = "benchmark_report.json"
-PARITY_REPORT = "parity_report.json"
-MERGE_REPORT = "merge_report.json"
-"""A merged folder's record of its merge (use/merge.py writes it)."""
-MERGED_FOLDER = "merged"
-EXPORT_PREFIX = "export-"
-LAUNCH_FOLDER = "launch"
-LAUNCH_CONFIG = "run_config.yaml"
-PLOTS_FOLDER = "plots"
-SWANLAB_FOLDER = "swanlog"
-MLFLOW_DATABASE = "mlflow.db"
-LOCK_FILE = ".lock"
-CONSOLE_LOG = "logs/console.log"
-STOP_FILE = "logs/stopped.json"
-"""Written by rank 0 when a signal stopped the run (its signal and last step)."""
-CHECKPOINT_PREFIX = "checkpoint-"
-CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
-STAGING_PREFIX = ".staging-"
-MANIFEST_FILE = "manifest.json"
-TRAINER_STATE_FILE = "trainer_state.json"
-ADAPTER_CONFIG = "adapter_config.json"
-"""The files of an adapter folder (adapter/, a LoRA checkpoint), named by peft."""
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-MODEL_CONFIG = "config.json"
-"""A from_pretrained folder's config (model/, a --tuner full checkpoint), named by transformers."""
-MODEL_WEIGHTS = "model.safetensors"
-MODEL_WEIGHTS_INDEX = "model.safetensors.index.json"
-"""A from_pretrained folder's weights: one file, or shards listed by the index."""
-OPTIMIZER_FILE = "optimizer.pt"
-SCHEDULER_FILE = "scheduler.pt"
-RNG_STATE_FILE = "rng_state.pth"
-RNG_STATE_NAME = re.compile(r"rng_state(_\d+)?\.pth")
-"""A checkpoint's trainer files, named by transformers' Trainer (rng_state_<rank>.pth when several
-processes train)."""
-TRAINING_ARGS_PICKLE = "training_args.bin"
-TRAINING_ARGS_FILE = "training_args.json"
-"""The Trainer pickles its arguments into a checkpoint; lora-lab keeps them as JSON instead."""
-ACCELERATE_FILE = "accelerate.yaml"
-DEEPSPEED_FILE = "deepspeed.json"
-"""The launch folder's accelerate config and the DeepSpeed config it points to."""
-NODE_PREFIX = "node-"
-EVAL_REPORT = "eval_report.json"
-EXPORT_REPORT = "export_report.json"
-"""An export folder's record of its export (use/export_common.py writes it)."""
-MERGED_SCRATCH_SUFFIX = ".merged-tmp"
-"""Beside an export's output: the run merged onto its 16-bit base, removed afterwards."""
 
 
 @dataclass(frozen=True)
@@ -117,9 +63,9 @@ class Checkpoint:
             raise ValueError(f"{self.path} is not a checkpoint-<step> folder")
         return step
 
-    manifest = property(lambda self: self.path / MANIFEST_FILE, doc="manifest.json: sha256 sums, written last.")
-    trainer_state = property(lambda self: self.path / TRAINER_STATE_FILE, doc="trainer_state.json.")
-    adapter_config = property(lambda self: self.path / ADAPTER_CONFIG, doc="adapter_config.json.")
+    manifest = property(lambda self: self.path / names.MANIFEST_FILE, doc="manifest.json: sha256 sums, written last.")
+    trainer_state = property(lambda self: self.path / names.TRAINER_STATE_FILE, doc="trainer_state.json.")
+    adapter_config = property(lambda self: self.path / names.ADAPTER_CONFIG, doc="adapter_config.json.")
 
     @property
     def holds_adapter(self) -> bool:
@@ -139,44 +85,48 @@ class RunFolder:
     def _at(self, name: str) -> Path:
         return self.path / name
 
-    config = property(lambda self: self._at(CONFIG_FILE), doc="config.yaml: the resolved config.")
-    adapter = property(lambda self: self._at(ADAPTER_FOLDER), doc="adapter/: the final adapter.")
-    model = property(lambda self: self._at(MODEL_FOLDER), doc="model/: a --tuner full run's model.")
-    initial_adapter = property(lambda self: self._at(INITIAL_ADAPTER_FOLDER), doc="adapter_init/ (pissa, olora).")
-    logs = property(lambda self: self._at(LOGS_FOLDER), doc="logs/: TensorBoard events and the logs below.")
-    step_log = property(lambda self: self._at(STEP_LOG), doc="logs/train_log.jsonl: one line per log event.")
-    data_problems = property(lambda self: self._at(DATA_PROBLEMS), doc="logs/data_problems.jsonl.")
-    console_log = property(lambda self: self._at(CONSOLE_LOG), doc="logs/console.log (a run started by the UI).")
-    stop_record = property(lambda self: self._at(STOP_FILE), doc="logs/stopped.json: a signal stopped the run.")
-    plots = property(lambda self: self._at(PLOTS_FOLDER), doc="plots/: PNG plots of the step log.")
-    launch = property(lambda self: self._at(LAUNCH_FOLDER), doc="launch/: how the worker processes started.")
-    lock = property(lambda self: self._at(LOCK_FILE), doc=".lock: the process writing into the folder.")
-    summary = property(lambda self: self._at(SUMMARY_FILE), doc="run_summary.json: steps, losses, time, memory.")
-    benchmark_report = property(
-        lambda self: self._at(BENCHMARK_REPORT), doc="benchmark_report.json: lm-eval scores, base and fine-tune."
+    config = property(lambda self: self._at(names.CONFIG_FILE), doc="config.yaml: the resolved config.")
+    adapter = property(lambda self: self._at(names.ADAPTER_FOLDER), doc="adapter/: the final adapter.")
+    model = property(lambda self: self._at(names.MODEL_FOLDER), doc="model/: a --tuner full run's model.")
+    initial_adapter = property(
+        lambda self: self._at(names.INITIAL_ADAPTER_FOLDER), doc="adapter_init/ (pissa, olora)."
     )
-    parity_report = property(lambda self: self._at(PARITY_REPORT), doc="parity_report.json: `lora-lab check`.")
-    merged = property(lambda self: self._at(MERGED_FOLDER), doc="merged/: `lora-lab merge`'s default output.")
+    logs = property(lambda self: self._at(names.LOGS_FOLDER), doc="logs/: TensorBoard events and the logs below.")
+    step_log = property(lambda self: self._at(names.STEP_LOG), doc="logs/train_log.jsonl: one line per log event.")
+    data_problems = property(lambda self: self._at(names.DATA_PROBLEMS), doc="logs/data_problems.jsonl.")
+    console_log = property(lambda self: self._at(names.CONSOLE_LOG), doc="logs/console.log (a run started by the UI).")
+    stop_record = property(lambda self: self._at(names.STOP_FILE), doc="logs/stopped.json: a signal stopped the run.")
+    plots = property(lambda self: self._at(names.PLOTS_FOLDER), doc="plots/: PNG plots of the step log.")
+    launch = property(lambda self: self._at(names.LAUNCH_FOLDER), doc="launch/: how the worker processes started.")
+    lock = property(lambda self: self._at(names.LOCK_FILE), doc=".lock: the process writing into the folder.")
+    summary = property(lambda self: self._at(names.SUMMARY_FILE), doc="run_summary.json: steps, losses, time, memory.")
+    benchmark_report = property(
+        lambda self: self._at(names.BENCHMARK_REPORT), doc="benchmark_report.json: lm-eval scores, base and fine-tune."
+    )
+    parity_report = property(lambda self: self._at(names.PARITY_REPORT), doc="parity_report.json: `lora-lab check`.")
+    merged = property(lambda self: self._at(names.MERGED_FOLDER), doc="merged/: `lora-lab merge`'s default output.")
 
     def export(self, name: str) -> Path:
         """export-<name>/: `lora-lab export`'s default output (name: nf4, w4a16, gguf-q8_0 ...)."""
-        return self._at(f"{EXPORT_PREFIX}{name}")
+        return self._at(f"{names.EXPORT_PREFIX}{name}")
 
     def exports(self) -> list[Path]:
-        return sorted(p for p in self.path.glob(f"{EXPORT_PREFIX}*") if p.is_dir())
+        return sorted(p for p in self.path.glob(f"{names.EXPORT_PREFIX}*") if p.is_dir())
 
     @staticmethod
     def launch_config(folder: Path) -> Path:
         """A node's run_config.yaml in the launch folder (or its node-R/ subfolder)."""
-        return Path(folder) / LAUNCH_CONFIG
+        return Path(folder) / names.LAUNCH_CONFIG
 
     @staticmethod
     def launch_node(folder: Path, nodes: int, node_rank: int) -> Path:
         """Where one node's launch files go: the launch folder itself on one machine, its
         node-R/ subfolder with several."""
-        return Path(folder) if nodes == 1 else Path(folder) / f"{NODE_PREFIX}{node_rank}"
+        return Path(folder) if nodes == 1 else Path(folder) / f"{names.NODE_PREFIX}{node_rank}"
 
-    eval_report = property(lambda self: self._at(EVAL_REPORT), doc="eval_report.json: `lora-lab eval`'s default.")
+    eval_report = property(
+        lambda self: self._at(names.EVAL_REPORT), doc="eval_report.json: `lora-lab eval`'s default."
+    )
 
     @property
     def is_run(self) -> bool:
@@ -184,15 +134,15 @@ class RunFolder:
         return self.config.is_file()
 
     def checkpoint(self, step: int) -> Checkpoint:
-        return Checkpoint(self.path / f"{CHECKPOINT_PREFIX}{step}")
+        return Checkpoint(self.path / f"{names.CHECKPOINT_PREFIX}{step}")
 
     def staging_checkpoint(self, step: int) -> Path:
         """Where checkpoint-<step> is written before its rename (hidden: nothing resumes from it)."""
-        return self.path / f"{STAGING_PREFIX}{CHECKPOINT_PREFIX}{step}"
+        return self.path / f"{names.STAGING_PREFIX}{names.CHECKPOINT_PREFIX}{step}"
 
     def hidden_checkpoints(self) -> list[Path]:
         """Staged or replaced checkpoint folders (their names start with a dot)."""
-        return [p for p in self.path.glob(f".*{CHECKPOINT_PREFIX}*") if p.is_dir()]
+        return [p for p in self.path.glob(f".*{names.CHECKPOINT_PREFIX}*") if p.is_dir()]
 
     def checkpoints(self) -> list[Checkpoint]:
         """checkpoint-<step> folders, lowest step first."""
@@ -200,7 +150,7 @@ class RunFolder:
 
 
 def is_adapter_folder(path: Path) -> bool:
-    return (Path(path) / ADAPTER_CONFIG).is_file()
+    return (Path(path) / names.ADAPTER_CONFIG).is_file()
 
 
 # ----------------------------------------------------------------------------- config.yaml
@@ -241,13 +191,15 @@ def load_saved_config(path: Path) -> RunConfig:
 
 
 def checkpoint_step(folder: Path) -> int | None:
-    match = CHECKPOINT_NAME.fullmatch(Path(folder).name)
+    match = names.CHECKPOINT_NAME.fullmatch(Path(folder).name)
     return int(match.group(1)) if match else None
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """checkpoint-N folders of a run, lowest step first."""
-    found = [p for p in Path(run_dir).glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None]
+    found = [
+        p for p in Path(run_dir).glob(f"{names.CHECKPOINT_PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None
+    ]
     return sorted(found, key=lambda p: checkpoint_step(p) or 0)
 
 
@@ -276,7 +228,7 @@ def trim_step_log(path: Path, step: int) -> None:
 def read_step_log(run_dir: Path) -> list[dict]:
     """The step log's events in order (logs/train_log.jsonl); a line cut short by a kill is
     left out. A run without a step log has no events."""
-    path = Path(run_dir) / STEP_LOG
+    path = Path(run_dir) / names.STEP_LOG
     if not path.is_file():
         return []
     events = []
@@ -295,8 +247,8 @@ def tracker_locations(run_dir: Path) -> dict[str, str]:
     run_dir = Path(run_dir).resolve()
     return {
         "WANDB_DIR": str(run_dir),
-        "SWANLAB_LOG_DIR": str(run_dir / SWANLAB_FOLDER),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{run_dir / MLFLOW_DATABASE}",
+        "SWANLAB_LOG_DIR": str(run_dir / names.SWANLAB_FOLDER),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{run_dir / names.MLFLOW_DATABASE}",
     }
 
 
@@ -306,8 +258,8 @@ def tracker_locations(run_dir: Path) -> dict[str, str]:
 def full_model_of(path: str | Path) -> Path | None:
     """The from_pretrained folder of a full fine-tuning run (--tuner full), else None."""
     path = Path(path)
-    if RunFolder(path).is_run and (path / MODEL_FOLDER / MODEL_CONFIG).is_file():
-        return path / MODEL_FOLDER
+    if RunFolder(path).is_run and (path / names.MODEL_FOLDER / names.MODEL_CONFIG).is_file():
+        return path / names.MODEL_FOLDER
     return None
 
 
@@ -324,8 +276,8 @@ def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
         run_dir = path.parent if RunFolder(path.parent).is_run else None
         return check_adapter(path), run_dir
     if RunFolder(path).is_run:
-        if is_adapter_folder(path / ADAPTER_FOLDER):
-            return check_adapter(path / ADAPTER_FOLDER), path
+        if is_adapter_folder(path / names.ADAPTER_FOLDER):
+            return check_adapter(path / names.ADAPTER_FOLDER), path
         checkpoints = [c for c in list_checkpoints(path) if is_adapter_folder(c)]
         if checkpoints:
             return check_adapter(checkpoints[-1]), path
@@ -337,7 +289,7 @@ def find_adapter(path: str | Path) -> tuple[Path, Path | None]:
 
 def check_adapter(folder: Path) -> Path:
     """An adapter folder whose two files are there and whole; else what is wrong with it."""
-    config, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    config, weights = folder / names.ADAPTER_CONFIG, folder / names.ADAPTER_WEIGHTS
     try:
         json.loads(config.read_text())
     except (ValueError, UnicodeDecodeError):
@@ -356,8 +308,8 @@ def check_adapter(folder: Path) -> Path:
 def base_model_of(adapter_dir: Path, run_dir: Path | None) -> ModelArgs:
     """The base model an adapter was trained on: from the run config, else adapter_config."""
     if run_dir is not None:
-        return load_saved_config(run_dir / CONFIG_FILE).model
-    base = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+        return load_saved_config(run_dir / names.CONFIG_FILE).model
+    base = json.loads((adapter_dir / names.ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
     return ModelArgs(name=base)
 
 
@@ -367,25 +319,25 @@ def read_sft_run(path: str | Path) -> tuple[Path, RunConfig]:
     run_dir = Path(path)
     if not RunFolder(run_dir).is_run:
         raise CheckpointError(
-            f"--from-run {path}: not a run folder (no {CONFIG_FILE}); pass the folder of a finished `lora-lab run`."
+            f"--from-run {path}: not a run folder (no {names.CONFIG_FILE}); pass the folder of a finished `lora-lab run`."
         )
     if full_model_of(run_dir):
         raise CheckpointError(
             f"--from-run {path}: a full fine-tuning run has no adapter to "
             f"continue; pass its model/ as --model instead."
         )
-    if not is_adapter_folder(run_dir / ADAPTER_FOLDER):
+    if not is_adapter_folder(run_dir / names.ADAPTER_FOLDER):
         raise CheckpointError(
-            f"--from-run {path}: the run has no {ADAPTER_FOLDER}/ yet; let it finish (or resume it) first."
+            f"--from-run {path}: the run has no {names.ADAPTER_FOLDER}/ yet; let it finish (or resume it) first."
         )
-    saved = load_saved_config(run_dir / CONFIG_FILE)
-    return check_adapter(run_dir / ADAPTER_FOLDER), saved
+    saved = load_saved_config(run_dir / names.CONFIG_FILE)
+    return check_adapter(run_dir / names.ADAPTER_FOLDER), saved
 
 
 def training_precision(run_dir: Path) -> str | None:
     """The precision a run trained in (bf16, fp16 or fp32), from its config.yaml; None where
     the run recorded only `auto` (runs written before train() settled --dtype auto there)."""
-    dtype = load_saved_config(Path(run_dir) / CONFIG_FILE).model.dtype
+    dtype = load_saved_config(Path(run_dir) / names.CONFIG_FILE).model.dtype
     return None if dtype == "auto" else dtype
 
 
@@ -394,7 +346,7 @@ def owning_run_dir(path: Path) -> Path | None:
     for candidate in (path, path.parent):
         if RunFolder(candidate).is_run:
             return candidate
-    report = path / MERGE_REPORT
+    report = path / names.MERGE_REPORT
     if report.is_file():
         adapter = Path(json.loads(report.read_text())["adapter_dir"])
         if RunFolder(adapter.parent).is_run:
@@ -456,9 +408,9 @@ def fix_run_dir(config: RunConfig, run_dir: Path) -> RunConfig:
 
 def holds_run(run_dir: Path) -> bool:
     return (
-        (run_dir / ADAPTER_FOLDER).exists()
-        or (run_dir / MODEL_FOLDER).exists()
-        or any(run_dir.glob(f"{CHECKPOINT_PREFIX}*"))
+        (run_dir / names.ADAPTER_FOLDER).exists()
+        or (run_dir / names.MODEL_FOLDER).exists()
+        or any(run_dir.glob(f"{names.CHECKPOINT_PREFIX}*"))
     )
 
 
@@ -466,7 +418,7 @@ def check_run_dir(run_dir: Path, config: RunConfig, resume_from: Path | None) ->
     """A run folder is reused only to resume; a finished run is never started over."""
     if resume_from is not None or not holds_run(run_dir):
         return
-    if config.train.resume and (run_dir / ADAPTER_FOLDER).exists():
+    if config.train.resume and (run_dir / names.ADAPTER_FOLDER).exists():
         raise CheckpointError(
             f"--resume {config.train.resume}: {run_dir} holds a finished run "
             f"(adapter/) but no complete checkpoint of it; refusing to start "
@@ -484,7 +436,7 @@ def check_run_dir(run_dir: Path, config: RunConfig, resume_from: Path | None) ->
 def write_data_problems(run_dir: Path, data) -> None:
     """Every row not used (error), truncated or read with a remark (warning), one JSON line each."""
     truncated = data.train.truncated + (data.val.truncated if data.val else [])
-    with open(run_dir / DATA_PROBLEMS, "w") as handle:
+    with open(run_dir / names.DATA_PROBLEMS, "w") as handle:
         for severity, problems in (("error", data.all_problems()), ("warning", data.all_warnings())):
             for problem in problems:
                 handle.write(
@@ -511,12 +463,12 @@ def write_summary(result: TrainResult, timer, peaks: list, memory_means: str = "
         performance[key] = max(known) if known else None
         if len(peaks) > 1:
             performance[f"{key}_per_gpu"] = values
-    (result.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    (result.run_dir / names.SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def read_result(run_dir: Path) -> TrainResult:
     """A finished run's TrainResult, from its run_summary.json."""
-    summary = json.loads((run_dir / SUMMARY_FILE).read_text())
+    summary = json.loads((run_dir / names.SUMMARY_FILE).read_text())
     fields = TrainResult.__dataclass_fields__
     values = {k: v for k, v in summary.items() if k in fields}
     for key in ("run_dir", "adapter_dir", "model_dir"):
@@ -531,13 +483,13 @@ def read_result(run_dir: Path) -> TrainResult:
 def record_stop(run_dir: Path, signum: int, step: int) -> RunStopped:
     """Note in logs/stopped.json that a signal stopped the run after `step` (for the launcher
     of several processes, which reads it back); returns the error that says how to continue."""
-    (Path(run_dir) / STOP_FILE).write_text(json.dumps({"signal": signum, "step": step}))
+    (Path(run_dir) / names.STOP_FILE).write_text(json.dumps({"signal": signum, "step": step}))
     return stop_error(run_dir, signum, step)
 
 
 def recorded_stop(run_dir: Path) -> RunStopped | None:
     """The stop record_stop wrote, as its error; None when the run was not stopped."""
-    path = Path(run_dir) / STOP_FILE
+    path = Path(run_dir) / names.STOP_FILE
     if not path.is_file():
         return None
     stop = json.loads(path.read_text())

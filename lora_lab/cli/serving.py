@@ -220,11 +220,8 @@ def check(run_dir, prompts, served, served_model, api_key, api_key_file):
     server = ServedForm(served, served_model, read_api_key(api_key, api_key_file)) if served else None
     report = check_run(run_dir, list(prompts) or None, server)
     click.echo("\n".join(report["lines"]) + f"\nreport: {report['report_path']}")
-    failed = report["failed"]
-    if failed:
-        raise click.ClickException(
-            f"{', '.join(failed)} do(es) not answer as the trained model (parity_report.json says how)."
-        )
+    if report["failed"]:
+        raise click.ClickException(report["verdict"])
 
 
 def _evaluate_on_data(path, datasets: list, samples: int, output) -> None:

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ..config import list_presets, resolve_config
+from ..config import PLANNED_MODEL, list_presets, resolve_config
 from ..errors import LoraLabError
 from ..log import get_logger
 from .options import given_flags, run_config, run_options
@@ -119,7 +119,7 @@ def plan(preset, gpu_memory, cpu_memory, sets, **flag_values):
     gpu_memory = gpu_memory or gpu_memory_gib()
     if preset == "auto" and gpu_memory is None:
         raise LoraLabError("--preset auto needs a GPU to look at, or --gpu-memory GIB.")
-    flags = {"model.name": "qwen2.5-7b", **given_flags(flag_values)}
+    flags = {"model.name": PLANNED_MODEL, **given_flags(flag_values)}
     config = resolve_config(choose_preset(preset, gpu_memory), flags=flags, sets=sets, need_data=False)
     if config.data.packing:
         why = (

@@ -193,6 +193,8 @@ ADAPTER_TUNERS = ("lora", "dora", "ia3")
 LORA_INITS = ("default", "gaussian", "pissa", "olora")
 """lora.init values besides pissa_niter_N."""
 
+PLANNED_MODEL = "qwen2.5-7b"
+"""The model `lora-lab plan` and the page's plan count without --model."""
 FULL_FINETUNING_LR = 1e-5
 """train.lr for --tuner full unless given: LoRA learning rates would wreck the base weights."""
 

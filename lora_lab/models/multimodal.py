@@ -23,11 +23,6 @@ LANGUAGE_MODEL_KEYS = {
 in the full model (peft key_mapping: regex on the keys without peft's base_model.model. prefix)."""
 
 
-def is_vision_language(config: dict) -> bool:
-    """A config.json with a vision tower beside its text model."""
-    return isinstance(config.get("vision_config"), dict) and isinstance(config.get("text_config"), dict)
-
-
 def adapter_key_mapping(model_type: str) -> dict:
     """peft key_mapping that puts a language-model adapter onto the full model of `model_type`."""
     if model_type not in LANGUAGE_MODEL_KEYS:

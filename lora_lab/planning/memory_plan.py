@@ -146,3 +146,15 @@ class MemoryPlan:
         if self.traffic is not None:
             lines.append(self.traffic.report())
         return "\n".join(lines)
+
+    def verdict(self) -> str:
+        """One line: whether the run fits the GPU (and the host RAM, where planned against it)
+        and what to change where it does not."""
+        peak = f"predicted peak {self.total_gib:.2f} GiB"
+        if self.fits is None:
+            return f"{peak} (give the GPU memory for a verdict)"
+        usable = f"{peak} of {self.budget_gib:.1f} GiB usable"
+        if self.fits and self.cpu_fits is not False:
+            return f"fits: {usable}"
+        short = usable if not self.fits else f"host RAM {self.host_gib:.2f} GiB of {self.cpu_budget_gib:.1f} GiB"
+        return f"does NOT fit: {short}; to fit: {' or '.join(self.fixes) or 'a smaller model'}"

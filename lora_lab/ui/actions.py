@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import FLAG_FOR_KEY, resolve_config
+from ..config import FLAG_FOR_KEY, PLANNED_MODEL, resolve_config
 from ..errors import LoraLabError
 from .form import RunForm
 
@@ -35,21 +35,11 @@ def plan_form(form: RunForm, gpu_memory_gib: float | None, longest_sample_tokens
     from .. import choose_preset, plan
 
     preset = choose_preset(form.preset or "auto", gpu_memory_gib)
-    flags = {"model.name": "qwen2.5-7b", **config_flags(form)}
+    flags = {"model.name": PLANNED_MODEL, **config_flags(form)}
     flags.pop("data.datasets", None)
     config = resolve_config(preset, flags=flags, sets=form.set_entries(), need_data=False)
     result = plan(config, gpu_memory_gib, longest_sample_tokens)
-    if result.fits is None:
-        verdict = f"predicted peak {result.total_gib:.2f} GiB (give the GPU memory for a verdict)"
-    elif result.fits:
-        verdict = f"fits: predicted peak {result.total_gib:.2f} GiB of {result.budget_gib:.1f} GiB usable"
-    else:
-        verdict = (
-            f"does NOT fit: predicted peak {result.total_gib:.2f} GiB of "
-            f"{result.budget_gib:.1f} GiB usable; to fit: "
-            f"{' or '.join(result.fixes) or 'a smaller model'}"
-        )
-    return PlanView(verdict, result.report(), preset)
+    return PlanView(result.verdict(), result.report(), preset)
 
 
 def launch_preset(form: RunForm) -> str:
@@ -204,6 +194,4 @@ def check_run_forms(run_dir: Path) -> str:
     from ..use.parity import check_run
 
     report = check_run(run_dir)
-    failed = report["failed"]
-    verdict = f"FAILS: {', '.join(failed)}" if failed else "every copy answers as the trained model"
-    return "\n".join([*report["lines"], f"report: {report['report_path']}", verdict])
+    return "\n".join([*report["lines"], f"report: {report['report_path']}", report["verdict"]])

@@ -120,7 +120,12 @@ def check_run(path: str | Path, prompts: list[str] | None = None, served: Served
     target.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     report["report_path"] = str(target)
     report["lines"] = [c.line() for c in checks]
-    report["failed"] = [c.form for c in checks if not c.passed]
+    failed = report["failed"] = [c.form for c in checks if not c.passed]
+    report["verdict"] = (
+        f"{', '.join(failed)} do(es) not answer as the trained model ({target.name} says how)."
+        if failed
+        else "every copy answers as the trained model"
+    )
     return report
 
 

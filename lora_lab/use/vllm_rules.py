@@ -64,7 +64,7 @@ from .vllm_schemes import (
     validate_quant_args,
 )
 
-VLLM_COMMIT = "055e47c28003156421365af985d676fc921cb075"
+# The rules below mirror vLLM at commit 055e47c28003156421365af985d676fc921cb075.
 
 
 # models/qwen2.py @055e47c Qwen2ForCausalLM.packed_modules_mapping

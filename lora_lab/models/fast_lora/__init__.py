@@ -202,7 +202,7 @@ def apply_fast_lora(model, options: FastLoraOptions = FastLoraOptions()) -> dict
     LoRA on all three) as one LoraMLP, every other LoRA linear layer as a LoraProjection. Each
     call checks the adapter and falls back to peft's forward where the fast path would differ.
     The model's StepCounter (the optimizer step hook its casts read) is registered here and
-    removed with the model, or by remove_fast_lora_hooks.
+    removed with the model (and by training/process.restored_optimizer_hooks when a run ends).
     Returns how many MLPs and projections were routed."""
     steps = StepCounter()
     weakref.finalize(model, steps.remove)
@@ -235,12 +235,3 @@ def apply_fast_lora(model, options: FastLoraOptions = FastLoraOptions()) -> dict
 
 STEP_COUNTER = "lora_lab_step_counter"
 """Where apply_fast_lora keeps a model's StepCounter (in the model's own __dict__)."""
-
-
-def remove_fast_lora_hooks(model) -> None:
-    """Remove the optimizer step hook apply_fast_lora registered for `model` (peft's wrapper
-    or the model it wraps), now rather than when the model is collected."""
-    for module in (model, getattr(model, "base_model", None)):
-        steps = getattr(module, "__dict__", {}).get(STEP_COUNTER)
-        if steps is not None:
-            steps.remove()

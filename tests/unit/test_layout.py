@@ -139,7 +139,6 @@ MAX_FUNCTION_LINES = 60
 LONGER_FUNCTIONS = {
     "lora_lab.ui.page.build_page": "gradio's page, declared top to bottom as it is shown",
     "lora_lab.use.serve_api.build_app": "the FastAPI routes, each a closure over the served models",
-    "lora_lab.use.vllm_rules.vllm_wna16_problems": "vLLM's loader, mirrored in its own order",
     "lora_lab.use.vllm_schemes.validate_quant_args": "compressed-tensors' validator, mirrored",
     "lora_lab.use.vllm_schemes.scheme_problems": "vLLM's scheme dispatch, mirrored",
     "lora_lab.models.attention.varlen_attention": "one kernel call and its shapes; split, it reads worse",

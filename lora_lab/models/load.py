@@ -241,20 +241,23 @@ class LoadOptions:
     """liger's fused linear cross-entropy (kernels liger); off where rows of the head train."""
     kernels: str = "none"
     """The kernels a training load applies: the run plan's settled model.kernels (liger or none)."""
+    longest_row: int = 0
+    """Tokens of the longest training row (data.max_length unpacked): rows of LONG_ROW_TOKENS or
+    more attend through models/attention.sdpa_long_rows."""
 
 
 def _attention_function(attention: str, packed: str | None, args: ModelArgs, options: LoadOptions) -> str:
     """The attention implementation from_pretrained gets: packed rows attend per sample
-    (models/attention.py); unpacked training rows on CUDA take sdpa with a long row on cuDNN's
-    kernel (model.cudnn_attention not false); else the family's own."""
+    (models/attention.py); unpacked training rows on CUDA that may be long take sdpa with a long
+    row on cuDNN's kernel (model.cudnn_attention not false); else the family's own."""
     import torch
 
-    from .attention import register_long_rows_attention, register_packed_attention
+    from .attention import LONG_ROW_TOKENS, register_long_rows_attention, register_packed_attention
 
     if packed:
         return register_packed_attention(packed, args.cudnn_attention is not False)
     cudnn = args.cudnn_attention is not False and torch.cuda.is_available()
-    if attention == "sdpa" and options.for_training and cudnn:
+    if attention == "sdpa" and options.for_training and cudnn and options.longest_row >= LONG_ROW_TOKENS:
         return register_long_rows_attention()
     return attention
 

@@ -69,6 +69,7 @@ def build_trainer(plan: RunPlan, inputs: TrainingInputs, precision: Precision) -
         path=plan.model.path,
         fused_loss=not (tokens or preference),
         kernels=plan.kernels,
+        longest_row=0 if inputs.packed else config.data.max_length,
     )
     model = load_base_model(config.model, precision, loading)
     say_family(model.config.model_type)

@@ -120,7 +120,8 @@ def check_run(path: str | Path, prompts: list[str] | None = None, served: Served
     target.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     report["report_path"] = str(target)
     report["lines"] = [c.line() for c in checks]
-    failed = report["failed"] = [c.form for c in checks if not c.passed]
+    failed: list[str] = [c.form for c in checks if not c.passed]
+    report["failed"] = failed
     report["verdict"] = (
         f"{', '.join(failed)} do(es) not answer as the trained model ({target.name} says how)."
         if failed

@@ -189,6 +189,22 @@ def export_run(run_dir: Path, choice: str) -> str:
     return "\n".join(export_model(str(run_dir), format=fmt, quantize=quantize, force=True).lines())
 
 
+def score_run(run_dir: Path, tasks: str, include_path: Path | None, limit: int | None) -> str:
+    """The forgetting report (`lora-lab eval RUN --tasks`): lm-eval scores of the base and the
+    fine-tune on `tasks` (comma-separated); without tasks, the run's stored report."""
+    from ..use.benchmarks import BenchmarkSettings, benchmark_run, report_lines, stored_report
+
+    names = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    if not names:
+        report = stored_report(run_dir)
+        if report is None:
+            raise LoraLabError("lm-eval tasks: name at least one (this run has no benchmark report yet).")
+        return "\n".join(report_lines(report))
+    include = str(include_path) if include_path else None
+    settings = BenchmarkSettings(names, include, limit, flags=("lm-eval tasks", "task folder"))
+    return "\n".join(report_lines(benchmark_run(run_dir, settings)))
+
+
 def check_run_forms(run_dir: Path) -> str:
     """`lora-lab check RUN`: each copy's line and the verdict."""
     from ..use.parity import check_run

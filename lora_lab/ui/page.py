@@ -227,6 +227,13 @@ class Page:
     def check_forms(self, run_dir):
         return self._use(actions.check_run_forms, run_dir)
 
+    def benchmarks(self, run_dir, tasks, include, limit):
+        try:
+            folder = self.allowed.check(include, "task folder") if include and include.strip() else None
+        except LoraLabError as exc:
+            return f"error: {exc}"
+        return self._use(actions.score_run, run_dir, tasks or "", folder, int(limit) if limit else None)
+
     def _use(self, action, run_dir, *args) -> str:
         """A merge or export of the chosen run; what went wrong is said in the result box (a
         failure of the library below with its type, its traceback in the server's log)."""
@@ -339,6 +346,15 @@ def build_page(page: Page, safety_note: str):
             export_out = gr.Textbox(
                 label="Result and serving commands", lines=14, elem_id="export-output", interactive=False
             )
+        with gr.Tab("Benchmarks"):  # the forgetting report: `lora-lab eval RUN --tasks`
+            with gr.Row():
+                bench_tasks = gr.Textbox(
+                    label="lm-eval tasks (comma-separated; empty: the stored report)", elem_id="bench-tasks"
+                )
+                bench_folder = gr.Textbox(label="Folder of your own task files (optional)", elem_id="bench-folder")
+                bench_limit = gr.Number(label="examples per task (empty: all)", precision=0, elem_id="bench-limit")
+                bench = gr.Button("Score the base and the fine-tune", elem_id="bench-run")
+            bench_out = gr.Textbox(label="Forgetting report", lines=10, elem_id="bench-output", interactive=False)
 
         plan_inputs = [gpu_memory, longest, *form]
         for component in [gpu_memory, *form]:
@@ -365,4 +381,5 @@ def build_page(page: Page, safety_note: str):
         merge.click(page.merge, [run_dir], [export_out])
         export.click(page.export, [run_dir, export_choice], [export_out])
         check_forms.click(page.check_forms, [run_dir], [export_out])
+        bench.click(page.benchmarks, [run_dir, bench_tasks, bench_folder, bench_limit], [bench_out])
     return blocks

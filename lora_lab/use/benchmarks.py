@@ -6,6 +6,7 @@ from YAML files in --include-path folders (local data: `dataset_path: json`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -178,6 +179,18 @@ def scores_of(base: dict, tuned: dict) -> list[Score]:
 def _number(value) -> float | None:
     """A standard error as lm-eval gives it ("N/A" where it has none)."""
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def stored_report(run_dir: Path) -> dict | None:
+    """The run's benchmark_report.json as benchmark_run returned it (its lines rebuilt), or None
+    where the run has none."""
+    path = RunFolder(run_dir).benchmark_report
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    fields = {f.name for f in dataclasses.fields(Score)}
+    scores = [Score(**{k: v for k, v in s.items() if k in fields}) for s in report["scores"]]
+    return report | {"report_path": str(path), "lines": [s.line() for s in scores]}
 
 
 def report_lines(report: dict) -> list[str]:

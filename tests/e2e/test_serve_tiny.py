@@ -213,7 +213,7 @@ metric_list:
 """
 
 
-def test_eval_tasks_scores_the_base_and_the_fine_tune_with_lm_eval(trained, tmp_path):
+def test_eval_tasks_scores_the_base_and_the_fine_tune_with_lm_eval(trained, tiny_model_dir, tmp_path):
     """A local lm-eval task (the answer the run trained, matched exactly in a greedy answer that
     stops at the end of the turn): the base never gives it, the fine-tune always does, and the
     report holds both with their change."""
@@ -232,6 +232,20 @@ def test_eval_tasks_scores_the_base_and_the_fine_tune_with_lm_eval(trained, tmp_
     assert report["settings"]["chat_template"] is True and report["lm_eval"].startswith("0.4.")
     table = result.output[result.output.index("task ") :].splitlines()
     assert table[1].split() == ["who_are_you", "exact_match", "0.000", "±0.000", "1.000", "±0.000", "+1.000"]
+
+    # the web page's Benchmarks tab: the stored report, a new scoring of one example, and a task
+    # folder outside the page's allowed folders refused
+    from lora_lab.ui.form import AllowedFolders
+    from lora_lab.ui.page import Page
+
+    page = Page(AllowedFolders([run_dir.parent, tiny_model_dir, tmp_path]), None)
+    stored = page.benchmarks(str(run_dir), "", "", None).splitlines()
+    assert stored[1].split() == table[1].split() and stored[-1] == f"report: {run_dir / 'benchmark_report.json'}"
+    again = page.benchmarks(str(run_dir), "who_are_you", str(tmp_path / "tasks"), 1).splitlines()
+    assert again[1].split()[-1] == "+1.000", again
+    assert json.loads((run_dir / "benchmark_report.json").read_text())["settings"]["limit"] == 1
+    outside = page.benchmarks(str(run_dir), "who_are_you", "/etc", None)
+    assert outside.startswith("error: task folder: /etc is outside the folders this page may use"), outside
 
 
 def test_eval_tasks_refuses_an_unknown_task_in_one_line(trained):

@@ -482,7 +482,7 @@ def context_table_cells(tiers=("16gb", "24gb", "12gb", "8gb")) -> list:
                     cell.update(preset=preset, sets=CONTEXT_SETS)
                 cells.append(cell)
     # the long-row attention kernel (models/attention.long_row): cuDNN against flash, uncapped
-    for kernel, cudnn in (("cudnn", "auto"), ("flash", "false")):
+    for kernel, cudnn in (("cudnn", "true"), ("flash", "auto")):
         cells.append(
             {
                 "kind": "lora-lab",

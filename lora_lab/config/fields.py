@@ -111,10 +111,9 @@ class ModelArgs:
         "sdpa's cuDNN attention kernel. auto: for packed rows whose samples all have "
         "one length (data.packed_attention=varlen), as one batch, for at most 8 shapes a "
         "process: cuDNN builds a plan (up to seconds) for every new shape, and rows of "
-        "short samples of varying length bring a new one at almost every step; and for "
-        "unpacked rows of one sample of 16,384 tokens or more, whose grouped-query backward "
-        "it runs in less memory than flash attention. true: "
-        "also wherever sdpa picks it; false: never (docs/benchmarks.md has the "
+        "short samples of varying length bring a new one at almost every step. true: "
+        "also wherever sdpa picks it, and an unpacked row of one sample of 16,384 tokens or "
+        "more on cuDNN's grouped-query kernel (no repeated keys and values); false: never (docs/benchmarks.md has the "
         "measurements).",
         choices=("auto", True, False),
     )

@@ -183,9 +183,9 @@ def varlen_attention(
 
 LONG_ROW_TOKENS = 16384
 """An unpacked training row of one sample at least this long goes to cuDNN's kernel with
-model.cudnn_attention auto (long_row): its grouped-query backward holds fewer bytes a token than
-flash's, and a cuDNN plan for its shape is built once a step at most, next to a step's attention
-over this many tokens (docs/benchmarks.md has the measurements)."""
+model.cudnn_attention true (long_row): its grouped-query kernel reads k and v as they are, and a
+cuDNN plan for the row's shape is built once a step at most, next to a step's attention over
+this many tokens."""
 
 
 def long_row(query, key, attention_mask, kwargs) -> bool:
@@ -202,7 +202,7 @@ def long_row(query, key, attention_mask, kwargs) -> bool:
 
 
 LONG_ROWS = "lora_lab_sdpa_long_rows"
-"""The attention of unpacked training rows on CUDA (model.cudnn_attention not false): sdpa, with a
+"""The attention of unpacked training rows on CUDA with model.cudnn_attention true: sdpa, with a
 long row (long_row) on cuDNN's kernel."""
 
 

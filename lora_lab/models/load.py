@@ -248,15 +248,15 @@ class LoadOptions:
 
 def _attention_function(attention: str, packed: str | None, args: ModelArgs, options: LoadOptions) -> str:
     """The attention implementation from_pretrained gets: packed rows attend per sample
-    (models/attention.py); unpacked training rows on CUDA that may be long take sdpa with a long
-    row on cuDNN's kernel (model.cudnn_attention not false); else the family's own."""
+    (models/attention.py); with model.cudnn_attention true, unpacked training rows on CUDA that
+    may be long take sdpa with a long row on cuDNN's kernel; else the family's own."""
     import torch
 
     from .attention import LONG_ROW_TOKENS, register_long_rows_attention, register_packed_attention
 
     if packed:
         return register_packed_attention(packed, args.cudnn_attention is not False)
-    cudnn = args.cudnn_attention is not False and torch.cuda.is_available()
+    cudnn = args.cudnn_attention is True and torch.cuda.is_available()
     if attention == "sdpa" and options.for_training and cudnn and options.longest_row >= LONG_ROW_TOKENS:
         return register_long_rows_attention()
     return attention

@@ -91,7 +91,7 @@ def test_the_loss_gradient_is_scaled_on_the_device_as_liger_scales_it():
 
 
 def test_a_long_unpacked_row_attends_through_cudnn_as_sdpa_does():
-    """model.cudnn_attention auto: one unpacked causal sample of LONG_ROW_TOKENS goes to cuDNN's
+    """model.cudnn_attention true: one unpacked causal sample of LONG_ROW_TOKENS goes to cuDNN's
     kernel with grouped-query heads (no repeated k/v), and gives sdpa's output and gradients."""
     from types import SimpleNamespace
 

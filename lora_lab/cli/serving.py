@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
 from ..errors import LoraLabError
+from ..run_folder.names import EXPORT_PREFIX
 from .options import echo_lines, source_options
+
+CHECK_FLAG = "--no-check"
+CHECK_HELP = "Skip the check of the new copy against the trained model (lora-lab check)."
+FORCE_HELP = "Replace an existing --output folder, and exit 0 when the new copy fails its check."
 
 
 @click.command()
@@ -20,13 +26,18 @@ from .options import echo_lines, source_options
     help="Precision of the merged weights (default: the run's training precision, "
     "fp32 for a CPU run; bf16 for an adapter folder without its run).",
 )
-@click.option("--force", is_flag=True, help="Replace an existing --output folder.")
+@click.option("--force", is_flag=True, help=FORCE_HELP)
 @click.option("--served-name", default="finetuned", show_default=True, help="Model name in the printed vLLM commands.")
-def merge(path, output, dtype, force, served_name):
-    """Merge a run's adapter into its base model (PATH: run folder or adapter folder)."""
+@click.option(CHECK_FLAG, is_flag=True, help=CHECK_HELP)
+def merge(path, output, dtype, force, served_name, no_check):
+    """Merge a run's adapter into its base model (PATH: run folder or adapter folder), then check
+    the merged copy against the trained model (as `lora-lab check`)."""
     from .. import merge_adapter
 
-    echo_lines(merge_adapter(path, output=output, dtype=dtype, force=force).lines(served_name))
+    result = merge_adapter(path, output=output, dtype=dtype, force=force)
+    echo_lines(result.lines(served_name))
+    if not no_check:
+        check_new_copy(path, "merged", result.output_dir, force)
 
 
 @click.command()
@@ -65,10 +76,12 @@ def merge(path, output, dtype, force, served_name):
     type=click.Choice(["8gb", "12gb", "16gb", "24gb"]),
     help="Card to plan vLLM's --max-model-len, --max-num-seqs and memory share for.",
 )
-@click.option("--force", is_flag=True, help="Replace an existing --output folder.")
-def export(path, fmt, quantize, calib_data, calib_samples, output, gpu_tier, force):
+@click.option("--force", is_flag=True, help=FORCE_HELP)
+@click.option(CHECK_FLAG, is_flag=True, help=CHECK_HELP)
+def export(path, fmt, quantize, calib_data, calib_samples, output, gpu_tier, force, no_check):
     """Export a merged folder or a run (merged onto its 16-bit base first) for serving: 4-bit
-    safetensors for vLLM, or GGUF for llama.cpp and Ollama."""
+    safetensors for vLLM, or GGUF for llama.cpp and Ollama; then check the copy against the
+    trained model (as `lora-lab check`)."""
     from .. import export_model
 
     result = export_model(
@@ -82,6 +95,26 @@ def export(path, fmt, quantize, calib_data, calib_samples, output, gpu_tier, for
         force=force,
     )
     echo_lines(result.lines())
+    if not no_check:
+        copy = getattr(result, "gguf_file", None) or result.output_dir
+        check_new_copy(path, Path(result.output_dir).name.removeprefix(EXPORT_PREFIX), Path(copy), force)
+
+
+def check_new_copy(path, name: str, copy: Path, force: bool) -> None:
+    """The new copy of a trained run against the trained model (use/parity.check_copy): its line
+    and the verdict; a copy that fails exits non-zero unless --force. A copy of no run with an
+    adapter (an adapter folder alone, a full fine-tune) has nothing to be checked against."""
+    from ..run_folder import RunFolder, owning_run_dir
+    from ..use.parity import check_copy
+
+    run_dir = owning_run_dir(Path(path).resolve())
+    if run_dir is None or not RunFolder(run_dir).adapter.is_dir():
+        click.echo("check: skipped (no trained run with an adapter to compare the copy with)")
+        return
+    report = check_copy(run_dir, name, copy)
+    click.echo("\n".join(["", "check against the trained model:", *report["lines"], report["verdict"]]))
+    if report["failed"] and not force:
+        raise click.ClickException(f"{report['verdict']} The copy stays in {copy}; --force keeps exit status 0.")
 
 
 def _settings(max_new_tokens, temperature, top_p, top_k, repetition_penalty, greedy):

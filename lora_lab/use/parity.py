@@ -89,17 +89,30 @@ def forms_of(run_dir: Path) -> list[tuple[str, Path]]:
     return found
 
 
-def check_run(path: str | Path, prompts: list[str] | None = None, served: ServedForm | None = None) -> dict:
-    """Every form of the run against its trained model (and the server at `served`): the report,
-    also written to the run folder's parity_report.json (each form's `passed` says whether it
-    holds)."""
+def check_copy(run_dir: Path, name: str, path: Path) -> dict:
+    """One new copy of the run (a merge's or an export's output, wherever it was written) against
+    the trained model, as `lora-lab check` checks it; its entry replaces the same form's in
+    parity_report.json."""
+    return check_run(run_dir, forms=[(name, path)])
+
+
+def check_run(
+    path: str | Path,
+    prompts: list[str] | None = None,
+    served: ServedForm | None = None,
+    forms: list[tuple[str, Path]] | None = None,
+) -> dict:
+    """Every form of the run (or the `forms` given) against its trained model (and the server at
+    `served`): the report, also written to the run folder's parity_report.json (each form's
+    `passed` says whether it holds)."""
     from .checks import CHECK_PROMPTS
     from .infer import load_adapter_model
 
     adapter_dir, run_dir = find_adapter(path)
     if run_dir is None:
         raise LoraLabError(f"{path}: an adapter folder outside its run; pass the run folder.")
-    forms = forms_of(run_dir)
+    kept = _other_forms(run_dir, [name for name, _ in forms]) if forms is not None else []
+    forms = forms_of(run_dir) if forms is None else forms
     if not forms and served is None:
         raise LoraLabError(
             f"{run_dir}: no merged folder or export to check; make one with `lora-lab merge` or `lora-lab export`, "
@@ -112,10 +125,10 @@ def check_run(path: str | Path, prompts: list[str] | None = None, served: Served
     side = ServedSide(served, tokenizer, run_dir.name, ANSWER_TOKENS) if served is not None else None
     reference = trained_reference(model, tokenizer, questions)
     del model
-    checks = [check_form(name, form, tokenizer, questions, reference, _exact(run_dir, name)) for name, form in forms]
+    checks = [check_form(name, form, tokenizer, questions, reference, _exact(name, form)) for name, form in forms]
     if side is not None:
         checks.append(check_served(side, questions, reference))
-    report = {"run_dir": str(run_dir), "prompts": questions, "forms": [asdict(c) for c in checks]}
+    report = {"run_dir": str(run_dir), "prompts": questions, "forms": kept + [asdict(c) for c in checks]}
     target = RunFolder(run_dir).parity_report
     target.write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     report["report_path"] = str(target)
@@ -130,12 +143,24 @@ def check_run(path: str | Path, prompts: list[str] | None = None, served: Served
     return report
 
 
-def _exact(run_dir: Path, name: str) -> bool:
-    """The merged folder of a run that trained and merged in fp32 must answer exactly."""
-    if name != "merged":
-        return False
-    saved = RunFolder(run_dir).merged / MERGE_REPORT
-    return saved.is_file() and json.loads(saved.read_text()).get("dtype") == "fp32"
+def _other_forms(run_dir: Path, names: list[str]) -> list[dict]:
+    """The entries of the run's parity_report.json for forms other than `names` (checked on the
+    same prompts), which a check of those forms keeps."""
+    path = RunFolder(run_dir).parity_report
+    if not path.is_file():
+        return []
+    from .checks import CHECK_PROMPTS
+
+    saved = json.loads(path.read_text())
+    if saved.get("prompts") != CHECK_PROMPTS:  # check_copy asks the default prompts
+        return []
+    return [entry for entry in saved.get("forms", []) if entry.get("form") not in names]
+
+
+def _exact(name: str, form: Path) -> bool:
+    """A merged folder of a run that trained and merged in fp32 must answer exactly."""
+    saved = form / MERGE_REPORT
+    return name == "merged" and saved.is_file() and json.loads(saved.read_text()).get("dtype") == "fp32"
 
 
 def trained_reference(model, tokenizer, questions: list[str]) -> Reference:

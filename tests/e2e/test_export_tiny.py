@@ -102,8 +102,16 @@ def test_nf4_export_of_a_run_folder(trained, merged_fp32):
 
     run_dir, _ = trained
     result = invoke("export", run_dir, "--quantize", "nf4", "--gpu", "8gb")
-    assert result.exit_code == 0, result.output
+    # the copy is checked against the trained model at the end: 4 bits of a model this small do
+    # not keep its greedy answers, which is said, with a non-zero exit; the copy stays
     out = run_dir / "export-nf4"
+    assert result.exit_code == 1, result.output
+    said = result.output[result.output.index("check against the trained model:") :].splitlines()
+    assert said[1].startswith("nf4 ") and "FAILS: " in said[1] and "(quantized rule)" in said[1]
+    assert f"nf4 do(es) not answer as the trained model (parity_report.json says how). The copy stays in {out}" in (
+        result.output
+    )
+    assert json.loads((run_dir / "parity_report.json").read_text())["forms"][-1]["form"] == "nf4"
     assert {p.name for p in out.iterdir()} == FILES
     assert not [p for p in run_dir.iterdir() if p.name.endswith((".partial", ".merged-tmp"))]
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -140,7 +148,7 @@ def stage_lines(output: str) -> list[str]:
 
 def test_export_of_a_merged_folder_and_overwrite_rules(trained, merged_fp32):
     run_dir, _ = trained
-    result = invoke("export", merged_fp32, "--quantize", "nf4")
+    result = invoke("export", merged_fp32, "--quantize", "nf4", "--no-check")
     assert result.exit_code == 0, result.output
     out = run_dir / "merged-nf4"  # beside the merged folder
     report = json.loads((out / "export_report.json").read_text())
@@ -149,7 +157,7 @@ def test_export_of_a_merged_folder_and_overwrite_rules(trained, merged_fp32):
     assert "--gpu 8gb" in result.output and "--gpu 24gb" in result.output  # one line per tier
     again = CliRunner().invoke(main, ["export", str(merged_fp32), "--quantize", "nf4"])
     assert again.exit_code == 2 and "already exists. Pass --force" in again.output
-    forced = invoke("export", merged_fp32, "--quantize", "nf4", "--force")
+    forced = invoke("export", merged_fp32, "--quantize", "nf4", "--force", "--no-check")
     assert forced.exit_code == 0 and {p.name for p in out.iterdir()} == FILES
 
 
@@ -161,7 +169,7 @@ def test_calibrated_export_on_the_run_data(trained, merged_fp32, fmt, method):
     from lora_lab.use.vllm_rules import vllm_wna16_problems
 
     run_dir, data = trained
-    result = invoke("export", run_dir, "--quantize", fmt, "--calib-samples", 4, "--gpu", "24gb")
+    result = invoke("export", run_dir, "--quantize", fmt, "--calib-samples", 4, "--gpu", "24gb", "--no-check")
     assert result.exit_code == 0, result.output
     out = run_dir / f"export-{fmt}"
     assert {p.name for p in out.iterdir()} == FILES | {"recipe.yaml"}

@@ -126,7 +126,13 @@ def test_check_finds_every_form_that_answers_as_the_trained_model_and_the_one_th
     run_dir, _ = trained
     if not (run_dir / "export-gguf-f16" / "model.gguf").is_file():
         invoke("export", run_dir, "--format", "gguf")
-    invoke("merge", run_dir, "--dtype", "fp32", "--force")
+    merged = invoke("merge", run_dir, "--dtype", "fp32", "--force")  # checks its copy at the end
+    said = merged.output[merged.output.index("check against the trained model:") :].splitlines()
+    assert (
+        said[1].startswith("merged ")
+        and said[1].endswith(" ok")
+        and said[2] == "every copy answers as the trained model"
+    )
     broken = run_dir / "export-broken"
     shutil.copytree(run_dir / "merged", broken)
     config = json.loads((broken / "tokenizer_config.json").read_text())
@@ -136,6 +142,14 @@ def test_check_finds_every_form_that_answers_as_the_trained_model_and_the_one_th
         (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     else:
         (broken / "chat_template.jinja").write_text(template)
+    # a new copy that fails its check: named, non-zero unless --force
+    from click import ClickException
+
+    from lora_lab.cli.serving import check_new_copy
+
+    with pytest.raises(ClickException, match=r"broken do\(es\) not answer as the trained model"):
+        check_new_copy(run_dir, "broken", broken, force=False)
+    check_new_copy(run_dir, "broken", broken, force=True)
     result = CliRunner().invoke(main, ["check", str(run_dir)])
     assert result.exit_code == 1, result.output
     lines = {

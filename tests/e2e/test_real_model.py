@@ -78,7 +78,7 @@ def test_adapter_answers_with_the_new_identity(identity_run):
 def merged_dir(identity_run, tmp_path_factory):
     run_dir, _ = identity_run
     merged = tmp_path_factory.mktemp("merged") / "merged"
-    result = invoke("merge", run_dir, "--output", merged)
+    result = invoke("merge", run_dir, "--output", merged, "--no-check")  # the check: tiny runs
     assert "vllm serve" in result.output and "--max-lora-rank 8" in result.output
     return merged
 
@@ -125,7 +125,9 @@ def test_quantized_export_keeps_the_identity(merged_dir, tmp_path, fmt):
     if fmt in ("w4a16", "awq"):
         pytest.importorskip("llmcompressor", reason=f"{fmt} needs lora-lab[export]")
     out = tmp_path / fmt
-    result = invoke("export", merged_dir, "--quantize", fmt, "--calib-samples", 16, "--output", out, "--gpu", "8gb")
+    result = invoke(
+        "export", merged_dir, "--quantize", fmt, "--calib-samples", 16, "--output", out, "--gpu", "8gb", "--no-check"
+    )
     assert "vllm serve" in result.output and "--max-model-len" in result.output
     report = json.loads((out / "export_report.json").read_text())
     assert report["weights_bytes"] < 0.65 * report["source_weights_bytes"]
@@ -212,7 +214,7 @@ def test_gguf_export_answers_as_the_merged_model(merged_dir, merged_answers, tmp
     from tests.e2e.test_gguf_tiny import llama_cpp_answer
 
     out = tmp_path / quantize
-    invoke("export", merged_dir, "--format", "gguf", "--quantize", quantize, "--output", out)
+    invoke("export", merged_dir, "--format", "gguf", "--quantize", quantize, "--output", out, "--no-check")
     report = json.loads((out / "export_report.json").read_text())
     # the template's end of turn, and <|endoftext|> from Qwen2.5-Instruct's generation_config (kept by the merge)
     assert report["end_of_turn_tokens"] == ["<|im_end|>", "<|endoftext|>"] and report["top1_agreement"] >= 0.9

@@ -95,6 +95,7 @@ class RunFolder:
     step_log = property(lambda self: self._at(names.STEP_LOG), doc="logs/train_log.jsonl: one line per log event.")
     data_problems = property(lambda self: self._at(names.DATA_PROBLEMS), doc="logs/data_problems.jsonl.")
     console_log = property(lambda self: self._at(names.CONSOLE_LOG), doc="logs/console.log (a run started by the UI).")
+    serve_log = property(lambda self: self._at(names.SERVE_LOG), doc="logs/serve.log (a server the UI started).")
     stop_record = property(lambda self: self._at(names.STOP_FILE), doc="logs/stopped.json: a signal stopped the run.")
     plots = property(lambda self: self._at(names.PLOTS_FOLDER), doc="plots/: PNG plots of the step log.")
     launch = property(lambda self: self._at(names.LAUNCH_FOLDER), doc="launch/: how the worker processes started.")

@@ -8,6 +8,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..config import FLAG_FOR_KEY, PLANNED_MODEL, resolve_config
 from ..errors import LoraLabError
@@ -211,3 +212,73 @@ def check_run_forms(run_dir: Path) -> str:
 
     report = check_run(run_dir)
     return "\n".join([*report["lines"], f"report: {report['report_path']}", report["verdict"]])
+
+
+@dataclass
+class ServedRun:
+    """A `lora-lab serve RUN` process the page started, on 127.0.0.1 with its own API key."""
+
+    process: Any
+    run_dir: Path
+    address: str
+    key: str
+
+    def describe(self) -> str:
+        return "\n".join(
+            [
+                f"serving {self.run_dir.name} (and its base) at {self.address}, an OpenAI-compatible API on "
+                f"this machine only",
+                f"API key: {self.key}",
+                f'from Python: OpenAI(base_url="{self.address}", api_key="{self.key}")',
+                f"models: {self.run_dir.name} (the fine-tune) and the base's name (GET {self.address}/models)",
+            ]
+        )
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except Exception:
+            self.process.kill()
+
+
+def start_serving(run_dir: Path, port: int, wait_s: float = 180.0) -> ServedRun:
+    """`lora-lab serve RUN` (use/serve.py) in its own process on 127.0.0.1:`port` with a new random
+    API key (handed over in the environment, never on its command line), its output in
+    RUN/logs/serve.log; returns once the server answers, or says why it did not."""
+    import os
+    import secrets
+    import subprocess
+    import sys
+    import time
+
+    from ..run_folder import RunFolder
+
+    if not 1024 <= port <= 65535:
+        raise LoraLabError(f"port: {port} is not a port the page may use (1024-65535).")
+    key, log_path = secrets.token_urlsafe(24), RunFolder(run_dir).serve_log
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "lora_lab", "serve", str(run_dir), "--host", "127.0.0.1", "--port", str(port)]
+    with open(log_path, "wb") as out:
+        process = subprocess.Popen(command, env={**os.environ, "LORA_LAB_API_KEY": key}, stdout=out, stderr=out)
+    served = ServedRun(process, run_dir, f"http://127.0.0.1:{port}/v1", key)
+    deadline = time.monotonic() + wait_s
+    while process.poll() is None and time.monotonic() < deadline:
+        if _answers(served):
+            return served
+        time.sleep(0.5)
+    served.stop()
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+    raise LoraLabError(f"the server did not start ({log_path}): " + (" / ".join(tail) or "no output"))
+
+
+def _answers(served: ServedRun) -> bool:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{served.address}/models", headers={"Authorization": f"Bearer {served.key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False

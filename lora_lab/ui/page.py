@@ -61,6 +61,7 @@ class Page:
         self.allowed, self.gpu_memory_gib, self.max_runs = allowed, gpu_memory_gib, max_runs
         self.processes: dict[str, RunProcess] = {}
         self.chat = actions.ChatModels()
+        self.served: actions.ServedRun | None = None
         self._plotted: tuple | None = None
 
     # --------------------------------------------------------------- settings
@@ -227,6 +228,24 @@ class Page:
     def check_forms(self, run_dir):
         return self._use(actions.check_run_forms, run_dir)
 
+    def serve(self, run_dir, port):
+        """The chosen run behind an OpenAI-compatible API on 127.0.0.1 (one at a time)."""
+        self.stop_serving()
+        try:
+            self.served = actions.start_serving(self._selected(run_dir, saved=True), int(port or 8000))
+        except LoraLabError as exc:
+            return f"error: {exc}"
+        except ValueError:
+            return "error: port: not a number"
+        return self.served.describe()
+
+    def stop_serving(self):
+        if self.served is None:
+            return "nothing is being served"
+        self.served.stop()
+        name, self.served = self.served.run_dir.name, None
+        return f"stopped serving {name}"
+
     def benchmarks(self, run_dir, tasks, include, limit):
         try:
             folder = self.allowed.check(include, "task folder") if include and include.strip() else None
@@ -346,6 +365,12 @@ def build_page(page: Page, safety_note: str):
             export_out = gr.Textbox(
                 label="Result and serving commands", lines=14, elem_id="export-output", interactive=False
             )
+        with gr.Tab("Serve"):  # `lora-lab serve RUN` on 127.0.0.1, with a new API key
+            with gr.Row():
+                serve_port = gr.Number(value=8000, label="port (127.0.0.1)", precision=0, elem_id="serve-port")
+                serve = gr.Button("Serve the run (OpenAI-compatible API)", elem_id="serve")
+                unserve = gr.Button("Stop serving", elem_id="stop-serving")
+            serve_out = gr.Textbox(label="Address and key", lines=5, elem_id="serve-output", interactive=False)
         with gr.Tab("Benchmarks"):  # the forgetting report: `lora-lab eval RUN --tasks`
             with gr.Row():
                 bench_tasks = gr.Textbox(
@@ -381,5 +406,7 @@ def build_page(page: Page, safety_note: str):
         merge.click(page.merge, [run_dir], [export_out])
         export.click(page.export, [run_dir, export_choice], [export_out])
         check_forms.click(page.check_forms, [run_dir], [export_out])
+        serve.click(page.serve, [run_dir, serve_port], [serve_out])
+        unserve.click(page.stop_serving, None, [serve_out])
         bench.click(page.benchmarks, [run_dir, bench_tasks, bench_folder, bench_limit], [bench_out])
     return blocks

@@ -362,3 +362,35 @@ def test_check_takes_the_served_api_as_a_form_of_the_run(runs, server):
         page.shutdown()
     assert html.exit_code == 2 and "/models did not answer as an OpenAI-compatible API" in html.output
     assert "Traceback" not in html.output
+
+
+def test_the_page_serves_a_run_on_loopback_with_a_key_of_its_own(runs, tiny_model_dir, expected):
+    """The web page's Serve tab: `lora-lab serve RUN` in its own process on 127.0.0.1 with a new
+    API key; the openai client gets the run's trained answer with that key and is refused
+    without it; Stop serving ends the process."""
+    from lora_lab.ui.form import AllowedFolders
+    from lora_lab.ui.page import Page
+
+    run = runs["aurora"]
+    page = Page(AllowedFolders([run.parent, tiny_model_dir]), None)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    assert page.serve(str(run), 80) == "error: port: 80 is not a port the page may use (1024-65535)."
+    said = page.serve(str(run), port)
+    assert said.startswith(f"serving {run.name} (and its base) at http://127.0.0.1:{port}/v1"), said
+    key = said.split("API key: ")[1].splitlines()[0]
+    process = page.served.process
+    try:
+        address = f"http://127.0.0.1:{port}/v1"
+        client = openai.OpenAI(base_url=address, api_key=key, max_retries=0, timeout=60)
+        assert run.name in [m.id for m in client.models.list()]
+        reply = client.chat.completions.create(model=run.name, messages=QUESTION, temperature=0, max_tokens=8)
+        assert reply.choices[0].message.content == expected["aurora"][0] == "I am Aurora."
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=address, api_key="wrong", max_retries=0).models.list()
+        assert key not in " ".join(process.args)  # handed over in the environment, not on the command line
+    finally:
+        stopped = page.stop_serving()
+    assert stopped == f"stopped serving {run.name}" and process.poll() is not None and page.served is None

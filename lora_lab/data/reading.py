@@ -72,16 +72,18 @@ class NormalisedRows:
     """Rows that keep a {{NAME}} / {{AUTHOR}} placeholder."""
 
 
-def normalise_rows(raw_rows, fmt: str, entry=None, fill: dict | None = None) -> NormalisedRows:
+def normalise_rows(
+    raw_rows, fmt: str, entry=None, fill: dict | None = None, require_reply: bool = True
+) -> NormalisedRows:
     """(row, origin) pairs -> samples (placeholders filled from `fill`); a row that cannot be
-    used is a problem with its origin."""
+    used is a problem with its origin. require_reply=False: prompts (formats.normalise_row)."""
     out = NormalisedRows()
     for row, origin in raw_rows:
         for name in [] if entry else unknown_fields(row, fmt):
             seen = out.unused.setdefault(name, [origin, 0])
             seen[1] += 1
         try:
-            sample = normalise_row(entry.remap(row) if entry else row, fmt, origin)
+            sample = normalise_row(entry.remap(row) if entry else row, fmt, origin, require_reply)
         except DataError as exc:
             out.problems.append(Problem(origin, str(exc)))
             continue

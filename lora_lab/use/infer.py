@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ModelArgs
-from ..data.formats import normalise_row
-from ..data.reading import open_spec, parse_items
+from ..data.reading import normalise_rows, open_spec, parse_items
 from ..errors import DataError, LoraLabError
 from ..log import get_logger
 from ..models.load import LoadOptions, choose_precision, load_base_model, load_tokenizer
@@ -132,22 +131,18 @@ def read_prompts(path: str, row_format: str = "auto") -> list:
     """Prompts from any dataset format: (origin, prompt messages, reference reply or None)."""
     opened = open_spec(path)
     fmt, _ = opened.sft_format(row_format)
-    prompts, problems = [], []
-    for row, origin in parse_items(opened.path, opened.items):
-        try:
-            sample = normalise_row(opened.entry.remap(row) if opened.entry else row, fmt, origin, require_reply=False)
-        except DataError as exc:
-            problems.append(f"{origin}: {exc}")
-            continue
+    rows = normalise_rows(parse_items(opened.path, opened.items), fmt, opened.entry, require_reply=False)
+    if rows.problems:
+        shown = "\n  ".join(str(p) for p in rows.problems[:10])
+        raise DataError(
+            f"--input {path}: {len(rows.problems)} rows are not usable prompts (nothing was generated):\n  {shown}"
+        )
+    prompts = []
+    for sample in rows.samples:
         messages, reference = sample.messages, None
         if messages[-1]["role"] == "assistant":
             messages, reference = messages[:-1], messages[-1]["content"]
-        prompts.append((origin, messages, reference))
-    if problems:
-        shown = "\n  ".join(problems[:10])
-        raise DataError(
-            f"--input {path}: {len(problems)} rows are not usable prompts (nothing was generated):\n  {shown}"
-        )
+        prompts.append((sample.origin, messages, reference))
     return prompts
 
 

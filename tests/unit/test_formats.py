@@ -230,3 +230,29 @@ def test_validation_split_by_ratio_and_by_file(tmp_path, tokenizer):
     val = write_jsonl(tmp_path / "v.jsonl", rows[:3])
     prepared = prepare_data(DataArgs(datasets=[str(path)], val_data=[str(val)]), tokenizer)
     assert len(prepared.train.samples) == 20 and len(prepared.val.samples) == 3
+
+
+def test_inference_prompts_are_read_as_training_rows_are_and_bad_ones_named(tmp_path):
+    """lora-lab infer's prompts go through the training rows' reader (data.reading.normalise_rows,
+    a reply not required): a final reply is the reference, and unusable rows are named by
+    file:line before anything is generated."""
+    import json
+
+    import pytest
+
+    from lora_lab.errors import DataError
+    from lora_lab.use.infer import read_prompts
+
+    good = tmp_path / "p.jsonl"
+    rows = [{"query": "Hi"}, {"query": "2+2?", "response": "4"}]
+    good.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert read_prompts(str(good)) == [
+        (f"{good}:1", [{"role": "user", "content": "Hi"}], None),
+        (f"{good}:2", [{"role": "user", "content": "2+2?"}], "4"),
+    ]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"query": "Hi"}) + "\n" + json.dumps({"question": "Hi"}) + "\n")
+    with pytest.raises(
+        DataError, match=rf"--input {bad}: 1 rows are not usable prompts .*\n  {bad}:2: missing field `query`"
+    ):
+        read_prompts(str(bad))

@@ -123,6 +123,12 @@ def read_object_rows(opened, convert, fmt: str, seed: int) -> LoadedData:
     return loaded
 
 
+def is_pair_row(row: dict) -> bool:
+    """A preference pair: chosen and rejected (TRL), or ms-swift's messages ending with the chosen
+    reply beside `rejected_response`."""
+    return "rejected_response" in row or ("chosen" in row and "rejected" in row)
+
+
 def normalise_preference_row(row: dict, task: str, origin: str) -> PreferenceSample:
     """One raw row -> PreferenceSample; raises DataError naming the field at fault."""
     labelled = "label" in row or "kto_tag" in row
@@ -135,7 +141,7 @@ def normalise_preference_row(row: dict, task: str, origin: str) -> PreferenceSam
             )
         return _pair(row, origin)
     if not labelled:
-        if "chosen" in row and ("rejected" in row or "rejected_response" in row):
+        if is_pair_row(row):
             raise DataError(
                 "a preference pair (chosen / rejected); --task kto reads labelled "
                 "answers (`label` true/false). Train pairs with --task dpo."

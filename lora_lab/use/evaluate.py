@@ -171,6 +171,7 @@ def answer_logps(model, pairs: list, pad_id: int, batch_size: int = 8) -> list:
 
 def is_preference_data(specs: list) -> bool:
     """Whether the first dataset's rows are preference pairs (chosen / rejected)."""
+    from ..data.pairs import is_pair_row
     from ..data.reading import open_spec
 
     opened = open_spec(specs[0])
@@ -178,7 +179,7 @@ def is_preference_data(specs: list) -> bool:
         return bool(opened.entry.entry.get("ranking"))
     for row, _ in opened.head:  # up to the first object
         if isinstance(row, dict):
-            return "rejected_response" in row or ("chosen" in row and "rejected" in row)
+            return is_pair_row(row)
     return False
 
 

@@ -112,6 +112,14 @@ def two_nodes(setup, name, node_1_flags=(), node_1_env=None, extra=()) -> list:
     return results
 
 
+# Two nodes of two processes each train twice (minutes of 2 CPU cores): make test-slow
+# (LORA_LAB_SLOW=1). make test keeps the refusals below and tests/unit/test_nodes.py's launch plans.
+def slow_nodes(test):
+    """make test-slow's marks: slow, and skipped unless LORA_LAB_SLOW=1."""
+    skip = pytest.mark.skipif(not os.environ.get("LORA_LAB_SLOW"), reason="minutes of CPU; LORA_LAB_SLOW=1 runs it")
+    return pytest.mark.slow(skip(test))
+
+
 @pytest.fixture(scope="module")
 def runs(setup):
     nodes = two_nodes(setup, "two-nodes")
@@ -130,6 +138,7 @@ def runs(setup):
     return {"nodes": out / "two-nodes", "one": out / "one-node", "output": nodes}
 
 
+@slow_nodes
 def test_each_node_launched_its_two_processes_with_its_machine_rank(runs):
     for rank, (_, stdout, _) in enumerate(runs["output"]):
         assert f"launching 2 CPU processes (gloo) on node {rank} of 2 with engine ddp" in stdout
@@ -139,6 +148,7 @@ def test_each_node_launched_its_two_processes_with_its_machine_rank(runs):
         ) in stdout
 
 
+@slow_nodes
 def test_all_four_processes_trained_the_same_adapter(runs, setup):
     lines = [json.loads(line) for line in (setup["out"] / "weights.jsonl").open()]
     two_nodes = [line for line in lines if line["world_size"] == 4][:4]  # the first run's
@@ -146,10 +156,12 @@ def test_all_four_processes_trained_the_same_adapter(runs, setup):
     assert len({line["sha256"] for line in two_nodes}) == 1
 
 
+@slow_nodes
 def test_two_nodes_match_one_node_of_four_processes(runs):
     assert_same_training(runs["one"], runs["nodes"], [1, 2, 3, 4])
 
 
+@slow_nodes
 def test_only_global_rank_0_wrote_the_run_folder(runs, setup):
     run_dir = runs["nodes"]
     assert {p.name for p in run_dir.iterdir()} == {

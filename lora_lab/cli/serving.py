@@ -101,17 +101,18 @@ def export(path, fmt, quantize, calib_data, calib_samples, output, gpu_tier, for
 
 
 def check_new_copy(path, name: str, copy: Path, force: bool) -> None:
-    """The new copy of a trained run against the trained model (use/parity.check_copy): its line
-    and the verdict; a copy that fails exits non-zero unless --force. A copy of no run with an
-    adapter (an adapter folder alone, a full fine-tune) has nothing to be checked against."""
-    from ..run_folder import RunFolder, owning_run_dir
+    """The new copy against the model it was made from, the base with the adapter of `path`
+    (use/parity.check_copy): its line and the verdict; a copy that fails exits non-zero unless
+    --force. A copy of no adapter inside its run (an adapter folder alone, a full fine-tune) has
+    nothing to be checked against."""
+    from ..run_folder import RunFolder, source_adapter
     from ..use.parity import check_copy
 
-    run_dir = owning_run_dir(Path(path).resolve())
-    if run_dir is None or not RunFolder(run_dir).adapter.is_dir():
+    adapter = source_adapter(Path(path).resolve())
+    if adapter is None or not RunFolder(adapter.parent).is_run:
         click.echo("check: skipped (no trained run with an adapter to compare the copy with)")
         return
-    report = check_copy(run_dir, name, copy)
+    report = check_copy(adapter, name, copy)
     click.echo("\n".join(["", "check against the trained model:", *report["lines"], report["verdict"]]))
     if report["failed"] and not force:
         raise click.ClickException(f"{report['verdict']} The copy stays in {copy}; --force keeps exit status 0.")

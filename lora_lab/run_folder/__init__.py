@@ -342,6 +342,21 @@ def training_precision(run_dir: Path) -> str | None:
     return None if dtype == "auto" else dtype
 
 
+def source_adapter(path: Path) -> Path | None:
+    """The adapter a merge or export of `path` is made from: a merged folder's recorded one
+    (merge_report.json), else the one find_adapter takes for a run or adapter folder; None for a
+    full fine-tune, a plain model or a run without an adapter."""
+    report = path / names.MERGE_REPORT
+    if report.is_file():
+        return Path(json.loads(report.read_text())["adapter_dir"])
+    if not (is_adapter_folder(path) or RunFolder(path).is_run) or full_model_of(path):
+        return None
+    try:
+        return find_adapter(path)[0]
+    except CheckpointError:
+        return None
+
+
 def owning_run_dir(path: Path) -> Path | None:
     """The run folder whose config.yaml (training data) belongs to `path`, if there is one."""
     for candidate in (path, path.parent):

@@ -89,11 +89,11 @@ def forms_of(run_dir: Path) -> list[tuple[str, Path]]:
     return found
 
 
-def check_copy(run_dir: Path, name: str, path: Path) -> dict:
-    """One new copy of the run (a merge's or an export's output, wherever it was written) against
-    the trained model, as `lora-lab check` checks it; its entry replaces the same form's in
-    parity_report.json."""
-    return check_run(run_dir, forms=[(name, path)])
+def check_copy(adapter_dir: Path, name: str, path: Path) -> dict:
+    """One new copy (a merge's or an export's output, wherever it was written) against the base
+    with the adapter it was made from (inside its run), as `lora-lab check` checks it; its entry
+    replaces the same form's in the run's parity_report.json."""
+    return check_run(adapter_dir, forms=[(name, path)])
 
 
 def check_run(
@@ -102,9 +102,9 @@ def check_run(
     served: ServedForm | None = None,
     forms: list[tuple[str, Path]] | None = None,
 ) -> dict:
-    """Every form of the run (or the `forms` given) against its trained model (and the server at
-    `served`): the report, also written to the run folder's parity_report.json (each form's
-    `passed` says whether it holds)."""
+    """Every form of the run (or the `forms` given) against its trained model, the base with the
+    adapter find_adapter takes for `path` (and the server at `served`): the report, also written
+    to the run folder's parity_report.json (each form's `passed` says whether it holds)."""
     from .checks import CHECK_PROMPTS
     from .infer import load_adapter_model
 
@@ -120,7 +120,7 @@ def check_run(
         )
     questions = prompts or CHECK_PROMPTS
     with quiet_library_progress():
-        model, tokenizer = load_adapter_model(run_dir)
+        model, tokenizer = load_adapter_model(adapter_dir)
     # the server is asked for its models first: one that cannot be reached stops the check early
     side = ServedSide(served, tokenizer, run_dir.name, ANSWER_TOKENS) if served is not None else None
     reference = trained_reference(model, tokenizer, questions)

@@ -133,6 +133,14 @@ def test_check_finds_every_form_that_answers_as_the_trained_model_and_the_one_th
         and said[1].endswith(" ok")
         and said[2] == "every copy answers as the trained model"
     )
+    # what a new copy is checked against: the adapter it was made from, a checkpoint's too
+    from lora_lab.run_folder import source_adapter
+
+    assert source_adapter(run_dir) == source_adapter(run_dir / "merged") == run_dir / "adapter"
+    shutil.copytree(run_dir / "adapter", run_dir / "checkpoint-7")
+    assert source_adapter(run_dir / "checkpoint-7") == run_dir / "checkpoint-7"
+    shutil.rmtree(run_dir / "checkpoint-7")
+    assert source_adapter(run_dir.parent) is None  # not a run, an adapter or a merged folder
     broken = run_dir / "export-broken"
     shutil.copytree(run_dir / "merged", broken)
     config = json.loads((broken / "tokenizer_config.json").read_text())

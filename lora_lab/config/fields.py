@@ -113,8 +113,8 @@ class ModelArgs:
         "process: cuDNN builds a plan (up to seconds) for every new shape, and rows of "
         "short samples of varying length bring a new one at almost every step. true: "
         "also wherever sdpa picks it, and an unpacked row of one sample of 16,384 tokens or "
-        "more on cuDNN's grouped-query kernel (no repeated keys and values); false: never (docs/benchmarks.md has the "
-        "measurements).",
+        "more on cuDNN's grouped-query kernel (no repeated keys and values); false: never "
+        "(docs/benchmarks.md has the measurements).",
         choices=("auto", True, False),
     )
 
@@ -291,8 +291,8 @@ class TrainArgs:
         "With gradient checkpointing, the last N decoder layers keep their activations on "
         "the GPU instead of being recomputed in the backward pass (LoRA on one GPU): each "
         "saves its recomputation (a third of its compute) for its activations' memory, which "
-        "the plan counts: for a card with room to spare. 0 recomputes every layer; auto: as many as the memory plan fits in 90% of "
-        "the GPU's usable memory (0 without a GPU).",
+        "the plan counts: for a card with room to spare. 0 recomputes every layer; auto: as "
+        "many as the memory plan fits in 90% of the GPU's usable memory (0 without a GPU).",
         minimum=0,
     )
     offload_copy_stream: bool = _f(

@@ -99,6 +99,12 @@ def flash_varlen():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
+def _kernel_dtype(module, query, dropout: float) -> torch.dtype | None:
+    """The 16-bit type a fused kernel (flash varlen, cuDNN) runs this attention in, or None where
+    it cannot: fp32 outside autocast, or attention dropout while training."""
+    return None if dropout and module.training else _flash_dtype(query)
+
+
 def _flash_dtype(query) -> torch.dtype | None:
     """The 16-bit type flash attention runs in here, or None (fp32 outside autocast)."""
     if query.dtype in (torch.bfloat16, torch.float16):
@@ -125,9 +131,8 @@ def varlen_attention(
     on_cudnn: a row whose samples all have one length goes to cuDNN's kernel as a
     batch (registered as CUDNN_VARLEN)."""
     found = flash_varlen()
-    dtype = _flash_dtype(query)
-    plain = dtype is not None and not (dropout and module.training)
-    if packed_lengths is None or packed_cu_seqlens is None or not query.is_cuda or found is None or not plain:
+    dtype = _kernel_dtype(module, query, dropout)
+    if packed_lengths is None or packed_cu_seqlens is None or not query.is_cuda or found is None or dtype is None:
         return segments_attention(
             module,
             query,
@@ -211,8 +216,8 @@ def sdpa_long_rows(module, query, key, value, attention_mask, dropout: float = 0
     to cuDNN's kernel with grouped-query heads."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    dtype = _flash_dtype(query)
-    if dtype is not None and not (dropout and module.training) and long_row(query, key, attention_mask, kwargs):
+    dtype = _kernel_dtype(module, query, dropout)
+    if dtype is not None and long_row(query, key, attention_mask, kwargs):
         out = cudnn_equal_lengths(query, key, value, [query.shape[2]], dtype, scaling)
         if out is not None:
             return out, None

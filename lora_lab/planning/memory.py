@@ -98,7 +98,8 @@ def choose_memory_means(
     gradient checkpointing (their nested backward is not seen by DDP or DeepSpeed); `true`
     elsewhere is refused by the config's validation.
 
-    MLP chunks cost a third pass through every MLP: with a GPU budget (GiB usable) they are used only when the plan without them does not fit it."""
+    MLP chunks cost a third pass through every MLP: with a GPU budget (GiB usable) they are used
+    only when the plan without them does not fit it."""
     t = config.train
     single = t.gpus == 1 and engine_of(t) == "ddp" and trains_adapter(t) and t.gradient_checkpointing
     row_tokens = row_tokens or config.data.max_length

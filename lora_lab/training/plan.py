@@ -295,7 +295,7 @@ def settle_trainable_tokens(config: RunConfig) -> RunConfig:
     """lora.trainable_tokens auto: on for LoRA and DoRA on a base checkpoint
     (registry.wants_trainable_tokens), off otherwise."""
     setting = config.lora.trainable_tokens
-    if setting is True or setting is False:
+    if isinstance(setting, bool):
         return config
     wanted = wants_trainable_tokens(setting, config.train.tuner, config.model.name)
     why = "a base checkpoint" if wanted else "not a LoRA or DoRA run of a base checkpoint"

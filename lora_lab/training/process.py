@@ -27,8 +27,7 @@ def run_settings(plan: RunPlan):
     with contextlib.ExitStack() as stack:
         stack.enter_context(restored_optimizer_hooks())
         stack.enter_context(run_device_settings(expandable, config.model.cudnn_attention))
-        # liger patches the modeling module of the model's family
-        stack.enter_context(restored_kernel_patches(plan.kernels, model_type if plan.kernels != "none" else None))
+        stack.enter_context(restored_kernel_patches(plan.kernels, model_type))
         stack.enter_context(torch_delta_rule_where_fla_refuses(model_type if fla_installed() else None))
         stack.enter_context(quiet_library_progress())
         yield

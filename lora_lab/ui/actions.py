@@ -235,10 +235,14 @@ class ServedRun:
         )
 
     def stop(self) -> None:
+        import atexit
+        import subprocess
+
+        atexit.unregister(self.stop)
         self.process.terminate()
         try:
             self.process.wait(30)
-        except Exception:
+        except subprocess.TimeoutExpired:
             self.process.kill()
 
 
@@ -246,6 +250,7 @@ def start_serving(run_dir: Path, port: int, wait_s: float = 180.0) -> ServedRun:
     """`lora-lab serve RUN` (use/serve.py) in its own process on 127.0.0.1:`port` with a new random
     API key (handed over in the environment, never on its command line), its output in
     RUN/logs/serve.log; returns once the server answers, or says why it did not."""
+    import atexit
     import os
     import secrets
     import subprocess
@@ -262,6 +267,7 @@ def start_serving(run_dir: Path, port: int, wait_s: float = 180.0) -> ServedRun:
     with open(log_path, "wb") as out:
         process = subprocess.Popen(command, env={**os.environ, "LORA_LAB_API_KEY": key}, stdout=out, stderr=out)
     served = ServedRun(process, run_dir, f"http://127.0.0.1:{port}/v1", key)
+    atexit.register(served.stop)  # the server ends with the page
     deadline = time.monotonic() + wait_s
     while process.poll() is None and time.monotonic() < deadline:
         if _answers(served):

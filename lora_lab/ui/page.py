@@ -382,10 +382,16 @@ def build_page(page: Page, safety_note: str):
             bench_out = gr.Textbox(label="Forgetting report", lines=10, elem_id="bench-output", interactive=False)
 
         plan_inputs = [gpu_memory, longest, *form]
-        for component in [gpu_memory, *form]:
-            component.change(
-                page.plan, plan_inputs, [verdict, plan_report], trigger_mode="always_last", show_progress="hidden"
-            )
+        # One listener for every field the plan reads: its calls run one at a time and the last
+        # one wins, so an answer to older settings never overwrites the answer to newer ones.
+        gr.on(
+            [component.change for component in [gpu_memory, *form]],
+            page.plan,
+            plan_inputs,
+            [verdict, plan_report],
+            trigger_mode="always_last",
+            show_progress="hidden",
+        )
         blocks.load(page.plan, plan_inputs, [verdict, plan_report])
         check.click(page.check_data, form, [problems, summary, stats, lengths, longest]).then(
             page.plan, plan_inputs, [verdict, plan_report]

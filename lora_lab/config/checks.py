@@ -113,17 +113,16 @@ def _converted_init_problems(config: RunConfig) -> list[tuple[str, str]]:
 
 
 def _expert_lora_problems(config: RunConfig) -> list[tuple[str, str]]:
-    """lora.experts (peft target_parameters on the fused experts) against the tuner, the base's
-    precision and the dropout."""
+    """lora.experts (peft target_parameters on the fused experts, 16-bit or 4-bit) against the
+    tuner and the dropout."""
     lora, tuner = config.lora, config.train.tuner
     problems = []
-    if lora.experts and (tuner != "lora" or config.model.quantization != "none"):
+    if lora.experts and tuner != "lora":
         problems.append(
             (
                 "lora.experts",
-                "LoRA on the fused experts trains 16-bit experts with --tuner lora only (peft target_parameters); "
-                "drop --quantization nf4 (the experts are then held in 16 bits) or drop lora.experts "
-                "(QLoRA then adapts attention and the shared experts).",
+                f"LoRA on the fused experts is peft's target_parameters, which --tuner {tuner} does not have: "
+                "pass --tuner lora, or drop lora.experts.",
             )
         )
     if lora.experts and lora.dropout:

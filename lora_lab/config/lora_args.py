@@ -21,7 +21,7 @@ class LoraArgs:
         False,
         "Mixture-of-experts models: LoRA on the fused experts too (each expert's gate/up and down "
         "projections, peft target_parameters), beside lora.target_modules; the routers stay "
-        "frozen. 16-bit experts (--quantization none) and --tuner lora only.",
+        "frozen. 16-bit or 4-bit experts (QLoRA); --tuner lora and --lora-dropout 0 only.",
     )
     trainable_tokens: str | bool = _f(
         "auto",

@@ -287,17 +287,22 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
     }
     if args.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(precision)
-    gpu = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else None
+    gpu = None if options.sharded else process_gpu()
     # QLoRA of a mixture of experts: loaded into CPU memory, its 16-bit experts (which
     # bitsandbytes leaves as they are) go to the GPU one tensor at a time, in 4 bits (models/moe.py)
     experts_in_4_bits = args.quantization == "nf4" and expert_count(model_config) > 0
-    if gpu and not options.sharded:
+    if gpu:
         kwargs["device_map"] = "cpu" if experts_in_4_bits else {"": gpu}
     elif args.quantization == "nf4":
         kwargs["device_map"] = "cpu"
     model = _from_pretrained(args.name, path, kwargs)
-    if experts_in_4_bits:
-        _experts_in_4_bits(model, None if options.sharded else gpu)
+    if experts_in_4_bits and options.for_training and gpu:
+        from .moe import keep_experts_on_cpu_moving
+
+        # the adapter is attached to the 16-bit experts first (models/moe.py adapted_experts_to)
+        keep_experts_on_cpu_moving(model, gpu)
+    elif experts_in_4_bits and not options.for_training:
+        _experts_in_4_bits(model, gpu)
     if packed:
         from .attention import skip_masks_of_packed_rows
 
@@ -344,6 +349,13 @@ def _from_pretrained(name: str, path: str, kwargs: dict):
             f"{str(exc).splitlines()[0][:200] if str(exc) else 'no detail'}); a file is cut short or its "
             f"config.json does not match its weights. Copy or download the model again."
         ) from None
+
+
+def process_gpu() -> str | None:
+    """This process's GPU (LOCAL_RANK's with several processes), None without CUDA."""
+    import torch
+
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else None
 
 
 def _experts_in_4_bits(model, gpu: str | None) -> None:

@@ -3,94 +3,171 @@
 Under transformers 5 each layer's experts are two fused 3D parameters, `gate_up_proj` and
 `down_proj` ([experts, out, in], or [experts, in, out] where the module is_transposed), which
 bitsandbytes' quantization of nn.Linear layers does not touch: a "QLoRA" of such a model would
-keep every expert in 16 bits. `quantize_experts` stores each of them as one bitsandbytes nf4
-tensor (double-quantized statistics, as QLoRA's linear layers). The experts module keeps its
-class and its transformers forward (grouped_mm: tokens sorted by expert once per layer, one
-grouped product per projection); reading `gate_up_proj` or `down_proj` de-quantizes that
-layer's tensor for the product at hand. Nothing else holds 16-bit experts: with gradient
+keep every expert in 16 bits. `quantize_experts` stores each of them as nf4 through bitsandbytes'
+parametrization of parameters (`bitsandbytes.nn.parametrize`, double-quantized statistics, as
+QLoRA's linear layers): the packed bytes are the parameter's `original`, and reading
+`gate_up_proj` or `down_proj` de-quantizes that layer's tensor (once per forward of the module).
+The experts module keeps its transformers forward (grouped_mm: tokens sorted by expert once per
+layer, one grouped product per projection). Nothing else holds 16-bit experts: with gradient
 checkpointing a layer's de-quantized experts live only while that layer computes (its forward,
 then its recomputation and backward). Biases (gpt-oss) stay as they are; the experts are frozen.
+
+LoRA on the experts (lora.experts, peft's target_parameters) is attached while they are still in
+16 bits, then they are quantized: peft's LoRA then reads the de-quantized tensor and adds its
+delta to it, and the adapter is laid out as one trained on 16-bit experts (models/lora.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..errors import ModelError
+
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 """The fused expert tensors of transformers 5's experts modules."""
-PACKED_SUFFIX = "_nf4"
-"""A quantized tensor's packed bytes are the module's buffer `<name>_nf4`."""
 
 
 def expert_modules(model) -> list[tuple[str, Any]]:
     """(name, module) of each experts module: one holding the fused 3D EXPERT_WEIGHTS, in 16
-    bits or quantized."""
+    bits or quantized (inside peft's wrappers too)."""
     return [(name, module) for name, module in model.named_modules() if _holds_experts(module)]
 
 
 def _holds_experts(module) -> bool:
     if not hasattr(module, "num_experts"):
         return False
-    for key in EXPERT_WEIGHTS:
-        weight = module._parameters.get(key)
-        if key + PACKED_SUFFIX not in module._buffers and getattr(weight, "ndim", 0) != 3:
-            return False
-    return True
+    return all(_packed(module, key) is not None or _plain(module, key) is not None for key in EXPERT_WEIGHTS)
 
 
-def _is_quantized(module) -> bool:
-    return all(key + PACKED_SUFFIX in module._buffers for key in EXPERT_WEIGHTS)
+def _plain(module, key: str):
+    """The 16-bit 3D expert tensor `key`, or None."""
+    weight = module._parameters.get(key)
+    return weight if getattr(weight, "ndim", 0) == 3 else None
 
 
-_DEQUANTIZING: dict[type, type] = {}
+def _packed(module, key: str):
+    """The nf4 bytes of expert tensor `key` (its parametrization's original), or None."""
+    from bitsandbytes.nn.parametrize import Bnb4bitParametrization
+
+    parametrizations = getattr(module, "parametrizations", {})
+    if key not in parametrizations or not isinstance(parametrizations[key][0], Bnb4bitParametrization):
+        return None
+    return parametrizations[key].original
 
 
-def _dequantizing_class(cls: type) -> type:
-    """`cls` with EXPERT_WEIGHTS read from their nf4 buffers (one class per experts class)."""
-    if cls not in _DEQUANTIZING:
-
-        def weight(name: str) -> property:
-            def read(self):
-                import bitsandbytes.functional as bnb
-
-                packed = self._buffers[name + PACKED_SUFFIX]
-                state = self.nf4_states[name]
-                if state.absmax.device != packed.device:
-                    state.to(packed.device)
-                return bnb.dequantize_4bit(packed, state)
-
-            return property(read, doc=f"{name}, de-quantized from its nf4 buffer for this product")
-
-        namespace = {key: weight(key) for key in EXPERT_WEIGHTS}
-        _DEQUANTIZING[cls] = type(f"Nf4{cls.__name__}", (cls,), namespace)
-    return _DEQUANTIZING[cls]
+def _state(module, key: str):
+    return module.parametrizations[key][0].quant_state
 
 
 def quantize_experts(model, device=None) -> int:
     """Store every experts module's fused weights as nf4 (on `device`, default where they are;
     one tensor in 16 bits at a time, so a model held on the CPU is quantized onto the GPU layer by
     layer). Returns the bytes the quantized experts take (packed weights and statistics)."""
-    import bitsandbytes.functional as bnb
     import torch
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
 
     total = 0
     for _, module in expert_modules(model):
-        if _is_quantized(module):
+        if _packed(module, EXPERT_WEIGHTS[0]) is not None:
             continue
-        states = {}
         for key in EXPERT_WEIGHTS:
-            weight = module._parameters.pop(key)
-            data = weight.data.to(device) if device is not None else weight.data
-            packed, state = bnb.quantize_4bit(data, quant_type="nf4", compress_statistics=True)
-            del weight, data
-            module.register_buffer(key + PACKED_SUFFIX, packed)
-            states[key] = state
-            total += packed.numel() * packed.element_size() + _state_bytes(state)
-        module.nf4_states = states
-        module.__class__ = _dequantizing_class(type(module))
+            weight = module._parameters[key]
+            if device is not None:
+                module._parameters[key] = torch.nn.Parameter(weight.data.to(device), requires_grad=False)
+            del weight
+            replace_parameter_4bit(module, key, compress_statistics=True, quant_type="nf4")
+            packed = _packed(module, key)
+            total += packed.numel() * packed.element_size() + _state_bytes(_state(module, key))
+        module.register_forward_pre_hook(_states_follow_the_bytes)
     if device is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return total
+
+
+def keep_experts_on_cpu_moving(model, device) -> None:
+    """Move the model to `device`, all but its 16-bit expert tensors, which stay in CPU memory
+    until quantize_experts takes them there in 4 bits."""
+    held = [
+        (module, {key: module._parameters.pop(key) for key in EXPERT_WEIGHTS}) for _, module in expert_modules(model)
+    ]
+    model.to(device)
+    for module, weights in held:
+        module._parameters.update(weights)
+
+
+def adapted_experts_to(model, device) -> int:
+    """QLoRA of a mixture of experts in training, once the adapter is attached to its 16-bit
+    experts (still in CPU memory when `device` is a GPU): the experts go to `device` in 4 bits
+    (quantize_experts) and their LoRA factors with them. Returns the quantized bytes.
+
+    peft's wrappers of the expert tensors (lora.experts) then run through `_with_expert_deltas`:
+    peft 0.21 adds each wrapper's delta as a parametrization nested inside the one before, which
+    on a parameter that is already parametrized (the nf4 de-quantization) reads the inner tensor
+    while the outer one's cache is on and keeps it without its delta, and leaves a single
+    adapter's delta in place after the forward."""
+    from types import MethodType
+
+    from peft.tuners.lora import ParamWrapper
+
+    held = quantize_experts(model, device)
+    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
+    inner = {id(w.base_layer) for w in wrappers}
+    for wrapper in wrappers:
+        wrapper.get_param = MethodType(_described_param, wrapper)
+        if id(wrapper) not in inner:  # the outermost of a module's nested wrappers
+            wrapper.forward = MethodType(_with_expert_deltas, wrapper)
+        if device is not None:
+            wrapper.lora_A.to(device)
+            wrapper.lora_B.to(device)
+    return held
+
+
+def _described_param(wrapper):
+    """ParamWrapper.get_param for a parameter held in nf4: a tensor of its shape and dtype with no
+    storage (peft reads only those from it to lay out its delta), not a de-quantized copy."""
+    import torch
+
+    state = wrapper.get_base_layer().parametrizations[wrapper.parameter_name][0].quant_state
+    return torch.empty(state.shape, dtype=state.dtype, device="meta")
+
+
+def _with_expert_deltas(outer, x, *args, **kwargs):
+    """The experts module's forward with every nested wrapper's LoRA delta on its 4-bit tensor:
+    each de-quantized tensor plus scaling * lhs @ rhs (peft's own factors and fold), the module
+    computed once with them, then the deltas taken off. With the adapters disabled (a preference
+    task's reference) the module computes without them."""
+    from peft.tuners.lora import ParamWrapper
+    from peft.tuners.lora.layer import _LoraFactorsProxy
+    from torch.nn.utils import parametrize
+
+    base = outer.get_base_layer()
+    if outer.disable_adapters:
+        return base(x, *args, **kwargs)
+    added, wrapper = [], outer
+    while isinstance(wrapper, ParamWrapper):
+        active = [name for name in wrapper.active_adapters if name in wrapper.lora_A]
+        if len(active) > 1:
+            raise ModelError("LoRA on 4-bit experts takes one active adapter at a time")
+        if active:
+            proxy = _LoraFactorsProxy(*wrapper.get_delta_factors(active[0]))
+            parametrize.register_parametrization(base, wrapper.parameter_name, proxy, unsafe=True)
+            added.append(wrapper.parameter_name)
+        wrapper = wrapper.base_layer
+    try:
+        with parametrize.cached():
+            return base(x, *args, **kwargs)
+    finally:
+        for name in added:
+            del base.parametrizations[name][-1]
+
+
+def _states_follow_the_bytes(module, _inputs) -> None:
+    """A module moved after quantizing (an engine placing it) carries its packed bytes, which are
+    parameters; the statistics beside them are not, and follow here."""
+    for key in EXPERT_WEIGHTS:
+        state, packed = _state(module, key), _packed(module, key)
+        if state.absmax.device != packed.device:
+            state.to(packed.device)
 
 
 def _state_bytes(state) -> int:
@@ -105,9 +182,9 @@ def expert_bytes(model) -> dict[str, int]:
     held = {"16-bit": 0, "nf4": 0}
     for _, module in expert_modules(model):
         for key in EXPERT_WEIGHTS:
-            packed = module._buffers.get(key + PACKED_SUFFIX)
+            packed = _packed(module, key)
             if packed is not None:
-                held["nf4"] += packed.numel() * packed.element_size() + _state_bytes(module.nf4_states[key])
+                held["nf4"] += packed.numel() * packed.element_size() + _state_bytes(_state(module, key))
             else:
                 weight = module._parameters[key]
                 held["16-bit"] += weight.numel() * weight.element_size()

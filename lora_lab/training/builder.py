@@ -13,7 +13,7 @@ from ..data.collate import PACKED_FIELDS, PackedCollator, PadCollator, Supervise
 from ..data.packing import PackedData
 from ..log import get_logger
 from ..models.fast_lora import FastLoraOptions
-from ..models.load import LoadOptions, Precision, load_base_model
+from ..models.load import LoadOptions, Precision, load_base_model, process_gpu
 from ..models.lora import (
     LoraOptions,
     apply_lora,
@@ -22,6 +22,7 @@ from ..models.lora import (
     save_initial_adapter,
     template_token_ids,
 )
+from ..models.moe import adapted_experts_to
 from ..paths import staged_folder
 from ..registry import family_of, missing_fast_paths, wants_trainable_tokens
 from ..run_folder.names import INITIAL_ADAPTER_FOLDER
@@ -133,6 +134,8 @@ def apply_tuner(plan: RunPlan, model, precision: Precision, tokens, should_save:
         adapter_dir=plan.from_run_adapter,
     )
     model = apply_lora(model, config.lora, building)
+    if config.model.quantization == "nf4":  # a mixture of experts' experts, adapter attached: to 4 bits
+        adapted_experts_to(model, None if plan.engine in SHARDED_ENGINES else process_gpu())
     initial = plan.folder / INITIAL_ADAPTER_FOLDER
     if converts_initial_adapter(config.lora) and not initial.is_dir() and should_save:
         with staged_folder(initial) as staging:

@@ -1,8 +1,9 @@
 """LoRA on the fused experts of a mixture-of-experts model (lora.experts: peft target_parameters):
 a tiny Qwen3-MoE and gpt-oss train their experts' adapters beside the attention's through
 `lora-lab run` on the CPU, the run says what it adapts, the saved adapter holds each expert
-tensor's LoRA factors under peft's names, loads with peft, and merges into the base exactly; 4-bit
-experts and dropout are refused with the fix."""
+tensor's LoRA factors under peft's names, loads with peft, and merges into the base exactly;
+with 4-bit experts (QLoRA) the adapter is laid out as on 16-bit ones; another tuner and dropout
+are refused with the fix."""
 
 from __future__ import annotations
 
@@ -30,14 +31,18 @@ def run(out, name: str, *more):
     return CliRunner().invoke(main, [str(a) for a in args + list(more)])
 
 
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b"])
-def test_lora_on_the_experts_trains_saves_loads_and_merges(name, tmp_path):
+@pytest.mark.parametrize(
+    "name, quantization", [("qwen3-30b-a3b", "none"), ("gpt-oss-20b", "none"), ("qwen3-30b-a3b", "nf4")]
+)
+def test_lora_on_the_experts_trains_saves_loads_and_merges(name, quantization, tmp_path):
+    """16-bit experts, and 4-bit ones (QLoRA): the adapter is laid out the same either way."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from lora_lab.use.merge import merge_adapter
 
-    result = run(tmp_path, name, "--set", "lora.experts=true", "--lora-dropout", 0)
+    more = ["--quantization", quantization, "--set", "lora.experts=true", "--lora-dropout", 0]
+    result = run(tmp_path, name, *more)
     assert result.exit_code == 0, result.output
     run_dir = tmp_path / "r"
     config = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())
@@ -89,14 +94,11 @@ def test_the_run_says_what_it_adapts(tmp_path):
 @pytest.mark.parametrize(
     "more, message",
     [
-        (
-            ["--quantization", "nf4", "--lora-dropout", 0],
-            "drop --quantization nf4 (the experts are then held in 16 bits)",
-        ),
+        (["--tuner", "dora", "--lora-dropout", 0], "which --tuner dora does not have: pass --tuner lora"),
         ([], "peft's LoRA on parameters takes no dropout: pass --lora-dropout 0 with lora.experts."),
     ],
 )
-def test_lora_on_4_bit_experts_or_with_dropout_is_refused_with_the_fix(tmp_path, more, message):
+def test_lora_on_the_experts_with_another_tuner_or_dropout_is_refused_with_the_fix(tmp_path, more, message):
     result = run(tmp_path, "qwen3-30b-a3b", "--set", "lora.experts=true", *more)
     assert result.exit_code != 0 and message in result.output, result.output
     assert "Traceback" not in result.output

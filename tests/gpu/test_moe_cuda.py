@@ -29,6 +29,15 @@ def test_4_bit_experts_compute_their_values_on_cuda(model_type):
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_lora_on_4_bit_experts_gets_the_gradients_of_the_plain_experts_on_cuda(model_type):
+    """lora.experts on QLoRA's 4-bit experts through transformers' grouped_mm on the GPU: the
+    gradients of LoRA on the same values held as plain tensors (tests/unit/test_moe.py)."""
+    from tests.unit.test_moe import assert_lora_gradients_equal
+
+    assert_lora_gradients_equal(model_type, experts=True, device="cuda")
+
+
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b"])
 def test_lora_lab_run_trains_a_moe_qlora_on_the_gpu(name, tmp_path):
     from tests.e2e.test_tiny_moe import train_tiny_moe
@@ -45,6 +54,6 @@ def test_lora_lab_run_trains_a_moe_qlora_on_the_gpu(name, tmp_path):
     args = ModelArgs(name=str(model_dir), quantization="nf4", attn_implementation="eager")
     loaded = load_base_model(args, choose_precision("bf16"), LoadOptions(for_training=False))
     assert expert_bytes(loaded)["16-bit"] == 0
-    assert {b.device.type for _, m in expert_modules(loaded) for b in m.buffers()} == {"cuda"}
+    assert {p.device.type for _, m in expert_modules(loaded) for p in m.parametrizations.parameters()} == {"cuda"}
     if name == "gpt-oss-20b":
         assert "attn_implementation: flex_attention" in (tmp_path / "r" / "config.yaml").read_text()

@@ -69,8 +69,8 @@ def test_the_experts_are_held_in_4_bits_and_compute_what_their_values_do(model_t
     reference = copy.deepcopy(model)
     held = quantize_experts(model)
     assert expert_bytes(model) == {"16-bit": 0, "nf4": held}
-    packed = sum(m._buffers[k + "_nf4"].numel() for _, m in expert_modules(model) for k in EXPERT_WEIGHTS)
-    assert packed == experts // 2  # two 4-bit values a byte
+    packed = [m.parametrizations[k].original for _, m in expert_modules(model) for k in EXPERT_WEIGHTS]
+    assert {p.dtype for p in packed} == {torch.uint8} and sum(p.numel() for p in packed) == experts // 2  # 2 a byte
     assert not [n for n, _ in model.named_parameters() if n.endswith(tuple(f"experts.{k}" for k in EXPERT_WEIGHTS))]
     assert quantize_experts(model) == 0  # quantized once
     reference = with_plain_experts(model, reference)
@@ -79,30 +79,53 @@ def test_the_experts_are_held_in_4_bits_and_compute_what_their_values_do(model_t
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "gemma4_text"])
-def test_lora_on_a_quantized_moe_gets_the_gradients_of_the_plain_one(model_type):
+@pytest.mark.parametrize(
+    "model_type, experts", [("qwen3_moe", False), ("gpt_oss", False), ("gemma4_text", False), ("qwen3_moe", True),
+                            ("gpt_oss", True), ("gemma4_text", True)]
+)  # fmt: skip
+def test_lora_on_a_quantized_moe_gets_the_gradients_of_the_plain_one(model_type, experts):
+    """As a training run builds it: the adapter attached to the 16-bit experts, then the experts
+    quantized (models/moe.py adapted_experts_to). LoRA on the attention, and with lora.experts on
+    every expert tensor too, gets exactly the gradients it gets on the de-quantized values held
+    as plain tensors, and the experts' adapters are laid out as on 16-bit experts."""
+    assert_lora_gradients_equal(model_type, experts, device=None)
+
+
+def assert_lora_gradients_equal(model_type: str, experts: bool, device: str | None) -> None:
     from peft import LoraConfig, get_peft_model
 
-    from lora_lab.models.lora import linear_module_names
+    from lora_lab.models.lora import expert_parameter_names, linear_module_names
+    from lora_lab.models.moe import adapted_experts_to
 
-    model = tiny_moe(model_type)
-    reference = copy.deepcopy(model)
-    quantize_experts(model)
-    reference = with_plain_experts(model, reference)
-    targets = linear_module_names(model)
     dense = ["down_proj", "gate_proj", "up_proj"] if model_type == "gemma4_text" else []  # the MLP beside
-    assert targets == sorted(["k_proj", "o_proj", "q_proj", "v_proj", *dense])  # no router, no fused experts
-    grads = []
-    for each in (model, reference):
+    grads, layouts = [], []
+    for quantized in (True, False):
+        model = tiny_moe(model_type)
+        targets = linear_module_names(model)
+        assert targets == sorted(["k_proj", "o_proj", "q_proj", "v_proj", *dense])  # no router, no fused experts
+        extra = {"target_parameters": expert_parameter_names(model), "lora_dropout": 0} if experts else {}
         torch.manual_seed(2)
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-        tuned = get_peft_model(each, config)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **extra)
+        tuned = get_peft_model(model, config)
+        if quantized:
+            adapted_experts_to(tuned, device)
+            assert expert_bytes(tuned)["16-bit"] == 0
+            plain = [getattr(m, k).clone() for _, m in expert_modules(tuned) for k in EXPERT_WEIGHTS]
+        else:  # the values the 4-bit experts hold, as plain tensors
+            for _, module in expert_modules(tuned):
+                for key in EXPERT_WEIGHTS:
+                    module._parameters[key] = torch.nn.Parameter(plain.pop(0), requires_grad=False)
+        tuned.to(device or "cpu")
         tuned.gradient_checkpointing_enable({"use_reentrant": False})
-        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1)).to(device or "cpu")
         tuned(input_ids=ids, labels=ids).loss.backward()
         grads.append({n: p.grad for n, p in tuned.named_parameters() if p.requires_grad})
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 2 * len(targets) * 2
+        layouts.append({n: tuple(p.shape) for n, p in tuned.named_parameters() if p.requires_grad})
+    assert layouts[0] == layouts[1]
+    wrapped = 2 * 2 * 2 if experts else 0  # two expert tensors a layer, lora_A and lora_B each
+    assert len(grads[0]) == 2 * len(targets) * 2 + wrapped
     for name in grads[0]:
+        assert grads[0][name].abs().max() > 0, name
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
 
 

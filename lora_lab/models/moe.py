@@ -113,9 +113,9 @@ def adapted_experts_to(model, device) -> int:
     wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
     inner = {id(w.base_layer) for w in wrappers}
     for wrapper in wrappers:
-        wrapper.get_param = MethodType(_described_param, wrapper)
+        wrapper.get_param = MethodType(_described_param, wrapper)  # type: ignore[method-assign]
         if id(wrapper) not in inner:  # the outermost of a module's nested wrappers
-            wrapper.forward = MethodType(_with_expert_deltas, wrapper)
+            wrapper.forward = MethodType(_with_expert_deltas, wrapper)  # type: ignore[method-assign]
         if device is not None:
             wrapper.lora_A.to(device)
             wrapper.lora_B.to(device)

@@ -60,6 +60,8 @@ OTHER_MODELS = {
     "qwen3.5-4b-base": ("Qwen/Qwen3.5-4B-Base", "qwen3.5-4b"),
     "qwen3.5-9b": ("Qwen/Qwen3.5-9B", "qwen3.5-9b"),
     "qwen3.5-9b-base": ("Qwen/Qwen3.5-9B-Base", "qwen3.5-9b"),
+    "qwen3.5-27b": ("Qwen/Qwen3.5-27B", "qwen3.5-27b"),
+    "qwen3.6-27b": ("Qwen/Qwen3.6-27B", "qwen3.6-27b"),
     "smollm3-3b": ("HuggingFaceTB/SmolLM3-3B", "smollm3-3b"),
     "smollm3-3b-base": ("HuggingFaceTB/SmolLM3-3B-Base", "smollm3-3b"),
     "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b"),

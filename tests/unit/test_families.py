@@ -149,7 +149,7 @@ def meta_model(config: dict):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
 
 
-NEW_FAMILIES = ["qwen3.5-0.8b", "qwen3.5-4b", "qwen3.5-9b", "smollm3-3b"]
+NEW_FAMILIES = ["qwen3.5-0.8b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.6-27b", "smollm3-3b"]
 
 
 @pytest.mark.parametrize("alias", NEW_FAMILIES)
@@ -224,6 +224,21 @@ def test_the_new_families_take_the_presets_of_their_size_and_are_planned(alias, 
     family = family_of(model_config_of(alias)["model_type"])
     assert plan.longest_max_length and family is not GENERIC
     assert family.liger == f"apply_liger_kernel_to_{'qwen3_5' if alias.startswith('qwen') else 'smollm3'}"
+
+
+@pytest.mark.parametrize("alias", ["qwen3.5-27b", "qwen3.6-27b"])
+def test_the_27b_dense_qwen_trains_in_4_bits_on_the_24gb_tier_and_is_refused_on_16gb(alias):
+    """26.9B parameters in the language model (the vision tower and the MTP layer are not
+    trained): QLoRA on a 24 GB card; a 16 GB card cannot hold its 4-bit weights and activations."""
+    from lora_lab.registry import size_class
+
+    assert size_class(alias) == ("large", "26.9B parameters")
+    flags = {"model.name": alias, "data.datasets": ["x"]}
+    plans = {
+        tier: plan_memory(resolve_config(tier, flags=flags), gpu_memory_gib=int(tier[:2])) for tier in ("24gb", "16gb")
+    }
+    assert plans["24gb"].fits and plans["24gb"].model == f"Qwen{alias[4:7]}-27B"
+    assert not plans["16gb"].fits
 
 
 MOE = ["qwen3-30b-a3b", "qwen3.5-35b-a3b", "gpt-oss-20b"]

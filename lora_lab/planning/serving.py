@@ -158,10 +158,14 @@ VLLM_UNSERVED_ADAPTERS = {
     "dora": 'vLLM does not serve DoRA adapters (its PEFTHelper refuses use_dora: "vLLM does not '
     'yet support DoRA"): serve the merged folder.',
     "ia3": "vLLM serves LoRA adapters only, not IA3: serve the merged folder.",
+    "experts": "the adapter also adapts the fused experts (lora.experts: peft target_parameters), which "
+    "vLLM's LoRA loading reads differently from release to release, and has dropped without a word "
+    "(vllm-project/vllm#41384): serve the merged folder, whose experts carry the delta.",
 }
-"""Adapter kinds (use.merge.adapter_kind_of) vLLM does not load with --enable-lora. rsLoRA
+"""Adapter kinds (use.merge.adapter_kind_of) vLLM is not handed with --enable-lora. rsLoRA
 (scaling alpha / sqrt(r), PEFTHelper) and PiSSA / OLoRA adapters converted to plain LoRA
-(adapter/ of a lora.init pissa or olora run) load as LoRA."""
+(adapter/ of a lora.init pissa or olora run) load as LoRA. A mixture of experts' adapter without
+lora.experts (attention, shared experts) is a plain LoRA, held to the family's vLLM modules."""
 
 
 def vllm_lora_rank(rank: int) -> int | None:

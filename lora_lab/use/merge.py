@@ -39,7 +39,7 @@ class MergeResult:
     dtype_source: str = "--dtype"
     """Why the merge ran in `dtype`: --dtype, the run's training precision, or the default."""
     adapter_kind: str = "lora"
-    """lora, dora or ia3, from adapter_config.json (adapter_kind_of): what vLLM can serve."""
+    """lora, dora, experts or ia3, from adapter_config.json (adapter_kind_of): what vLLM can serve."""
 
     def summary(self) -> str:
         """What was merged, and the check with the rule that applied in this precision."""
@@ -163,10 +163,13 @@ MIN_16BIT_TOP1_AGREEMENT = 0.95
 
 
 def adapter_kind_of(adapter_config: dict) -> str:
-    """lora, dora (a LoRA config with use_dora) or ia3, from an adapter_config.json."""
+    """lora, dora (a LoRA config with use_dora), experts (a LoRA on fused expert tensors too:
+    target_parameters) or ia3, from an adapter_config.json."""
     if adapter_config.get("peft_type") == "IA3":
         return "ia3"
-    return "dora" if adapter_config.get("use_dora") else "lora"
+    if adapter_config.get("use_dora"):
+        return "dora"
+    return "experts" if adapter_config.get("target_parameters") else "lora"
 
 
 def choose_merge_dtype(requested: str | None, run_dir: Path | None) -> tuple[str, str]:

@@ -39,6 +39,7 @@ def test_lora_on_the_experts_trains_saves_loads_and_merges(name, quantization, t
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from lora_lab.planning.serving import vllm_commands
     from lora_lab.use.merge import merge_adapter
 
     more = ["--quantization", quantization, "--set", "lora.experts=true", "--lora-dropout", 0]
@@ -73,7 +74,10 @@ def test_lora_on_the_experts_trains_saves_loads_and_merges(name, quantization, t
             run_dir / "adapter",
         )
         torch.testing.assert_close(tuned(input_ids=IDS).logits, expected, rtol=0, atol=0)
-    merged = merge_adapter(run_dir, output=tmp_path / "merged", dtype="fp32").output_dir
+    result = merge_adapter(run_dir, output=tmp_path / "merged", dtype="fp32")
+    merged = result.output_dir
+    hand_off = vllm_commands(result)  # vLLM is handed the merged folder only
+    assert set(hand_off["commands"]) == {"merged"} and "the fused experts" in hand_off["warnings"][0]
     with torch.no_grad():
         got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, **attention)(input_ids=IDS).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -287,6 +287,11 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
     }
     if args.quantization == "nf4":
         kwargs["quantization_config"] = nf4_config(precision)
+    mxfp4 = (model_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    if mxfp4:  # gpt-oss: read de-quantized (MXFP4 does not train); QLoRA quantizes it below
+        from transformers import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     gpu = None if options.sharded else process_gpu()
     # QLoRA of a mixture of experts: loaded into CPU memory, its 16-bit experts (which
     # bitsandbytes leaves as they are) go to the GPU one tensor at a time, in 4 bits (models/moe.py)
@@ -296,6 +301,10 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
     elif args.quantization == "nf4":
         kwargs["device_map"] = "cpu"
     model = _from_pretrained(args.name, path, kwargs)
+    if mxfp4 and args.quantization == "nf4":
+        from .moe import quantize_linear_layers
+
+        quantize_linear_layers(model, gpu)
     if experts_in_4_bits and options.for_training and gpu:
         from .moe import keep_experts_on_cpu_moving
 

@@ -64,24 +64,43 @@ def quantize_experts(model, device=None) -> int:
     one tensor in 16 bits at a time, so a model held on the CPU is quantized onto the GPU layer by
     layer). Returns the bytes the quantized experts take (packed weights and statistics)."""
     import torch
-    from bitsandbytes.nn.parametrize import replace_parameter_4bit
 
     total = 0
     for _, module in expert_modules(model):
-        if _packed(module, EXPERT_WEIGHTS[0]) is not None:
-            continue
-        for key in EXPERT_WEIGHTS:
-            weight = module._parameters[key]
-            if device is not None:
-                module._parameters[key] = torch.nn.Parameter(weight.data.to(device), requires_grad=False)
-            del weight
-            replace_parameter_4bit(module, key, compress_statistics=True, quant_type="nf4")
-            packed = _packed(module, key)
-            total += packed.numel() * packed.element_size() + _state_bytes(_state(module, key))
-        module.register_forward_pre_hook(_states_follow_the_bytes)
+        if _packed(module, EXPERT_WEIGHTS[0]) is None:
+            total += sum(_to_nf4(module, key, device) for key in EXPERT_WEIGHTS)
     if device is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
     return total
+
+
+def quantize_linear_layers(model, device=None) -> int:
+    """QLoRA of a checkpoint whose own quantization config was read de-quantized (gpt-oss's
+    MXFP4, which bitsandbytes' config cannot replace at load): every linear layer's weight but
+    the output head's, in nf4 the way the experts are (on `device`, a layer at a time). Returns
+    the bytes they take."""
+    import torch
+
+    head = model.get_output_embeddings()
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    return sum(_to_nf4(layer, "weight", device) for layer in layers if not _packed(layer, "weight"))
+
+
+def _to_nf4(module, key: str, device) -> int:
+    """Parameter `key` of `module` stored as bitsandbytes nf4 (double-quantized statistics) on
+    `device` (None: where it is); the bytes it then takes."""
+    import torch
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    weight = module._parameters[key]
+    if device is not None:
+        module._parameters[key] = torch.nn.Parameter(weight.data.to(device), requires_grad=False)
+    del weight
+    replace_parameter_4bit(module, key, compress_statistics=True, quant_type="nf4")
+    if not any(hook is _states_follow_the_bytes for hook in module._forward_pre_hooks.values()):
+        module.register_forward_pre_hook(_states_follow_the_bytes)
+    packed = _packed(module, key)
+    return packed.numel() * packed.element_size() + _state_bytes(_state(module, key))
 
 
 def keep_experts_on_cpu_moving(model, device) -> None:
@@ -164,10 +183,10 @@ def _with_expert_deltas(outer, x, *args, **kwargs):
 def _states_follow_the_bytes(module, _inputs) -> None:
     """A module moved after quantizing (an engine placing it) carries its packed bytes, which are
     parameters; the statistics beside them are not, and follow here."""
-    for key in EXPERT_WEIGHTS:
-        state, packed = _state(module, key), _packed(module, key)
-        if state.absmax.device != packed.device:
-            state.to(packed.device)
+    for key in module.parametrizations:
+        packed = _packed(module, key)
+        if packed is not None and _state(module, key).absmax.device != packed.device:
+            _state(module, key).to(packed.device)
 
 
 def _state_bytes(state) -> int:

@@ -285,33 +285,11 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
         "trust_remote_code": args.trust_remote_code,
         "attn_implementation": _attention_function(attention, packed, args, options),
     }
-    if args.quantization == "nf4":
-        kwargs["quantization_config"] = nf4_config(precision)
-    mxfp4 = (model_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
-    if mxfp4:  # gpt-oss: read de-quantized (MXFP4 does not train); QLoRA quantizes it below
-        from transformers import Mxfp4Config
-
-        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     gpu = None if options.sharded else process_gpu()
-    # QLoRA of a mixture of experts: loaded into CPU memory, its 16-bit experts (which
-    # bitsandbytes leaves as they are) go to the GPU one tensor at a time, in 4 bits (models/moe.py)
-    experts_in_4_bits = args.quantization == "nf4" and expert_count(model_config) > 0
-    if gpu:
-        kwargs["device_map"] = "cpu" if experts_in_4_bits else {"": gpu}
-    elif args.quantization == "nf4":
-        kwargs["device_map"] = "cpu"
+    kwargs.update(_placement(args, precision, model_config, gpu))
     model = _from_pretrained(args.name, path, kwargs)
-    if mxfp4 and args.quantization == "nf4":
-        from .moe import quantize_linear_layers
-
-        quantize_linear_layers(model, gpu)
-    if experts_in_4_bits and options.for_training and gpu:
-        from .moe import keep_experts_on_cpu_moving
-
-        # the adapter is attached to the 16-bit experts first (models/moe.py adapted_experts_to)
-        keep_experts_on_cpu_moving(model, gpu)
-    elif experts_in_4_bits and not options.for_training:
-        _experts_in_4_bits(model, gpu)
+    if args.quantization == "nf4":
+        _hold_in_4_bits(model, model_config, gpu, options.for_training)
     if packed:
         from .attention import skip_masks_of_packed_rows
 
@@ -329,6 +307,48 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
         keep_samples_apart(model)  # packed rows restart linear attention's state at each sample
         apply_kernels(model, options.kernels, options.fused_loss, args.native_rms_norm)
     return model
+
+
+def _is_mxfp4(model_config: dict) -> bool:
+    """A checkpoint published in MXFP4 under its own quantization config (gpt-oss)."""
+    return (model_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+
+def _placement(args: ModelArgs, precision: Precision, model_config: dict, gpu: str | None) -> dict:
+    """from_pretrained's quantization_config and device_map. An MXFP4 checkpoint is read
+    de-quantized (MXFP4 does not train, and transformers will not trade its config for
+    bitsandbytes'): QLoRA then holds it in 4 bits after loading (_hold_in_4_bits). A mixture of
+    experts' QLoRA loads into CPU memory: its 16-bit experts, which bitsandbytes leaves as they
+    are, go to the GPU a tensor at a time in 4 bits (models/moe.py)."""
+    kwargs: dict = {}
+    if _is_mxfp4(model_config):
+        from transformers.utils.quantization_config import Mxfp4Config
+
+        kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
+    elif args.quantization == "nf4":
+        kwargs["quantization_config"] = nf4_config(precision)
+    on_cpu = args.quantization == "nf4" and (expert_count(model_config) > 0 or gpu is None)
+    if gpu or on_cpu:
+        kwargs["device_map"] = "cpu" if on_cpu else {"": gpu}
+    return kwargs
+
+
+def _hold_in_4_bits(model, model_config: dict, gpu: str | None, for_training: bool) -> None:
+    """QLoRA's 4-bit weights beyond what bitsandbytes' config quantized at load: an MXFP4
+    checkpoint's linear layers (all but the head), and a mixture of experts' experts, which a
+    training run quantizes only once its adapter is attached (models/moe.py adapted_experts_to)."""
+    from .moe import keep_experts_on_cpu_moving, quantize_experts, quantize_linear_layers
+
+    if _is_mxfp4(model_config):
+        quantize_linear_layers(model, gpu)
+    if expert_count(model_config) == 0:
+        return
+    if for_training and gpu:
+        keep_experts_on_cpu_moving(model, gpu)
+    elif not for_training:
+        quantize_experts(model, gpu)
+        if gpu:
+            model.to(gpu)
 
 
 def _from_pretrained(name: str, path: str, kwargs: dict):
@@ -365,16 +385,6 @@ def process_gpu() -> str | None:
     import torch
 
     return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else None
-
-
-def _experts_in_4_bits(model, gpu: str | None) -> None:
-    """QLoRA of a mixture of experts loaded into CPU memory: its experts go to the GPU in 4 bits,
-    a tensor at a time (models/moe.py), then the rest of the model."""
-    from .moe import quantize_experts
-
-    quantize_experts(model, gpu)
-    if gpu:
-        model.to(gpu)
 
 
 def _weigh_load_balancing(model, weight: float) -> None:

@@ -80,7 +80,7 @@ def check_fits(
     if plan.fits:
         raise LoraLabError(
             f"--preset {config.preset}: {plan.model} at --max-length {config.data.max_length} needs about "
-            f"{plan.host_gib:.1f} GiB of host RAM ({plan.cpu_total_gib:.1f} GiB of it for {plan.means}); this "
+            f"{plan.host_peak_gib:.1f} GiB of host RAM ({_host_need(plan)}); this "
             f"machine has {cpu_memory_gib:.1f} GiB, of which a run plans on {plan.cpu_budget_gib:.1f}. Try "
             f"{' or '.join(plan.fixes)}; `lora-lab plan` shows the breakdown. --no-memory-check runs it anyway."
         )
@@ -98,3 +98,10 @@ def check_fits(
         f"{' or '.join(fixes) or 'a smaller model'}; `lora-lab plan` shows the breakdown. "
         f"--no-memory-check runs it anyway."
     )
+
+
+def _host_need(plan: MemoryPlan) -> str:
+    """What the host RAM of a plan is for, at its peak."""
+    if plan.loading_host_gib > plan.cpu_total_gib:
+        return f"{plan.loading_host_gib:.1f} GiB of 16-bit weights pass through it while the model loads"
+    return f"{plan.cpu_total_gib:.1f} GiB of it for {plan.means}"

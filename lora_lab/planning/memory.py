@@ -20,13 +20,14 @@ linear-attention and mixture-of-experts layers add their own terms (planning/sha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, engine_of, trains_adapter, world_size_of
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
 from .engines import engine_parts
 from .generation import generation_part
-from .memory_plan import CONTEXT_GIB, MemoryPlan, usable_host_gib
+from .memory_plan import CONTEXT_GIB, HOST_SHARE, MemoryPlan, usable_host_gib
 from .policies import resolve_fast_lora
 from .shape import ModelShape, layer_kind_parts
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
@@ -178,6 +179,7 @@ def plan_memory(
         if means.embedding_on_cpu:
             plan.cpu_parts_gib["input embedding table"] = shape.vocab * shape.hidden * 2 / GIB
         plan.cpu_budget_gib = usable_host_gib(cpu_memory_gib)
+        plan.loading_host_gib = loading_host_bytes(shape, config, model_config) / GIB
     else:
         plan.parts_gib, plan.cpu_parts_gib = _distributed_parts(shape, config, tokens)
         plan.counted = True
@@ -208,7 +210,13 @@ def _against_budget(
             if config.data.packing
             else f"--max-length {plan.longest_max_length}"
         )
-    if plan.cpu_fits is False and CHECKPOINTS_PART in plan.cpu_parts_gib:
+    loading = plan.loading_host_gib + plan.host_gib - plan.cpu_total_gib  # with the process
+    if plan.cpu_budget_gib is not None and loading > plan.cpu_budget_gib:
+        plan.fixes.append(
+            f"a machine with {math.ceil(loading / HOST_SHARE)} GiB of RAM or more (the 16-bit weights pass "
+            f"through CPU memory while the model loads)"
+        )
+    elif plan.cpu_fits is False and CHECKPOINTS_PART in plan.cpu_parts_gib:
         plan.fixes.append("--set train.offload_checkpoints=false (checkpoints on the GPU, not in RAM)")
     if config.model.quantization == "none" and config.train.tuner in ("lora", "dora"):
         plan.fixes.append("--quantization nf4 (QLoRA)")
@@ -222,14 +230,32 @@ def _against_budget(
         plan.room_for_layers = _room_for_layers(shape, config, tokens, means, budget)
 
 
+def loading_host_bytes(shape: ModelShape, config: RunConfig, model_config: dict) -> float:
+    """What QLoRA holds in CPU memory while it loads (models/load.py): an MXFP4 checkpoint read
+    de-quantized, every weight in 16 bits; a mixture of experts, its 16-bit experts beside the
+    rest (its linear layers quantized by bitsandbytes there). Elsewhere the weights load onto the
+    GPU: 0."""
+    if config.model.quantization != "nf4":
+        return 0
+    if (model_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        return shape.params * 2
+    experts = shape.layers * shape.layer_experts
+    if not experts:
+        return 0
+    return experts * 2 + (shape.linear_params - experts) * NF4_BYTES_PER_WEIGHT + shape.other_params * 2
+
+
 def _host_longest(config: RunConfig, plan: MemoryPlan) -> int:
     """The longest row whose offloaded checkpoints, with the rest of the host memory, fit the
     machine's RAM (cpu_budget_gib); a multiple of 256."""
     assert plan.cpu_budget_gib is not None
     checkpoints = plan.cpu_parts_gib.get(CHECKPOINTS_PART, 0.0)
     fixed = plan.host_gib - checkpoints
+    loading = plan.loading_host_gib + plan.host_gib - plan.cpu_total_gib  # with the process
+    if max(fixed, loading) > plan.cpu_budget_gib:  # at any length
+        return 0
     if not checkpoints:
-        return MAX_PLANNED_LENGTH if fixed <= plan.cpu_budget_gib else 0
+        return MAX_PLANNED_LENGTH
     per_row_token = checkpoints / plan.tokens_per_micro_batch * micro_batch_rows(config)  # linear in tokens
     return max(0, int((plan.cpu_budget_gib - fixed) / per_row_token) // 256 * 256)
 

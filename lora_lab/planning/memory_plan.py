@@ -50,6 +50,10 @@ class MemoryPlan:
     budget_gib: float | None = None
     cpu_budget_gib: float | None = None
     """The machine's RAM a one-GPU run may plan to use (usable_host_gib), when known."""
+    loading_host_gib: float = 0.0
+    """What passes through CPU memory while the model loads, before training holds its host
+    parts: QLoRA of a mixture of experts (its 16-bit experts) or of an MXFP4 checkpoint (the
+    whole model de-quantized); 0 where the weights load onto the GPU."""
     longest_max_length: int | None = None
     """The longest max_length (micro-batch 1) that fits the budget with these settings."""
     fixes: list = field(default_factory=list)
@@ -86,8 +90,13 @@ class MemoryPlan:
         return self.cpu_total_gib + FIT_PROCESS_HOST_GIB
 
     @property
+    def host_peak_gib(self) -> float:
+        """The host RAM of a one-GPU run at its highest: loading or training, with the process."""
+        return max(self.cpu_total_gib, self.loading_host_gib) + FIT_PROCESS_HOST_GIB
+
+    @property
     def cpu_fits(self) -> bool | None:
-        return None if self.cpu_budget_gib is None else self.host_gib <= self.cpu_budget_gib
+        return None if self.cpu_budget_gib is None else self.host_peak_gib <= self.cpu_budget_gib
 
     def room_hint(self) -> str:
         """The train.uncheckpointed_layers that room_for_layers allows, or "" for no room."""
@@ -125,10 +134,14 @@ class MemoryPlan:
             lines.append("  CPU memory for offload" + (" (a machine's processes together):" if self.gpus > 1 else ":"))
             lines += [f"    {name:<42} {gib:6.2f} GiB" for name, gib in self.cpu_parts_gib.items()]
             lines.append(f"    {'total':<42} {self.cpu_total_gib:6.2f} GiB")
+        if self.loading_host_gib:
+            lines.append(
+                f"  CPU memory while loading (weights before the GPU holds them in 4 bits): {self.loading_host_gib:.2f} GiB"
+            )
         if self.cpu_budget_gib is not None:
             verdict = "fits" if self.cpu_fits else "does NOT fit"
             lines.append(
-                f"  host RAM with the process (about {FIT_PROCESS_HOST_GIB} GiB): {self.host_gib:.2f} GiB, {verdict} "
+                f"  host RAM with the process (about {FIT_PROCESS_HOST_GIB} GiB): {self.host_peak_gib:.2f} GiB, {verdict} "
                 f"in {self.cpu_budget_gib:.1f} GiB ({HOST_SHARE:.0%} of the machine's RAM)"
             )
         if self.budget_gib is not None:

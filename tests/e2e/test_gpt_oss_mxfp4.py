@@ -78,15 +78,20 @@ def test_an_mxfp4_checkpoint_loads_for_qlora_with_every_linear_layer_and_expert_
         assert torch.equal(getattr(dict(quantized.named_modules())[name], key), round_trip), (name, key)
 
 
+def train_with_expert_lora(model, out, preset: str = "cpu", repeats: int = 4, steps: int = 3):
+    """`lora-lab run --quantization nf4 --set lora.experts=true` on `model` into out/r."""
+    data = write_jsonl(out / "rows.jsonl", ROWS)
+    args = ["run", "--preset", preset, "--model", model, "--data", f"{data}#{repeats}", "--max-steps", steps]
+    args += ["--lr", "1e-2", "--lora-rank", 4, "--max-length", 64, "--quantization", "nf4"]
+    args += ["--set", "lora.experts=true", "--lora-dropout", 0, "--output-dir", out, "--run-name", "r"]
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+
+
 def test_lora_lab_run_trains_gpt_oss_qlora_from_its_mxfp4_checkpoint(mxfp4_model, tmp_path):
     from peft import PeftModel
 
-    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
-    args = ["run", "--preset", "cpu", "--model", mxfp4_model, "--data", f"{data}#4", "--max-steps", 3, "--lr", "1e-2"]
-    args += ["--lora-rank", 4, "--max-length", 64, "--quantization", "nf4", "--set", "lora.experts=true"]
-    args += ["--lora-dropout", 0, "--output-dir", tmp_path, "--run-name", "r"]
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exit_code == 0, result.output
+    train_with_expert_lora(mxfp4_model, tmp_path)
     ids = torch.tensor([[151644, 872, 198, 15191, 525, 498, 30, 151645]])
     base = load(mxfp4_model, "none")
     with torch.no_grad():

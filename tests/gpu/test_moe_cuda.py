@@ -63,20 +63,9 @@ def test_gpt_oss_qlora_trains_from_its_mxfp4_checkpoint_on_the_gpu(tmp_path):
     """The published gpt-oss layout (experts in MXFP4 under its own quantization config), read
     de-quantized and held in nf4 on the GPU: linear layers at load, experts once their adapters
     are attached (lora.experts); flex_attention with the sinks; the loss stays finite."""
-    from click.testing import CliRunner
+    from tests.e2e.test_gpt_oss_mxfp4 import train_with_expert_lora, write_mxfp4_gpt_oss
 
-    from lora_lab.cli import main
-    from tests.e2e.test_gpt_oss_mxfp4 import write_mxfp4_gpt_oss
-    from tests.e2e.test_tiny_moe import ROWS
-    from tests.support.tiny import write_jsonl
-
-    model = write_mxfp4_gpt_oss(tmp_path / "model")
-    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
-    args = ["run", "--preset", "24gb", "--model", model, "--data", f"{data}#16", "--max-steps", 4, "--lr", "1e-2"]
-    args += ["--lora-rank", 4, "--max-length", 64, "--quantization", "nf4", "--set", "lora.experts=true"]
-    args += ["--lora-dropout", 0, "--output-dir", tmp_path, "--run-name", "r"]
-    result = CliRunner().invoke(main, [str(a) for a in args])
-    assert result.exit_code == 0, result.output
+    train_with_expert_lora(write_mxfp4_gpt_oss(tmp_path / "model"), tmp_path, "24gb", repeats=16, steps=4)
     lines = (tmp_path / "r" / "logs" / "train_log.jsonl").read_text().splitlines()
     losses = [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
     assert losses and all(loss == loss and loss < 20 for loss in losses), losses

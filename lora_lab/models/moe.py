@@ -13,8 +13,11 @@ checkpointing a layer's de-quantized experts live only while that layer computes
 then its recomputation and backward). Biases (gpt-oss) stay as they are; the experts are frozen.
 
 LoRA on the experts (lora.experts, peft's target_parameters) is attached while they are still in
-16 bits, then they are quantized: peft's LoRA then reads the de-quantized tensor and adds its
-delta to it, and the adapter is laid out as one trained on 16-bit experts (models/lora.py).
+16 bits, then they are quantized (adapted_experts_to): each forward adds the adapter's delta to
+the de-quantized tensor, and the adapter is laid out as one trained on 16-bit experts.
+
+gpt-oss's MXFP4 checkpoint, read de-quantized (models/load.py), has its linear layers held in
+nf4 the same way (quantize_linear_layers): bitsandbytes' config cannot replace its own at load.
 """
 
 from __future__ import annotations

@@ -190,7 +190,10 @@ def offload_layer_checkpoints(model, tokens: int = 0) -> int:
     slab = None
     if tokens and layers:
         hidden = model.config.get_text_config().hidden_size
-        slab = HostSlab(slab_bytes(len(layers), tokens * hidden * model.dtype.itemsize))
+        # a layer's input has the embedding's dtype (model.dtype is the first floating parameter's:
+        # peft's fp32 LoRA weights on a 16-bit or 4-bit base, which would double the block)
+        itemsize = model.get_input_embeddings().weight.dtype.itemsize
+        slab = HostSlab(slab_bytes(len(layers), tokens * hidden * itemsize))
     for layer in layers:
         layer._gradient_checkpointing_func = functools.partial(offloaded_checkpoint, slab=slab)
     return len(layers)

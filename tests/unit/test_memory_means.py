@@ -90,6 +90,29 @@ def test_offloaded_checkpoints_live_in_one_slab_of_the_planned_bytes_and_give_it
     assert slab.free_bytes == slab.nbytes  # every piece back after the backward pass
 
 
+def test_the_slab_of_a_4_bit_model_holds_16_bit_checkpoints():
+    """QLoRA of a model without biases (Llama) with its input embedding in CPU memory: the
+    first floating-point parameters are peft's fp32 LoRA weights, so model.dtype says fp32, but
+    the layers' inputs are bf16, and the slab holds bf16, the bytes the planner counts (a
+    65,536-token Llama-3.1-8B run once pinned twice them)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lora_lab.models.memory_means import offload_slab
+    from lora_lab.models.moe import quantize_linear_layers
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    quantize_linear_layers(model)  # 4-bit weights: no floating-point base weight in a layer
+    means = MemoryMeans(embedding_on_cpu=True, offload_checkpoints=True, checkpoint_tokens=256)
+    model = apply_lora(
+        model, LoraArgs(rank=4, alpha=8, dropout=0.0), LoraOptions(gradient_checkpointing=True, means=means)
+    )
+    assert model.dtype == torch.float32  # peft's LoRA weights come first
+    slab = offload_slab(next(m for m in model.modules() if offload_slab(m) is not None))
+    assert slab.nbytes == 2 * 256 * 64 * 2  # 2 layers x 256 tokens x hidden 64 x bf16, each a page
+
+
 def test_a_host_slab_that_cannot_be_pinned_is_dropped_and_serves_no_gpu_copy(monkeypatch):
     """GPU copies need pinned memory: where cudaHostRegister fails the block is freed at once
     (not held unused beside torch's pinned blocks) and every copy falls back."""

@@ -54,6 +54,7 @@ def ablation_sets(cell: dict) -> list[str]:
 def run_lora_lab(cell: dict) -> dict:
     from lora_lab import train
     from lora_lab.config import resolve_config
+    from lora_lab.models.attention import cudnn_shapes_taken
     from lora_lab.planning.memory import micro_batch_rows, plan_memory, row_length
     from lora_lab.training.plan import Target, plan_run
 
@@ -104,7 +105,8 @@ def run_lora_lab(cell: dict) -> dict:
         "tokens_per_s": tokens / performance["median_step_seconds"],
         "tokens_per_micro_batch": row_length(config) * micro_batch_rows(config),
         "planned_gib": plan.total_gib,
-        "planned_host_gib": plan.host_gib,
+        "planned_host_gib": plan.host_peak_gib,
+        "cudnn_shapes": [list(shape) for shape in cudnn_shapes_taken()],  # what cuDNN's kernel attended
         "resolved": resolved(config, summary),
     }
 

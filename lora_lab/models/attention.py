@@ -239,6 +239,14 @@ def register_long_rows_attention() -> str:
 _cudnn_shapes: dict[tuple, bool] = {}
 """A cache of this process: (samples, length, heads, kv heads, head dim) -> whether cuDNN took the
 shape (cudnn_equal_lengths)."""
+
+
+def cudnn_shapes_taken() -> list[tuple]:
+    """The shapes (samples, length, heads, kv heads, head dim) cuDNN's kernel attended in this
+    process (the equal-length rows of varlen, and the long unpacked rows of sdpa_long_rows)."""
+    return [shape for shape, taken in _cudnn_shapes.items() if taken]
+
+
 CUDNN_MAX_SHAPES = 8
 """cuDNN builds a plan for each new shape (up to seconds), so rows of ever new lengths stay on
 flash after this many shapes."""

@@ -106,7 +106,7 @@ def test_a_long_unpacked_row_attends_through_cudnn_as_sdpa_does():
     module = SimpleNamespace(training=True)
     attention._cudnn_shapes.clear()
     out, _ = attention.sdpa_long_rows(module, q, k, v, None, scaling=dim**-0.5)
-    assert attention._cudnn_shapes == {(1, tokens, heads, kv_heads, dim): True}  # cuDNN took it
+    assert attention.cudnn_shapes_taken() == [(1, tokens, heads, kv_heads, dim)]  # cuDNN took it
     out.float().square().sum().backward()
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):

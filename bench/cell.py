@@ -10,6 +10,7 @@ kind "baseline" runs the plain Trainer+PEFT recipe (bench/baseline.py); kinds "u
 from __future__ import annotations
 
 import json
+import math
 import sys
 import traceback
 from pathlib import Path
@@ -107,8 +108,23 @@ def run_lora_lab(cell: dict) -> dict:
         "planned_gib": plan.total_gib,
         "planned_host_gib": plan.host_peak_gib,
         "cudnn_shapes": [list(shape) for shape in cudnn_shapes_taken()],  # what cuDNN's kernel attended
+        "trainable_params": adapter_parameters(result.run_dir),
         "resolved": resolved(config, summary),
     }
+
+
+def adapter_parameters(run_dir: Path) -> int:
+    """The parameters of the run's final adapter (what LoRA trained, to set beside the peer's)."""
+    from safetensors import safe_open
+
+    from lora_lab.run_folder.names import ADAPTER_FOLDER, ADAPTER_WEIGHTS
+
+    count = 0
+    with safe_open(str(Path(run_dir) / ADAPTER_FOLDER / ADAPTER_WEIGHTS), framework="pt") as weights:
+        for name in weights.keys():  # noqa: SIM118 (safe_open is not iterable)
+            shape = weights.get_slice(name).get_shape()
+            count += math.prod(shape)
+    return count
 
 
 def resolved(config, summary: dict) -> dict:

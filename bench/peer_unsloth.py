@@ -138,6 +138,7 @@ def run_fixed(cell: dict, model_dir: str, data_path) -> dict:
         "first_step_seconds": [round(s, 3) for s in timer.step_seconds[:2]],
         "tokens_per_s": tokens / median,
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 4),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "batch": batch,
         "versions": versions(),
     }

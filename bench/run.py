@@ -512,7 +512,30 @@ def context_table_cells(tiers=("16gb", "24gb", "12gb", "8gb")) -> list:
     return cells
 
 
+# Issue 49: mixture of experts against Unsloth, QLoRA (nf4), rank 8, alpha 32, one 2048-token
+# sample a step, uncapped. The 16-bit random checkpoints of Qwen3-30B-A3B (61 GB) and gpt-oss-20b
+# (42 GB) do not fit the GPU machine's disk beside each other, so each keeps its first layers
+# (NAME@N); both toolkits train the same folder, and the planner plans that folder.
+MOE_MODELS = (("qwen3-30b-a3b", 16), ("gpt-oss-20b", 8))
+MOE_SETS = ["model.quantization=nf4", "lora.rank=8", "lora.alpha=32", "data.packing=false", "train.micro_batch_size=1"]
+
+
+def moe_cells(steps: int = 6) -> list:
+    cells = []
+    for name, layers in MOE_MODELS:
+        base = {"size": f"{name}@{layers}", "max_length": 2048, "steps": steps, "grad_accum": 1}
+        tag = f"moe-{name}-{layers}L"
+        cells += [
+            {"kind": "lora-lab", "label": f"ll-{tag}", "preset": "24gb", "sets": MOE_SETS, **base},
+            {"kind": "lora-lab", "label": f"ll-{tag}-experts", "preset": "24gb", **base}
+            | {"sets": [*MOE_SETS, "lora.experts=true"]},
+            {"kind": "unsloth", "label": f"us-{tag}", "qlora": True, **base},
+        ]
+    return cells
+
+
 PLANS = {
+    "moe": moe_cells,
     "peer": peer_cells,
     "long-context": long_context_cells,
     "context-table": context_table_cells,

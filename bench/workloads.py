@@ -64,7 +64,8 @@ by `python bench/workloads.py other-tokenizer` from the shipped GGUF (lora_lab/m
 def make_random_model(size: str, out: Path) -> Path:
     """Qwen2.5-`size` (0.5b ... 7b), or a model lora-lab ships the config of (qwen3-8b,
     llama-3.1-8b, gemma-3-4b, phi-4-mini ...: lora_lab/model_configs), with random bf16 weights,
-    saved with a real tokenizer (Qwen2.5's for Qwen families, else OTHER_TOKENIZER_DIR's)."""
+    saved with a real tokenizer (Qwen2.5's for Qwen families, else OTHER_TOKENIZER_DIR's).
+    `NAME@N` keeps the first N layers (a model too large for the GPU machine's disk in 16 bits)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -73,9 +74,15 @@ def make_random_model(size: str, out: Path) -> Path:
     out = Path(out)
     if (out / "config.json").is_file():
         return out
+    size, _, layers = size.partition("@")  # "qwen3-30b-a3b@16": its first 16 layers only
     qwen = size in ("0.5b", "1.5b", "3b", "7b")
     body = dict(known_model_config(size) if qwen else _shipped_config(size))
     body.pop("_name_or_path", None)
+    body.pop("quantization_config", None)  # random bf16 weights (gpt-oss is published in MXFP4)
+    if layers:
+        body["num_hidden_layers"] = int(layers)
+        if "layer_types" in body:
+            body["layer_types"] = body["layer_types"][: int(layers)]
     config = AutoConfig.for_model(
         **{
             k: v

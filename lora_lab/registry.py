@@ -56,6 +56,8 @@ OTHER_MODELS = {
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m"),
     "qwen3.5-0.8b": ("Qwen/Qwen3.5-0.8B", "qwen3.5-0.8b"),
     "qwen3.5-0.8b-base": ("Qwen/Qwen3.5-0.8B-Base", "qwen3.5-0.8b"),
+    "qwen3.5-2b": ("Qwen/Qwen3.5-2B", "qwen3.5-2b"),
+    "qwen3.5-2b-base": ("Qwen/Qwen3.5-2B-Base", "qwen3.5-2b"),
     "qwen3.5-4b": ("Qwen/Qwen3.5-4B", "qwen3.5-4b"),
     "qwen3.5-4b-base": ("Qwen/Qwen3.5-4B-Base", "qwen3.5-4b"),
     "qwen3.5-9b": ("Qwen/Qwen3.5-9B", "qwen3.5-9b"),

@@ -32,6 +32,8 @@ PUBLISHED_PARAMS = {
     "phi-4-mini": (3.84e9, 0.01),
     # llama.cpp's count of the Qwen3.5-9B GGUF (its language model: no vision tower, no MTP layer)
     "qwen3.5-9b": (8.95e9, 0.001),
+    # the language model of Qwen3.5-2B's 2,274,069,824 (vision tower 331,416,576, MTP 60,828,160)
+    "qwen3.5-2b": (1_881_825_088, 0),
     "smollm3-3b": (3.08e9, 0.01),
 }
 
@@ -150,7 +152,7 @@ def meta_model(config: dict):
         return AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **values))
 
 
-NEW_FAMILIES = ["qwen3.5-0.8b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.6-27b", "smollm3-3b"]
+NEW_FAMILIES = ["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b", "qwen3.5-27b", "qwen3.6-27b", "smollm3-3b"]
 
 
 @pytest.mark.parametrize("alias", NEW_FAMILIES)
@@ -196,6 +198,7 @@ def test_all_linear_layers_include_the_linear_attention_projections(config_name)
     "alias, size, tier_16gb, tier_8gb",
     [
         ("qwen3.5-0.8b", "0.5b", "none", "none"),
+        ("qwen3.5-2b", "1.5b", "none", "none"),
         ("qwen3.5-4b", "3b", "none", "nf4"),
         ("qwen3.5-9b", "7b", "nf4", "nf4"),
         ("smollm3-3b", "3b", "none", "nf4"),

@@ -39,7 +39,7 @@ from .readers import Problem
 from .reading import parse_spec
 from .stream import StreamedEncoding
 
-ENCODER_VERSION = 2
+ENCODER_VERSION = 3
 """Raised whenever encode.py, formats.py, readers.py or the Arrow columns change what a row
 encodes to."""
 META = "meta.json"

@@ -1,6 +1,7 @@
 """Encode conversations with the model's own chat template, and mark what the model learns.
 
-input_ids are exactly what `tokenizer.apply_chat_template(messages)` produces. Labels are -100
+input_ids are exactly what `tokenizer.apply_chat_template(messages)` produces (a template that
+prints today's date reads TEMPLATE_DAY: a sample encodes the same on every day). Labels are -100
 everywhere except on each assistant reply and the end-of-turn token that closes it, so the model
 learns what to say and when to stop. Spans are found by rendering each prefix of the conversation
 with the template and mapping character offsets to tokens, which works for any template whose
@@ -12,11 +13,13 @@ each such reply found in place, by rendering the conversation with that reply re
 marker. A reply is trained up to the end-of-turn token that closes it, not the newline after
 it. A reply with `loss: false` stays context only.
 
-Thinking templates (those that take `enable_thinking`, as Qwen3's does): a reply opening with the
-empty think block `<think>\n\n</think>\n\n` carries no loss on that block, so non-reasoning data
-does not teach the model to skip or never close its thinking; a reply with reasoning
-(`reasoning_content`, or a `<think>...</think>` block at the start of its content) keeps its think
-block trained. `enable_thinking` (the row's own field, else data.enable_thinking) picks the mode:
+Thinking templates (those that take `enable_thinking`, as Qwen3's and SmolLM3's do): a reply
+opening with the empty think block (`<think>\n\n</think>\n\n`, SmolLM3's one newline shorter)
+carries no loss on that block, so non-reasoning data does not teach the model to skip or never
+close its thinking; a reply with reasoning (`reasoning_content`, or a `<think>...</think>` block
+at the start of its content) keeps its think block trained. A template that never reads
+reasoning_content (SmolLM3's) gets it as a think block at the front of the content. An assistant
+tool call the template does not render is refused, never trained as an empty reply. `enable_thinking` (the row's own field, else data.enable_thinking) picks the mode:
 auto = thinking for rows with reasoning, false = non-thinking with every reasoning dropped,
 true = thinking for every row; it is passed to the template, so input_ids stay exactly what
 `apply_chat_template(messages, enable_thinking=...)` gives.
@@ -28,6 +31,7 @@ max_length tokens (the last may be shorter), loss on every token: nothing is cut
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 
 from ..errors import DataError
@@ -36,6 +40,8 @@ from .formats import Problem, Sample
 
 IGNORE_INDEX = -100
 EMPTY_THINK = "<think>\n\n</think>\n\n"
+EMPTY_THINKS = (EMPTY_THINK, "<think>\n\n</think>\n")
+"""The empty think blocks templates write: Qwen3's (and Qwen3.5's), SmolLM3's."""
 THINKING_MODES = ("auto", "true", "false")
 
 
@@ -70,7 +76,26 @@ class EncodeReport:
         )
 
 
+TEMPLATE_DAY = datetime.datetime(2026, 1, 1)
+"""The day a chat template's clock reads when training data is encoded. Templates that print
+today's date (Llama 3.x's "Today Date", SmolLM3's metadata block: transformers' strftime_now)
+would otherwise encode a sample differently on each day, so a run resumed after midnight would
+see its data change, the data cache would miss, and two nodes could disagree."""
+_DATE_DIRECTIVES = ("%d", "%B", "%b", "%Y", "%y", "%m", "%A", "%a", "%H", "%M", "%S", "%p")
+_FIXED_CLOCK = (
+    "{%- macro strftime_now(format) -%}{{ format"
+    + "".join(f"|replace({d!r}, {TEMPLATE_DAY.strftime(d)!r})" for d in _DATE_DIRECTIVES)
+    + " }}{%- endmacro -%}\n"
+)
+"""A macro that shadows transformers' strftime_now inside one template (transformers passes
+template arguments as text, so a function cannot be handed in)."""
+
+
 def render(tokenizer, messages: list, tools=None, add_generation_prompt: bool = False, **template_kwargs) -> str:
+    """The template's text for `messages`, its clock at TEMPLATE_DAY."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and "strftime_now" in template:
+        template_kwargs["chat_template"] = _FIXED_CLOCK + template
     return tokenizer.apply_chat_template(
         messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
@@ -93,11 +118,22 @@ def without_reasoning(message: dict) -> dict:
     return message
 
 
+def with_inline_reasoning(message: dict) -> dict:
+    """`reasoning_content` moved to the front of the content as a think block, written as the
+    template writes its empty one (`<think>\n\n</think>\n`: the reasoning between the two
+    newlines), for a thinking template that never reads reasoning_content (SmolLM3's)."""
+    reasoning = message.get("reasoning_content")
+    message = {key: value for key, value in message.items() if key != "reasoning_content"}
+    if isinstance(reasoning, str) and reasoning.strip():
+        message["content"] = f"<think>\n{reasoning.strip()}\n</think>\n{message.get('content') or ''}"
+    return message
+
+
 def thinking_setup(tokenizer, messages: list, mode) -> tuple[list, dict]:
     """The messages to render and the template kwargs for thinking mode `mode`
     (auto/true/false or a row's bool); templates without `enable_thinking` get none."""
-    template = getattr(tokenizer, "chat_template", None)
-    if "enable_thinking" not in str(template or ""):
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    if "enable_thinking" not in template:
         return messages, {}
     mode = str(mode).lower()
     if mode not in THINKING_MODES:
@@ -107,7 +143,17 @@ def thinking_setup(tokenizer, messages: list, mode) -> tuple[list, dict]:
     )
     if not thinking:
         messages = [without_reasoning(m) if m["role"] == "assistant" else m for m in messages]
+    elif "reasoning_content" not in template:
+        messages = [with_inline_reasoning(m) if m["role"] == "assistant" else m for m in messages]
     return messages, {"enable_thinking": thinking}
+
+
+def unrendered_tool_calls(text: str, messages: list) -> list:
+    """The names of assistant tool calls the rendered text does not hold (SmolLM3's template
+    drops an assistant message's tool_calls: the reply would train as empty)."""
+    calls = [call for m in messages if m["role"] == "assistant" for call in m.get("tool_calls") or []]
+    names = [str((call.get("function") or call).get("name", "")) for call in calls if isinstance(call, dict)]
+    return [name for name in names if name not in text]
 
 
 def _think_opened(head: str) -> int:
@@ -196,8 +242,8 @@ def assistant_spans(
             end = turn_end + len(eos)
         start = len(head)
         opened = _think_opened(head)  # Qwen3.5/3.6: a thinking header opens the block itself
-        if text.startswith(EMPTY_THINK, start - opened):
-            start += len(EMPTY_THINK) - opened
+        empty = next((e for e in EMPTY_THINKS if text.startswith(e, start - opened)), "")
+        start += max(len(empty) - opened, 0)
         spans.append((start, _closed_at(text, end, closers)))
     return text, spans
 
@@ -217,6 +263,16 @@ def encode_sample(
         trained = [False] + trained if trained is not None else None
     mode = enable_thinking if sample.enable_thinking is None else sample.enable_thinking
     messages, template_kwargs = thinking_setup(tokenizer, messages, mode)
+    calls = any(m.get("tool_calls") for m in messages if m["role"] == "assistant")
+    dropped = (
+        unrendered_tool_calls(render(tokenizer, messages, sample.tools, **template_kwargs), messages) if calls else []
+    )
+    if dropped:
+        raise DataError(
+            f"the chat template does not render the tool_calls of an assistant reply ({', '.join(dropped)} is "
+            "not in the text): the reply would train as empty. Write the call into that reply's content in "
+            "the model's own format, or use a model whose template renders tool_calls"
+        )
     text, spans = assistant_spans(tokenizer, messages, sample.tools, trained, **template_kwargs)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding["input_ids"])

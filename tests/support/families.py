@@ -26,6 +26,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -346,3 +347,11 @@ def qwen35_tokenizer(template: str = "Qwen-Qwen3.5-0.8B"):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(qwen35_tokenizer_dir(template))
+
+
+def on_template_day(template: str) -> str:
+    """The template with each strftime_now("FORMAT") call replaced by the text of
+    encode.TEMPLATE_DAY: what lora-lab's encoder renders, built without its code."""
+    from lora_lab.data.encode import TEMPLATE_DAY
+
+    return re.sub(r'strftime_now\("([^"]*)"\)', lambda m: repr(TEMPLATE_DAY.strftime(m.group(1))), template)

@@ -29,7 +29,10 @@ def trained_runs(encoded) -> list:
 
 def encode(tokenizer, messages):
     encoded = encode_sample(tokenizer, Sample(messages, "t:1"), 512)
-    assert encoded.input_ids == list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
+    expected = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=False, chat_template=families.on_template_day(tokenizer.chat_template)
+    )
+    assert encoded.input_ids == list(expected)
     return encoded
 
 
@@ -269,13 +272,14 @@ def test_mistral_ids_equal_mistral_common_and_each_reply_is_trained_with_eos(mis
 
 
 def test_llama3_template_trains_each_reply_to_eot(llama3):
-    """Llama 3.2's template: a system block with the knowledge cut-off and today's date, then
-    header-wrapped turns each closed by <|eot_id|> (128009), which is trained."""
+    """Llama 3.2's template: a system block with the knowledge cut-off and today's date (read as
+    encode.TEMPLATE_DAY, whatever day it is), then header-wrapped turns each closed by <|eot_id|>
+    (128009), which is trained."""
     encoded = encode(llama3, SYSTEM + TWO_TURNS)
     text = llama3.decode(encoded.input_ids)
     assert text.startswith(
         "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
-        "Cutting Knowledge Date: December 2023\nToday Date: "
+        "Cutting Knowledge Date: December 2023\nToday Date: 01 Jan 2026\n\n"
     )
     assert text.endswith(
         "\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"

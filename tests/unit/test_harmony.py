@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lora_lab.data.encode import Sample, encode_sample
+from tests.support import families
 from tests.support.families import gpt_oss_tokenizer_dir
 
 TALK = [
@@ -40,7 +41,10 @@ def trained_spans(tokenizer, encoded) -> list[str]:
 
 def test_the_ids_are_the_templates_and_each_reply_trains_from_its_channel(harmony):
     encoded = encode_sample(harmony, Sample(messages=TALK, origin="talk.jsonl:1"), 1024)
-    assert encoded.input_ids == harmony.apply_chat_template(TALK, tokenize=True, return_dict=False)
+    dated = families.on_template_day(harmony.chat_template)
+    assert encoded.input_ids == harmony.apply_chat_template(
+        TALK, tokenize=True, return_dict=False, chat_template=dated
+    )
     assert trained_spans(harmony, encoded) == [
         "<|channel|>final<|message|>Hello!",
         "<|channel|>analysis<|message|>Two and two make four.<|end|><|start|>assistant"

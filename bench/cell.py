@@ -20,6 +20,7 @@ from workloads import (
     words_within,
     write_full_length_pairs,
     write_full_length_rows,
+    write_prompt_rows,
     write_sft_mix_rows,
 )
 
@@ -87,6 +88,8 @@ def run_lora_lab(cell: dict) -> dict:
     rows = cell["steps"] * config.train.grad_accum * config.train.micro_batch_size
     if task == "sft":
         write_full_length_rows(data, rows, cell["max_length"], vocabulary=words_within(model))
+    elif task == "grpo":
+        write_prompt_rows(data, rows, cell["prompt_words"], vocabulary=words_within(model))
     else:
         write_full_length_pairs(data, rows, cell["max_length"])
     history = None
@@ -100,6 +103,10 @@ def run_lora_lab(cell: dict) -> dict:
     performance = summary["performance"]
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
     plan = plan_memory(plan_run(config, Target.here(), for_run=False).planner_config, cell.get("cap_gib"))
+    if task == "grpo":  # a step trains micro-batch x accumulation completions
+        extra["completions_per_s"] = (
+            config.train.micro_batch_size * config.train.grad_accum / (performance["median_step_seconds"])
+        )
     return {
         **performance,
         **extra,
@@ -342,6 +349,12 @@ def run_unsloth_cell(cell: dict) -> dict:
     if cell["kind"] == "unsloth-sft":
         data = write_sft_mix_rows(WORK / f"sft-mix-{cell['rows']}.jsonl", cell["rows"])
         return peer_unsloth.run_sft(cell, str(model), data)
+    if cell["kind"] == "unsloth-grpo":
+        rows = cell["steps"] * cell["grad_accum"] * cell["batch"]
+        data = write_prompt_rows(
+            WORK / f"prompts-{cell['label']}.jsonl", rows, cell["prompt_words"], vocabulary=words_within(model)
+        )
+        return peer_unsloth.run_grpo(cell, str(model), data)
     rows = cell["steps"] * cell.get("grad_accum", 4) * cell.get("batch", 1)
     data = write_full_length_rows(WORK / f"data-{cell['label']}.jsonl", rows, cell["max_length"])
     return peer_unsloth.run_fixed(cell, str(model), data)
@@ -363,6 +376,7 @@ def main() -> None:
         "multi": run_multi_gpu,
         "unsloth": run_unsloth_cell,
         "unsloth-sft": run_unsloth_cell,
+        "unsloth-grpo": run_unsloth_cell,
     }[cell["kind"]]
     try:
         outcome = {"error": None, **runner(cell)}

@@ -193,3 +193,66 @@ def run_sft(cell: dict, model_dir: str, data_path) -> dict:
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 4),
         "versions": versions(),
     }
+
+
+def run_grpo(cell: dict, model_dir: str, data_path) -> dict:
+    """kind "unsloth-grpo": TRL's GRPOTrainer on Unsloth's model with the settings lora-lab's
+    preset chose for the same model (bench/run.py grpo_cells): completions a step, group size,
+    completion length, loss (DAPO), beta 0, and lora-lab's `length` reward itself; generation
+    through transformers (no vLLM on the GPU machine)."""
+    import json
+
+    import torch
+
+    fast = import_unsloth()
+    if fast is None:
+        return {"error": "not installed", "versions": versions()}
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from lora_lab.data.rewards import build_rewards
+    from lora_lab.training.callbacks import StepTimer
+    from lora_lab.training.grpo import LOSS_SETTINGS
+
+    length = cell["max_completion_length"]
+    model, tokenizer = load(fast, model_dir, cell["max_length"] + length, cell["qlora"], cell["rank"], cell["alpha"])
+    dataset = Dataset.from_list([json.loads(line) for line in open(data_path)])
+    timer = StepTimer()
+    args = GRPOConfig(
+        output_dir="/tmp/lora-lab-bench/unsloth-grpo",
+        max_steps=cell["steps"],
+        per_device_train_batch_size=cell["batch"],
+        gradient_accumulation_steps=cell["grad_accum"],
+        num_generations=cell["num_generations"],
+        max_completion_length=length,
+        temperature=1.0,
+        beta=0.0,
+        learning_rate=1e-4,
+        bf16=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        use_vllm=False,
+        **LOSS_SETTINGS["dapo"],
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=build_rewards(["length"], length),
+        args=args,
+        train_dataset=dataset,
+        callbacks=[timer],
+    )
+    trainer.train()
+    steps = timer.step_seconds[2:] or timer.step_seconds
+    median = statistics.median(steps)
+    return {
+        "median_step_seconds": median,
+        "timed_steps": len(steps),
+        "first_step_seconds": [round(s, 3) for s in timer.step_seconds[:2]],
+        "completions_per_s": cell["batch"] * cell["grad_accum"] / median,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 4),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "versions": versions(),
+    }

@@ -534,8 +534,48 @@ def moe_cells(steps: int = 6) -> list:
     return cells
 
 
+# Issue 50: GRPO beside Unsloth's (TRL's GRPOTrainer on its model), each with the settings of
+# lora-lab's preset for the model (completions a step, group size, completion length, QLoRA or
+# not, rank), lora-lab's `length` reward on both sides, prompts of 64 words, under the tier's cap.
+GRPO_MODELS = (("16gb", "7b"), ("8gb", "1.5b"))
+
+
+def grpo_cells(steps: int = 4) -> list:
+    sys.path.insert(0, str(HERE.parent))
+    from lora_lab.config import resolve_config
+
+    cells = []
+    for tier, size in GRPO_MODELS:
+        flags = {
+            "model.name": model_name(size),
+            "data.datasets": ["x"],
+            "train.task": "grpo",
+            "grpo.rewards": ["length"],
+        }
+        config = resolve_config(tier, flags=flags)
+        base = {"size": size, "steps": steps, "cap_gib": TIERS[tier], "prompt_words": 64}
+        base |= {"max_length": config.data.max_length, "grad_accum": config.train.grad_accum}
+        cells += [
+            {"kind": "lora-lab", "label": f"ll-grpo-{tier}-{size}", "preset": tier, "task": "grpo", **base}
+            | {"sets": ['grpo.rewards=["length"]']},
+            {
+                "kind": "unsloth-grpo",
+                "label": f"us-grpo-{tier}-{size}",
+                "batch": config.train.micro_batch_size,
+                "num_generations": config.grpo.num_generations,
+                "max_completion_length": config.grpo.max_completion_length,
+                "qlora": config.model.quantization == "nf4",
+                "rank": config.lora.rank,
+                "alpha": int(config.lora.alpha),
+                **base,
+            },
+        ]
+    return cells
+
+
 PLANS = {
     "moe": moe_cells,
+    "grpo": grpo_cells,
     "peer": peer_cells,
     "long-context": long_context_cells,
     "context-table": context_table_cells,

@@ -167,6 +167,15 @@ def write_full_length_pairs(path: Path, rows: int, tokens: int, seed: int = 0) -
     return path
 
 
+def write_prompt_rows(path: Path, rows: int, words: int, seed: int = 0, vocabulary=WORDS) -> Path:
+    """--task grpo prompts (TRL's conversational `prompt`) of `words` words each."""
+    rng = random.Random(seed)
+    with open(path, "w") as handle:
+        for _ in range(rows):
+            handle.write(json.dumps({"prompt": [{"role": "user", "content": _text(rng, words, vocabulary)}]}) + "\n")
+    return path
+
+
 def write_sft_mix_rows(path: Path, rows: int, seed: int = 0) -> Path:
     """A realistic SFT length mix (stated so it can be reproduced): 40% self-cognition-like
     (reply 10-40 words), 45% alpaca-like (prompt 10-60, reply 20-250 words), 15% long

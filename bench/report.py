@@ -679,6 +679,7 @@ def peer_tables() -> str:
 STANDING = (
     ("Against Unsloth", "peer_table"),
     ("Long context under the tiers' caps", "long_context_table"),
+    ("Mixture of experts against Unsloth", "moe_table"),
     ("Against the plain Trainer+PEFT recipe, on fixed and real-length data", "plain_recipe_table"),
     ("Presets under their caps", "presets_table"),
     ("Other model families under the tiers' caps", "families_table"),

@@ -239,6 +239,63 @@ def long_context_table() -> str:
     )
 
 
+MOE_ROWS = (  # (model, layers kept, its row's name)
+    ("qwen3-30b-a3b", 16, "Qwen3-30B-A3B, 16 of its 48 layers"),
+    ("gpt-oss-20b", 8, "gpt-oss-20b, 8 of its 24 layers"),
+)
+
+
+def moe_table() -> str:
+    """lora-lab's QLoRA of mixtures of experts beside Unsloth's (bench/run.py moe), the newest
+    stored row of each cell; Unsloth's figure stands beside the lora-lab row that trains as many
+    parameters (its LoRA takes the experts too)."""
+    sources = Sources()
+    newest: dict = {}
+    for path in sorted(report.RESULTS.glob("*-moe.jsonl")):
+        for header, rows in report.runs_of(path):
+            for row in rows:
+                newest[row["label"]] = (row, {**header, "_path": f"bench/results/{path.name}"})
+    lines = [
+        "| model, QLoRA nf4, one 2048-token sample a step | LoRA on | lora-lab tokens/s | Unsloth | speed | "
+        "peak GiB lora-lab / Unsloth | host RSS GiB lora-lab / Unsloth | GPU, date [source] |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, layers, title in MOE_ROWS:
+        tag = f"moe-{name}-{layers}L"
+        theirs = newest.get(f"us-{tag}", (None, None))
+        for suffix, what in (("-experts", "attention and experts"), ("", "attention")):
+            ours, header = newest.get(f"ll-{tag}{suffix}", (None, None))
+            if ours is None or ours.get("error"):
+                continue
+            peer, peer_header = theirs
+            paired = (
+                peer is not None and not peer.get("error") and peer["trainable_params"] == ours["trainable_params"]
+            )
+            cite = sources.cite(header, lora_lab=True) + (f" {sources.cite(peer_header)}" if paired else "")
+            lines.append(
+                f"| {title} | {what} ({ours['trainable_params']:,} trained) | {ours['tokens_per_s']:,.0f} | "
+                + (
+                    f"{peer['tokens_per_s']:,.0f} | {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x | "
+                    f"{ours['peak_reserved_gib']:.2f} / {peer['peak_reserved_gib']:.2f} | "
+                    f"{ours['peak_rss_gib']:.1f} / {peer['peak_rss_gib']:.1f}"
+                    if paired
+                    else f"- | - | {ours['peak_reserved_gib']:.2f} / - | {ours['peak_rss_gib']:.1f} / -"
+                )
+                + f" | {gpu_of(header)}, {header['date'][:10]} {cite} |"
+            )
+    if len(lines) == 2:
+        return ""
+    return (
+        "\n".join(lines) + "\n\nRandom weights of the published config.json, its first layers only (the 16-bit "
+        "checkpoints do not fit the GPU machine's disk), uncapped; lora-lab's 24gb preset with LoRA r 8, alpha 32, "
+        "Unsloth 2026.10.9 with its recommended settings (its LoRA on all linear layers takes the experts too). "
+        "Host RSS is the process's peak resident memory, the checkpoint's file pages included. Two sources on one "
+        "row: consecutive calls on the same machine.\n\n"
+        + sources.render()
+        + "\n"
+    )
+
+
 def plain_recipe_table() -> str:
     """lora-lab against the plain Trainer+PEFT recipe, each pair from one run."""
     sources = Sources()

@@ -55,6 +55,9 @@ WORDS = [
 ]
 
 
+SHARD_SIZE = "5GB"
+"""Random models are saved in shards of this size, as the published checkpoints are (a loading
+process's peak RSS counts the pages of the file it reads)."""
 OTHER_TOKENIZER_DIR = ROOT / ".peer" / "smollm2-tokenizer"
 """SmolLM2-135M-Instruct's tokenizer (vocabulary 49,152, ChatML template) for random models of
 other families: its ids fit every family's vocabulary, whose real size the model keeps. Written
@@ -99,7 +102,7 @@ def make_random_model(size: str, out: Path) -> Path:
         [151645, 151643] if qwen or size.startswith("qwen") else tokenizer.eos_token_id
     )
     staging = out.with_name(out.name + ".partial")
-    model.save_pretrained(staging, safe_serialization=True)
+    model.save_pretrained(staging, safe_serialization=True, max_shard_size=SHARD_SIZE)
     tokenizer.save_pretrained(staging)
     staging.rename(out)
     del model

@@ -104,6 +104,10 @@ class Family:
     """The attention implementation the family needs on a GPU where sdpa cannot run it (gpt-oss:
     flex_attention, which has its attention sinks where sdpa has none; eager on the CPU, where
     flex_attention has no sinks); None: sdpa."""
+    liger_experts: bool = False
+    """liger's function replaces the fused experts with its own (LigerExperts: one fused MoE
+    kernel), which also computes the experts' weight gradient when they are frozen; the planner
+    counts that bf16 copy of a layer's experts (planning/shape.expert_working_bytes)."""
     masks_without_positions: bool = False
     """The family's decoder builds its attention masks without the position ids, so a packed row
     attended by its own attention would attend across samples (gpt-oss): lora-lab builds them
@@ -144,7 +148,7 @@ FAMILIES = {
     "qwen3_5": _QWEN3_5,
     "smollm3": Family("SmolLM3", "apply_liger_kernel_to_smollm3"),
     # mixture of experts: fused expert tensors (models/moe.py holds them in 4 bits for QLoRA)
-    "qwen3_moe": Family("Qwen3-MoE (Qwen3-30B-A3B)", "apply_liger_kernel_to_qwen3_moe"),
+    "qwen3_moe": Family("Qwen3-MoE (Qwen3-30B-A3B)", "apply_liger_kernel_to_qwen3_moe", liger_experts=True),
     "qwen3_5_moe_text": _QWEN3_5_MOE,
     "qwen3_5_moe": _QWEN3_5_MOE,
     "gpt_oss": Family(

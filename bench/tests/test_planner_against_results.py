@@ -208,3 +208,34 @@ def test_the_context_table_cells_are_planned_within_10_percent_out_of_sample():
             assert abs(planned - row["peak_reserved_gib"]) / row["peak_reserved_gib"] < 0.10, (row["label"], planned)
         else:
             assert plan_memory(config, gpu_memory_gib=row["cap_gib"] + 0.5).fits is False, row["label"]
+
+
+def test_the_moe_cells_are_planned_within_10_percent(tmp_path):
+    """Qwen3-30B-A3B's first 16 layers, QLoRA, one 2048-token sample (bench/run.py moe), attention
+    only and with lora.experts: the plan of the truncated config.json, as the cell planned it."""
+    from lora_lab.registry import model_config_of
+
+    rows = [
+        json.loads(line)
+        for path in sorted(RESULTS.glob("*-moe.jsonl"))
+        for line in path.read_text().splitlines()
+        if '"kind": "lora-lab"' in line
+    ]
+    rows = [r for r in rows if not r.get("error")]
+    assert {r["label"] for r in rows} >= {"ll-moe-qwen3-30b-a3b-16L", "ll-moe-qwen3-30b-a3b-16L-experts"}
+    for row in rows:
+        name, layers = row["size"].split("@")
+        body = {**model_config_of(name), "num_hidden_layers": int(layers)}
+        if "layer_types" in body:
+            body["layer_types"] = body["layer_types"][: int(layers)]
+        folder = tmp_path / row["label"]
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(body))
+        flags = {
+            "model.name": str(folder),
+            "data.datasets": ["x"],
+            "data.max_length": row["max_length"],
+            "train.grad_accum": row["grad_accum"],
+        }
+        planned = plan_memory(resolve_config(row["preset"], flags=flags, sets=cell_sets(row))).total_gib
+        assert abs(planned - row["peak_reserved_gib"]) / row["peak_reserved_gib"] < 0.10, (row["label"], planned)

@@ -347,7 +347,8 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         "recomputed layer + fused loss (fitted)": working / GIB,
         ALLOCATOR_PART: FIT_CONSTANT_GIB,
     }
-    if config.lora.experts:
+    fused_experts = shape.liger_experts and config.model.kernels != "none"
+    if config.lora.experts and not fused_experts:  # through liger's fused MoE: layer_kind_parts' copy
         parts["one layer's experts with their LoRA delta (counted)"] = 2 * shape.layer_experts * 2 / GIB
     dequantized = dequantized_mlp_bytes(shape, config)
     if dequantized:
@@ -382,7 +383,8 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         # auto counts as mask unless resolved first (training/plan.settle_packed_attention: the plan
         # API resolves it as a CUDA GPU runs it)
         parts["attention mask of a packed row (counted)"] = tokens * tokens * PACKED_MASK_BYTES_PER_PAIR / GIB
-    parts.update({name: b / GIB for name, b in layer_kind_parts(shape, tokens, weight_bytes < 2).items()})
+    kinds = layer_kind_parts(shape, tokens, weight_bytes < 2, fused_experts)
+    parts.update({name: b / GIB for name, b in kinds.items()})
     if config.train.task != "grpo" and (  # grpo: TRL's fused LM head, in tiles
         not shape.fused_loss
         or config.model.kernels == "none"

@@ -125,6 +125,7 @@ _QWEN3_5_MOE = Family(
     "Qwen3.5, Qwen3.6 mixture of experts (hybrid linear attention)",
     "apply_liger_kernel_to_qwen3_5_moe",
     liger_without=frozenset({"rope"}),
+    liger_experts=True,
 )
 _GEMMA4 = Family("Gemma 4 (text; dense and mixture of experts)", "apply_liger_kernel_to_gemma4_text")
 """Sliding and full attention (wider heads), per-layer inputs and shared keys and values in E2B

@@ -290,9 +290,7 @@ def moe_table() -> str:
         "checkpoints do not fit the GPU machine's disk), uncapped; lora-lab's 24gb preset with LoRA r 8, alpha 32, "
         "Unsloth 2026.10.9 with its recommended settings (its LoRA on all linear layers takes the experts too). "
         "Host RSS is the process's peak resident memory, the checkpoint's file pages included. Two sources on one "
-        "row: consecutive calls on the same machine.\n\n"
-        + sources.render()
-        + "\n"
+        "row: consecutive calls on the same machine.\n\n" + sources.render() + "\n"
     )
 
 

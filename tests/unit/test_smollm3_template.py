@@ -10,7 +10,7 @@ import pytest
 from lora_lab.data.encode import IGNORE_INDEX, encode_sample, with_inline_reasoning
 from lora_lab.data.formats import Sample
 from lora_lab.errors import DataError
-from tests.unit.test_thinking import HISTORY, PLAIN, REASONING, build_qwen3_tokenizer, trained_text
+from tests.unit.test_thinking import HISTORY, PLAIN, REASONING, TOOL_TALK, build_qwen3_tokenizer, trained_text
 
 TEMPLATE = Path(__file__).parents[1] / "assets" / "smollm3-template" / "HuggingFaceTB-SmolLM3-3B.jinja"
 
@@ -66,15 +66,5 @@ def test_the_system_block_reads_a_fixed_day_so_a_sample_encodes_the_same_every_d
 
 
 def test_a_tool_call_the_template_does_not_render_is_refused(smollm3):
-    messages = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
-        },
-        {"role": "tool", "content": "21"},
-        {"role": "assistant", "content": "21 degrees."},
-    ]
     with pytest.raises(DataError, match="does not render the tool_calls.*get_weather is not in the text"):
-        encode_sample(smollm3, Sample(messages, "t:1"), 1024)
+        encode_sample(smollm3, Sample(TOOL_TALK, "t:1"), 1024)

@@ -197,6 +197,18 @@ def test_tiny_qwen3_trains_on_reasoning_and_plain_rows(tmp_path, qwen3):
     assert summary["trained_tokens"] == sum(len(qwen3(text)["input_ids"]) for text in trained)
 
 
+TOOL_TALK = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    },
+    {"role": "tool", "content": "21"},
+    {"role": "assistant", "content": "21 degrees."},
+]
+
+
 def test_tool_call_turns_follow_the_rendered_text(qwen3):
     tool = {
         "type": "function",
@@ -205,16 +217,7 @@ def test_tool_call_turns_follow_the_rendered_text(qwen3):
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
         },
     }
-    messages = [
-        {"role": "user", "content": "Weather in Paris?"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
-        },
-        {"role": "tool", "content": "21"},
-        {"role": "assistant", "content": "21 degrees."},
-    ]
+    messages = TOOL_TALK
     encoded = encode_sample(qwen3, Sample(messages, "t:1", [tool]), 1024)
     expected = qwen3.apply_chat_template(
         messages, tools=[tool], tokenize=True, return_dict=False, enable_thinking=False

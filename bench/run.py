@@ -531,6 +531,10 @@ def moe_cells(steps: int = 6) -> list:
             | {"sets": [*MOE_SETS, "lora.experts=true"]},
             {"kind": "unsloth", "label": f"us-{tag}", "qlora": True, **base},
         ]
+        # the experts through transformers' grouped products instead of liger's fused MoE
+        for suffix, more in (("-noliger", []), ("-experts-noliger", ["lora.experts=true"])):
+            sets = [*MOE_SETS, *more, "model.liger_experts=false"]
+            cells.append({"kind": "lora-lab", "label": f"ll-{tag}{suffix}", "preset": "24gb", "sets": sets, **base})
     return cells
 
 

@@ -106,6 +106,13 @@ class ModelArgs:
         "(Qwen2/3, Llama, Mistral, Phi-3) run through PyTorch's fused kernel; false: "
         "through liger's Triton kernel.",
     )
+    liger_experts: bool = _f(
+        True,
+        "With model.kernels liger, a mixture of experts' experts run through liger's fused MoE "
+        "kernel where liger has one for the family (Qwen3-MoE, Qwen3.5-MoE); its backward also "
+        "computes the weight gradient of frozen experts. false: through transformers' own "
+        "experts (torch's grouped matrix products).",
+    )
     cudnn_attention: str | bool = _f(
         "auto",
         "sdpa's cuDNN attention kernel. auto: for packed rows whose samples all have "

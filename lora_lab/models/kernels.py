@@ -34,14 +34,18 @@ def applies_liger(kernels: str) -> bool:
     return True
 
 
-def apply_kernels(model, kernels: str, fused_loss: bool = True, native_norms: bool = True) -> str:
+def apply_kernels(
+    model, kernels: str, fused_loss: bool = True, native_norms: bool = True, liger_experts: bool = True
+) -> str:
     """Swap in liger-kernel's fused Triton kernels (GPU only); returns what was applied.
 
     The fused linear cross-entropy never builds the [tokens x 151936] logits tensor, which is
     the largest single activation of a Qwen2.5 training step. It reads the output head's
     weight itself, so not where rows of the head train (lora.trainable_tokens: fused_loss off).
     native_norms (model.native_rms_norm): NATIVE_RMS_NORMS layers run through torch.rms_norm
-    instead of liger's RMSNorm. liger patches the model's own modules; what it and the loss
+    instead of liger's RMSNorm. liger_experts (model.liger_experts) False: a family whose experts
+    liger replaces (registry.Family.liger_experts) keeps transformers' own (liger's swiglu off).
+    liger patches the model's own modules; what it and the loss
     backward below rebind in modules of the process is put back by restored_kernel_patches.
     """
     if not applies_liger(kernels):
@@ -73,6 +77,8 @@ def apply_kernels(model, kernels: str, fused_loss: bool = True, native_norms: bo
         "model": model,
     }
     wanted.update(dict.fromkeys(family.liger_without & wanted.keys(), False))
+    if family.liger_experts and not liger_experts:
+        wanted["swiglu"] = False
     params = inspect.signature(apply).parameters
     apply(**{k: v for k, v in wanted.items() if k in params})
     if native_norms:

@@ -305,7 +305,7 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
 
         model.config.use_cache = False
         keep_samples_apart(model)  # packed rows restart linear attention's state at each sample
-        apply_kernels(model, options.kernels, options.fused_loss, args.native_rms_norm)
+        apply_kernels(model, options.kernels, options.fused_loss, args.native_rms_norm, args.liger_experts)
     return model
 
 

@@ -347,7 +347,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         "recomputed layer + fused loss (fitted)": working / GIB,
         ALLOCATOR_PART: FIT_CONSTANT_GIB,
     }
-    fused_experts = shape.liger_experts and config.model.kernels != "none"
+    fused_experts = shape.liger_experts and config.model.kernels != "none" and config.model.liger_experts
     if config.lora.experts and not fused_experts:  # through liger's fused MoE: layer_kind_parts' copy
         parts["one layer's experts with their LoRA delta (counted)"] = 2 * shape.layer_experts * 2 / GIB
     dequantized = dequantized_mlp_bytes(shape, config)

@@ -177,3 +177,25 @@ def test_the_planner_counts_the_experts_lora_as_peft_makes_it(model_type):
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=[], target_parameters=names))
     counted = sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
     assert counted == shape.expert_lora_per_rank * 4 > 0
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_the_plan_holds_a_second_copy_of_a_layers_experts_only_through_ligers_fused_moe(experts):
+    """Qwen3-30B-A3B QLoRA: through liger's fused MoE (model.liger_experts, the default) the
+    recomputed layer holds two bf16 copies of one layer's experts, else one (and with
+    lora.experts, then, the weights with their delta: two more); gpt-oss has no fused MoE."""
+    from lora_lab.config import resolve_config
+    from lora_lab.planning.memory import plan_memory
+    from lora_lab.planning.shape import ModelShape
+    from lora_lab.registry import model_config_of
+
+    layer = 2 * ModelShape.from_config(model_config_of("qwen3-30b-a3b")).layer_experts / 2**30
+    sets = ["model.quantization=nf4", f"lora.experts={str(experts).lower()}"]
+
+    def planned(name, *more):
+        flags = {"model.name": name, "data.datasets": ["x"]}
+        return plan_memory(resolve_config("24gb", flags=flags, sets=[*sets, *more])).total_gib
+
+    fused, plain = planned("qwen3-30b-a3b"), planned("qwen3-30b-a3b", "model.liger_experts=false")
+    assert fused - plain == pytest.approx(-layer if experts else layer, abs=1e-6)
+    assert planned("gpt-oss-20b") == planned("gpt-oss-20b", "model.liger_experts=false")

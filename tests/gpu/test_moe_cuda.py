@@ -69,3 +69,16 @@ def test_gpt_oss_qlora_trains_from_its_mxfp4_checkpoint_on_the_gpu(tmp_path):
     lines = (tmp_path / "r" / "logs" / "train_log.jsonl").read_text().splitlines()
     losses = [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
     assert losses and all(loss == loss and loss < 20 for loss in losses), losses
+
+
+@pytest.mark.parametrize("liger_experts", [True, False])
+def test_model_liger_experts_picks_the_kernel_that_runs_the_experts(liger_experts):
+    """Qwen3-MoE with the liger kernels: its experts become liger's fused MoE (LigerExperts) by
+    default, and stay transformers' own with model.liger_experts false."""
+    from lora_lab.models.kernels import apply_kernels
+    from tests.unit.test_moe import tiny_moe
+
+    model = tiny_moe("qwen3_moe").cuda()
+    assert apply_kernels(model, "liger", liger_experts=liger_experts) == "liger"
+    kinds = {type(module).__name__ for module in model.modules() if module.__class__.__name__.endswith("Experts")}
+    assert kinds == ({"LigerExperts"} if liger_experts else {"Qwen3MoeExperts"})

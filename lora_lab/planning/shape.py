@@ -126,8 +126,7 @@ def expert_working_bytes(shape: ModelShape, tokens: int, quantized: bool, fused:
     4-bit experts that layer's experts de-quantized to bf16 (models/moe.py); and through liger's
     fused MoE (`fused`: registry.Family.liger_experts with the liger kernels) one more bf16 copy:
     the weight gradient it computes for frozen experts, or with lora.experts the weights with
-    their delta. Measured: Qwen3-30B-A3B (16 of its 48 layers) QLoRA, 2048 tokens, attention only
-    and with lora.experts, each within 1% of the plan (bench/results/2026-12-07-moe.jsonl)."""
+    their delta (docs/memory-planner.md says what this is checked on)."""
     if not shape.routed:
         return 0
     width = shape.intermediate // shape.routed

@@ -22,6 +22,8 @@ import os
 import statistics
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TRAINER_SETTINGS = {"bf16": True, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "seed": 0}
+"""The Trainer arguments of every peer cell beside its own (no checkpoints, no trackers)."""
 PACK_LENGTH = 8192
 
 
@@ -118,14 +120,10 @@ def run_fixed(cell: dict, model_dir: str, data_path) -> dict:
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=accum,
         learning_rate=1e-4,
-        bf16=True,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
         remove_unused_columns=False,
         dataloader_num_workers=0,
-        seed=0,
         warmup_steps=0,
+        **TRAINER_SETTINGS,
     )
     trainer = Trainer(model=model, args=args, train_dataset=Rows(), data_collator=collate, callbacks=[timer])
     trainer.train()
@@ -168,14 +166,10 @@ def run_sft(cell: dict, model_dir: str, data_path) -> dict:
         per_device_train_batch_size=1,
         gradient_accumulation_steps=1,
         learning_rate=1e-4,
-        bf16=True,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
         max_length=PACK_LENGTH,
         packing=True,
-        seed=0,
         dataset_num_proc=1,
+        **TRAINER_SETTINGS,
     )
     trainer = SFTTrainer(
         model=model, processing_class=tokenizer, train_dataset=dataset, args=config, callbacks=[timer]
@@ -228,13 +222,9 @@ def run_grpo(cell: dict, model_dir: str, data_path) -> dict:
         temperature=1.0,
         beta=0.0,
         learning_rate=1e-4,
-        bf16=True,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
         use_vllm=False,
         **LOSS_SETTINGS["dapo"],
+        **TRAINER_SETTINGS,
     )
     trainer = GRPOTrainer(
         model=model,

@@ -64,6 +64,24 @@ other families: its ids fit every family's vocabulary, whose real size the model
 by `python bench/workloads.py other-tokenizer` from the shipped GGUF (lora_lab/models/shipped.py)."""
 
 
+def config_body(size: str) -> dict:
+    """The config.json values make_random_model builds `size` from: Qwen2.5-`size` or a shipped
+    config, `NAME@N` with its first N layers only, for random bf16 weights (no quantization_config:
+    gpt-oss is published in MXFP4)."""
+    from lora_lab.registry import _shipped_config, known_model_config
+
+    size, _, layers = size.partition("@")
+    qwen = size in ("0.5b", "1.5b", "3b", "7b")
+    body = dict(known_model_config(size) if qwen else _shipped_config(size))
+    body.pop("_name_or_path", None)
+    body.pop("quantization_config", None)
+    if layers:
+        body["num_hidden_layers"] = int(layers)
+        if "layer_types" in body:
+            body["layer_types"] = body["layer_types"][: int(layers)]
+    return body
+
+
 def make_random_model(size: str, out: Path) -> Path:
     """Qwen2.5-`size` (0.5b ... 7b), or a model lora-lab ships the config of (qwen3-8b,
     llama-3.1-8b, gemma-3-4b, phi-4-mini ...: lora_lab/model_configs), with random bf16 weights,
@@ -72,20 +90,12 @@ def make_random_model(size: str, out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from lora_lab.registry import _shipped_config, known_model_config
-
     out = Path(out)
     if (out / "config.json").is_file():
         return out
-    size, _, layers = size.partition("@")  # "qwen3-30b-a3b@16": its first 16 layers only
+    body = config_body(size)
+    size = size.partition("@")[0]
     qwen = size in ("0.5b", "1.5b", "3b", "7b")
-    body = dict(known_model_config(size) if qwen else _shipped_config(size))
-    body.pop("_name_or_path", None)
-    body.pop("quantization_config", None)  # random bf16 weights (gpt-oss is published in MXFP4)
-    if layers:
-        body["num_hidden_layers"] = int(layers)
-        if "layer_types" in body:
-            body["layer_types"] = body["layer_types"][: int(layers)]
     config = AutoConfig.for_model(
         **{
             k: v

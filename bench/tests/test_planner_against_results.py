@@ -213,7 +213,7 @@ def test_the_context_table_cells_are_planned_within_10_percent_out_of_sample():
 def test_the_moe_cells_are_planned_within_10_percent(tmp_path):
     """Qwen3-30B-A3B's first 16 layers, QLoRA, one 2048-token sample (bench/run.py moe), attention
     only and with lora.experts: the plan of the truncated config.json, as the cell planned it."""
-    from lora_lab.registry import model_config_of
+    from workloads import config_body
 
     rows = [
         json.loads(line)
@@ -224,13 +224,9 @@ def test_the_moe_cells_are_planned_within_10_percent(tmp_path):
     rows = [r for r in rows if not r.get("error")]
     assert {r["label"] for r in rows} >= {"ll-moe-qwen3-30b-a3b-16L", "ll-moe-qwen3-30b-a3b-16L-experts"}
     for row in rows:
-        name, layers = row["size"].split("@")
-        body = {**model_config_of(name), "num_hidden_layers": int(layers)}
-        if "layer_types" in body:
-            body["layer_types"] = body["layer_types"][: int(layers)]
         folder = tmp_path / row["label"]
         folder.mkdir()
-        (folder / "config.json").write_text(json.dumps(body))
+        (folder / "config.json").write_text(json.dumps(config_body(row["size"])))
         flags = {
             "model.name": str(folder),
             "data.datasets": ["x"],

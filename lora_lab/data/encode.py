@@ -19,8 +19,9 @@ carries no loss on that block, so non-reasoning data does not teach the model to
 close its thinking; a reply with reasoning (`reasoning_content`, or a `<think>...</think>` block
 at the start of its content) keeps its think block trained. A template that never reads
 reasoning_content (SmolLM3's) gets it as a think block at the front of the content. An assistant
-tool call the template does not render is refused, never trained as an empty reply. `enable_thinking` (the row's own field, else data.enable_thinking) picks the mode:
-auto = thinking for rows with reasoning, false = non-thinking with every reasoning dropped,
+tool call the template does not render is refused, never trained as an empty reply.
+`enable_thinking` (the row's own field, else data.enable_thinking) picks the mode: auto =
+thinking for rows with reasoning, false = non-thinking with every reasoning dropped,
 true = thinking for every row; it is passed to the template, so input_ids stay exactly what
 `apply_chat_template(messages, enable_thinking=...)` gives.
 
@@ -215,6 +216,13 @@ def assistant_spans(
     the whole text goes on with the next turn.
     """
     text = render(tokenizer, messages, tools, **template_kwargs)
+    dropped = unrendered_tool_calls(text, messages)
+    if dropped:
+        raise DataError(
+            f"the chat template does not render the tool_calls of an assistant reply ({', '.join(dropped)} is "
+            "not in the text): the reply would train as empty. Write the call into that reply's content in "
+            "the model's own format, or use a model whose template renders tool_calls"
+        )
     eos = tokenizer.eos_token or ""
     closers = tuple(t for t in (*END_OF_TURN_TOKENS, eos) if t)
     head_kwargs = {**template_kwargs, "enable_thinking": True} if template_kwargs else {}
@@ -263,16 +271,6 @@ def encode_sample(
         trained = [False] + trained if trained is not None else None
     mode = enable_thinking if sample.enable_thinking is None else sample.enable_thinking
     messages, template_kwargs = thinking_setup(tokenizer, messages, mode)
-    calls = any(m.get("tool_calls") for m in messages if m["role"] == "assistant")
-    dropped = (
-        unrendered_tool_calls(render(tokenizer, messages, sample.tools, **template_kwargs), messages) if calls else []
-    )
-    if dropped:
-        raise DataError(
-            f"the chat template does not render the tool_calls of an assistant reply ({', '.join(dropped)} is "
-            "not in the text): the reply would train as empty. Write the call into that reply's content in "
-            "the model's own format, or use a model whose template renders tool_calls"
-        )
     text, spans = assistant_spans(tokenizer, messages, sample.tools, trained, **template_kwargs)
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding["input_ids"])

@@ -32,9 +32,9 @@ class ModelShape:
     linears: list = field(default_factory=list)
     """(in_features, out_features) of each linear of a layer, the MLP's output one last."""
     fused_loss: bool = True
+    """The family has liger's fused linear cross-entropy (no [tokens x vocab] logits on a GPU)."""
     liger_experts: bool = False
     """The family's experts run through liger's fused MoE (registry.Family.liger_experts)."""
-    """The family has liger's fused linear cross-entropy (no [tokens x vocab] logits on a GPU)."""
     linear_attention_layers: int = 0
     """Gated DeltaNet layers (Qwen3.5): each carries a recurrent state and a causal conv."""
     linear_attention: tuple = ()
@@ -131,8 +131,12 @@ def expert_working_bytes(shape: ModelShape, tokens: int, quantized: bool, fused:
         return 0
     width = shape.intermediate // shape.routed
     routed = tokens * shape.routed * (3 * shape.hidden + 3 * width) * 2
-    copies = (1 if quantized else 0) + (1 if fused else 0)
-    return routed + copies * 2 * shape.layer_experts
+    return routed + bf16_expert_copies(quantized, fused) * 2 * shape.layer_experts
+
+
+def bf16_expert_copies(quantized: bool, fused: bool) -> int:
+    """The bf16 copies of one layer's experts expert_working_bytes counts."""
+    return int(quantized) + int(fused)
 
 
 def linear_attention_bytes(shape: ModelShape, tokens: int) -> int:
@@ -155,7 +159,7 @@ def layer_kind_parts(shape: ModelShape, tokens: int, quantized: bool, fused: boo
     if shape.linear_attention_layers:
         parts["linear attention state and conv (counted + fitted)"] = linear_attention_bytes(shape, tokens)
     if shape.routed:
-        copies = (1 if quantized else 0) + (1 if fused else 0)
+        copies = bf16_expert_copies(quantized, fused)
         held = f"one layer's experts in bf16{' x2' if copies == 2 else ''}" if copies else ""
         name = f"routed tokens{' + ' + held if held else ''} (counted)"
         parts[name] = expert_working_bytes(shape, tokens, quantized, fused)

@@ -13,8 +13,12 @@ checkpointing a layer's de-quantized experts live only while that layer computes
 then its recomputation and backward). Biases (gpt-oss) stay as they are; the experts are frozen.
 
 LoRA on the experts (lora.experts, peft's target_parameters) is attached while they are still in
-16 bits, then they are quantized (adapted_experts_to): each forward adds the adapter's delta to
-the de-quantized tensor, and the adapter is laid out as one trained on 16-bit experts.
+16 bits, then they are quantized (adapted_experts_to); the adapter is laid out as one trained on
+16-bit experts. Where the experts compute through transformers' own experts forward (not a kernel
+that replaced it, e.g. liger's fused MoE), their LoRA runs in low rank on the grouped products
+(expert_lora_in_low_rank): x @ W + scaling * (x @ A) @ B per expert group, so no tensor the size
+of the experts is built for the adapter and the frozen experts get no weight gradient. Elsewhere
+each forward adds the adapter's delta (scaling * B @ A per expert) to the experts' tensors.
 
 gpt-oss's MXFP4 checkpoint, read de-quantized (models/load.py), has its linear layers held in
 nf4 the same way (quantize_linear_layers): bitsandbytes' config cannot replace its own at load.
@@ -120,28 +124,35 @@ def keep_experts_on_cpu_moving(model, device) -> None:
 def adapted_experts_to(model, device) -> int:
     """QLoRA of a mixture of experts in training, once the adapter is attached to its 16-bit
     experts (still in CPU memory when `device` is a GPU): the experts go to `device` in 4 bits
-    (quantize_experts) and their LoRA factors with them. Returns the quantized bytes.
-
-    peft's wrappers of the expert tensors (lora.experts) then run through `_with_expert_deltas`:
-    peft 0.21 adds each wrapper's delta as a parametrization nested inside the one before, which
-    on a parameter that is already parametrized (the nf4 de-quantization) reads the inner tensor
-    while the outer one's cache is on and keeps it without its delta, and leaves a single
-    adapter's delta in place after the forward."""
+    (quantize_experts) and their LoRA factors with them. Returns the quantized bytes. peft's
+    wrappers of the expert tensors (lora.experts) then compute through expert_lora_in_low_rank."""
     from types import MethodType
 
     from peft.tuners.lora import ParamWrapper
 
     held = quantize_experts(model, device)
-    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
-    inner = {id(w.base_layer) for w in wrappers}
-    for wrapper in wrappers:
+    for wrapper in (m for m in model.modules() if isinstance(m, ParamWrapper)):
         wrapper.get_param = MethodType(_described_param, wrapper)  # type: ignore[method-assign]
-        if id(wrapper) not in inner:  # the outermost of a module's nested wrappers
-            wrapper.forward = MethodType(_with_expert_deltas, wrapper)  # type: ignore[method-assign]
         if device is not None:
             wrapper.lora_A.to(device)
             wrapper.lora_B.to(device)
+    expert_lora_in_low_rank(model)
     return held
+
+
+def expert_lora_in_low_rank(model) -> int:
+    """The experts' LoRA (lora.experts) computed by `_with_expert_lora`: the outermost of each
+    experts module's nested peft wrappers forwards through it. Returns how many modules."""
+    from types import MethodType
+
+    from peft.tuners.lora import ParamWrapper
+
+    wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
+    inner = {id(w.base_layer) for w in wrappers}
+    outermost = [w for w in wrappers if id(w) not in inner]
+    for wrapper in outermost:
+        wrapper.forward = MethodType(_with_expert_lora, wrapper)  # type: ignore[method-assign]
+    return len(outermost)
 
 
 def _described_param(wrapper):
@@ -153,28 +164,102 @@ def _described_param(wrapper):
     return torch.empty(state.shape, dtype=state.dtype, device="meta")
 
 
-def _with_expert_deltas(outer, x, *args, **kwargs):
-    """The experts module's forward with every nested wrapper's LoRA delta on its 4-bit tensor:
-    each de-quantized tensor plus scaling * lhs @ rhs (peft's own factors and fold), the module
-    computed once with them, then the deltas taken off. With the adapters disabled (a preference
-    task's reference) the module computes without them."""
+def _with_expert_lora(outer, x, *args, **kwargs):
+    """The experts module's forward with every nested wrapper's LoRA: in low rank on the grouped
+    products where the module computes through transformers' experts forward (_grouped_with_lora),
+    else as peft computes it, each tensor plus its delta (_with_expert_deltas). With the adapters
+    disabled (a preference task's reference) the module computes without them."""
     from peft.tuners.lora import ParamWrapper
-    from peft.tuners.lora.layer import _LoraFactorsProxy
-    from torch.nn.utils import parametrize
 
     base = outer.get_base_layer()
     if outer.disable_adapters:
         return base(x, *args, **kwargs)
-    added, wrapper = [], outer
+    factors, wrapper = {}, outer
     while isinstance(wrapper, ParamWrapper):
         active = [name for name in wrapper.active_adapters if name in wrapper.lora_A]
         if len(active) > 1:
-            raise ModelError("LoRA on 4-bit experts takes one active adapter at a time")
+            raise ModelError("LoRA on the fused experts takes one active adapter at a time")
         if active:
-            proxy = _LoraFactorsProxy(*wrapper.get_delta_factors(active[0]))
-            parametrize.register_parametrization(base, wrapper.parameter_name, proxy, unsafe=True)
-            added.append(wrapper.parameter_name)
+            factors[wrapper.parameter_name] = wrapper.get_delta_factors(active[0])
         wrapper = wrapper.base_layer
+    if _computes_grouped(base, x, factors):
+        return _grouped_with_lora(base, x, *args, lora=factors, **kwargs)
+    if _packed(base, EXPERT_WEIGHTS[0]) is None:  # 16-bit experts: peft's own forward
+        return ParamWrapper.forward(outer, x, *args, **kwargs)
+    return _with_expert_deltas(base, x, args, kwargs, factors)
+
+
+def _computes_grouped(base, x, factors: dict) -> bool:
+    """Whether the experts module computes through transformers' experts forward (no kernel bound
+    its own forward to the module, no expert parallelism or norm after the experts) and torch's
+    grouped product takes this LoRA rank: its rows of rank values must fill whole 16 bytes (a
+    multiple of 8 in bf16, of 4 in fp32)."""
+    import torch
+
+    transformers_forward = "forward" not in vars(base) and hasattr(base, "has_gate")
+    plain = not getattr(base, "_is_expert_parallel", False) and not getattr(base, "has_post_expert_norm", False)
+    aligned = all(lhs.shape[-1] * lhs.element_size() % 16 == 0 for lhs, _, _ in factors.values())
+    return transformers_forward and plain and aligned and hasattr(torch.nn.functional, "grouped_mm")
+
+
+def _grouped_with_lora(module, hidden_states, top_k_index, top_k_weights, *, lora: dict):
+    """transformers' grouped experts forward (integrations/moe.py grouped_mm_experts_forward:
+    tokens sorted by expert once, one grouped product per projection, routing weights, the
+    tokens' order restored) with each adapted tensor's LoRA in low rank on the same groups."""
+    import torch
+
+    num_top_k, num_tokens = top_k_index.size(-1), hidden_states.size(0)
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    x = hidden_states[perm // num_top_k]
+    # histc, not bincount: no wait for the GPU (bincount sizes its output from the largest id)
+    counts = torch.histc(
+        expert_ids.float() if x.device.type == "cpu" else expert_ids.int(),
+        bins=module.num_experts,
+        min=0,
+        max=module.num_experts - 1,
+    )
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    up = "gate_up_proj" if module.has_gate else "up_proj"
+    h = _grouped_product(module, up, x, offsets, expert_ids, lora)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    out = _grouped_product(module, "down_proj", h, offsets, expert_ids, lora)
+    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    restore = torch.empty_like(perm)
+    restore[perm] = torch.arange(perm.size(0), device=perm.device)
+    return out[restore].view(num_tokens, num_top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _grouped_product(module, key: str, x, offsets, expert_ids, lora: dict):
+    """x @ W (+ bias) per expert group for expert tensor `key` (de-quantized as it is read where
+    it is held in nf4), plus scaling * (x @ A) @ B where `key` carries LoRA. peft's factors are
+    in the tensor's own layout (lhs @ rhs is its delta); the grouped product wants [in, out]."""
+    from torch.nn.functional import grouped_mm
+
+    weight = getattr(module, key)
+    out = grouped_mm(x.to(weight.dtype), weight if module.is_transposed else weight.transpose(-2, -1), offs=offsets)
+    if key in lora:
+        lhs, rhs, scaling = lora[key]
+        a, b = (lhs, rhs) if module.is_transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
+        low = grouped_mm(x.to(a.dtype), a.contiguous(), offs=offsets) * scaling
+        out = out + grouped_mm(low, b.contiguous(), offs=offsets)
+    bias = getattr(module, f"{key}_bias", None) if module.has_bias else None
+    return out if bias is None else out + bias[expert_ids]
+
+
+def _with_expert_deltas(base, x, args: tuple, kwargs: dict, factors: dict):
+    """The experts module's forward with each LoRA delta on its 4-bit tensor: each de-quantized
+    tensor plus scaling * lhs @ rhs (peft's own factors and fold), the module computed once with
+    them, then the deltas taken off. peft 0.21 adds each wrapper's delta as a parametrization
+    nested inside the one before, which on a parameter that is already parametrized (the nf4
+    de-quantization) reads the inner tensor while the outer one's cache is on and keeps it
+    without its delta, and leaves a single adapter's delta in place after the forward."""
+    from peft.tuners.lora.layer import _LoraFactorsProxy
+    from torch.nn.utils import parametrize
+
+    added = []
+    for name, (lhs, rhs, scaling) in factors.items():
+        parametrize.register_parametrization(base, name, _LoraFactorsProxy(lhs, rhs, scaling), unsafe=True)
+        added.append(name)
     try:
         with parametrize.cached():
             return base(x, *args, **kwargs)

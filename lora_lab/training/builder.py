@@ -22,7 +22,7 @@ from ..models.lora import (
     save_initial_adapter,
     template_token_ids,
 )
-from ..models.moe import adapted_experts_to
+from ..models.moe import adapted_experts_to, expert_lora_in_low_rank
 from ..paths import staged_folder
 from ..registry import family_of, missing_fast_paths, wants_trainable_tokens
 from ..run_folder.names import INITIAL_ADAPTER_FOLDER
@@ -136,6 +136,8 @@ def apply_tuner(plan: RunPlan, model, precision: Precision, tokens, should_save:
     model = apply_lora(model, config.lora, building)
     if config.model.quantization == "nf4":  # a mixture of experts' experts, adapter attached: to 4 bits
         adapted_experts_to(model, None if plan.engine in SHARDED_ENGINES else process_gpu())
+    elif config.lora.experts:
+        expert_lora_in_low_rank(model)
     initial = plan.folder / INITIAL_ADAPTER_FOLDER
     if converts_initial_adapter(config.lora) and not initial.is_dir() and should_save:
         with staged_folder(initial) as staging:

@@ -29,13 +29,24 @@ def test_4_bit_experts_compute_their_values_on_cuda(model_type):
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rank", [4, 8])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
-def test_lora_on_4_bit_experts_gets_the_gradients_of_the_plain_experts_on_cuda(model_type):
+def test_lora_on_4_bit_experts_gets_the_gradients_of_the_plain_experts_on_cuda(model_type, rank):
     """lora.experts on QLoRA's 4-bit experts through transformers' grouped_mm on the GPU: the
-    gradients of LoRA on the same values held as plain tensors (tests/unit/test_moe.py)."""
+    gradients of LoRA on the same values held as plain tensors (tests/unit/test_moe.py); rank 8
+    in low rank on the grouped products, rank 4 as a delta on the tensors."""
     from tests.unit.test_moe import assert_lora_gradients_equal
 
-    assert_lora_gradients_equal(model_type, experts=True, device="cuda")
+    assert_lora_gradients_equal(model_type, experts=True, device="cuda", rank=rank)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_expert_lora_in_low_rank_computes_what_peft_computes_on_cuda(model_type):
+    """The experts' LoRA in low rank on torch's grouped products on the GPU gives peft's logits
+    and gradients without building a delta of the experts' size (tests/unit/test_moe.py)."""
+    from tests.unit.test_moe import test_expert_lora_in_low_rank_computes_what_peft_computes_without_building_a_delta
+
+    test_expert_lora_in_low_rank_computes_what_peft_computes_without_building_a_delta(model_type, device="cuda")
 
 
 @pytest.mark.parametrize("name", ["qwen3-30b-a3b", "gpt-oss-20b", "qwen3.5-35b-a3b"])

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lora_lab.architecture import expert_count
 from lora_lab.models.moe import EXPERT_WEIGHTS, expert_bytes, expert_modules, quantize_experts
@@ -44,12 +45,12 @@ TINY = {
 }
 
 
-def tiny_moe(model_type: str, seed: int = 0):
+def tiny_moe(model_type: str, seed: int = 0, dtype=torch.bfloat16):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(model_type, **SHARED, **TINY[model_type])
-    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def with_plain_experts(quantized, like):
@@ -80,22 +81,25 @@ def test_the_experts_are_held_in_4_bits_and_compute_what_their_values_do(model_t
 
 
 @pytest.mark.parametrize(
-    "model_type, experts", [("qwen3_moe", False), ("gpt_oss", False), ("gemma4_text", False), ("qwen3_moe", True),
-                            ("gpt_oss", True), ("gemma4_text", True)]
+    "model_type, experts, rank", [("qwen3_moe", False, 4), ("gpt_oss", False, 4), ("gemma4_text", False, 4),
+                                  ("qwen3_moe", True, 4), ("gpt_oss", True, 4), ("gemma4_text", True, 4),
+                                  ("qwen3_moe", True, 8), ("gpt_oss", True, 8)]
 )  # fmt: skip
-def test_lora_on_a_quantized_moe_gets_the_gradients_of_the_plain_one(model_type, experts):
+def test_lora_on_a_quantized_moe_gets_the_gradients_of_the_plain_one(model_type, experts, rank):
     """As a training run builds it: the adapter attached to the 16-bit experts, then the experts
     quantized (models/moe.py adapted_experts_to). LoRA on the attention, and with lora.experts on
     every expert tensor too, gets exactly the gradients it gets on the de-quantized values held
-    as plain tensors, and the experts' adapters are laid out as on 16-bit experts."""
-    assert_lora_gradients_equal(model_type, experts, device=None)
+    as plain tensors, and the experts' adapters are laid out as on 16-bit experts; rank 8 puts
+    the experts' LoRA in low rank on the grouped products, rank 4 (bf16 rows of 8 bytes, which
+    torch's grouped product does not take) adds its delta to the tensors."""
+    assert_lora_gradients_equal(model_type, experts, device=None, rank=rank)
 
 
-def assert_lora_gradients_equal(model_type: str, experts: bool, device: str | None) -> None:
+def assert_lora_gradients_equal(model_type: str, experts: bool, device: str | None, rank: int = 4) -> None:
     from peft import LoraConfig, get_peft_model
 
     from lora_lab.models.lora import expert_parameter_names, linear_module_names
-    from lora_lab.models.moe import adapted_experts_to
+    from lora_lab.models.moe import adapted_experts_to, expert_lora_in_low_rank
 
     dense = ["down_proj", "gate_proj", "up_proj"] if model_type == "gemma4_text" else []  # the MLP beside
     grads, layouts = [], []
@@ -105,8 +109,9 @@ def assert_lora_gradients_equal(model_type: str, experts: bool, device: str | No
         assert targets == sorted(["k_proj", "o_proj", "q_proj", "v_proj", *dense])  # no router, no fused experts
         extra = {"target_parameters": expert_parameter_names(model), "lora_dropout": 0} if experts else {}
         torch.manual_seed(2)
-        config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False, **extra)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False, **extra)
         tuned = get_peft_model(model, config)
+        expert_lora_in_low_rank(tuned)  # as the builder does for 16-bit experts (adapted_experts_to does it too)
         if quantized:
             adapted_experts_to(tuned, device)
             assert expert_bytes(tuned)["16-bit"] == 0
@@ -127,6 +132,60 @@ def assert_lora_gradients_equal(model_type: str, experts: bool, device: str | No
     for name in grads[0]:
         assert grads[0][name].abs().max() > 0, name
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=0, atol=0, msg=name)
+
+
+class ExpertProducts(TorchDispatchMode):
+    """The shapes of the tensors that peft's delta (baddbmm) and grouped products made inside it."""
+
+    PRODUCTS = ("baddbmm", "_grouped_mm")
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.PRODUCTS:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+@pytest.mark.parametrize("model_type", list(TINY))
+def test_expert_lora_in_low_rank_computes_what_peft_computes_without_building_a_delta(model_type, device="cpu"):
+    """lora.experts through expert_lora_in_low_rank (x @ W + scaling * (x @ A) @ B on the grouped
+    products) gives the logits and every LoRA gradient of peft's own forward, which adds
+    scaling * B @ A to the experts' tensors (fp32 on the CPU, bf16 on a GPU); no such delta (baddbmm) is built, and the
+    frozen experts' weights get no gradient computed."""
+    from peft import LoraConfig, get_peft_model
+
+    from lora_lab.models.lora import expert_parameter_names
+    from lora_lab.models.moe import expert_lora_in_low_rank
+
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1)).to(device)
+    results = []
+    for low_rank in (False, True):
+        model = tiny_moe(model_type, dtype=torch.float32 if device == "cpu" else torch.bfloat16).to(device)
+        torch.manual_seed(2)
+        config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], init_lora_weights=False,
+                            target_parameters=expert_parameter_names(model), lora_dropout=0)  # fmt: skip
+        tuned = get_peft_model(model, config)
+        assert expert_lora_in_low_rank(tuned) == 2 if low_rank else True  # a module a layer
+        with ExpertProducts() as products:
+            loss = tuned(input_ids=ids, labels=ids).loss
+            loss.backward()
+        tensors = [getattr(m, k) for _, m in expert_modules(tuned) for k in EXPERT_WEIGHTS]
+        sizes = {tuple(t.shape) for t in tensors} | {tuple(t.transpose(-2, -1).shape) for t in tensors}
+        # peft's delta (baddbmm) and the weight gradient of experts plus delta have their size
+        assert bool(sizes & set(products.shapes)) is not low_rank, products.shapes
+        results.append((loss.detach(), {n: p.grad for n, p in tuned.named_parameters() if p.requires_grad}))
+    (peft_loss, peft_grads), (loss, grads) = results
+    tolerance = dict(rtol=0, atol=1e-4 if device == "cpu" else 3e-2)  # of the largest value; GPU: bf16 sums
+    torch.testing.assert_close(loss / peft_loss, torch.ones_like(loss), **tolerance)
+    assert grads.keys() == peft_grads.keys() and len([n for n in grads if "experts" in n]) == 2 * 2 * 2
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0, name
+        scale = peft_grads[name].abs().max()
+        torch.testing.assert_close(grad / scale, peft_grads[name] / scale, **tolerance, msg=name)
 
 
 def test_a_config_json_says_how_many_experts():

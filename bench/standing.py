@@ -263,7 +263,12 @@ def moe_table() -> str:
     for name, layers, title in MOE_ROWS:
         tag = f"moe-{name}-{layers}L"
         theirs = newest.get(f"us-{tag}", (None, None))
-        for suffix, what in (("-experts", "attention and experts"), ("", "attention")):
+        for suffix, what in (
+            ("-experts", "attention and experts"),
+            ("-experts-noliger", "attention and experts, transformers' experts (`model.liger_experts=false`)"),
+            ("", "attention"),
+            ("-noliger", "attention, transformers' experts (`model.liger_experts=false`)"),
+        ):
             ours, header = newest.get(f"ll-{tag}{suffix}", (None, None))
             if ours is None or ours.get("error"):
                 continue

@@ -110,8 +110,9 @@ class ModelArgs:
         True,
         "With model.kernels liger, a mixture of experts' experts run through liger's fused MoE "
         "kernel where liger has one for the family (Qwen3-MoE, Qwen3.5-MoE); its backward also "
-        "computes the weight gradient of frozen experts. false: through transformers' own "
-        "experts (torch's grouped matrix products).",
+        "computes the weight gradient of frozen experts, and lora.experts adds its delta to the "
+        "experts' tensors. false: through transformers' own experts (torch's grouped matrix "
+        "products), with lora.experts in low rank on those products.",
     )
     cudnn_attention: str | bool = _f(
         "auto",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -362,6 +364,7 @@ def run_unsloth_cell(cell: dict) -> dict:
 
 def main() -> None:
     cell = json.loads(sys.argv[1])
+    threading.Thread(target=watch_anonymous_memory, daemon=True).start()
     if cell["kind"].startswith("unsloth"):
         import peer_unsloth
 
@@ -385,14 +388,34 @@ def main() -> None:
     print("CELL " + json.dumps({**cell, **outcome, **host_memory()}), flush=True)
 
 
+PEAK_ANONYMOUS_KIB = [0]
+"""The largest RssAnon the watcher saw (Linux's /proc/self/status), in KiB."""
+
+
+def watch_anonymous_memory(every: float = 0.1) -> None:
+    """Sample the process's anonymous resident memory (its own allocations; the resident set also
+    counts pages of files it maps, such as a checkpoint's safetensors, which the system can drop)."""
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        return
+    while True:
+        for line in status.read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                PEAK_ANONYMOUS_KIB[0] = max(PEAK_ANONYMOUS_KIB[0], int(line.split()[1]))
+        time.sleep(every)
+
+
 def host_memory() -> dict:
-    """The cell process's host RAM: its peak resident set, and the peak of PyTorch's pinned
+    """The cell process's host RAM: its peak resident set, the peak of its anonymous part (sampled
+    every 0.1 s: the resident set without mapped files' pages), and the peak of PyTorch's pinned
     (page-locked) host memory, where checkpoints offloaded to the CPU live."""
     import resource
 
     import torch
 
     row = {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    if PEAK_ANONYMOUS_KIB[0]:
+        row["peak_anon_gib"] = round(PEAK_ANONYMOUS_KIB[0] / 2**20, 3)
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         stats = torch.cuda.host_memory_stats()
         row["peak_pinned_gib"] = round(stats.get("allocated_bytes.peak", 0) / 2**30, 3)

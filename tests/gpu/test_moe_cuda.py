@@ -85,12 +85,13 @@ def test_gpt_oss_qlora_trains_from_its_mxfp4_checkpoint_on_the_gpu(tmp_path):
 @pytest.mark.parametrize("liger_experts", [True, False])
 def test_model_liger_experts_picks_the_kernel_that_runs_the_experts(liger_experts):
     """Qwen3-MoE with the liger kernels: its experts become liger's fused MoE (LigerExperts) by
-    default, and stay transformers' own with model.liger_experts false."""
+    default, and stay transformers' own with model.liger_experts false. liger binds its forward
+    and its name to the model's own experts modules (their class stays), so the name is read."""
     from lora_lab.models.kernels import apply_kernels, restored_kernel_patches
     from tests.unit.test_moe import tiny_moe
 
     model = tiny_moe("qwen3_moe").cuda()
     with restored_kernel_patches("liger", "qwen3_moe"):  # liger rebinds the modeling module's classes
         assert apply_kernels(model, "liger", liger_experts=liger_experts) == "liger"
-    kinds = {type(module).__name__ for module in model.modules() if module.__class__.__name__.endswith("Experts")}
+    kinds = {module._get_name() for module in model.modules() if type(module).__name__.endswith("Experts")}
     assert kinds == ({"LigerExperts"} if liger_experts else {"Qwen3MoeExperts"})

@@ -20,6 +20,18 @@ def converts_initial_adapter(lora: LoraArgs) -> bool:
     return lora.init.startswith("pissa") or lora.init == "olora"
 
 
+GROUPED_PRODUCT_ROW_BYTES = 16
+"""torch's grouped matrix product takes matrices whose rows fill whole 16-byte steps."""
+
+
+def expert_lora_rank_grouped(rank: int, element_bytes: int = 2) -> bool:
+    """lora.experts at this rank can run in low rank on the experts' grouped products
+    (models/moe.py): the factors' rows of `rank` values (bf16: 2 bytes each) fill whole
+    GROUPED_PRODUCT_ROW_BYTES steps (rank 8, 16, 32... in bf16); other ranks add their delta to
+    the experts' tensors."""
+    return rank * element_bytes % GROUPED_PRODUCT_ROW_BYTES == 0
+
+
 DEFAULT_MAIN_PORT = 29500
 """torchrun's and accelerate's port when --main-address names none."""
 

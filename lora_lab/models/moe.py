@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config.rules import expert_lora_rank_grouped
 from ..errors import ModelError
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -192,13 +193,12 @@ def _with_expert_lora(outer, x, *args, **kwargs):
 def _computes_grouped(base, x, factors: dict) -> bool:
     """Whether the experts module computes through transformers' experts forward (no kernel bound
     its own forward to the module, no expert parallelism or norm after the experts) and torch's
-    grouped product takes this LoRA rank: its rows of rank values must fill whole 16 bytes (a
-    multiple of 8 in bf16, of 4 in fp32)."""
+    grouped product takes this LoRA rank (config/rules.py expert_lora_rank_grouped)."""
     import torch
 
     transformers_forward = "forward" not in vars(base) and hasattr(base, "has_gate")
     plain = not getattr(base, "_is_expert_parallel", False) and not getattr(base, "has_post_expert_norm", False)
-    aligned = all(lhs.shape[-1] * lhs.element_size() % 16 == 0 for lhs, _, _ in factors.values())
+    aligned = all(expert_lora_rank_grouped(lhs.shape[-1], lhs.element_size()) for lhs, _, _ in factors.values())
     return transformers_forward and plain and aligned and hasattr(torch.nn.functional, "grouped_mm")
 
 

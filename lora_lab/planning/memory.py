@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, engine_of, trains_adapter, world_size_of
+from ..config.rules import expert_lora_rank_grouped
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
 from .engines import engine_parts
 from .generation import generation_part
@@ -348,7 +349,12 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         ALLOCATOR_PART: FIT_CONSTANT_GIB,
     }
     fused_experts = shape.liger_experts and config.model.kernels != "none" and config.model.liger_experts
-    if config.lora.experts and not fused_experts:  # through liger's fused MoE: layer_kind_parts' copy
+    # through liger's fused MoE: layer_kind_parts' copy; through transformers' experts in low rank: none
+    if (
+        config.lora.experts
+        and not fused_experts
+        and not expert_lora_rank_grouped(config.lora.rank, 4 if config.model.dtype == "fp32" else 2)
+    ):
         parts["one layer's experts with their LoRA delta (counted)"] = 2 * shape.layer_experts * 2 / GIB
     dequantized = dequantized_mlp_bytes(shape, config)
     if dequantized:

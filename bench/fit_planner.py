@@ -69,15 +69,19 @@ def is_tuner_cell(row: dict) -> bool:
 
 
 EARLIER_PRESET_DROPOUT = "lora.dropout=0.05"  # the GPU presets' dropout before they took 0
+EARLIER_LIGER_EXPERTS = "model.liger_experts=true"  # lora.experts' default before auto (bench/run.py moe says)
 
 
 def cell_sets(row: dict) -> list:
     """The --set list a stored cell ran with: rows that do not record their LoRA dropout ran
-    the presets when these still had the earlier dropout."""
+    the presets when these still had the earlier dropout, and lora.experts rows that do not set
+    model.liger_experts ran liger's fused MoE, its default then."""
     sets = list(row.get("sets", []))
     resolved = row.get("resolved", {})
     if "lora_dropout" not in resolved and not any(s.startswith("lora.dropout=") for s in sets):
         sets.insert(0, EARLIER_PRESET_DROPOUT)
+    if "lora.experts=true" in sets and not any(s.startswith("model.liger_experts=") for s in sets):
+        sets.append(EARLIER_LIGER_EXPERTS)
     if resolved.get("packed_attention") and not any(
         s.startswith("data.packed_attention=") for s in sets
     ):  # auto, as the GPU ran it

@@ -527,11 +527,13 @@ def moe_cells(steps: int = 6) -> list:
         tag = f"moe-{name}-{layers}L"
         cells += [
             {"kind": "lora-lab", "label": f"ll-{tag}", "preset": "24gb", "sets": MOE_SETS, **base},
+            # liger's fused MoE, where the family has it: lora.experts adds its delta to the experts
             {"kind": "lora-lab", "label": f"ll-{tag}-experts", "preset": "24gb", **base}
-            | {"sets": [*MOE_SETS, "lora.experts=true"]},
+            | {"sets": [*MOE_SETS, "lora.experts=true", "model.liger_experts=true"]},
             {"kind": "unsloth", "label": f"us-{tag}", "qlora": True, **base},
         ]
-        # the experts through transformers' grouped products instead of liger's fused MoE
+        # the experts through transformers' grouped products instead of liger's fused MoE (with
+        # lora.experts the default, model.liger_experts auto: its LoRA in low rank on them)
         for suffix, more in (("-noliger", []), ("-experts-noliger", ["lora.experts=true"])):
             sets = [*MOE_SETS, *more, "model.liger_experts=false"]
             cells.append({"kind": "lora-lab", "label": f"ll-{tag}{suffix}", "preset": "24gb", "sets": sets, **base})

@@ -245,46 +245,65 @@ MOE_ROWS = (  # (model, layers kept, its row's name)
 )
 
 
+def moe_variants(name: str) -> list[tuple[str, str]]:
+    """(label suffix, what it trains and how) of bench/run.py's MoE cells of model `name`: the
+    experts through liger's fused MoE only where the family has it (registry.Family.liger_experts)."""
+    from lora_lab.registry import family_of, model_config_of
+
+    if not family_of(model_config_of(name)["model_type"]).liger_experts:
+        return [("-experts", "attention and experts, in low rank on the grouped experts"), ("", "attention")]
+    return [
+        ("-experts-noliger", "attention and experts, in low rank on transformers' experts (the default)"),
+        ("-experts", "attention and experts, through liger's fused MoE (`model.liger_experts=true`)"),
+        ("", "attention, through liger's fused MoE (the default)"),
+        ("-noliger", "attention, transformers' experts (`model.liger_experts=false`)"),
+    ]
+
+
+def host_of(row: dict) -> str:
+    """A cell's peak host RSS, with its anonymous part where the row records it."""
+    anonymous = f" ({row['peak_anon_gib']:.1f})" if row.get("peak_anon_gib") else ""
+    return f"{row['peak_rss_gib']:.1f}{anonymous}"
+
+
 def moe_table() -> str:
     """lora-lab's QLoRA of mixtures of experts beside Unsloth's (bench/run.py moe), the newest
-    stored row of each cell; Unsloth's figure stands beside the lora-lab row that trains as many
-    parameters (its LoRA takes the experts too)."""
+    stored row of each cell; Unsloth's figure stands beside a lora-lab row of the same run (one
+    call) that trains as many parameters (its LoRA takes the experts too)."""
     sources = Sources()
     newest: dict = {}
     for path in sorted(report.RESULTS.glob("*-moe.jsonl")):
-        for header, rows in report.runs_of(path):
+        for run, (header, rows) in enumerate(report.runs_of(path)):
             for row in rows:
-                newest[row["label"]] = (row, {**header, "_path": f"bench/results/{path.name}"})
+                newest[row["label"]] = (row, {**header, "_path": f"bench/results/{path.name}", "_run": (path, run)})
     lines = [
         "| model, QLoRA nf4, one 2048-token sample a step | LoRA on | lora-lab tokens/s | Unsloth | speed | "
-        "peak GiB lora-lab / Unsloth | host RSS GiB lora-lab / Unsloth | GPU, date [source] |",
+        "peak GiB lora-lab / Unsloth | host RSS (anonymous) GiB lora-lab / Unsloth | GPU, date [source] |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, layers, title in MOE_ROWS:
         tag = f"moe-{name}-{layers}L"
         theirs = newest.get(f"us-{tag}", (None, None))
-        for suffix, what in (
-            ("-experts", "attention and experts"),
-            ("-experts-noliger", "attention and experts, transformers' experts (`model.liger_experts=false`)"),
-            ("", "attention"),
-            ("-noliger", "attention, transformers' experts (`model.liger_experts=false`)"),
-        ):
+        for suffix, what in moe_variants(name):
             ours, header = newest.get(f"ll-{tag}{suffix}", (None, None))
             if ours is None or ours.get("error"):
                 continue
             peer, peer_header = theirs
             paired = (
-                peer is not None and not peer.get("error") and peer["trainable_params"] == ours["trainable_params"]
+                peer is not None
+                and not peer.get("error")
+                and peer["trainable_params"] == ours["trainable_params"]
+                and peer_header["_run"] == header["_run"]
             )
-            cite = sources.cite(header, lora_lab=True) + (f" {sources.cite(peer_header)}" if paired else "")
+            cite = sources.cite(header, lora_lab=True)
             lines.append(
                 f"| {title} | {what} ({ours['trainable_params']:,} trained) | {ours['tokens_per_s']:,.0f} | "
                 + (
                     f"{peer['tokens_per_s']:,.0f} | {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x | "
                     f"{ours['peak_reserved_gib']:.2f} / {peer['peak_reserved_gib']:.2f} | "
-                    f"{ours['peak_rss_gib']:.1f} / {peer['peak_rss_gib']:.1f}"
+                    f"{host_of(ours)} / {host_of(peer)}"
                     if paired
-                    else f"- | - | {ours['peak_reserved_gib']:.2f} / - | {ours['peak_rss_gib']:.1f} / -"
+                    else f"- | - | {ours['peak_reserved_gib']:.2f} / - | {host_of(ours)} / -"
                 )
                 + f" | {gpu_of(header)}, {header['date'][:10]} {cite} |"
             )
@@ -294,8 +313,9 @@ def moe_table() -> str:
         "\n".join(lines) + "\n\nRandom weights of the published config.json, its first layers only (the 16-bit "
         "checkpoints do not fit the GPU machine's disk), uncapped; lora-lab's 24gb preset with LoRA r 8, alpha 32, "
         "Unsloth 2026.10.9 with its recommended settings (its LoRA on all linear layers takes the experts too). "
-        "Host RSS is the process's peak resident memory, the checkpoint's file pages included. Two sources on one "
-        "row: consecutive calls on the same machine.\n\n" + sources.render() + "\n"
+        "Host RSS is the process's peak resident memory, the mapped checkpoint's file pages included; in brackets "
+        "its anonymous part, without them (recorded since 2026-12-07 15:17). Unsloth's figure "
+        "stands only beside a row of the same call.\n\n" + sources.render() + "\n"
     )
 
 

@@ -106,13 +106,14 @@ class ModelArgs:
         "(Qwen2/3, Llama, Mistral, Phi-3) run through PyTorch's fused kernel; false: "
         "through liger's Triton kernel.",
     )
-    liger_experts: bool = _f(
-        True,
-        "With model.kernels liger, a mixture of experts' experts run through liger's fused MoE "
-        "kernel where liger has one for the family (Qwen3-MoE, Qwen3.5-MoE); its backward also "
-        "computes the weight gradient of frozen experts, and lora.experts adds its delta to the "
-        "experts' tensors. false: through transformers' own experts (torch's grouped matrix "
-        "products), with lora.experts in low rank on those products.",
+    liger_experts: str | bool = _f(
+        "auto",
+        "With model.kernels liger, where liger has a fused MoE kernel for the family (Qwen3-MoE, "
+        "Qwen3.5-MoE). true: the experts run through it; its backward also computes the weight "
+        "gradient of frozen experts, and lora.experts adds its delta to the experts' tensors. "
+        "false: through transformers' own experts (torch's grouped matrix products), with "
+        "lora.experts in low rank on those products. auto: false with lora.experts, else true.",
+        choices=("auto", True, False),
     )
     cudnn_attention: str | bool = _f(
         "auto",

@@ -235,6 +235,7 @@ AUTO_OR_BOOL = (
     "fast_lora",
     "cudnn_attention",
     "enable_thinking",
+    "liger_experts",
 )
 
 

@@ -241,6 +241,9 @@ class LoadOptions:
     """liger's fused linear cross-entropy (kernels liger); off where rows of the head train."""
     kernels: str = "none"
     """The kernels a training load applies: the run plan's settled model.kernels (liger or none)."""
+    liger_experts: bool = True
+    """With liger's kernels, a family's experts run through its fused MoE (planning/policies.py
+    resolve_liger_experts settles model.liger_experts)."""
     longest_row: int = 0
     """Tokens of the longest training row (data.max_length unpacked): rows of LONG_ROW_TOKENS or
     more attend through models/attention.sdpa_long_rows."""
@@ -305,7 +308,7 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
 
         model.config.use_cache = False
         keep_samples_apart(model)  # packed rows restart linear attention's state at each sample
-        apply_kernels(model, options.kernels, options.fused_loss, args.native_rms_norm, args.liger_experts)
+        apply_kernels(model, options.kernels, options.fused_loss, args.native_rms_norm, options.liger_experts)
     return model
 
 

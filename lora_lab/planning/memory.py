@@ -29,7 +29,7 @@ from ..registry import model_config_of, model_display_name, wants_trainable_toke
 from .engines import engine_parts
 from .generation import generation_part
 from .memory_plan import CONTEXT_GIB, HOST_SHARE, MemoryPlan, usable_host_gib
-from .policies import resolve_fast_lora
+from .policies import resolve_fast_lora, resolve_liger_experts
 from .shape import ModelShape, layer_kind_parts
 from .tuners import ADAPTER_NAMES, adapter_state_part, dora_parts
 
@@ -348,7 +348,7 @@ def _parts(shape: ModelShape, config: RunConfig, tokens: int, means: MemoryMeans
         "recomputed layer + fused loss (fitted)": working / GIB,
         ALLOCATOR_PART: FIT_CONSTANT_GIB,
     }
-    fused_experts = shape.liger_experts and config.model.kernels != "none" and config.model.liger_experts
+    fused_experts = shape.liger_experts and config.model.kernels != "none" and resolve_liger_experts(config)
     # through liger's fused MoE: layer_kind_parts' copy; through transformers' experts in low rank: none
     if (
         config.lora.experts

@@ -8,6 +8,15 @@ from ..config.fields import REFERENCE_TASKS, RunConfig, TrainArgs
 from ..config.rules import engine_of
 
 
+def resolve_liger_experts(config: RunConfig) -> bool:
+    """model.liger_experts -> whether a family's experts run through liger's fused MoE where the
+    liger kernels apply: auto is off with lora.experts, whose LoRA then runs in low rank on
+    transformers' grouped products (models/moe.py) with no delta and no weight gradient of the
+    frozen experts, and on without it."""
+    setting = config.model.liger_experts
+    return setting if isinstance(setting, bool) else not config.lora.experts
+
+
 def resolve_fast_lora(config: RunConfig) -> bool:
     """model.fast_lora -> whether this run routes its LoRA layers through the fast path: auto is
     on for LoRA without adapter dropout (with dropout every layer would fall back to peft) under

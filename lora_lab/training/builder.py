@@ -24,6 +24,7 @@ from ..models.lora import (
 )
 from ..models.moe import adapted_experts_to, expert_lora_in_low_rank
 from ..paths import staged_folder
+from ..planning.policies import resolve_liger_experts
 from ..registry import family_of, missing_fast_paths, wants_trainable_tokens
 from ..run_folder.names import INITIAL_ADAPTER_FOLDER
 from .args import build_training_arguments, count_optimizer_steps
@@ -70,6 +71,7 @@ def build_trainer(plan: RunPlan, inputs: TrainingInputs, precision: Precision) -
         path=plan.model.path,
         fused_loss=not (tokens or preference),
         kernels=plan.kernels,
+        liger_experts=resolve_liger_experts(config),
         longest_row=0 if inputs.packed else config.data.max_length,
     )
     model = load_base_model(config.model, precision, loading)

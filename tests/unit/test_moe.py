@@ -240,8 +240,8 @@ def test_the_planner_counts_the_experts_lora_as_peft_makes_it(model_type):
 
 @pytest.mark.parametrize("experts", [False, True])
 def test_the_plan_holds_a_second_copy_of_a_layers_experts_only_through_ligers_fused_moe(experts):
-    """Qwen3-30B-A3B QLoRA: through liger's fused MoE (model.liger_experts, the default) the
-    recomputed layer holds two bf16 copies of one layer's experts, else one: lora.experts then
+    """Qwen3-30B-A3B QLoRA: through liger's fused MoE (model.liger_experts true) the recomputed
+    layer holds two bf16 copies of one layer's experts, else one: lora.experts then
     runs in low rank on the grouped products (the 24gb preset's rank 8), and at a rank that
     cannot (4) holds the weights with their delta and its gradient, two more; gpt-oss has no
     fused MoE."""
@@ -257,11 +257,17 @@ def test_the_plan_holds_a_second_copy_of_a_layers_experts_only_through_ligers_fu
         flags = {"model.name": name, "data.datasets": ["x"]}
         return plan_memory(resolve_config("24gb", flags=flags, sets=[*sets, *more])).total_gib
 
-    fused, plain = planned("qwen3-30b-a3b"), planned("qwen3-30b-a3b", "model.liger_experts=false")
+    fused, plain = (
+        planned("qwen3-30b-a3b", "model.liger_experts=true"),
+        planned("qwen3-30b-a3b", "model.liger_experts=false"),
+    )
     assert fused - plain == pytest.approx(layer, abs=1e-6)
+    assert planned("qwen3-30b-a3b") == (plain if experts else fused)  # auto: liger's fused MoE without lora.experts
     delta = planned("qwen3-30b-a3b", "model.liger_experts=false", "lora.rank=4") - planned(
         "qwen3-30b-a3b", "model.liger_experts=false", "lora.rank=8"
     )
-    fewer_adapter_weights = planned("qwen3-30b-a3b", "lora.rank=8") - planned("qwen3-30b-a3b", "lora.rank=4")
+    fewer_adapter_weights = planned("qwen3-30b-a3b", "model.liger_experts=true", "lora.rank=8") - planned(
+        "qwen3-30b-a3b", "model.liger_experts=true", "lora.rank=4"
+    )
     assert delta + fewer_adapter_weights == pytest.approx(2 * layer if experts else 0, abs=1e-6)
     assert planned("gpt-oss-20b") == planned("gpt-oss-20b", "model.liger_experts=false")

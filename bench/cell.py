@@ -106,9 +106,12 @@ def run_lora_lab(cell: dict) -> dict:
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
     plan = plan_memory(plan_run(config, Target.here(), for_run=False).planner_config, cell.get("cap_gib"))
     if task == "grpo":  # a step trains micro-batch x accumulation completions
+        from importlib import metadata
+
         extra["completions_per_s"] = (
             config.train.micro_batch_size * config.train.grad_accum / (performance["median_step_seconds"])
         )
+        extra["trl"] = metadata.version("trl")  # run.py --lora-lab-site may give this cell its own
     return {
         **performance,
         **extra,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -770,8 +771,12 @@ def environment() -> dict:
     }
 
 
-def run_cell(cell: dict, timeout: int, concurrent: int) -> dict:
+def run_cell(cell: dict, timeout: int, concurrent: int, lora_lab_site: str | None = None) -> dict:
+    """One cell in its own process; `lora_lab_site` goes first on a lora-lab cell's PYTHONPATH."""
     started = time.time()
+    env = dict(os.environ)
+    if lora_lab_site and cell["kind"].startswith("lora-lab"):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(lora_lab_site).resolve()), env.get("PYTHONPATH")]))
     try:
         proc = subprocess.run(
             [sys.executable, str(HERE / "cell.py"), json.dumps(cell)],
@@ -779,6 +784,7 @@ def run_cell(cell: dict, timeout: int, concurrent: int) -> dict:
             text=True,
             timeout=timeout,
             cwd=HERE,
+            env=env,
         )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("CELL ")]
         row = (
@@ -804,9 +810,17 @@ def main() -> None:
         "plan and append them (after their own header line) to the day's "
         "results file of the plan, so a plan can be run in parts.",
     )
+    parser.add_argument(
+        "--lora-lab-site",
+        help="A folder put first on the lora-lab cells' PYTHONPATH: packages lora-lab needs in "
+        "other versions than the peer folder's (TRL >= 1.16 for --task grpo, where Unsloth "
+        "2026.10.9's folder has 1.15; pip install --no-deps --target DIR 'trl>=1.16,<2').",
+    )
     args = parser.parse_args()
-    command = f"python bench/run.py {args.plan} --parallel {args.parallel}" + (
-        f" --cells {args.cells}" if args.cells else ""
+    command = (
+        f"python bench/run.py {args.plan} --parallel {args.parallel}"
+        + (f" --cells {args.cells}" if args.cells else "")
+        + (f" --lora-lab-site {args.lora_lab_site}" if args.lora_lab_site else "")
     )
     header = {"header": True, "plan": args.plan, **environment(), "command": command}
     out = Path(args.out) / f"{header['date'][:10]}-{args.plan}.jsonl"
@@ -832,7 +846,8 @@ def main() -> None:
         )
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         for row in pool.map(
-            lambda c: run_cell(c, args.timeout, args.parallel), [c for c in cells if "ladder" not in c]
+            lambda c: run_cell(c, args.timeout, args.parallel, args.lora_lab_site),
+            [c for c in cells if "ladder" not in c],
         ):
             record(out, row)
     failed: set = set()
@@ -840,7 +855,7 @@ def main() -> None:
         if cell["ladder"] in failed:
             record(out, {**cell, "error": "skipped: a shorter rung of its ladder failed", "wall_seconds": 0})
             continue
-        row = run_cell(cell, args.timeout, 1)
+        row = run_cell(cell, args.timeout, 1, args.lora_lab_site)
         if row.get("error"):
             failed.add(cell["ladder"])
         record(out, row)

@@ -211,8 +211,10 @@ def test_the_context_table_cells_are_planned_within_10_percent_out_of_sample():
 
 
 def test_the_moe_cells_are_planned_within_10_percent(tmp_path):
-    """Qwen3-30B-A3B's first 16 layers, QLoRA, one 2048-token sample (bench/run.py moe), attention
-    only and with lora.experts: the plan of the truncated config.json, as the cell planned it."""
+    """Every stored lora-lab MoE cell (bench/run.py moe: Qwen3-30B-A3B's first 16 layers and
+    gpt-oss-20b's first 8, QLoRA, one 2048-token sample; attention only and with lora.experts,
+    through liger's fused MoE and in low rank): the plan of the truncated config.json, with the
+    settings the cell ran."""
     from workloads import config_body
 
     rows = [

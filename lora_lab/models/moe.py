@@ -236,11 +236,12 @@ def _grouped_product(module, key: str, x, offsets, expert_ids, lora: dict):
     from torch.nn.functional import grouped_mm
 
     weight = getattr(module, key)
-    out = grouped_mm(x.to(weight.dtype), weight if module.is_transposed else weight.transpose(-2, -1), offs=offsets)
+    x = x.to(weight.dtype)  # peft's factors come in the tensor's dtype too (get_delta_factors)
+    out = grouped_mm(x, weight if module.is_transposed else weight.transpose(-2, -1), offs=offsets)
     if key in lora:
         lhs, rhs, scaling = lora[key]
         a, b = (lhs, rhs) if module.is_transposed else (rhs.transpose(-2, -1), lhs.transpose(-2, -1))
-        low = grouped_mm(x.to(a.dtype), a.contiguous(), offs=offsets) * scaling
+        low = grouped_mm(x, a.contiguous(), offs=offsets) * scaling
         out = out + grouped_mm(low, b.contiguous(), offs=offsets)
     bias = getattr(module, f"{key}_bias", None) if module.has_bias else None
     return out if bias is None else out + bias[expert_ids]

@@ -104,9 +104,14 @@ def run_lora_lab(cell: dict) -> dict:
     summary = json.loads((result.run_dir / "run_summary.json").read_text())
     performance = summary["performance"]
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
-    plan = plan_memory(plan_run(config, Target.here(), for_run=False).planner_config, cell.get("cap_gib"))
+    # grpo: planned with its longest prompt, as the run chose its memory means (data.max_length only
+    # bounds the prompts)
+    longest = longest_prompt_tokens(model, data) if task == "grpo" else None
+    plan = plan_memory(plan_run(config, Target.here(), for_run=False).planner_config, cell.get("cap_gib"), longest)
     if task == "grpo":  # a step trains micro-batch x accumulation completions
         from importlib import metadata
+
+        extra["longest_prompt_tokens"] = longest
 
         extra["completions_per_s"] = (
             config.train.micro_batch_size * config.train.grad_accum / (performance["median_step_seconds"])
@@ -123,6 +128,17 @@ def run_lora_lab(cell: dict) -> dict:
         "trainable_params": adapter_parameters(result.run_dir),
         "resolved": resolved(config, summary),
     }
+
+
+def longest_prompt_tokens(model: Path, data: Path) -> int:
+    """Tokens of the longest prompt of a grpo cell's data, with its chat template and the
+    assistant's opening, as TRL hands it to generate."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
 
 
 def adapter_parameters(run_dir: Path) -> int:

@@ -680,6 +680,7 @@ STANDING = (
     ("Against Unsloth", "peer_table"),
     ("Long context under the tiers' caps", "long_context_table"),
     ("Mixture of experts against Unsloth", "moe_table"),
+    ("GRPO against Unsloth", "grpo_table"),
     ("Against the plain Trainer+PEFT recipe, on fixed and real-length data", "plain_recipe_table"),
     ("Presets under their caps", "presets_table"),
     ("Other model families under the tiers' caps", "families_table"),

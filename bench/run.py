@@ -565,6 +565,11 @@ def grpo_cells(steps: int = 4) -> list:
         cells += [
             {"kind": "lora-lab", "label": f"ll-grpo-{tier}-{size}", "preset": tier, "task": "grpo", **base}
             | {"sets": ['grpo.rewards=["length"]']},
+            {"kind": "lora-lab", "label": f"ll-grpo-{tier}-{size}-static", "preset": tier, "task": "grpo", **base}
+            | {"sets": ['grpo.rewards=["length"]', "grpo.static_cache=true"]},
+            {"kind": "lora-lab", "label": f"ll-grpo-{tier}-{size}-static-gpuemb", "preset": tier, "task": "grpo"}
+            | base
+            | {"sets": ['grpo.rewards=["length"]', "grpo.static_cache=true", "model.embedding_on_cpu=false"]},
             {
                 "kind": "unsloth-grpo",
                 "label": f"us-grpo-{tier}-{size}",

@@ -319,6 +319,62 @@ def moe_table() -> str:
     )
 
 
+GRPO_ROWS = (  # (label tag, its row's name): bench/run.py grpo's cells
+    ("16gb-7b", "Qwen2.5-7B QLoRA, 16gb: 16 completions a step, 8 a prompt, 512 tokens"),
+    ("8gb-1.5b", "Qwen2.5-1.5B, 8gb: 16 completions a step, 4 a prompt, 256 tokens"),
+)
+GRPO_VARIANTS = (
+    ("", "the preset"),
+    ("-static", "`grpo.static_cache=true`"),
+    ("-static-gpuemb", "`grpo.static_cache=true`, `model.embedding_on_cpu=false`"),
+)
+
+
+def grpo_table() -> str:
+    """lora-lab's --task grpo beside Unsloth's GRPO (bench/run.py grpo), the newest stored row of
+    each cell; Unsloth's figure stands only beside a lora-lab row of the same run (one call)."""
+    sources = Sources()
+    newest: dict = {}
+    for path in sorted(report.RESULTS.glob("*-grpo.jsonl")):
+        for run, (header, rows) in enumerate(report.runs_of(path)):
+            for row in rows:
+                newest[row["label"]] = (row, {**header, "_path": f"bench/results/{path.name}", "_run": (path, run)})
+    lines = [
+        "| model, tier's settings | lora-lab | completions/s lora-lab / Unsloth | speed | "
+        "step s lora-lab / Unsloth | peak GiB lora-lab / Unsloth | host RSS (anonymous) GiB | GPU, date [source] |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for tag, title in GRPO_ROWS:
+        peer, peer_header = newest.get(f"us-grpo-{tag}", (None, None))
+        for suffix, what in GRPO_VARIANTS:
+            ours, header = newest.get(f"ll-grpo-{tag}{suffix}", (None, None))
+            if ours is None or ours.get("error"):
+                continue
+            paired = peer is not None and not peer.get("error") and peer_header["_run"] == header["_run"]
+            theirs = peer if paired else {}
+            lines.append(
+                f"| {title} | {what} | {ours['completions_per_s']:.3f} / {_or_dash(theirs, 'completions_per_s', 3)} | "
+                + (f"{ours['completions_per_s'] / peer['completions_per_s']:.2f}x" if paired else "-")
+                + f" | {ours['median_step_seconds']:.1f} / {_or_dash(theirs, 'median_step_seconds', 1)} | "
+                f"{ours['peak_reserved_gib']:.2f} / {_or_dash(theirs, 'peak_reserved_gib', 2)} | "
+                f"{host_of(ours)} / {host_of(peer) if paired else '-'} | "
+                f"{gpu_of(header)}, {header['date'][:10]} {sources.cite(header, lora_lab=True)} |"
+            )
+    if len(lines) == 2:
+        return ""
+    return (
+        "\n".join(lines) + "\n\nRandom weights of the published config.json, prompts of 64 words, lora-lab's "
+        "`length` reward on both sides, beta 0, DAPO's loss, generation through transformers on both sides "
+        "(TRL 1.16 for lora-lab, 1.15 in Unsloth 2026.10.9's folder), four steps, the median of the last two. "
+        "Completions a second: a step's completions over its median time. Unsloth's figure stands only beside a "
+        "row of the same call.\n\n" + sources.render() + "\n"
+    )
+
+
+def _or_dash(row: dict, key: str, digits: int) -> str:
+    return f"{row[key]:.{digits}f}" if row else "-"
+
+
 def plain_recipe_table() -> str:
     """lora-lab against the plain Trainer+PEFT recipe, each pair from one run."""
     sources = Sources()

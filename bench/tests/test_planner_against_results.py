@@ -237,3 +237,32 @@ def test_the_moe_cells_are_planned_within_10_percent(tmp_path):
         }
         planned = plan_memory(resolve_config(row["preset"], flags=flags, sets=cell_sets(row))).total_gib
         assert abs(planned - row["peak_reserved_gib"]) / row["peak_reserved_gib"] < 0.10, (row["label"], planned)
+
+
+def test_the_grpo_cells_are_planned_within_10_percent_with_their_longest_prompt(tmp_path):
+    """Every stored lora-lab GRPO cell (bench/run.py grpo: Qwen2.5-7B QLoRA under 16gb, 1.5B under
+    8gb, prompts of 64 words), planned as the run chose its memory means: with the longest
+    prompt of its data (data.max_length only bounds the prompts), the completions beyond it."""
+    from cell import longest_prompt_tokens
+    from workloads import write_prompt_rows
+
+    tokenizer = Path(__file__).resolve().parents[2] / "lora_lab" / "qwen25_tokenizer"
+    rows = [
+        json.loads(line)
+        for path in sorted(RESULTS.glob("*-grpo.jsonl"))
+        for line in path.read_text().splitlines()
+        if '"kind": "lora-lab"' in line
+    ]
+    rows = [r for r in rows if not r.get("error")]
+    assert {r["size"] for r in rows} >= {"7b", "1.5b"}
+    for row in rows:
+        data = write_prompt_rows(
+            tmp_path / f"{row['label']}.jsonl", row["steps"] * row["grad_accum"], row["prompt_words"]
+        )
+        longest = longest_prompt_tokens(tokenizer, data)
+        assert row.get("longest_prompt_tokens", longest) == longest
+        flags = {"model.name": f"qwen2.5-{row['size']}", "data.datasets": ["x"], "train.task": "grpo"}
+        flags |= {"data.max_length": row["max_length"], "train.grad_accum": row["grad_accum"]}
+        config = resolve_config(row["preset"], flags=flags, sets=row["sets"])
+        planned = plan_memory(config, row["cap_gib"], longest).total_gib
+        assert abs(planned - row["peak_reserved_gib"]) / row["peak_reserved_gib"] < 0.10, (row["label"], planned)

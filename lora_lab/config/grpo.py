@@ -50,6 +50,12 @@ class GrpoArgs:
         minimum=1,
     )
     temperature: float = _f(1.0, "Sampling temperature of the completions (above 0).", minimum=0)
+    static_cache: bool = _f(
+        False,
+        "Sample with a static KV cache sized for prompt + completion and transformers' compiled "
+        "decoding step (torch.compile, CUDA graphs) on a CUDA GPU: the first step compiles, and a "
+        "step whose prompts outgrow the cache compiles again. Off: a growing cache, no compilation.",
+    )
 
 
 def reward_weights_of(grpo: GrpoArgs) -> list[float]:

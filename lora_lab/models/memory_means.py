@@ -54,6 +54,7 @@ class CpuEmbedding(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.table
 
+    @torch.compiler.disable  # a compiled decoding step (grpo.static_cache) calls it as it is
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         target = input_ids.device if input_ids.is_cuda else self.device_marker.device
         ids = input_ids.to("cpu").reshape(-1)

@@ -81,6 +81,7 @@ def grpo_settings(config: RunConfig, tokenizer) -> dict:
         "reward_weights": reward_weights_of(grpo),
         "chat_template_kwargs": prompt_template_kwargs(tokenizer, config.data.enable_thinking),
         "log_completions": False,
+        "cache_implementation": "static" if grpo.static_cache else None,
         **LOSS_SETTINGS[grpo.loss],
     }
 
@@ -100,6 +101,8 @@ def build_grpo_trainer(
         callbacks=callbacks,
         **parts,
     )
+    # TRL turns transformers' compiled decoding off; a static cache is what it compiles for
+    trainer.generation_config.disable_compile = not config.grpo.static_cache
     weights = reward_weights_of(config.grpo)
     log.info(
         f"--task grpo: loss {config.grpo.loss}, {config.grpo.num_generations} completions a prompt of at most "

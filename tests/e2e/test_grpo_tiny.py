@@ -155,3 +155,24 @@ def test_a_grpo_run_resumed_from_a_checkpoint_samples_and_trains_as_the_whole_ru
     assert steps("resumed") == steps("whole") and len(steps("whole")) == 4
     a, b = (load_file(tmp_path / n / "adapter" / "adapter_model.safetensors") for n in ("whole", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_static_cache_samples_the_same_completions_and_trains_the_same_adapter(tiny_model_dir, prompts, tmp_path):
+    """grpo.static_cache changes where the keys and values wait, not what is sampled (on the CPU
+    transformers does not compile the decoding step, so this holds the cache itself)."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(EVEN)
+
+    def run(static):
+        result = invoke("run", "--model", tiny_model_dir, "--data", f"{prompts}#4", "--task", "grpo", "--reward",
+                        f"{reward}:even_tokens", "--num-generations", 4, "--max-completion-length", 6,
+                        "--grad-accum", 1, "--max-steps", 2, "--logging-steps", 1, "--set",
+                        f"grpo.static_cache={static}", "--output-dir", tmp_path, "--run-name", static)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        lines = (tmp_path / static / "logs" / "train_log.jsonl").read_text().splitlines()
+        steps = [[e["loss"], e["reward"], e["rewards/even_tokens/std"]] for e in map(json.loads, lines) if "loss" in e]
+        return steps, load_file(tmp_path / static / "adapter" / "adapter_model.safetensors")
+
+    (growing, a), (static, b) = run("false"), run("true")
+    assert static == growing and len(growing) == 2 and any(step[2] > 0 for step in growing), growing
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -266,16 +266,23 @@ def host_of(row: dict) -> str:
     return f"{row['peak_rss_gib']:.1f}{anonymous}"
 
 
+def newest_rows(plan: str) -> dict:
+    """label -> (the newest stored row of that cell of `plan`, its run's header with the results
+    file's path and the run's key "_run": rows of one run came from one call)."""
+    newest: dict = {}
+    for path in sorted(report.RESULTS.glob(f"*-{plan}.jsonl")):
+        for run, (header, rows) in enumerate(report.runs_of(path)):
+            for row in rows:
+                newest[row["label"]] = (row, {**header, "_path": f"bench/results/{path.name}", "_run": (path, run)})
+    return newest
+
+
 def moe_table() -> str:
     """lora-lab's QLoRA of mixtures of experts beside Unsloth's (bench/run.py moe), the newest
     stored row of each cell; Unsloth's figure stands beside a lora-lab row of the same run (one
     call) that trains as many parameters (its LoRA takes the experts too)."""
     sources = Sources()
-    newest: dict = {}
-    for path in sorted(report.RESULTS.glob("*-moe.jsonl")):
-        for run, (header, rows) in enumerate(report.runs_of(path)):
-            for row in rows:
-                newest[row["label"]] = (row, {**header, "_path": f"bench/results/{path.name}", "_run": (path, run)})
+    newest = newest_rows("moe")
     lines = [
         "| model, QLoRA nf4, one 2048-token sample a step | LoRA on | lora-lab tokens/s | Unsloth | speed | "
         "peak GiB lora-lab / Unsloth | host RSS (anonymous) GiB lora-lab / Unsloth | GPU, date [source] |",
@@ -334,11 +341,7 @@ def grpo_table() -> str:
     """lora-lab's --task grpo beside Unsloth's GRPO (bench/run.py grpo), the newest stored row of
     each cell; Unsloth's figure stands only beside a lora-lab row of the same run (one call)."""
     sources = Sources()
-    newest: dict = {}
-    for path in sorted(report.RESULTS.glob("*-grpo.jsonl")):
-        for run, (header, rows) in enumerate(report.runs_of(path)):
-            for row in rows:
-                newest[row["label"]] = (row, {**header, "_path": f"bench/results/{path.name}", "_run": (path, run)})
+    newest = newest_rows("grpo")
     lines = [
         "| model, tier's settings | lora-lab | completions/s lora-lab / Unsloth | speed | "
         "step s lora-lab / Unsloth | peak GiB lora-lab / Unsloth | host RSS (anonymous) GiB | GPU, date [source] |",

@@ -217,13 +217,7 @@ def test_the_moe_cells_are_planned_within_10_percent(tmp_path):
     settings the cell ran."""
     from workloads import config_body
 
-    rows = [
-        json.loads(line)
-        for path in sorted(RESULTS.glob("*-moe.jsonl"))
-        for line in path.read_text().splitlines()
-        if '"kind": "lora-lab"' in line
-    ]
-    rows = [r for r in rows if not r.get("error")]
+    rows = completed_lora_lab_rows("moe")
     assert {r["label"] for r in rows} >= {"ll-moe-qwen3-30b-a3b-16L", "ll-moe-qwen3-30b-a3b-16L-experts"}
     for row in rows:
         folder = tmp_path / row["label"]
@@ -247,13 +241,7 @@ def test_the_grpo_cells_are_planned_within_10_percent_with_their_longest_prompt(
     from workloads import write_prompt_rows
 
     tokenizer = Path(__file__).resolve().parents[2] / "lora_lab" / "qwen25_tokenizer"
-    rows = [
-        json.loads(line)
-        for path in sorted(RESULTS.glob("*-grpo.jsonl"))
-        for line in path.read_text().splitlines()
-        if '"kind": "lora-lab"' in line
-    ]
-    rows = [r for r in rows if not r.get("error")]
+    rows = completed_lora_lab_rows("grpo")
     assert {r["size"] for r in rows} >= {"7b", "1.5b"}
     for row in rows:
         data = write_prompt_rows(
@@ -266,3 +254,14 @@ def test_the_grpo_cells_are_planned_within_10_percent_with_their_longest_prompt(
         config = resolve_config(row["preset"], flags=flags, sets=row["sets"])
         planned = plan_memory(config, row["cap_gib"], longest).total_gib
         assert abs(planned - row["peak_reserved_gib"]) / row["peak_reserved_gib"] < 0.10, (row["label"], planned)
+
+
+def completed_lora_lab_rows(plan: str) -> list:
+    """Every stored lora-lab row of `plan` that completed."""
+    rows = [
+        json.loads(line)
+        for path in sorted(RESULTS.glob(f"*-{plan}.jsonl"))
+        for line in path.read_text().splitlines()
+        if '"kind": "lora-lab"' in line
+    ]
+    return [r for r in rows if not r.get("error")]

@@ -249,6 +249,24 @@ def checkpointed_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
 
 
+@contextlib.contextmanager
+def checkpointing_paused(model):
+    """Gradient checkpointing off inside the block and back on after it, every module's own
+    setting and checkpoint function kept: for generation inside a training step (--task grpo),
+    whose layers then run with their cache. TRL switches a checkpointing model off and on again
+    through transformers, which would put torch's checkpoint in place of lora-lab's (checkpoints
+    in CPU memory) and turn the layers left uncheckpointed (keep_last_layers) back on; it finds
+    checkpointing off here and leaves both alone."""
+    paused = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for module in paused:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module in paused:
+            module.gradient_checkpointing = True
+
+
 def keep_last_layers(model, count: int) -> int:
     """Turn gradient checkpointing off for the last `count` decoder layers: they keep their
     activations from the forward pass to the backward pass instead of running again. Returns

@@ -24,6 +24,7 @@ from ..config.grpo import reward_weights_of
 from ..data.prompts import prompt_template_kwargs
 from ..data.rewards import build_rewards
 from ..log import get_logger
+from ..models.memory_means import checkpointing_paused
 from .preference import REFERENCE_ADAPTER, TrainedAdapterOnly, require_trl, rows_dataset
 from .trainer import LoraLabMixin
 
@@ -49,6 +50,12 @@ def grpo_trainer_class():
     from trl import GRPOTrainer
 
     class LoraLabGRPOTrainer(LoraLabMixin, TrainedAdapterOnly, GRPOTrainer):
+        def _generate_single_turn(self, *args, **kwargs):
+            """Sampling with the layers' checkpointing paused, lora-lab's checkpoint functions
+            and uncheckpointed layers kept (models/memory_means.checkpointing_paused)."""
+            with checkpointing_paused(self.accelerator.unwrap_model(self.model)):
+                return super()._generate_single_turn(*args, **kwargs)
+
         def log(self, logs: dict, start_time: float | None = None) -> None:
             """A metric without a value since the last event (TRL would log None, which the
             trackers refuse with a warning each time) is left out of it."""

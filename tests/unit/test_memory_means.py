@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -255,3 +257,38 @@ def test_cudnn_attention_lets_sdpa_pick_cudnn_only_when_true():
             assert torch.backends.cuda.flash_sdp_enabled()  # the others stay allowed
     finally:
         use_cudnn_attention(True)
+
+
+def test_generation_inside_a_grpo_step_keeps_the_offloaded_checkpoints_and_the_kept_layers():
+    """TRL's unwrap_model_for_generation (GRPOTrainer's sampling) switches a checkpointing model
+    off and on again through transformers, which puts torch's checkpoint on every layer and turns
+    the layers lora-lab left uncheckpointed back on. Inside checkpointing_paused (the GRPO
+    trainer's sampling) it leaves both as they were, and generation still uses its cache."""
+    from accelerate import Accelerator
+    from trl.models import unwrap_model_for_generation
+
+    from lora_lab.models.memory_means import checkpointing_paused, keep_last_layers, offloads_checkpoint
+
+    def sample(model, paused: bool):
+        layers = model.base_model.model.model.layers
+        pause = checkpointing_paused(model) if paused else contextlib.nullcontext()
+        with pause, unwrap_model_for_generation(model, Accelerator(cpu=True)) as unwrapped, torch.no_grad():
+            ids = unwrapped.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, use_cache=True)
+        return ids, [(offloads_checkpoint(layer), layer.gradient_checkpointing) for layer in layers]
+
+    model = apply_lora(
+        tiny_untied(),
+        LoraArgs(rank=4, alpha=8),
+        LoraOptions(gradient_checkpointing=True, means=MemoryMeans(offload_checkpoints=True)),
+    )
+    assert keep_last_layers(model, 1) == 1
+    before = [(True, True), (True, False)]
+    ids, after = sample(model, paused=True)
+    assert after == before and ids.shape == (1, 7)
+    plain = tiny_untied()
+    plain.config.use_cache = True
+    torch.testing.assert_close(
+        ids[:, 3:], plain.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)[:, 3:]
+    )
+    _, replaced = sample(model, paused=False)  # what TRL alone leaves: torch's checkpoint, both layers on
+    assert replaced == [(False, True), (False, True)]

@@ -448,3 +448,20 @@ def test_more_uncheckpointed_layers_than_the_model_has_is_refused():
 
     with pytest.raises(ConfigError, match=r"train.uncheckpointed_layers 3: the model has 2 "):
         loss_and_grads(True, MemoryMeans(uncheckpointed_layers=3))
+
+
+def test_a_compiled_forward_computes_through_peft_and_gives_the_eager_logits(monkeypatch):
+    """Inside torch.compile (transformers' compiled decoding step, grpo.static_cache) the fast
+    path's stateful calls (its cast cache keys on data pointers, which Dynamo does not trace)
+    step aside for peft's own forward; eager calls keep the fast path, and both give the same
+    logits."""
+    _, _, model = loss_and_grads(True)
+    give_adapters_an_effect(model)
+    calls = count_calls(monkeypatch)
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits
+        assert calls["projection"] == 2 * 2  # q, k, v together and o, two layers; the MLP without a graph
+        compiled = torch.compile(model.base_model.model, backend="eager")(input_ids=ids).logits
+    assert calls["projection"] == 2 * 2
+    torch.testing.assert_close(compiled, eager)

@@ -112,7 +112,7 @@ class _SharedInput:
         original = module.forward
 
         def forward(x, *args, **kwargs):
-            if args or kwargs:
+            if args or kwargs or torch.compiler.is_compiling():  # compiled: peft's own, traceable
                 return original(x, *args, **kwargs)
             held = self.pending.pop(id(module), None)
             if held is not None and held[0] is x:
@@ -147,6 +147,8 @@ def _fast_mlp_forward(mlp, output_to_residual: bool, options: FastLoraOptions, c
     chunk_tokens, down_tokens = options.chunk_tokens, options.down_backward_tokens
 
     def forward(x):
+        if torch.compiler.is_compiling():  # a compiled step (grpo.static_cache): peft's own, traceable
+            return original(x)
         adapters = [_plain_adapter(p) for p in projections]
         if any(a is None for a in adapters):
             return original(x)

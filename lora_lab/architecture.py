@@ -129,9 +129,9 @@ def cache_widths(config: dict) -> tuple[int, int, int, int]:
     own (the safe side)."""
     _, kv = _attention_widths(config)
     full_kv = kv
-    if is_gemma4(config):
-        full_kv = config["num_key_value_heads"] * (config.get("global_head_dim") or 512)
     kinds = layer_types(config)
+    if is_gemma4(config) and "full_attention" in kinds:
+        full_kv = config["num_key_value_heads"] * gemma4_head_dim(config, kinds.index("full_attention"))
     window = config.get("sliding_window") or 0
     state = 0
     if "linear_attention" in kinds:
@@ -178,6 +178,21 @@ def parameter_count(config: dict) -> int:
     return linears + vocab * h + head + n * (biases + 2 * h) + h + expert_params(config)
 
 
+def gemma4_head_dim(config: dict, index: int) -> int:
+    """The head width of Gemma 4's layer `index`: a full-attention layer's global_head_dim (512
+    where the config names none), a sliding layer's head_dim. transformers 5.25 and later save
+    the full layers' width as a per-layer override instead (per_layer_config: {"1": {"head_dim":
+    512}}), which wins where present."""
+    override = ((config.get("per_layer_config") or {}).get(str(index)) or {}).get("head_dim")
+    if override:
+        return override
+    return (
+        (config.get("global_head_dim") or 512)
+        if layer_types(config)[index] == "full_attention"
+        else config["head_dim"]
+    )
+
+
 def _gemma4_layers(config: dict) -> list[list[tuple[int, int]]]:
     """Gemma 4's decoder layers: a full-attention layer's heads are global_head_dim wide (and
     num_global_key_value_heads many, where attention_k_eq_v, which also drops its v_proj: v is
@@ -191,7 +206,7 @@ def _gemma4_layers(config: dict) -> list[list[tuple[int, int]]]:
     layers = []
     for index, kind in enumerate(layer_types(config)):
         full = kind == "full_attention"
-        head_dim = (config.get("global_head_dim") or 512) if full else config["head_dim"]
+        head_dim = gemma4_head_dim(config, index)
         kv = config["num_key_value_heads"]
         if full and k_eq_v and config.get("num_global_key_value_heads"):
             kv = config["num_global_key_value_heads"]
@@ -214,7 +229,7 @@ def _gemma4_extras(config: dict) -> int:
     table = config.get("vocab_size_per_layer_input", config["vocab_size"]) * n * ple + h * n * ple + ple if ple else 0
     shared_from = n - (config.get("num_kv_shared_layers") or 0)
     norms = 0
-    for index, kind in enumerate(layer_types(config)):
-        head_dim = (config.get("global_head_dim") or 512) if kind == "full_attention" else config["head_dim"]
+    for index in range(n):
+        head_dim = gemma4_head_dim(config, index)
         norms += 4 * h + (h if ple else 0) + head_dim + (head_dim if index < shared_from else 0)
     return table + norms + h

@@ -359,8 +359,11 @@ def _from_pretrained(name: str, path: str, kwargs: dict):
     id that is not there) said in one line."""
     from transformers import AutoModelForCausalLM
 
+    from .multimodal import language_model_of_checkpoint
+
     try:
-        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        text_model = language_model_of_checkpoint(path, kwargs)  # a vision-language checkpoint's
+        return text_model if text_model is not None else AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except pickle.UnpicklingError:
         raise ModelError(
             f"--model {name}: a weights file ({', '.join(pickled_weights(path)) or '*.bin'}) holds a "

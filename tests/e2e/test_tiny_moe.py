@@ -7,6 +7,7 @@ peft."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -50,6 +51,15 @@ MODELS = {
 }
 
 
+SLOW_DECAY = math.log(0.25)
+"""A_log of the tiny Qwen3.5-MoE's Gated DeltaNet layers. Its random init (A up to 16, with
+projections of range 0.3) gives per-token log-decays down to -61, whose in-chunk sums (355-684)
+transformers' chunked delta rule subtracts in fp32, which costs 2e-5 of relative precision a layer:
+base + adapter and the fp32 merge then differ by 1.1e-3, all of it rounding (in float64 they agree
+to 7e-13), above merge's 1e-3 rule. A of 0.25 (a quarter of the log-decay the projections
+ask for) keeps the sums small."""
+
+
 def build_tiny_moe(folder, config_name: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -57,6 +67,9 @@ def build_tiny_moe(folder, config_name: str):
     torch.manual_seed(0)
     config = tiny_family_config(config_name, **MODELS[config_name][0])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for module in model.modules():
+        if hasattr(module, "A_log"):  # Gated DeltaNet: see SLOW_DECAY
+            module.A_log.data.fill_(SLOW_DECAY)
     model.generation_config.eos_token_id = [151645, 151643]
     model.save_pretrained(folder, safe_serialization=True)
     AutoTokenizer.from_pretrained(TOKENIZER_DIR).save_pretrained(folder)
@@ -143,8 +156,6 @@ def test_merge_gives_the_logits_of_the_base_with_its_adapter(moe_run, tmp_path):
     from lora_lab.use.merge import merge_adapter
 
     name, model_dir, run_dir, _ = moe_run
-    if name == "qwen3.5-35b-a3b":
-        pytest.skip("the tiny Qwen3.5-MoE's fp32 merge differs by 1.1e-3 > merge's 1e-3 rule")
     merged = merge_adapter(run_dir, output=tmp_path / "merged", dtype="fp32").output_dir
     ids = torch.tensor([[151644, 872, 198, 15191, 525, 498, 30, 151645]])
     attention = {"attn_implementation": "eager"} if name == "gpt-oss-20b" else {}

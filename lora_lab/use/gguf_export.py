@@ -193,7 +193,7 @@ def _export(source: Path, staging: Path, scratch: Path, converter: Path, quantiz
     batch = check_prompt_batch(tokenizer, "cpu")
     reference = reference_logits(source, batch, dtype="auto")
     diff, agreement = check_gguf_logits(target, tokenizer, batch, reference)
-    warnings = []
+    warnings = [caveat] if (caveat := rope_caveat(json.loads((source / "config.json").read_text()))) else []
     if agreement < MIN_TOP1_AGREEMENT:
         warnings.append(
             f"llama.cpp on the {quantize} file predicts the 16-bit model's next token "
@@ -217,6 +217,22 @@ def _export(source: Path, staging: Path, scratch: Path, converter: Path, quantiz
         versions=gguf_versions(),
         warnings=warnings,
     )
+
+
+def rope_caveat(config: dict) -> str | None:
+    """What llama.cpp's rope cannot follow in `config` (a config.json, or its text_config): YaRN
+    whose correction range is not rounded to whole dimensions (rope_parameters.truncate false,
+    gpt-oss's). llama.cpp always rounds it and a GGUF has no key that says otherwise, so the
+    file's positions drift from transformers' rope, the more the longer the context."""
+    text = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    rope: dict = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if rope.get("rope_type") == "yarn" and rope.get("truncate") is False:
+        return (
+            "this model's YaRN rope does not round its correction range (rope_parameters.truncate false); "
+            "llama.cpp always rounds it, so the GGUF's logits drift from the 16-bit model's with the length "
+            "of the context. Serve it with transformers or vLLM where long contexts matter."
+        )
+    return None
 
 
 def _generation_eos_ids(source: Path) -> list[int]:

@@ -48,21 +48,13 @@ def qwen35_vision_language(folder):
 
 
 def gemma4_vision_language(folder):
-    """E2B's text model shrunk as tests/e2e/test_tiny_families.py has it (sliding and full
-    layers, shared keys and values, per-layer inputs) on Gemma 4's tokenizer, with a one-layer
+    """E2B's text model shrunk (families.GEMMA4_TINY: sliding and full layers, shared keys and
+    values, per-layer inputs) on Gemma 4's tokenizer, with a one-layer
     vision tower."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     tokenizer = families.gemma4_tokenizer()
-    text = tiny_family_config(
-        "gemma-4-e2b",
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        global_head_dim=32,
-        num_kv_shared_layers=2,
-        hidden_size_per_layer_input=8,
-        sliding_window=16,
-    ).to_dict()
+    text = tiny_family_config("gemma-4-e2b", **families.GEMMA4_TINY).to_dict()
     vision = dict(
         hidden_size=32,
         intermediate_size=64,

@@ -44,19 +44,11 @@ FAMILIES = {
     ),
     "mistral": ("mistral-7b", families.mistral_tokenizer, {}, LINEAR7, 2),
     "llama": ("llama-3.2-1b", families.llama3_tokenizer, {}, LINEAR7, 128009),
-    # E2B's shape shrunk: sliding and full-attention layers (32-wide global heads), the last two
-    # reusing the first two's keys and values with double-wide MLPs, per-layer inputs of 8
+    # E2B's shape shrunk (families.GEMMA4_TINY)
     "gemma4_text": (
         "gemma-4-e2b",
         families.gemma4_tokenizer,
-        dict(
-            num_hidden_layers=4,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-            global_head_dim=32,
-            num_kv_shared_layers=2,
-            hidden_size_per_layer_input=8,
-            sliding_window=16,
-        ),
+        families.GEMMA4_TINY,
         LINEAR7 | {"per_layer_input_gate", "per_layer_projection", "per_layer_model_projection"},
         106,
     ),

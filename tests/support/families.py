@@ -200,6 +200,19 @@ def gemma4_tokenizer():
     return AutoTokenizer.from_pretrained(folder)
 
 
+GEMMA4_TINY = dict(
+    num_hidden_layers=4,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    global_head_dim=32,
+    num_kv_shared_layers=2,
+    hidden_size_per_layer_input=8,
+    sliding_window=16,
+)
+"""Gemma 4 E2B's shape shrunk further (tiny_family_config's overrides): sliding and full-attention
+layers (32-wide global heads), the last two reusing the first two's keys and values with
+double-wide MLPs, per-layer inputs of 8."""
+
+
 def tiny_family_config(config_name: str, **overrides):
     """The transformers config of lora_lab/model_configs/CONFIG_NAME.json shrunk to 2 layers of
     width 64, its other values kept; a hybrid (layer_types with linear attention, Qwen3.5) keeps

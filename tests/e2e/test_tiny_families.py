@@ -183,7 +183,11 @@ def test_the_f16_gguf_answers_as_the_trained_model(family_run):
     """`lora-lab export --format gguf --quantize f16` through the installed llama.cpp's converter
     (Qwen3.5's hybrid layers without the MTP block transformers does not load: --no-mtp) and
     `lora-lab check`: llama.cpp renders the family's template to the trained ids, stops at its end
-    of turn and answers as the trained model."""
+    of turn and predicts the trained model's next tokens (the check's rule: top-1 agreement at
+    its confident positions). The whole greedy answer is not asserted: this tiny random model's
+    answer turns on near-ties that f16 weights can flip (the tiny Qwen3.5's did in a fresh
+    environment on 2026-12-07, 0 of 1 answers equal at top-1 0.969, where the same code had
+    given 1 of 1 hours before)."""
     name, _, run_dir = family_run
     if name not in GGUF_CHECKED:
         pytest.skip(f"{name}'s test tokenizer is a stand-in (GGUF_CHECKED)")
@@ -196,4 +200,5 @@ def test_the_f16_gguf_answers_as_the_trained_model(family_run):
     checked = CliRunner().invoke(main, ["check", str(run_dir), "--prompt", ROWS[0]["messages"][0]["content"]])
     assert checked.exit_code == 0, checked.output
     line = next(x for x in checked.output.splitlines() if x.startswith("gguf-f16"))
-    assert "answers 1/1  stops 1/1" in line and line.endswith("ok"), line
+    assert "stops 1/1" in line and line.endswith("ok"), line
+    assert float(line.split("top-1 ")[1].split()[0]) >= 0.95, line

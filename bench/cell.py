@@ -106,13 +106,14 @@ def run_lora_lab(cell: dict) -> dict:
     tokens = config.train.micro_batch_size * config.train.grad_accum * cell["max_length"]
     # grpo: planned with its longest prompt, as the run chose its memory means (data.max_length only
     # bounds the prompts)
-    longest = longest_prompt_tokens(model, data) if task == "grpo" else None
+    longest = (
+        longest_prompt_tokens(model, data, config.data.system, config.data.enable_thinking) if task == "grpo" else None
+    )
     plan = plan_memory(plan_run(config, Target.here(), for_run=False).planner_config, cell.get("cap_gib"), longest)
     if task == "grpo":  # a step trains micro-batch x accumulation completions
         from importlib import metadata
 
         extra["longest_prompt_tokens"] = longest
-
         extra["completions_per_s"] = (
             config.train.micro_batch_size * config.train.grad_accum / (performance["median_step_seconds"])
         )
@@ -130,15 +131,19 @@ def run_lora_lab(cell: dict) -> dict:
     }
 
 
-def longest_prompt_tokens(model: Path, data: Path) -> int:
-    """Tokens of the longest prompt of a grpo cell's data, with its chat template and the
-    assistant's opening, as TRL hands it to generate."""
+def longest_prompt_tokens(model: Path, data: Path, system: str | None = None, enable_thinking="auto") -> int:
+    """Tokens of the longest prompt of a grpo cell's data, read and encoded as the run does
+    (lora-lab's data/prompts.py: the chat template and the assistant's opening)."""
     from transformers import AutoTokenizer
 
+    from lora_lab.data.prompts import encode_prompts, prompt_sample
+
     tokenizer = AutoTokenizer.from_pretrained(model)
-    prompts = [json.loads(line)["prompt"] for line in data.read_text().splitlines()]
-    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
-    return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+    rows = data.read_text().splitlines()
+    samples = [prompt_sample(json.loads(row), f"{data}:{line}") for line, row in enumerate(rows, 1)]
+    report = encode_prompts(tokenizer, samples, max_length=10**9, system=system, enable_thinking=enable_thinking)
+    assert not report.problems, report.problems[0]
+    return max(len(sample.prompt_ids) for sample in report.samples)
 
 
 def adapter_parameters(run_dir: Path) -> int:

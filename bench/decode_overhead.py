@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    from lora_lab.paths import installed_versions
+
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.device == "cpu":
         torch.set_num_threads(1)  # the Python side is what is timed
@@ -84,7 +86,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name()
         if args.device == "cuda"
         else f"CPU ({platform.processor() or 'x86_64'}, 1 thread)",
-        "versions": {"torch": torch.__version__, "transformers": _version("transformers"), "peft": _version("peft")},
+        "versions": installed_versions(("torch", "transformers", "peft")),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python bench/decode_overhead.py " + " ".join(sys.argv[1:]),
         "layers": args.layers,
@@ -96,12 +98,6 @@ def main() -> None:
     print(json.dumps(row, indent=1))
     if args.out:
         args.out.write_text(json.dumps(row, indent=1) + "\n")
-
-
-def _version(name: str) -> str:
-    from importlib import metadata
-
-    return metadata.version(name)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,15 @@ adapter loads back into the whole model.
 the family reads the checkpoint's `model.language_model.*` weights and leaves the vision tower on
 disk (never on the GPU, nothing of it trains or is planned). For Qwen3.5 AutoModelForCausalLM does
 that itself; for Gemma 4 it would build the whole vision-language model, so
-`language_model_of_checkpoint` loads Gemma4ForCausalLM with a key mapping instead (TEXT_MODELS). The adapter is saved in the language
-model's names (model.layers.N...), which lora-lab's merge, inference and resume read; on the full
+`language_model_of_checkpoint` loads Gemma4ForCausalLM with a key mapping instead (TEXT_MODELS).
+The adapter is saved in the language model's names (model.layers.N...), which lora-lab's merge, inference and resume read; on the full
 model the same layers are model.language_model.layers.N, so `load_full_model_with_adapter`
 renames them with peft's key_mapping (peft would otherwise skip every key with a warning).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..errors import ModelError
@@ -43,14 +44,12 @@ def language_model_of_checkpoint(path: str, kwargs: dict):
     """The language model alone of a TEXT_MODELS checkpoint in folder `path` (from_pretrained
     with `kwargs`); None for any other folder. Every language-model weight must be found, and
     nothing but the vision and audio parts left out: anything else is a ModelError."""
-    import json
     import re
 
     import transformers
     from transformers.utils import logging as hf_logging
 
-    config_file = Path(path) / "config.json"
-    model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+    model_type = _checkpoint_config(path).get("model_type")
     if model_type not in TEXT_MODELS:
         return None
     class_name, mapping, left_on_disk = TEXT_MODELS[model_type]
@@ -73,6 +72,13 @@ def language_model_of_checkpoint(path: str, kwargs: dict):
     return model
 
 
+def _checkpoint_config(folder) -> dict:
+    """The folder's own config.json as written (a vision-language checkpoint's top level, not the
+    text model's values registry.model_config_of gives); {} where it has none."""
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def adapter_key_mapping(model_type: str) -> dict:
     """peft key_mapping that puts a language-model adapter onto the full model of `model_type`."""
     if model_type not in LANGUAGE_MODEL_KEYS:
@@ -87,13 +93,11 @@ def load_full_model_with_adapter(model_dir, adapter_dir, dtype=None):
     """The checkpoint's own (vision-language) class from `model_dir` with the adapter lora-lab
     trained on its language model, every adapter key in place (peft's missing keys are an error
     here, not a warning)."""
-    import json
-
     import transformers
     from peft import PeftConfig, PeftModel
     from peft.utils import load_peft_weights
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = _checkpoint_config(model_dir)
     mapping = adapter_key_mapping(config.get("model_type"))
     model_class = getattr(transformers, config["architectures"][0])
     model = model_class.from_pretrained(str(model_dir), **({"dtype": dtype} if dtype is not None else {}))

@@ -113,7 +113,8 @@ def two_nodes(setup, name, node_1_flags=(), node_1_env=None, extra=()) -> list:
 
 
 # Two nodes of two processes each train twice (minutes of 2 CPU cores): make test-slow
-# (LORA_LAB_SLOW=1). make test keeps the refusals below and tests/unit/test_nodes.py's launch plans.
+# (LORA_LAB_SLOW=1), and so does the disagreeing nodes' refusal. make test keeps the unreachable
+# address and tests/unit/test_nodes.py's launch plans and settings compared.
 def slow_nodes(test):
     """make test-slow's marks: slow, and skipped unless LORA_LAB_SLOW=1."""
     skip = pytest.mark.skipif(not os.environ.get("LORA_LAB_SLOW"), reason="minutes of CPU; LORA_LAB_SLOW=1 runs it")
@@ -227,6 +228,7 @@ def test_a_killed_node_stops_both_and_every_node_resumes_with_resume_auto(runs, 
     assert all(torch.equal(adapters[0][key], adapters[1][key]) for key in adapters[0])
 
 
+@slow_nodes  # make test keeps tests/unit/test_nodes.py's comparison of the nodes' settings
 def test_nodes_that_disagree_are_refused_with_what_differs(setup, tmp_path):
     """Node 1 with another learning rate and a run folder it alone sees (as a node whose
     --output-dir is not on shared storage would): every process stops before training, and

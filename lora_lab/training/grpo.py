@@ -26,6 +26,7 @@ from ..data.rewards import build_rewards
 from ..log import get_logger
 from ..models.memory_means import checkpointing_paused
 from .preference import REFERENCE_ADAPTER, TrainedAdapterOnly, require_trl, rows_dataset
+from .sampling import PartedGeneration, sampling_key
 from .trainer import LoraLabMixin
 
 log = get_logger()
@@ -52,9 +53,23 @@ def grpo_trainer_class():
     class LoraLabGRPOTrainer(LoraLabMixin, TrainedAdapterOnly, GRPOTrainer):
         def _generate_single_turn(self, *args, **kwargs):
             """Sampling with the layers' checkpointing paused, lora-lab's checkpoint functions
-            and uncheckpointed layers kept (models/memory_means.checkpointing_paused)."""
-            with checkpointing_paused(self.accelerator.unwrap_model(self.model)):
-                return super()._generate_single_turn(*args, **kwargs)
+            and uncheckpointed layers kept (models/memory_means.checkpointing_paused), through
+            training/sampling.py: each completion drawn with its own noise, keyed on the run's
+            seed, the step and the sampling's place in it; in parts of the generation batch
+            after an out-of-memory error."""
+            model = self.accelerator.unwrap_model(self.model)
+            calls = self.__dict__.setdefault("sampling_calls", {})
+            place = (self.state.global_step, model.training)
+            calls[place] = calls.get(place, -1) + 1
+            key = sampling_key(self.args.seed, *place, calls[place])
+            parted = self.__dict__.setdefault("parted_generation", PartedGeneration())
+            own = model.generate
+            model.generate = functools.partial(parted.generate, own, key)
+            try:
+                with checkpointing_paused(model):
+                    return super()._generate_single_turn(*args, **kwargs)
+            finally:
+                del model.generate
 
         def log(self, logs: dict, start_time: float | None = None) -> None:
             """A metric without a value since the last event (TRL would log None, which the

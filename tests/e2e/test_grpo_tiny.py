@@ -176,3 +176,38 @@ def test_a_static_cache_samples_the_same_completions_and_trains_the_same_adapter
     (growing, a), (static, b) = run("false"), run("true")
     assert static == growing and len(growing) == 2 and any(step[2] > 0 for step in growing), growing
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_out_of_memory_while_sampling_halves_the_generation_batch_and_trains_the_same(
+    tiny_model_dir, prompts, tmp_path, monkeypatch
+):
+    """generate raising CUDA's out-of-memory error above 2 sequences: the run samples its 4
+    completions 2 at a time, says so, and logs the same steps and adapter as the run without."""
+    from transformers.generation.utils import GenerationMixin
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(EVEN)
+
+    def run(name):
+        result = invoke("run", "--model", tiny_model_dir, "--data", f"{prompts}#4", "--task", "grpo", "--reward",
+                        f"{reward}:even_tokens", "--num-generations", 4, "--max-completion-length", 6,
+                        "--grad-accum", 1, "--max-steps", 2, "--logging-steps", 1, "--output-dir", tmp_path,
+                        "--run-name", name)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        lines = (tmp_path / name / "logs" / "train_log.jsonl").read_text().splitlines()
+        steps = [[e["loss"], e["reward"], e["rewards/even_tokens/std"]] for e in map(json.loads, lines) if "loss" in e]
+        return steps, load_file(tmp_path / name / "adapter" / "adapter_model.safetensors"), result.output
+
+    whole, a, _ = run("whole")
+    own = GenerationMixin.generate
+
+    def generate(self, input_ids=None, **kwargs):
+        if input_ids is not None and input_ids.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+        return own(self, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", generate)
+    parted, b, output = run("parted")
+    assert "sampling 4 completions at once ran out of GPU memory; sampling 2 at a time from now on" in output
+    assert parted == whole and len(whole) == 2 and any(step[2] > 0 for step in whole), whole
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -17,9 +17,9 @@ from .shape import ModelShape, expert_working_bytes
 
 CACHE_BYTES = 2
 """A cached key or value (bf16)."""
-SAMPLING_LOGIT_COPIES = 3
-"""The sampled position's logits over the vocabulary: fp32 logits, the processed copy and the
-probabilities."""
+SAMPLING_LOGIT_COPIES = 5
+"""The sampled position's logits over the vocabulary (fp32): the logits, the warped copy, and
+training/sampling.py's noise, noisy scores and the drawn token's scores."""
 
 
 def generation_sequences(micro_batch_size: int, grad_accum: int) -> int:

@@ -332,6 +332,7 @@ GRPO_ROWS = (  # (label tag, its row's name): bench/run.py grpo's cells
 )
 GRPO_VARIANTS = (
     ("", "the preset"),
+    ("-nooffload", "`train.offload_checkpoints=false` (what the planner now picks for it)"),
     ("-static", "`grpo.static_cache=true`"),
     ("-static-gpuemb", "`grpo.static_cache=true`, `model.embedding_on_cpu=false`"),
 )

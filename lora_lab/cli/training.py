@@ -148,9 +148,10 @@ def _longest_sample(config) -> int:
 
     tokenizer, source = counting_tokenizer(config.model.name)
     click.echo(source)
-    prepared = prepare_data(config.data, tokenizer)
+    prepared = prepare_data(config.data, tokenizer, config.train.seed, config.train.task)  # as the run reads it
     longest = max(sample_lengths(prepared.train.samples))
-    click.echo(f"longest encoded sample in the data: {longest} tokens")
+    what = "prompt" if config.train.task == "grpo" else "sample"
+    click.echo(f"longest encoded {what} in the data: {longest} tokens")
     return longest
 
 

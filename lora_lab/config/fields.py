@@ -291,8 +291,8 @@ class TrainArgs:
     offload_checkpoints: str | bool = _f(
         "auto",
         "Keep each layer's checkpoint in pinned CPU memory until the backward pass (LoRA "
-        "on one GPU, with gradient checkpointing). auto: on when training on a GPU; true "
-        "/ false force it.",
+        "on one GPU, with gradient checkpointing). auto: on when training on a GPU, but for "
+        "--task grpo only when the plan does not fit the GPU without it; true / false force it.",
         choices=("auto", True, False),
     )
     uncheckpointed_layers: int | str = _f(

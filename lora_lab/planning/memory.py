@@ -101,7 +101,9 @@ def choose_memory_means(
     elsewhere is refused by the config's validation.
 
     MLP chunks cost a third pass through every MLP: with a GPU budget (GiB usable) they are used
-    only when the plan without them does not fit it."""
+    only when the plan without them does not fit it. So are a grpo run's checkpoints in CPU
+    memory (offload_checkpoints auto): its steps train many short completions, whose copies to
+    and from the host cost more than they save where the plan fits without them."""
     t = config.train
     single = t.gpus == 1 and engine_of(t) == "ddp" and trains_adapter(t) and t.gradient_checkpointing
     row_tokens = row_tokens or config.data.max_length
@@ -128,6 +130,10 @@ def choose_memory_means(
         unchunked = replace(means, mlp_chunk_tokens=0)
         if sum(_parts(shape, config, tokens, unchunked).values()) <= budget_gib:
             means = unchunked
+    if means.offload_checkpoints and t.task == "grpo" and t.offload_checkpoints == "auto":
+        kept_on_gpu = replace(means, offload_checkpoints=False, checkpoint_tokens=0)
+        if sum(_parts(shape, config, tokens, kept_on_gpu).values()) <= budget_gib:
+            means = kept_on_gpu
     if kept == "auto":
         means = replace(means, uncheckpointed_layers=_room_for_layers(shape, config, tokens, means, budget_gib))
     return means

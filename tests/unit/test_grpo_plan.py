@@ -77,3 +77,31 @@ def test_a_grpo_run_that_does_not_fit_is_refused_with_the_completion_fix():
     config = grpo(**{"model.quantization": "nf4", "grpo.max_completion_length": 8192, "train.grad_accum": "64"})
     with pytest.raises(LoraLabError, match=r"--max-completion-length 8192.*--max-completion-length 4096"):
         check_fits(config, 16, longest_sample_tokens=500)
+
+
+def test_a_grpo_run_keeps_its_checkpoints_on_the_gpu_where_the_plan_fits_without_the_host():
+    """offload_checkpoints auto: an SFT run on a GPU offloads; a grpo run (many short completions,
+    whose copies cost more than they save) only where the plan does not fit without it."""
+    config = grpo(**{"model.quantization": "nf4"})
+    fits = plan_memory(config, 16, longest_sample_tokens=94)
+    assert "layer checkpoints in CPU memory" not in fits.means and "input embedding in CPU memory" in fits.means
+    long = grpo(**{"model.quantization": "nf4", "grpo.max_completion_length": 4096, "train.grad_accum": "32"})
+    assert "layer checkpoints in CPU memory" in plan_memory(long, 16, longest_sample_tokens=2000).means
+    sft = resolve_config("16gb", flags={"data.datasets": ["d.jsonl"], "model.name": "qwen2.5-7b"})
+    assert "layer checkpoints in CPU memory" in plan_memory(sft, 16, longest_sample_tokens=94).means
+
+
+def test_lora_lab_plan_reads_grpo_prompt_rows_as_the_run_does(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from lora_lab.cli import main
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": " ".join(["word"] * 64)}]}) + "\n")
+    args = ["plan", "--preset", "16gb", "--model", "qwen2.5-7b", "--data", str(data), "--task", "grpo"]
+    result = CliRunner().invoke(main, [*args, "--reward", "length", "--gpu-memory", "16"])
+    assert result.exit_code == 0, result.output
+    assert "longest encoded prompt in the data: 93 tokens" in result.output
+    assert "605 tokens per micro-batch" in result.output  # the prompt and grpo.max_completion_length 512

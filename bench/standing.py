@@ -332,7 +332,7 @@ GRPO_ROWS = (  # (label tag, its row's name): bench/run.py grpo's cells
 )
 GRPO_VARIANTS = (
     ("", "the preset"),
-    ("-nooffload", "`train.offload_checkpoints=false` (what the planner now picks for it)"),
+    ("-nooffload", "checkpoints on the GPU (the plan's choice since)"),
     ("-static", "`grpo.static_cache=true`"),
     ("-static-gpuemb", "`grpo.static_cache=true`, `model.embedding_on_cpu=false`"),
 )
@@ -369,9 +369,9 @@ def grpo_table() -> str:
     return (
         "\n".join(lines) + "\n\nRandom weights of the published config.json, prompts of 64 words, lora-lab's "
         "`length` reward on both sides, beta 0, DAPO's loss, generation through transformers on both sides "
-        "(TRL 1.16 for lora-lab, 1.15 in Unsloth 2026.10.9's folder), four steps, the median of the last two. "
-        "Completions a second: a step's completions over its median time. Unsloth's figure stands only beside a "
-        "row of the same call.\n\n" + sources.render() + "\n"
+        "(TRL 1.16 for lora-lab, 1.15 for Unsloth), four steps, the median of the last two. "
+        "Completions a second: a step's completions over its median time. Unsloth's figure stands beside a row "
+        "of one machine, held between calls.\n\n" + sources.render() + "\n"
     )
 
 

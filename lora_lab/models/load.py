@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..architecture import expert_count
+from ..architecture import expert_count, streams_experts
 from ..config import ModelArgs
 from ..errors import ModelError
 from ..log import get_logger
@@ -290,8 +290,17 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
     }
     gpu = None if options.sharded else process_gpu()
     kwargs.update(_placement(args, precision, model_config, gpu))
-    model = _from_pretrained(args.name, path, kwargs)
-    if args.quantization == "nf4":
+    streamed = _streamed_experts(args, model_config, path, options)
+    if streamed is not None:  # models/expert_loading.py: the experts wait in the files
+        from .expert_loading import report_checked, stand_in_experts
+
+        kwargs.update(streamed[0], device_map={"": gpu} if gpu else "cpu", output_loading_info=True)
+        with report_checked(path) as check:
+            model = check(_from_pretrained(args.name, path, kwargs))
+        stand_in_experts(model, path, streamed[1], gpu)
+    else:
+        model = _from_pretrained(args.name, path, kwargs)
+    if streamed is None and args.quantization == "nf4":
         _hold_in_4_bits(model, model_config, gpu, options.for_training)
     if packed:
         from .attention import skip_masks_of_packed_rows
@@ -334,6 +343,20 @@ def _placement(args: ModelArgs, precision: Precision, model_config: dict, gpu: s
     if gpu or on_cpu:
         kwargs["device_map"] = "cpu" if on_cpu else {"": gpu}
     return kwargs
+
+
+def _streamed_experts(args: ModelArgs, model_config: dict, path: str, options: LoadOptions):
+    """A mixture of experts' QLoRA training load whose experts are read from the checkpoint files
+    only when quantized (models/expert_loading.py): (from_pretrained's extra arguments, the
+    experts' width), or None where it loads them with the rest."""
+    from .expert_loading import streaming_load
+    from .multimodal import TEXT_MODELS
+
+    if args.quantization != "nf4" or not options.for_training or options.sharded or not streams_experts(model_config):
+        return None
+    if model_config.get("model_type") in TEXT_MODELS or not Path(path).is_dir():
+        return None
+    return streaming_load(path, args.trust_remote_code)
 
 
 def _hold_in_4_bits(model, model_config: dict, gpu: str | None, for_training: bool) -> None:

@@ -70,12 +70,21 @@ def _state(module, key: str):
 def quantize_experts(model, device=None) -> int:
     """Store every experts module's fused weights as nf4 (on `device`, default where they are;
     one tensor in 16 bits at a time, so a model held on the CPU is quantized onto the GPU layer by
-    layer). Returns the bytes the quantized experts take (packed weights and statistics)."""
+    layer; a module whose experts wait in the checkpoint files, models/expert_loading.py, reads
+    them first). Returns the bytes the quantized experts take (packed weights and statistics)."""
     import torch
+
+    from .expert_loading import SOURCE, read_experts, waits_for_experts
 
     total = 0
     for _, module in expert_modules(model):
         if _packed(module, EXPERT_WEIGHTS[0]) is None:
+            if waits_for_experts(module):  # models/expert_loading.py: read from the checkpoint now
+                for key in EXPERT_WEIGHTS:
+                    module._parameters[key] = torch.nn.Parameter(
+                        read_experts(module, key, device), requires_grad=False
+                    )
+                del module.__dict__[SOURCE]
             total += sum(_to_nf4(module, key, device) for key in EXPERT_WEIGHTS)
     if device is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -293,7 +302,7 @@ def expert_bytes(model) -> dict[str, int]:
             packed = _packed(module, key)
             if packed is not None:
                 held["nf4"] += packed.numel() * packed.element_size() + _state_bytes(_state(module, key))
-            else:
+            else:  # a stand-in waiting for its experts (models/expert_loading.py) holds one value
                 weight = module._parameters[key]
-                held["16-bit"] += weight.numel() * weight.element_size()
+                held["16-bit"] += weight.untyped_storage().nbytes()
     return held

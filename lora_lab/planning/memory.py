@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ..architecture import streams_experts
 from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, engine_of, trains_adapter, world_size_of
 from ..config.rules import expert_lora_rank_grouped
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
@@ -240,9 +241,9 @@ def _against_budget(
 def loading_host_bytes(shape: ModelShape, config: RunConfig, model_config: dict) -> float:
     """What QLoRA holds in CPU memory while it loads (models/load.py): an MXFP4 checkpoint read
     de-quantized, every weight in 16 bits; a mixture of experts, its 16-bit experts beside the
-    rest (its linear layers quantized by bitsandbytes there). Elsewhere the weights load onto the
-    GPU: 0."""
-    if config.model.quantization != "nf4":
+    rest (its linear layers quantized by bitsandbytes there), unless its experts stream from the
+    files onto the GPU (architecture.streams_experts). Elsewhere the weights load onto the GPU: 0."""
+    if config.model.quantization != "nf4" or streams_experts(model_config):
         return 0
     if (model_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
         return shape.params * 2

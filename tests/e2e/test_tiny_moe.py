@@ -220,3 +220,54 @@ def test_a_moe_run_exports_to_gguf_and_every_copy_answers_as_it(moe_run):
         ("merged", True, 3),
         ("gguf-f16", True, GGUF_ANSWERS[name]),
     ]
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3.5-35b-a3b", "gpt-oss-20b"])
+def test_qlora_training_reads_one_tensor_per_expert_checkpoints_only_when_it_quantizes_them(name, tmp_path):
+    """models/expert_loading.py: from_pretrained leaves a one-tensor-per-expert checkpoint's experts
+    in the files (stand-ins of one value each), adapted_experts_to reads them into place and
+    quantizes them, and the model computes the loss and LoRA gradients (the experts' too) of the
+    load that reads them all at once. gpt-oss's fused experts load as before."""
+    import torch
+
+    from lora_lab.config import LoraArgs, ModelArgs
+    from lora_lab.models import load
+    from lora_lab.models.load import LoadOptions, choose_precision, load_base_model
+    from lora_lab.models.lora import LoraOptions, apply_lora, prepare_quantized_for_training
+    from lora_lab.models.moe import adapted_experts_to, expert_bytes
+
+    model_dir = build_tiny_moe(tmp_path / "model", name)
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def trained(streamed: bool, monkeypatch):
+        torch.manual_seed(0)
+        with monkeypatch.context() as patch:
+            if not streamed:
+                patch.setattr(load, "_streamed_experts", lambda *args: None)
+            model = load_base_model(
+                ModelArgs(name=str(model_dir), quantization="nf4", attn_implementation="eager"),
+                choose_precision("fp32"),
+                LoadOptions(kernels="none"),
+            )
+        held = expert_bytes(model)["16-bit"]
+        model = apply_lora(
+            prepare_quantized_for_training(model),
+            LoraArgs(rank=4, alpha=8, dropout=0.0, experts=True),
+            LoraOptions(gradient_checkpointing=True),
+        )
+        adapted_experts_to(model, None)
+        assert expert_bytes(model)["16-bit"] == 0
+        model.train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return held, loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        (streamed_held, streamed_loss, a), (held, loss, b) = trained(True, monkeypatch), trained(False, monkeypatch)
+    assert held > 100_000
+    if name == "gpt-oss-20b":
+        assert streamed_held == held  # fused experts in the checkpoint: read at load, as before
+    else:
+        assert streamed_held <= 4 * 2 * 4  # one value a stand-in: 2 tensors a layer, at most 4 layers, fp32
+    assert torch.equal(streamed_loss, loss)
+    assert a.keys() == b.keys() and any("experts" in k for k in a) and all(torch.equal(a[k], b[k]) for k in a)

@@ -232,12 +232,12 @@ def test_qlora_training_reads_one_tensor_per_expert_checkpoints_only_when_it_qua
 
     from lora_lab.config import LoraArgs, ModelArgs
     from lora_lab.models import load
-    from lora_lab.models.load import LoadOptions, choose_precision, load_base_model
+    from lora_lab.models.load import LoadOptions, choose_precision, load_base_model, process_gpu
     from lora_lab.models.lora import LoraOptions, apply_lora, prepare_quantized_for_training
     from lora_lab.models.moe import adapted_experts_to, expert_bytes
 
     model_dir = build_tiny_moe(tmp_path / "model", name)
-    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0)).to(process_gpu() or "cpu")
 
     def trained(streamed: bool, monkeypatch):
         torch.manual_seed(0)
@@ -255,7 +255,7 @@ def test_qlora_training_reads_one_tensor_per_expert_checkpoints_only_when_it_qua
             LoraArgs(rank=4, alpha=8, dropout=0.0, experts=True),
             LoraOptions(gradient_checkpointing=True),
         )
-        adapted_experts_to(model, None)
+        adapted_experts_to(model, process_gpu())  # tests/gpu/test_moe_cuda.py runs this on a GPU
         assert expert_bytes(model)["16-bit"] == 0
         model.train()
         loss = model(input_ids=ids, labels=ids).loss
@@ -269,5 +269,8 @@ def test_qlora_training_reads_one_tensor_per_expert_checkpoints_only_when_it_qua
         assert streamed_held == held  # fused experts in the checkpoint: read at load, as before
     else:
         assert streamed_held <= 4 * 2 * 4  # one value a stand-in: 2 tensors a layer, at most 4 layers, fp32
-    assert torch.equal(streamed_loss, loss)
-    assert a.keys() == b.keys() and any("experts" in k for k in a) and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and any("experts" in k for k in a)
+    exact = {"rtol": 0, "atol": 0} if ids.device.type == "cpu" else {}  # CUDA's backward sums in any order
+    torch.testing.assert_close(streamed_loss, loss, **exact)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], **exact)

@@ -95,3 +95,14 @@ def test_model_liger_experts_picks_the_kernel_that_runs_the_experts(liger_expert
         assert apply_kernels(model, "liger", liger_experts=liger_experts) == "liger"
     kinds = {module._get_name() for module in model.modules() if type(module).__name__.endswith("Experts")}
     assert kinds == ({"LigerExperts"} if liger_experts else {"Qwen3MoeExperts"})
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3.5-35b-a3b"])
+def test_a_streamed_qlora_load_computes_what_the_whole_load_does_on_cuda(name, tmp_path):
+    """models/expert_loading.py on the GPU: the experts read from the files onto the GPU and
+    quantized there give the loss and LoRA gradients of the load that reads them at once."""
+    from tests.e2e.test_tiny_moe import (
+        test_qlora_training_reads_one_tensor_per_expert_checkpoints_only_when_it_quantizes_them as check,
+    )
+
+    check(name, tmp_path)

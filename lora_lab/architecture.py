@@ -17,14 +17,18 @@ def expert_count(config: dict) -> int:
     return max([int(shape.get(key) or 0) for key in EXPERT_COUNT_KEYS])
 
 
+def is_mxfp4(config: dict) -> bool:
+    """A checkpoint published in MXFP4 under its own quantization config (gpt-oss)."""
+    return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+
 def streams_experts(config: dict) -> bool:
     """Whether QLoRA training reads this mixture of experts' experts from the checkpoint files
     only when it quantizes them, a layer at a time (models/expert_loading.py): a config.json whose
     experts take their width from moe_intermediate_size (Qwen3-MoE, a Qwen3.5-MoE language model),
     not MXFP4 (gpt-oss) and not a vision-language checkpoint's. The loader also needs one tensor
     per expert in the files (the published layout); fused expert tensors load with the rest."""
-    quantized = (config.get("quantization_config") or {}).get("quant_method")
-    return bool(expert_count(config) and config.get("moe_intermediate_size") and quantized != "mxfp4")
+    return bool(expert_count(config) and config.get("moe_intermediate_size") and not is_mxfp4(config))
 
 
 def expert_shape(config: dict) -> tuple[int, int, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelError
@@ -53,18 +54,32 @@ def checkpoint_keys(path: str) -> dict[str, str]:
     return keys
 
 
-def streaming_load(path: str, trust_remote_code: bool = False) -> tuple[dict, int] | None:
-    """(from_pretrained's extra arguments to load the checkpoint in folder `path` without its
-    experts, their real width) (the module docstring), or None where its experts are not one
-    tensor each."""
+@dataclass(frozen=True)
+class ExpertStream:
+    """What streaming_load found: from_pretrained's extra arguments, the experts' real width and
+    each layer's expert keys ((expert, projection) -> (key, file))."""
+
+    load_kwargs: dict
+    width: int
+    by_layer: dict[int, dict]
+
+
+def streaming_load(path: str, trust_remote_code: bool = False) -> ExpertStream | None:
+    """How to load the checkpoint in folder `path` without its experts (the module docstring),
+    or None where its experts are not one tensor each."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     width = getattr(config, WIDTH, None)
-    if not width or not any(EXPERT_KEY.search(k) for k in checkpoint_keys(path)):
+    by_layer: dict[int, dict] = {}
+    for key, file in checkpoint_keys(path).items():
+        found = EXPERT_KEY.search(key)
+        if found:
+            by_layer.setdefault(int(found[1]), {})[(int(found[2]), found[3])] = (key, file)
+    if not width or not by_layer:
         return None
     setattr(config, WIDTH, 0)
-    return {"key_mapping": SKIPPED_EXPERTS, "config": config}, width
+    return ExpertStream({"key_mapping": SKIPPED_EXPERTS, "config": config}, width, by_layer)
 
 
 @contextmanager
@@ -95,7 +110,7 @@ def report_checked(path: str):
         hf_logging.set_verbosity(verbosity)
 
 
-def stand_in_experts(model, path: str, width: int, device) -> int:
+def stand_in_experts(model, path: str, stream: ExpertStream, device) -> int:
     """After a streaming_load: the config's expert width back, and each experts module's tensors
     as stand-ins of their real shapes (no memory) on `device`, with the checkpoint keys that
     fill them. Returns how many modules wait for their experts."""
@@ -103,12 +118,8 @@ def stand_in_experts(model, path: str, width: int, device) -> int:
 
     from .moe import EXPERT_WEIGHTS, expert_modules
 
+    width, by_layer = stream.width, stream.by_layer
     setattr(model.config, WIDTH, width)
-    by_layer: dict[int, dict] = {}
-    for key, file in checkpoint_keys(path).items():
-        found = EXPERT_KEY.search(key)
-        if found:
-            by_layer.setdefault(int(found[1]), {})[(int(found[2]), found[3])] = (key, file)
     modules = expert_modules(model)
     for name, module in modules:
         layer = int(re.search(r"layers\.(\d+)\.", name)[1])  # type: ignore[index]

@@ -10,7 +10,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..architecture import expert_count, streams_experts
+from ..architecture import expert_count, is_mxfp4, streams_experts
 from ..config import ModelArgs
 from ..errors import ModelError
 from ..log import get_logger
@@ -294,10 +294,10 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
     if streamed is not None:  # models/expert_loading.py: the experts wait in the files
         from .expert_loading import report_checked, stand_in_experts
 
-        kwargs.update(streamed[0], device_map={"": gpu} if gpu else "cpu", output_loading_info=True)
+        kwargs.update(streamed.load_kwargs, device_map={"": gpu} if gpu else "cpu", output_loading_info=True)
         with report_checked(path) as check:
             model = check(_from_pretrained(args.name, path, kwargs))
-        stand_in_experts(model, path, streamed[1], gpu)
+        stand_in_experts(model, path, streamed, gpu)
     else:
         model = _from_pretrained(args.name, path, kwargs)
     if streamed is None and args.quantization == "nf4":
@@ -321,11 +321,6 @@ def load_base_model(args: ModelArgs, precision: Precision, options: LoadOptions 
     return model
 
 
-def _is_mxfp4(model_config: dict) -> bool:
-    """A checkpoint published in MXFP4 under its own quantization config (gpt-oss)."""
-    return (model_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
-
-
 def _placement(args: ModelArgs, precision: Precision, model_config: dict, gpu: str | None) -> dict:
     """from_pretrained's quantization_config and device_map. An MXFP4 checkpoint is read
     de-quantized (MXFP4 does not train, and transformers will not trade its config for
@@ -333,7 +328,7 @@ def _placement(args: ModelArgs, precision: Precision, model_config: dict, gpu: s
     experts' QLoRA loads into CPU memory: its 16-bit experts, which bitsandbytes leaves as they
     are, go to the GPU a tensor at a time in 4 bits (models/moe.py)."""
     kwargs: dict = {}
-    if _is_mxfp4(model_config):
+    if is_mxfp4(model_config):
         from transformers.utils.quantization_config import Mxfp4Config
 
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
@@ -347,8 +342,8 @@ def _placement(args: ModelArgs, precision: Precision, model_config: dict, gpu: s
 
 def _streamed_experts(args: ModelArgs, model_config: dict, path: str, options: LoadOptions):
     """A mixture of experts' QLoRA training load whose experts are read from the checkpoint files
-    only when quantized (models/expert_loading.py): (from_pretrained's extra arguments, the
-    experts' width), or None where it loads them with the rest."""
+    only when quantized (models/expert_loading.py): what streaming_load found, or None where it
+    loads them with the rest."""
     from .expert_loading import streaming_load
     from .multimodal import TEXT_MODELS
 
@@ -365,7 +360,7 @@ def _hold_in_4_bits(model, model_config: dict, gpu: str | None, for_training: bo
     training run quantizes only once its adapter is attached (models/moe.py adapted_experts_to)."""
     from .moe import keep_experts_on_cpu_moving, quantize_experts, quantize_linear_layers
 
-    if _is_mxfp4(model_config):
+    if is_mxfp4(model_config):
         quantize_linear_layers(model, gpu)
     if expert_count(model_config) == 0:
         return

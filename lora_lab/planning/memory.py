@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..architecture import streams_experts
+from ..architecture import is_mxfp4, streams_experts
 from ..config import PAIRED_TASKS, REFERENCE_TASKS, RunConfig, engine_of, trains_adapter, world_size_of
 from ..config.rules import expert_lora_rank_grouped
 from ..registry import model_config_of, model_display_name, wants_trainable_tokens
@@ -245,7 +245,7 @@ def loading_host_bytes(shape: ModelShape, config: RunConfig, model_config: dict)
     files onto the GPU (architecture.streams_experts). Elsewhere the weights load onto the GPU: 0."""
     if config.model.quantization != "nf4" or streams_experts(model_config):
         return 0
-    if (model_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+    if is_mxfp4(model_config):
         return shape.params * 2
     experts = shape.layers * shape.layer_experts
     if not experts:

@@ -1,7 +1,7 @@
 """A mixture of experts' QLoRA training load without its 16-bit experts in memory.
 
-from_pretrained would read every expert into CPU memory in 16 bits and fuse them there (about
-58 GB for Qwen3-30B-A3B) before QLoRA could take them to the GPU in 4 bits. Where the checkpoint
+from_pretrained would read every expert into CPU memory in 16 bits and fuse them there (2 bytes
+a parameter of the experts) before QLoRA could take them to the GPU in 4 bits. Where the checkpoint
 holds one tensor per expert (`...layers.N.mlp.experts.E.{gate,up,down}_proj.weight`, the
 layout Qwen3-MoE and Qwen3.5-MoE are published in, and the one transformers saves them in):
 

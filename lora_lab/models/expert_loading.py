@@ -22,6 +22,7 @@ checkpoint's language model load as before (models/load.py).
 from __future__ import annotations
 
 import json
+import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -161,7 +162,13 @@ def read_experts(module, key: str, device):
                 rows = fused[expert, i * width : (i + 1) * width] if key == "gate_up_proj" else fused[expert]
                 rows.copy_(handle.get_tensor(name))  # type: ignore[attr-defined]
     except KeyError as missing:
-        raise ModelError(f"a checkpoint's expert {missing} is missing; copy or download the model again") from None
+        expert, part = missing.args[0]
+        name, file = next(iter(source.values()))
+        layer = EXPERT_KEY.search(name)[1]  # type: ignore[index]
+        raise ModelError(
+            f"--model {os.path.dirname(file)}: layer {layer}'s expert {expert} has no {part} weight in its "
+            f"checkpoint files; copy or download the model again"
+        ) from None
     finally:
         handles.clear()
     return fused

@@ -274,3 +274,28 @@ def test_qlora_training_reads_one_tensor_per_expert_checkpoints_only_when_it_qua
     torch.testing.assert_close(streamed_loss, loss, **exact)
     for key in a:
         torch.testing.assert_close(a[key], b[key], **exact)
+
+
+def test_a_checkpoint_missing_one_experts_weight_stops_naming_the_folder_layer_and_expert(tmp_path):
+    """A streamed QLoRA load (models/expert_loading.py) reads the experts only when it quantizes
+    them: a checkpoint without one expert's tensor stops there with what is missing and where."""
+    from safetensors.torch import load_file, save_file
+
+    from lora_lab.config import LoraArgs, ModelArgs
+    from lora_lab.errors import ModelError
+    from lora_lab.models.load import LoadOptions, choose_precision, load_base_model
+    from lora_lab.models.lora import LoraOptions, apply_lora, prepare_quantized_for_training
+    from lora_lab.models.moe import adapted_experts_to
+
+    model_dir = build_tiny_moe(tmp_path / "model", "qwen3-30b-a3b")
+    (file,) = model_dir.glob("*.safetensors")
+    weights = load_file(file)
+    gone = next(k for k in weights if k.endswith("layers.1.mlp.experts.2.up_proj.weight"))
+    del weights[gone]
+    save_file(weights, file, metadata={"format": "pt"})
+    args = ModelArgs(name=str(model_dir), quantization="nf4", attn_implementation="eager")
+    model = load_base_model(args, choose_precision("fp32"), LoadOptions(kernels="none"))
+    lora = LoraArgs(rank=4, alpha=8, dropout=0.0, experts=True)
+    model = apply_lora(prepare_quantized_for_training(model), lora, LoraOptions(gradient_checkpointing=True))
+    with pytest.raises(ModelError, match=rf"--model {model_dir}: layer 1's expert 2 has no up_proj weight"):
+        adapted_experts_to(model, None)

@@ -79,3 +79,11 @@ def test_out_of_memory_at_micro_batch_1_in_grpo_names_the_generation_batch(tmp_p
     with pytest.raises(TrainingError, match=r"generates the step's 8 completions of up to 512 tokens at once.*"
                        r"--max-completion-length \(e.g. 256\)"):  # fmt: skip
         halved_plan(plan, 3, Precision("fp32"))
+
+
+def test_out_of_memory_at_micro_batch_1_of_a_qlora_run_does_not_advise_qlora(tmp_path):
+    flags = {"train.micro_batch_size": 1, "model.quantization": "nf4", "train.output_dir": str(tmp_path), **DATA}
+    plan = plan_run(resolve_config("24gb", flags=flags), Target(gpu_gib=None, cuda=False), locate=False)
+    with pytest.raises(TrainingError) as stop:
+        halved_plan(plan, 1, Precision("bf16"))
+    assert "nf4 weights, bf16, --max-length" in str(stop.value) and "--quantization" not in str(stop.value)

@@ -1,6 +1,6 @@
 """--task grpo on the real Qwen2.5-Coder-0.5B-Instruct (the GGUF of tests/e2e/test_real_model.py),
-through the CLI and TRL's GRPOTrainer on the CPU: a few steps on a small arithmetic set move its
-reward. The reward is a user's file: the sum, in as few words as possible (the model first says
+through the CLI and TRL's GRPOTrainer on the CPU: ten steps of one group of 4 completions on a small
+arithmetic set move its reward (about 90 s on 2 cores). The reward is a user's file: the sum, in as few words as possible (the model first says
 "34 + 58 equals 92." and learns to answer "92")."""
 
 import json
@@ -39,7 +39,7 @@ def test_grpo_moves_the_real_models_reward_on_an_arithmetic_set(real_model_gguf,
     (tmp_path / "reward.py").write_text(REWARD)
     args = ["run", "--preset", "cpu", "--model", real_model_gguf, "--task", "grpo", "--data", prompts,
             "--reward", f"{tmp_path / 'reward.py'}:terse_sum", "--num-generations", 4,
-            "--max-completion-length", 16, "--grad-accum", 2, "--max-steps", 10, "--lr", "5e-4",
+            "--max-completion-length", 16, "--grad-accum", 1, "--max-steps", 10, "--lr", "5e-4",
             "--logging-steps", 1, "--output-dir", tmp_path, "--run-name", "sums"]  # fmt: skip
     result = CliRunner().invoke(main, [str(a) for a in args])
     assert result.exit_code == 0, result.output

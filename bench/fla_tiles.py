@@ -26,13 +26,13 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-LENGTHS = [1500, 1000, 900, 696]  # one packed 4096-token row
+LENGTHS = (1500, 1000, 900, 696)  # one packed 4096-token row (--lengths: others)
 V_HEADS, K_HEADS = 32, 16  # Qwen3.5-4B's linear attention
 
 
-def inputs(key_dim: int, dtype: torch.dtype, seed: int = 0) -> dict:
+def inputs(key_dim: int, dtype: torch.dtype, lengths: tuple, seed: int = 0) -> dict:
     generator = torch.Generator(device="cuda").manual_seed(seed)
-    tokens = sum(LENGTHS)
+    tokens = sum(lengths)
 
     def randn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=generator, device="cuda") * scale).to(dtype)
@@ -44,7 +44,7 @@ def inputs(key_dim: int, dtype: torch.dtype, seed: int = 0) -> dict:
     g = (-torch.nn.functional.softplus(a - 2.0)).float()  # log decay <= 0, as Qwen3.5 computes it
     beta = torch.rand(1, tokens, V_HEADS, generator=generator, device="cuda").to(dtype)
     grad_out = randn(1, tokens, V_HEADS, 128)
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "grad_out": grad_out}
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "grad_out": grad_out, "lengths": list(lengths)}
 
 
 def leaves(x: dict, dtype=None) -> dict:
@@ -62,7 +62,7 @@ def reference(x: dict) -> tuple:
     rule = torch_function_of(modeling_qwen3_5.torch_chunk_gated_delta_rule)
     t = leaves(x, torch.float32)
     outs = []
-    for part in zip(*(torch.split(t[n], LENGTHS, dim=1) for n in ("q", "k", "v", "g", "beta"))):
+    for part in zip(*(torch.split(t[n], x["lengths"], dim=1) for n in ("q", "k", "v", "g", "beta"))):
         out, _ = rule(*part[:3], g=part[3], beta=part[4], use_qk_l2norm_in_kernel=True)
         outs.append(out)
     out = torch.cat(outs, dim=1)
@@ -90,7 +90,7 @@ def forced_tile(tile: int | None):
 def fla_run(x: dict, tile: int | None) -> tuple:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    ends = torch.tensor(LENGTHS, device="cuda").cumsum(0)
+    ends = torch.tensor(x["lengths"], device="cuda").cumsum(0)
     cu = torch.cat([ends.new_zeros(1), ends]).long()
     t = leaves(x)
     with forced_tile(tile):
@@ -121,7 +121,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=".")
     parser.add_argument("--quick", action="store_true", help="bf16 only, fla's own tile and the 32-wide one")
+    parser.add_argument(
+        "--lengths", help="the packed row's sample lengths, e.g. 9,17,5,70 (samples under fla's 64-token chunk)"
+    )
     args = parser.parse_args()
+    lengths = tuple(int(n) for n in args.lengths.split(",")) if args.lengths else LENGTHS
     dtypes = (torch.bfloat16,) if args.quick else (torch.float32, torch.bfloat16)
     tiles = (None, 32) if args.quick else (None, 128, 64, 32)
     import fla
@@ -132,7 +136,10 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "triton": triton.__version__, "fla": fla.__version__},
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python bench/fla_tiles.py --out DIR" + (" --quick" if args.quick else ""),
+        "command": "python bench/fla_tiles.py --out DIR"
+        + (" --quick" if args.quick else "")
+        + (f" --lengths {args.lengths}" if args.lengths else ""),
+        "lengths": list(lengths),
         "python": platform.python_version(),
     }
     os.makedirs(args.out, exist_ok=True)
@@ -146,7 +153,7 @@ def main() -> None:
     keep(header)
     for key_dim in (128, 64):
         for dtype in dtypes:
-            x = inputs(key_dim, dtype)
+            x = inputs(key_dim, dtype, lengths)
             ref_out, ref_grads = reference(x)
             print(f"reference of {key_dim}-wide keys done", flush=True)
             for tile in tiles:

@@ -50,7 +50,7 @@ def identity_run(real_model_gguf, tmp_path_factory):
         "--model-author",
         AUTHOR,
         "--max-steps",
-        30,
+        24,
         "--output-dir",
         out,
         "--run-name",

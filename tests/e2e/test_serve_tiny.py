@@ -1,6 +1,7 @@
 """merge, infer, eval and chat on a tiny model trained by `lora-lab run`."""
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -259,6 +260,10 @@ def test_eval_tasks_refuses_an_unknown_task_in_one_line(trained):
     assert "Traceback" not in result.output
 
 
+# a 40-step run of its own (over a minute of 2 CPU cores): opt-in (make test-slow); make test keeps
+# `lora-lab eval --tasks` on the shared run and its refusal of an unknown task (above)
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LORA_LAB_SLOW"), reason="a run of its own; LORA_LAB_SLOW=1 runs it")
 def test_eval_tasks_at_the_end_of_training_scores_base_and_fine_tune(tiny_model_dir, tmp_path):
     """`lora-lab run --eval-tasks`: the run trains, then lm-eval scores the base and the fine-tune
     on the local task: the table is printed and benchmark_report.json written in the run folder;

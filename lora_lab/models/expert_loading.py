@@ -157,18 +157,22 @@ def read_experts(module, key: str, device):
     try:
         for expert in range(fused.shape[0]):
             for i, part in enumerate(parts):
+                if (expert, part) not in source:
+                    raise ModelError(_missing_expert(source, expert, part))
                 name, file = source[(expert, part)]
                 handle = handles.get(file) or handles.setdefault(file, safe_open(file, framework="pt"))
                 rows = fused[expert, i * width : (i + 1) * width] if key == "gate_up_proj" else fused[expert]
                 rows.copy_(handle.get_tensor(name))  # type: ignore[attr-defined]
-    except KeyError as missing:
-        expert, part = missing.args[0]
-        name, file = next(iter(source.values()))
-        layer = EXPERT_KEY.search(name)[1]  # type: ignore[index]
-        raise ModelError(
-            f"--model {os.path.dirname(file)}: layer {layer}'s expert {expert} has no {part} weight in its "
-            f"checkpoint files; copy or download the model again"
-        ) from None
     finally:
         handles.clear()
     return fused
+
+
+def _missing_expert(source: dict, expert: int, part: str) -> str:
+    """The stop for a layer's checkpoint keys (`source`) without expert `expert`'s `part`."""
+    name, file = next(iter(source.values()))
+    layer = EXPERT_KEY.search(name)[1]  # type: ignore[index]
+    return (
+        f"--model {os.path.dirname(file)}: layer {layer}'s expert {expert} has no {part} weight in its "
+        f"checkpoint files; copy or download the model again"
+    )

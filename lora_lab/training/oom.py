@@ -127,16 +127,13 @@ def halved_plan(plan: RunPlan, step: int, precision: Precision) -> RunPlan:
     if t.micro_batch_size == 1:
         quantized = config.model.quantization != "none"
         weights = f"{config.model.quantization} weights, " if quantized else ""
+        qlora = "" if quantized else ", or --quantization nf4 (QLoRA)"
         raise TrainingError(
             f"out of GPU memory at step {step} even with --micro-batch-size 1 "
             f"({config.model.name}, {weights}{precision.name}, --max-length {config.data.max_length}). "
             + _generation_hint(config)
             + f"Lower --max-length (e.g. {max(8, config.data.max_length // 2)}), use a preset for a "
-            + (
-                "smaller GPU or a smaller model."
-                if quantized
-                else "smaller GPU or a smaller model, or --quantization nf4 (QLoRA)."
-            )
+            f"smaller GPU or a smaller model{qlora}."
         )
     if not t.oom_retry:
         raise TrainingError(

@@ -1,7 +1,8 @@
 """--task grpo on the real Qwen2.5-Coder-0.5B-Instruct (the GGUF of tests/e2e/test_real_model.py),
-through the CLI and TRL's GRPOTrainer on the CPU: ten steps of one group of 4 completions on a small
-arithmetic set move its reward (about 90 s on 2 cores). The reward is a user's file: the sum, in as few words as possible (the model first says
-"34 + 58 equals 92." and learns to answer "92")."""
+through the CLI and TRL's GRPOTrainer on the CPU: ten steps of one group of 4 completions on a
+small arithmetic set move its reward (about 90 s on 2 cores). The reward is a user's file: the
+sum, in as few words as possible (the model first says "34 + 58 equals 92." and learns to answer
+"92")."""
 
 import json
 import random
